@@ -1,0 +1,298 @@
+//! The arena: one fixed block of host memory, allocated once at start-up and never grown.
+//!
+//! Invariants:
+//! - The arena's bytes stay mapped (and, on a CUDA backend, page-locked and known to the
+//!   driver) for the arena's whole life; they are released exactly once, in `Drop`.
+//! - `backend()` says truthfully how the memory was obtained and `residency()` whether it is
+//!   pinned for the GPU, merely locked, or ordinary pageable memory; every fallback from what
+//!   was asked is explained in `notes()`.
+//! - Construction never panics: a missing driver, an absent device or a failed call is an
+//!   [`Error`], or (for `backend = auto`) a documented fallback to host memory.
+
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+use crate::cuda::{self, Device};
+use crate::error::{Error, Result};
+use crate::shm::Mapping;
+
+/// How the arena's memory is obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// One `cuMemHostAlloc(PORTABLE)` in the device's primary context.
+    CudaHostAlloc,
+    /// A memfd mapping, pre-faulted in parallel, then `cuMemHostRegister(PORTABLE)`.
+    CudaRegister,
+    /// A memfd mapping, `mlock`ed when the limit allows; no CUDA.
+    Host,
+}
+
+impl Backend {
+    /// The name reported as `pool.backend`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::CudaHostAlloc => "cuda-hostalloc",
+            Backend::CudaRegister => "cuda-register",
+            Backend::Host => "host",
+        }
+    }
+
+    /// Parses a backend name; `"auto"` gives `None` (choose at construction).
+    pub fn parse(name: &str) -> Result<Option<Self>> {
+        match name {
+            "auto" => Ok(None),
+            "cuda-hostalloc" => Ok(Some(Backend::CudaHostAlloc)),
+            "cuda-register" => Ok(Some(Backend::CudaRegister)),
+            "host" => Ok(Some(Backend::Host)),
+            other => Err(Error::Invalid(format!(
+                "unknown backend {other:?}: expected 'auto', 'cuda-register', \
+                 'cuda-hostalloc' or 'host'"
+            ))),
+        }
+    }
+
+    /// The CUDA backend `auto` picks when a device is usable (the faster start-up on the H200,
+    /// see `benchmarks/results/`).
+    pub const CUDA_DEFAULT: Backend = Backend::CudaRegister;
+}
+
+/// Whether the arena's pages can move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Residency {
+    /// Page-locked and registered with the CUDA driver: DMA-able, `is_pinned()` in torch.
+    Pinned,
+    /// `mlock`ed, unknown to CUDA.
+    Locked,
+    /// Ordinary memory.
+    Pageable,
+}
+
+impl Residency {
+    /// The name reported as `pool.memory`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Residency::Pinned => "pinned",
+            Residency::Locked => "locked",
+            Residency::Pageable => "pageable",
+        }
+    }
+}
+
+enum Storage {
+    HostAlloc { ptr: *mut u8, device: Arc<Device> },
+    Registered { map: Mapping, device: Arc<Device> },
+    Host { map: Mapping },
+}
+
+/// One fixed block of host memory.
+pub struct Arena {
+    storage: Storage,
+    len: usize,
+    backend: Backend,
+    residency: Residency,
+    notes: Vec<String>,
+}
+
+// SAFETY: the arena is plain memory plus driver handles (thread-safe); access to its bytes is
+// coordinated by the slot table.
+unsafe impl Send for Arena {}
+// SAFETY: as above.
+unsafe impl Sync for Arena {}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("len", &self.len)
+            .field("backend", &self.backend)
+            .field("residency", &self.residency)
+            .finish()
+    }
+}
+
+impl Arena {
+    /// Allocates `len` bytes. `device = None` means no CUDA; `backend = None` means choose:
+    /// the CUDA default when a device is usable, else host memory (with a note saying why).
+    pub fn new(
+        len: usize,
+        device: Option<usize>,
+        backend: Option<Backend>,
+        threads: usize,
+    ) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::Invalid("the arena needs at least one byte".into()));
+        }
+        let mut notes = Vec::new();
+        let backend = match (backend, device) {
+            (Some(Backend::Host), _) => Backend::Host,
+            (Some(b), None) => {
+                return Err(Error::Invalid(format!(
+                    "backend {:?} needs a CUDA device, but device=None",
+                    b.name()
+                )))
+            }
+            (Some(b), Some(_)) => b,
+            (None, None) => Backend::Host,
+            (None, Some(ordinal)) => match cuda::device_count() {
+                Ok(n) if n > ordinal => Backend::CUDA_DEFAULT,
+                Ok(n) if n > 0 => {
+                    return Err(Error::Invalid(format!(
+                        "device {ordinal} does not exist: this machine has {n} CUDA device(s)"
+                    )))
+                }
+                Ok(_) => {
+                    notes.push("no CUDA device found: using host memory (not pinned)".into());
+                    Backend::Host
+                }
+                Err(e) => {
+                    notes.push(format!("CUDA unavailable ({e}): using host memory (not pinned)"));
+                    Backend::Host
+                }
+            },
+        };
+        match backend {
+            Backend::CudaHostAlloc => {
+                let device = Device::open(device.unwrap_or(0))?;
+                let ptr = device.host_alloc(len)?;
+                Ok(Arena {
+                    storage: Storage::HostAlloc { ptr, device },
+                    len,
+                    backend,
+                    residency: Residency::Pinned,
+                    notes,
+                })
+            }
+            Backend::CudaRegister => {
+                let device = Device::open(device.unwrap_or(0))?;
+                let map = Mapping::memfd("pinpool-arena", len)?;
+                map.populate(threads)?;
+                // SAFETY: `map` stays mapped until the arena drops, where we unregister first.
+                unsafe { device.host_register(map.as_ptr(), len)? };
+                Ok(Arena {
+                    storage: Storage::Registered { map, device },
+                    len,
+                    backend,
+                    residency: Residency::Pinned,
+                    notes,
+                })
+            }
+            Backend::Host => {
+                let map = Mapping::memfd("pinpool-arena", len)?;
+                map.populate(threads)?;
+                let residency = match map.lock() {
+                    Ok(()) => Residency::Locked,
+                    Err(e) => {
+                        notes.push(format!(
+                            "could not lock {len} bytes ({e}; see `ulimit -l`): \
+                             the arena is ordinary pageable memory"
+                        ));
+                        Residency::Pageable
+                    }
+                };
+                Ok(Arena { storage: Storage::Host { map }, len, backend, residency, notes })
+            }
+        }
+    }
+
+    /// The first byte.
+    pub fn base(&self) -> *mut u8 {
+        match &self.storage {
+            Storage::HostAlloc { ptr, .. } => *ptr,
+            Storage::Registered { map, .. } | Storage::Host { map } => map.as_ptr(),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: arenas are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// How the memory was obtained.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Whether it is pinned, locked or pageable.
+    pub fn residency(&self) -> Residency {
+        self.residency
+    }
+
+    /// Why the arena differs from what was asked, if it does.
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    /// The CUDA device, on a CUDA backend.
+    pub fn device(&self) -> Option<&Arc<Device>> {
+        match &self.storage {
+            Storage::HostAlloc { device, .. } | Storage::Registered { device, .. } => Some(device),
+            Storage::Host { .. } => None,
+        }
+    }
+
+    /// The memfd behind the arena, where there is one (so other processes can map it).
+    pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
+        match &self.storage {
+            Storage::Registered { map, .. } | Storage::Host { map } => map.fd(),
+            Storage::HostAlloc { .. } => None,
+        }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        match &self.storage {
+            Storage::HostAlloc { ptr, device } => {
+                // SAFETY: `ptr` came from `host_alloc` and the arena, its only owner, is dying.
+                let _ = unsafe { device.free_host(*ptr) };
+            }
+            Storage::Registered { map, device } => {
+                // SAFETY: registered in `new`; the mapping itself is unmapped afterwards when
+                // `map` drops.
+                let _ = unsafe { device.host_unregister(map.as_ptr()) };
+            }
+            Storage::Host { .. } => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_arena_is_usable_and_reports_itself() {
+        let a = Arena::new(1 << 20, None, None, 2).unwrap();
+        assert_eq!(a.backend(), Backend::Host);
+        assert!(a.memfd().is_some());
+        // SAFETY: test-only write inside the arena.
+        unsafe { a.base().add(a.len() - 1).write(7) };
+        assert_ne!(a.residency(), Residency::Pinned);
+    }
+
+    #[test]
+    fn cuda_backend_without_device_is_an_error_not_a_panic() {
+        let err = Arena::new(4096, None, Some(Backend::CudaRegister), 1).unwrap_err();
+        assert!(matches!(err, Error::Invalid(_)));
+        if cuda::device_count().unwrap_or(0) == 0 {
+            let err = Arena::new(4096, Some(0), Some(Backend::CudaHostAlloc), 1).unwrap_err();
+            assert!(matches!(err, Error::Cuda { .. }), "{err}");
+            let a = Arena::new(4096, Some(0), None, 1).unwrap();
+            assert_eq!(a.backend(), Backend::Host);
+            assert!(!a.notes().is_empty());
+        }
+    }
+
+    #[test]
+    fn parse_backend_names() {
+        assert_eq!(Backend::parse("auto").unwrap(), None);
+        for b in [Backend::CudaHostAlloc, Backend::CudaRegister, Backend::Host] {
+            assert_eq!(Backend::parse(b.name()).unwrap(), Some(b));
+        }
+        assert!(Backend::parse("gpu").is_err());
+    }
+}

@@ -1,0 +1,241 @@
+//! The CUDA driver, reached through cudarc's dynamic loading.
+//!
+//! Invariants:
+//! - `libcuda` is never touched before [`driver_present`] has confirmed it can be loaded, so a
+//!   machine without a GPU or a driver never reaches cudarc's "library not found" panic.
+//! - Every driver call runs inside [`guarded`], which turns a driver error into
+//!   [`Error::Cuda`] carrying the driver's error name, and an unexpected panic inside cudarc
+//!   into the same variant: no panic leaves this module.
+//! - Every call that needs a context first binds the device's *primary* context (the one torch
+//!   uses) to the calling thread, so our pinned memory and events live in torch's context.
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+
+use crate::error::{Error, Result};
+
+/// A raw `CUstream` as an integer: what `torch.cuda.Stream.cuda_stream` returns. 0 is the
+/// legacy default stream.
+pub type StreamHandle = usize;
+
+/// Runs one driver call, converting its error and any panic into [`Error::Cuda`].
+pub fn guarded<T>(
+    call: &'static str,
+    f: impl FnOnce() -> std::result::Result<T, DriverError>,
+) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(driver_error(call, err)),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            Err(Error::Cuda { call, name: format!("PANIC_IN_DRIVER_BINDING: {msg}"), code: 0 })
+        }
+    }
+}
+
+fn driver_error(call: &'static str, err: DriverError) -> Error {
+    let name = catch_unwind(AssertUnwindSafe(|| {
+        err.error_name().map(|n| n.to_string_lossy().into_owned()).ok()
+    }))
+    .ok()
+    .flatten()
+    .unwrap_or_else(|| format!("CUDA_ERROR_{}", err.0 as u32));
+    Error::Cuda { call, name, code: err.0 as u32 }
+}
+
+/// Whether `libcuda.so` can be loaded at all (checked once per process).
+pub fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        catch_unwind(|| {
+            // SAFETY: `is_culib_present` only tries to dlopen the driver library by its
+            // candidate names and drops the handle; it has no other precondition.
+            unsafe { sys::is_culib_present() }
+        })
+        .unwrap_or(false)
+    })
+}
+
+/// The number of CUDA devices, or an error saying why there are none to use.
+pub fn device_count() -> Result<usize> {
+    if !driver_present() {
+        return Err(Error::Cuda {
+            call: "dlopen(libcuda.so)",
+            name: "CUDA_ERROR_NO_DRIVER".into(),
+            code: 0,
+        });
+    }
+    guarded("cuInit", result::init)?;
+    let n = guarded("cuDeviceGetCount", result::device::get_count)?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// One CUDA device, holding a reference on its primary context.
+pub struct Device {
+    ctx: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("ordinal", &self.ordinal()).finish()
+    }
+}
+
+impl Device {
+    /// Retains the primary context of device `ordinal`.
+    pub fn open(ordinal: usize) -> Result<Arc<Self>> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::Cuda {
+                call: "cuDeviceGet",
+                name: "CUDA_ERROR_INVALID_DEVICE".into(),
+                code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as u32,
+            });
+        }
+        let ctx = guarded("cuDevicePrimaryCtxRetain", || CudaContext::new(ordinal))?;
+        Ok(Arc::new(Device { ctx }))
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Makes the primary context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        guarded("cuCtxSetCurrent", || self.ctx.bind_to_thread())
+    }
+
+    /// `cuMemHostAlloc(PORTABLE)`: page-locked, cached (not write-combined) host memory.
+    pub fn host_alloc(&self, len: usize) -> Result<*mut u8> {
+        self.bind()?;
+        guarded("cuMemHostAlloc", || {
+            // SAFETY: a plain allocation call; the returned pointer is owned by the caller,
+            // who frees it with `free_host`.
+            unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
+        })
+        .map(|p| p.cast::<u8>())
+    }
+
+    /// Frees memory from [`Device::host_alloc`].
+    ///
+    /// # Safety
+    /// `ptr` came from `host_alloc` on this device and is not used afterwards.
+    pub unsafe fn free_host(&self, ptr: *mut u8) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `ptr` is a live `cuMemHostAlloc` allocation.
+        guarded("cuMemFreeHost", || unsafe { result::free_host(ptr.cast::<c_void>()) })
+    }
+
+    /// `cuMemHostRegister(PORTABLE)` of an existing mapping.
+    ///
+    /// # Safety
+    /// `[ptr, ptr+len)` is a live mapping that stays mapped until `host_unregister(ptr)`.
+    pub unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        self.bind()?;
+        guarded("cuMemHostRegister", || {
+            // SAFETY: the caller guarantees the range is mapped for the registration's life.
+            unsafe {
+                sys::cuMemHostRegister_v2(
+                    ptr.cast::<c_void>(),
+                    len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+                .result()
+            }
+        })
+    }
+
+    /// Undoes [`Device::host_register`].
+    ///
+    /// # Safety
+    /// `ptr` was registered with `host_register` and no GPU work still reads it.
+    pub unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `ptr` is the base of a registered range.
+        guarded("cuMemHostUnregister", || unsafe {
+            sys::cuMemHostUnregister(ptr.cast::<c_void>()).result()
+        })
+    }
+
+    /// Blocks until all work in the context has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the context is current on this thread (bound just above).
+        guarded("cuCtxSynchronize", || unsafe { sys::cuCtxSynchronize().result() })
+    }
+
+    /// A fresh event without timing (cheaper to record and query).
+    pub fn new_event(self: &Arc<Self>) -> Result<Event> {
+        self.bind()?;
+        let raw = guarded("cuEventCreate", || {
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        })?;
+        Ok(Event { raw, device: Arc::clone(self) })
+    }
+}
+
+/// An owned CUDA event.
+pub struct Event {
+    raw: sys::CUevent,
+    device: Arc<Device>,
+}
+
+// SAFETY: a CUevent is an opaque driver handle; the driver API is thread-safe and the handle
+// may be recorded, queried and destroyed from any thread that binds its context.
+unsafe impl Send for Event {}
+// SAFETY: as above; `&Event` only permits driver calls, which the driver serialises.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Records the event on `stream` (a raw `CUstream`, 0 for the legacy default stream).
+    pub fn record(&self, stream: StreamHandle) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: `raw` is a live event of this context; a bad stream handle is reported by
+        // the driver as an error, which we return.
+        guarded("cuEventRecord", || unsafe {
+            result::event::record(self.raw, stream as sys::CUstream)
+        })
+    }
+
+    /// Whether all work captured by the last record has completed.
+    pub fn is_complete(&self) -> Result<bool> {
+        self.device.bind()?;
+        // SAFETY: `raw` is a live event of this context.
+        match guarded("cuEventQuery", || unsafe { result::event::query(self.raw) }) {
+            Ok(()) => Ok(true),
+            Err(Error::Cuda { code, .. })
+                if code == sys::CUresult::CUDA_ERROR_NOT_READY as u32 =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Blocks until the captured work has completed.
+    pub fn wait(&self) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: `raw` is a live event of this context.
+        guarded("cuEventSynchronize", || unsafe { result::event::synchronize(self.raw) })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: `raw` is live and dropped once; destroying a pending event is allowed
+            // (the driver releases it when the work completes).
+            let _ = guarded("cuEventDestroy", || unsafe { result::event::destroy(self.raw) });
+        }
+    }
+}

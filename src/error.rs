@@ -1,0 +1,69 @@
+//! The one error type of the Rust core.
+//!
+//! Invariants: every fallible operation of the core returns [`Error`]; nothing in the core
+//! panics on bad input or on a failed system or driver call. The PyO3 layer maps each variant
+//! onto one Python exception class (`pinpool.PoolExhausted`, `pinpool.SlotReleased`, ...).
+
+use std::fmt;
+
+/// Everything that can go wrong in pinpool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// No slot became free before the timeout.
+    Exhausted { waited_ms: u64, num_slots: usize },
+    /// The slot was already released (or the checkout it names is stale).
+    SlotReleased { index: usize },
+    /// A batch needs more bytes than one slot holds.
+    BatchTooLarge { needed: usize, slot_bytes: usize },
+    /// A CUDA driver call failed; `name` is the driver's error name (`CUDA_ERROR_...`).
+    Cuda { call: &'static str, name: String, code: u32 },
+    /// A byte range falls outside the memory it names.
+    OutOfRange { what: &'static str, offset: usize, len: usize, size: usize },
+    /// The pool was closed.
+    Closed,
+    /// An operating-system call failed.
+    Os { call: &'static str, errno: i32 },
+    /// An argument makes no sense (zero sizes, unknown backend, ...).
+    Invalid(String),
+}
+
+impl Error {
+    /// The `errno` of the last failed libc call, wrapped.
+    pub fn last_os(call: &'static str) -> Self {
+        Error::Os { call, errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(0) }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Exhausted { waited_ms, num_slots } => write!(
+                f,
+                "no free slot after {waited_ms} ms: all {num_slots} slots are checked out or fenced"
+            ),
+            Error::SlotReleased { index } => {
+                write!(f, "slot {index} was already released; this handle can no longer be used")
+            }
+            Error::BatchTooLarge { needed, slot_bytes } => write!(
+                f,
+                "batch needs {needed} bytes but a slot holds {slot_bytes} bytes; \
+                 build the pool with larger slots"
+            ),
+            Error::Cuda { call, name, code } => write!(f, "{call} failed: {name} ({code})"),
+            Error::OutOfRange { what, offset, len, size } => write!(
+                f,
+                "{what}: range [{offset}, {offset}+{len}) lies outside the {size} bytes available"
+            ),
+            Error::Closed => write!(f, "the pool is closed"),
+            Error::Os { call, errno } => {
+                write!(f, "{call} failed: {}", std::io::Error::from_raw_os_error(*errno))
+            }
+            Error::Invalid(msg) => f.write_str(msg),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Shorthand used across the crate.
+pub type Result<T> = std::result::Result<T, Error>;

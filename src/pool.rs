@@ -1,0 +1,516 @@
+//! The pool: an arena cut into fixed-size, page-aligned slots, handed out and taken back.
+//!
+//! Invariants:
+//! - Slot `i` is the bytes `[i * slot_bytes, (i+1) * slot_bytes)` of the arena; `slot_bytes`
+//!   is a multiple of the page size, so every slot is page-aligned.
+//! - A slot is written or read through this module only while its ticket is live
+//!   ([`SlotTable::is_live`]); every range copied in is checked against the source mapping and
+//!   the slot first, so no copy reads or writes outside either.
+//! - On a CUDA backend a release with a stream goes through the fence tracker; a background
+//!   thread (and any waiting checkout) retires fences as they complete. A slot with a pending
+//!   fence is never handed out.
+//! - The arena outlives every user: tickets are only usable through an `Arc<Pool>`, and
+//!   dropping the last one first waits for pending fences, then frees the arena.
+//! - After [`Pool::close`] no checkout succeeds; slots already out may still be used and
+//!   released.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use crate::arena::{Arena, Backend, Residency};
+use crate::copy::{CopyRange, Copier};
+use crate::cuda::StreamHandle;
+use crate::error::{Error, Result};
+use crate::fence::{CudaFences, FenceTracker, Fences};
+use crate::reclaim::Reclaimer;
+use crate::shm::{check_range, page_size, round_up, Mapping};
+use crate::slots::{Counts, SlotTable, Ticket};
+
+/// What to build.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Bytes per slot (rounded up to a page).
+    pub slot_bytes: usize,
+    /// Number of slots.
+    pub num_slots: usize,
+    /// CUDA device ordinal, or `None` for no CUDA.
+    pub device: Option<usize>,
+    /// Backend, or `None` to choose.
+    pub backend: Option<Backend>,
+    /// Threads for copies and for pre-faulting the arena.
+    pub copy_threads: usize,
+}
+
+impl PoolConfig {
+    /// A config with `num_slots` slots of `slot_bytes`, no CUDA, host backend.
+    pub fn host(slot_bytes: usize, num_slots: usize) -> Self {
+        PoolConfig { slot_bytes, num_slots, device: None, backend: None, copy_threads: 4 }
+    }
+}
+
+/// Counters reported by `pool.stats()`.
+#[derive(Debug, Default)]
+struct Counters {
+    checkouts: AtomicU64,
+    waits: AtomicU64,
+    wait_ns: AtomicU64,
+    releases: AtomicU64,
+    bytes_copied: AtomicU64,
+    copies: AtomicU64,
+    segments_mapped: AtomicU64,
+}
+
+/// A snapshot of the pool's state and counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Slots by state.
+    pub slots: Counts,
+    /// Successful checkouts.
+    pub checkouts: u64,
+    /// Checkouts that had to wait.
+    pub waits: u64,
+    /// Total time spent waiting, in nanoseconds.
+    pub wait_ns: u64,
+    /// Releases.
+    pub releases: u64,
+    /// Bytes copied into slots.
+    pub bytes_copied: u64,
+    /// Copy operations.
+    pub copies: u64,
+    /// Segments mapped.
+    pub segments_mapped: u64,
+    /// Segments unmapped by the reclaimer.
+    pub segments_unmapped: u64,
+    /// Segments waiting for the reclaimer.
+    pub pending_unmaps: u64,
+    /// Fence queries that failed.
+    pub fence_errors: u64,
+}
+
+/// The slot pool.
+pub struct Pool {
+    arena: Arena,
+    slot_bytes: usize,
+    table: SlotTable,
+    fences: Option<FenceTracker>,
+    copier: Copier,
+    reclaimer: Reclaimer,
+    counters: Counters,
+    retirer: Mutex<Option<std::thread::Thread>>,
+    stopping: AtomicBool,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("arena", &self.arena)
+            .field("slot_bytes", &self.slot_bytes)
+            .field("table", &self.table)
+            .finish()
+    }
+}
+
+impl Pool {
+    /// Allocates the arena and starts the background threads.
+    pub fn new(config: &PoolConfig) -> Result<Arc<Self>> {
+        let slot_bytes = Self::checked_slot_bytes(config)?;
+        let arena_len = slot_bytes.checked_mul(config.num_slots).ok_or_else(|| {
+            Error::Invalid("slot_bytes * num_slots overflows the address space".into())
+        })?;
+        let table = SlotTable::new(config.num_slots)?;
+        let arena = Arena::new(arena_len, config.device, config.backend, config.copy_threads)?;
+        let fences = match arena.device() {
+            Some(device) => Some(Box::new(CudaFences::new(device, config.num_slots)?) as _),
+            None => None,
+        };
+        Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)
+    }
+
+    /// A host pool whose releases with a stream are fenced by `fences` (tests, benchmarks).
+    pub fn with_fences(config: &PoolConfig, fences: Box<dyn Fences>) -> Result<Arc<Self>> {
+        let slot_bytes = Self::checked_slot_bytes(config)?;
+        let arena_len = slot_bytes
+            .checked_mul(config.num_slots)
+            .ok_or_else(|| Error::Invalid("slot_bytes * num_slots overflows".into()))?;
+        let table = SlotTable::new(config.num_slots)?;
+        let arena = Arena::new(arena_len, None, Some(Backend::Host), config.copy_threads)?;
+        Self::assemble(arena, slot_bytes, table, Some(fences), config.copy_threads)
+    }
+
+    fn checked_slot_bytes(config: &PoolConfig) -> Result<usize> {
+        if config.slot_bytes == 0 {
+            return Err(Error::Invalid("slot_bytes must be positive".into()));
+        }
+        round_up(config.slot_bytes, page_size())
+            .ok_or_else(|| Error::Invalid("slot_bytes too large".into()))
+    }
+
+    fn assemble(
+        arena: Arena,
+        slot_bytes: usize,
+        table: SlotTable,
+        fences: Option<Box<dyn Fences>>,
+        copy_threads: usize,
+    ) -> Result<Arc<Self>> {
+        let pool = Arc::new(Pool {
+            arena,
+            slot_bytes,
+            table,
+            fences: fences.map(FenceTracker::new),
+            copier: Copier::new(copy_threads)?,
+            reclaimer: Reclaimer::start()?,
+            counters: Counters::default(),
+            retirer: Mutex::new(None),
+            stopping: AtomicBool::new(false),
+        });
+        if pool.fences.is_some() {
+            let weak = Arc::downgrade(&pool);
+            let handle = std::thread::Builder::new()
+                .name("pinpool-fences".into())
+                .spawn(move || retire_loop(weak))
+                .map_err(|e| Error::Invalid(format!("cannot start the fence thread: {e}")))?;
+            *pool.retirer.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle.thread().clone());
+        }
+        Ok(pool)
+    }
+
+    /// Bytes per slot (a multiple of the page size).
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Number of slots.
+    pub fn num_slots(&self) -> usize {
+        self.table.len()
+    }
+
+    /// How the arena was obtained.
+    pub fn backend(&self) -> Backend {
+        self.arena.backend()
+    }
+
+    /// Whether the arena is pinned, locked or pageable.
+    pub fn residency(&self) -> Residency {
+        self.arena.residency()
+    }
+
+    /// The arena (for its memfd, device, notes).
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    /// Threads used for copies.
+    pub fn copy_threads(&self) -> usize {
+        self.copier.threads()
+    }
+
+    /// Takes a free slot without waiting.
+    pub fn try_checkout(&self) -> Result<Option<Ticket>> {
+        if self.table.is_closed() {
+            return Err(Error::Closed);
+        }
+        let mut ticket = self.table.try_checkout();
+        if ticket.is_none() {
+            if let Some(f) = &self.fences {
+                if f.retire_ready(&self.table) > 0 {
+                    ticket = self.table.try_checkout();
+                }
+            }
+        }
+        if ticket.is_some() {
+            self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(ticket)
+    }
+
+    /// Takes a free slot, waiting up to `timeout` (forever with `None`).
+    pub fn checkout(&self, timeout: Option<Duration>) -> Result<Ticket> {
+        if let Some(t) = self.try_checkout()? {
+            return Ok(t);
+        }
+        let start = Instant::now();
+        self.counters.waits.fetch_add(1, Ordering::Relaxed);
+        let result = self.wait_for_slot(start, timeout);
+        let waited = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.counters.wait_ns.fetch_add(waited, Ordering::Relaxed);
+        result
+    }
+
+    fn wait_for_slot(&self, start: Instant, timeout: Option<Duration>) -> Result<Ticket> {
+        loop {
+            if let Some(t) = self.try_checkout()? {
+                return Ok(t);
+            }
+            let nap = match self.fences.as_ref().map(FenceTracker::pending) {
+                Some(n) if n > 0 => Duration::from_micros(100),
+                _ => Duration::from_millis(50),
+            };
+            let nap = match timeout {
+                Some(limit) => {
+                    let elapsed = start.elapsed();
+                    if elapsed >= limit {
+                        return Err(Error::Exhausted {
+                            waited_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+                            num_slots: self.num_slots(),
+                        });
+                    }
+                    nap.min(limit - elapsed)
+                }
+                None => nap,
+            };
+            self.table.wait(nap);
+        }
+    }
+
+    /// Whether `ticket` is a live checkout of this pool.
+    pub fn is_live(&self, ticket: Ticket) -> bool {
+        self.table.is_live(ticket)
+    }
+
+    /// The first byte of the slot `ticket` holds, if the ticket is live.
+    pub fn slot_ptr(&self, ticket: Ticket) -> Result<*mut u8> {
+        if !self.table.is_live(ticket) {
+            return Err(Error::SlotReleased { index: ticket.index as usize });
+        }
+        // SAFETY: index < num_slots (a live ticket names a real slot), so the offset is
+        // inside the arena (arena len = slot_bytes * num_slots).
+        Ok(unsafe { self.arena.base().add(ticket.index as usize * self.slot_bytes) })
+    }
+
+    /// Ends the checkout. With a stream (on a fenced pool) the slot returns once the work
+    /// queued on that stream so far has finished; otherwise at once.
+    pub fn release(&self, ticket: Ticket, stream: Option<StreamHandle>) -> Result<()> {
+        match (&self.fences, stream) {
+            (Some(f), Some(stream)) => {
+                f.release_fenced(&self.table, ticket, stream)?;
+                if let Some(t) = &*self.retirer.lock().unwrap_or_else(|e| e.into_inner()) {
+                    t.unpark();
+                }
+            }
+            _ => self.table.release(ticket, false)?,
+        }
+        self.counters.releases.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Frees every fenced slot whose fence has completed; returns how many.
+    pub fn retire_fences(&self) -> usize {
+        self.fences.as_ref().map_or(0, |f| f.retire_ready(&self.table))
+    }
+
+    /// Copies `ranges` from `src` (offsets relative to the mapping) into the slot of `ticket`
+    /// (offsets relative to the slot). Every range is checked first: a source range outside
+    /// the mapping or a destination outside the slot is an error and nothing is copied.
+    pub fn copy_in(&self, ticket: Ticket, src: &Mapping, ranges: &[CopyRange]) -> Result<usize> {
+        validate_ranges(ranges, src.len(), self.slot_bytes)?;
+        let dst = self.slot_ptr(ticket)?;
+        // SAFETY: every range was checked against the mapping and the slot just above, and
+        // destination ranges are disjoint; the slot is ours while the ticket is live (the
+        // caller holds it), and `src` stays mapped for this call (borrowed).
+        let n = unsafe { self.copier.copy(src.as_ptr(), dst, ranges) };
+        self.counters.bytes_copied.fetch_add(n as u64, Ordering::Relaxed);
+        self.counters.copies.fetch_add(1, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// Maps a shared-memory segment received as `fd`, `len` bytes long.
+    pub fn map_segment(&self, fd: OwnedFd, len: usize, writable: bool) -> Result<Mapping> {
+        let m = Mapping::from_fd(fd, len, writable)?;
+        self.counters.segments_mapped.fetch_add(1, Ordering::Relaxed);
+        Ok(m)
+    }
+
+    /// Hands a segment to the background thread to unmap and close.
+    pub fn retire_segment(&self, mapping: Mapping) {
+        self.reclaimer.retire(mapping);
+    }
+
+    /// Waits until every retired segment is unmapped.
+    pub fn flush_unmaps(&self) {
+        self.reclaimer.flush();
+    }
+
+    /// Stops all further checkouts and wakes every waiter.
+    pub fn close(&self) {
+        self.table.close();
+    }
+
+    /// Whether [`Pool::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.table.is_closed()
+    }
+
+    /// Counters and slot states.
+    pub fn stats(&self) -> Stats {
+        let c = &self.counters;
+        Stats {
+            slots: self.table.counts(),
+            checkouts: c.checkouts.load(Ordering::Relaxed),
+            waits: c.waits.load(Ordering::Relaxed),
+            wait_ns: c.wait_ns.load(Ordering::Relaxed),
+            releases: c.releases.load(Ordering::Relaxed),
+            bytes_copied: c.bytes_copied.load(Ordering::Relaxed),
+            copies: c.copies.load(Ordering::Relaxed),
+            segments_mapped: c.segments_mapped.load(Ordering::Relaxed),
+            segments_unmapped: self.reclaimer.unmapped(),
+            pending_unmaps: self.reclaimer.pending(),
+            fence_errors: self.fences.as_ref().map_or(0, FenceTracker::errors),
+        }
+    }
+}
+
+/// Checks copy ranges: sources inside `src_len`, destinations inside `dst_len`, destinations
+/// pairwise disjoint.
+pub fn validate_ranges(ranges: &[CopyRange], src_len: usize, dst_len: usize) -> Result<()> {
+    let mut dst: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        check_range("source", r.src, r.len, src_len)?;
+        if r.dst.checked_add(r.len).is_none_or(|end| end > dst_len) {
+            return Err(Error::BatchTooLarge { needed: r.dst.saturating_add(r.len), slot_bytes: dst_len });
+        }
+        if r.len > 0 {
+            dst.push((r.dst, r.dst + r.len));
+        }
+    }
+    dst.sort_unstable();
+    if let Some(w) = dst.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(Error::Invalid(format!(
+            "destination ranges overlap: [{}, {}) and [{}, {})",
+            w[0].0, w[0].1, w[1].0, w[1].1
+        )));
+    }
+    Ok(())
+}
+
+fn retire_loop(pool: Weak<Pool>) {
+    const MIN_NAP: Duration = Duration::from_micros(20);
+    const MAX_NAP: Duration = Duration::from_millis(1);
+    let mut nap = MIN_NAP;
+    loop {
+        let pending = {
+            let Some(pool) = pool.upgrade() else { return };
+            if pool.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            let retired = pool.retire_fences();
+            nap = if retired > 0 { MIN_NAP } else { (nap * 2).min(MAX_NAP) };
+            pool.fences.as_ref().map_or(0, FenceTracker::pending)
+        };
+        if pending > 0 {
+            std::thread::park_timeout(nap);
+        } else {
+            nap = MIN_NAP;
+            std::thread::park_timeout(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.stopping.store(true, Ordering::Release);
+        self.table.close();
+        // GPU work may still read fenced slots: keep the arena until it has finished.
+        if let Some(f) = &self.fences {
+            while f.pending() > 0 {
+                if f.retire_ready(&self.table) == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+        }
+        self.reclaimer.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fence::ManualFences;
+
+    #[test]
+    fn slots_are_page_aligned_and_disjoint() {
+        let pool = Pool::new(&PoolConfig::host(1000, 3)).unwrap();
+        assert_eq!(pool.slot_bytes() % page_size(), 0);
+        let a = pool.checkout(None).unwrap();
+        let b = pool.checkout(None).unwrap();
+        let (pa, pb) = (pool.slot_ptr(a).unwrap() as usize, pool.slot_ptr(b).unwrap() as usize);
+        assert_eq!(pa % page_size(), 0);
+        assert!(pa.abs_diff(pb) >= pool.slot_bytes());
+        pool.release(a, None).unwrap();
+        assert!(pool.slot_ptr(a).is_err(), "a released ticket has no memory");
+    }
+
+    #[test]
+    fn checkout_times_out_with_exhausted() {
+        let pool = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
+        let _held = pool.checkout(None).unwrap();
+        let t0 = Instant::now();
+        let err = pool.checkout(Some(Duration::from_millis(30))).unwrap_err();
+        assert!(matches!(err, Error::Exhausted { num_slots: 1, .. }), "{err}");
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        assert_eq!(pool.stats().waits, 1);
+    }
+
+    #[test]
+    fn close_wakes_waiters_and_refuses_checkouts() {
+        let pool = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
+        let held = pool.checkout(None).unwrap();
+        let p2 = Arc::clone(&pool);
+        let waiter = std::thread::spawn(move || p2.checkout(None));
+        std::thread::sleep(Duration::from_millis(20));
+        pool.close();
+        assert_eq!(waiter.join().unwrap(), Err(Error::Closed));
+        // A slot still out can be released after close.
+        pool.release(held, None).unwrap();
+        assert_eq!(pool.try_checkout(), Err(Error::Closed));
+    }
+
+    #[test]
+    fn fenced_release_is_retired_by_the_background_thread() {
+        let fences = Arc::new(ManualFences::new(1));
+        struct Shared(Arc<ManualFences>);
+        impl Fences for Shared {
+            fn record(&self, i: usize, s: StreamHandle) -> Result<()> {
+                self.0.record(i, s)
+            }
+            fn is_complete(&self, i: usize) -> Result<bool> {
+                self.0.is_complete(i)
+            }
+        }
+        let pool =
+            Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(Shared(fences.clone())))
+                .unwrap();
+        let t = pool.checkout(None).unwrap();
+        pool.release(t, Some(5)).unwrap();
+        assert_eq!(pool.try_checkout().unwrap(), None);
+        assert_eq!(pool.stats().slots.fenced, 1);
+        fences.complete(0);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while pool.stats().slots.free == 0 {
+            assert!(Instant::now() < deadline, "the fence thread never retired the slot");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(pool.try_checkout().unwrap().is_some());
+    }
+
+    #[test]
+    fn copy_in_validates_every_range() {
+        let pool = Pool::new(&PoolConfig::host(8192, 1)).unwrap();
+        let src = Mapping::memfd("pinpool-test", 4096).unwrap();
+        let t = pool.checkout(None).unwrap();
+        let ok = [CopyRange { src: 0, dst: 8192 - 4096, len: 4096 }];
+        assert_eq!(pool.copy_in(t, &src, &ok).unwrap(), 4096);
+        let src_oob = [CopyRange { src: 1, dst: 0, len: 4096 }];
+        assert!(matches!(pool.copy_in(t, &src, &src_oob), Err(Error::OutOfRange { .. })));
+        let dst_oob = [CopyRange { src: 0, dst: 8000, len: 4096 }];
+        assert!(matches!(pool.copy_in(t, &src, &dst_oob), Err(Error::BatchTooLarge { .. })));
+        let overlap =
+            [CopyRange { src: 0, dst: 0, len: 100 }, CopyRange { src: 0, dst: 50, len: 100 }];
+        assert!(matches!(pool.copy_in(t, &src, &overlap), Err(Error::Invalid(_))));
+        let huge = [CopyRange { src: usize::MAX, dst: 0, len: 2 }];
+        assert!(pool.copy_in(t, &src, &huge).is_err());
+        pool.release(t, None).unwrap();
+        assert!(matches!(pool.copy_in(t, &src, &ok), Err(Error::SlotReleased { .. })));
+    }
+}
