@@ -62,7 +62,12 @@ impl Copier {
     /// For every range, `[src_base+src, +len)` is readable and `[dst_base+dst, +len)` writable
     /// for the whole call, no destination range overlaps another range (source or
     /// destination), and nothing else writes the destination meanwhile.
-    pub unsafe fn copy(&self, src_base: *const u8, dst_base: *mut u8, ranges: &[CopyRange]) -> usize {
+    pub unsafe fn copy(
+        &self,
+        src_base: *const u8,
+        dst_base: *mut u8,
+        ranges: &[CopyRange],
+    ) -> usize {
         let total: usize = ranges.iter().map(|r| r.len).sum();
         let (src, dst) = (src_base as usize, dst_base as usize);
         if total < PARALLEL_MIN || self.threads == 1 {

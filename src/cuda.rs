@@ -213,9 +213,7 @@ impl Event {
         // SAFETY: `raw` is a live event of this context.
         match guarded("cuEventQuery", || unsafe { result::event::query(self.raw) }) {
             Ok(()) => Ok(true),
-            Err(Error::Cuda { code, .. })
-                if code == sys::CUresult::CUDA_ERROR_NOT_READY as u32 =>
-            {
+            Err(Error::Cuda { code, .. }) if code == sys::CUresult::CUDA_ERROR_NOT_READY as u32 => {
                 Ok(false)
             }
             Err(e) => Err(e),

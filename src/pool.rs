@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::arena::{Arena, Backend, Residency};
-use crate::copy::{CopyRange, Copier};
+use crate::copy::{Copier, CopyRange};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
@@ -100,6 +100,8 @@ pub struct Pool {
     counters: Counters,
     retirer: Mutex<Option<std::thread::Thread>>,
     stopping: AtomicBool,
+    /// Retired segments still borrowed by a copy; handed to the reclaimer once free.
+    lingering: Mutex<Vec<Arc<Mapping>>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -164,6 +166,7 @@ impl Pool {
             counters: Counters::default(),
             retirer: Mutex::new(None),
             stopping: AtomicBool::new(false),
+            lingering: Mutex::new(Vec::new()),
         });
         if pool.fences.is_some() {
             let weak = Arc::downgrade(&pool);
@@ -327,8 +330,33 @@ impl Pool {
         self.reclaimer.retire(mapping);
     }
 
+    /// Retires a segment that copies may still borrow: it goes to the reclaimer as soon as
+    /// no copy holds it (checked here and by [`Pool::reap_lingering`]).
+    pub fn retire_shared_segment(&self, mapping: Arc<Mapping>) {
+        match Arc::try_unwrap(mapping) {
+            Ok(m) => self.reclaimer.retire(m),
+            Err(shared) => self.lingering.lock().unwrap_or_else(|e| e.into_inner()).push(shared),
+        }
+    }
+
+    /// Hands every lingering segment that no copy borrows any more to the reclaimer.
+    pub fn reap_lingering(&self) {
+        let free: Vec<Mapping> = {
+            let mut lingering = self.lingering.lock().unwrap_or_else(|e| e.into_inner());
+            let (free, busy): (Vec<_>, Vec<_>) = std::mem::take(&mut *lingering)
+                .into_iter()
+                .partition(|m| Arc::strong_count(m) == 1);
+            *lingering = busy;
+            free.into_iter().filter_map(|m| Arc::try_unwrap(m).ok()).collect()
+        };
+        for m in free {
+            self.reclaimer.retire(m);
+        }
+    }
+
     /// Waits until every retired segment is unmapped.
     pub fn flush_unmaps(&self) {
+        self.reap_lingering();
         self.reclaimer.flush();
     }
 
@@ -355,7 +383,8 @@ impl Pool {
             copies: c.copies.load(Ordering::Relaxed),
             segments_mapped: c.segments_mapped.load(Ordering::Relaxed),
             segments_unmapped: self.reclaimer.unmapped(),
-            pending_unmaps: self.reclaimer.pending(),
+            pending_unmaps: self.reclaimer.pending()
+                + self.lingering.lock().unwrap_or_else(|e| e.into_inner()).len() as u64,
             fence_errors: self.fences.as_ref().map_or(0, FenceTracker::errors),
         }
     }
@@ -368,7 +397,10 @@ pub fn validate_ranges(ranges: &[CopyRange], src_len: usize, dst_len: usize) -> 
     for r in ranges {
         check_range("source", r.src, r.len, src_len)?;
         if r.dst.checked_add(r.len).is_none_or(|end| end > dst_len) {
-            return Err(Error::BatchTooLarge { needed: r.dst.saturating_add(r.len), slot_bytes: dst_len });
+            return Err(Error::BatchTooLarge {
+                needed: r.dst.saturating_add(r.len),
+                slot_bytes: dst_len,
+            });
         }
         if r.len > 0 {
             dst.push((r.dst, r.dst + r.len));
@@ -417,6 +449,12 @@ impl Drop for Pool {
                 if f.retire_ready(&self.table) == 0 {
                     std::thread::sleep(Duration::from_micros(200));
                 }
+            }
+        }
+        for m in std::mem::take(&mut *self.lingering.lock().unwrap_or_else(|e| e.into_inner())) {
+            // Nothing can borrow a segment once the pool itself is gone: a copy holds the pool.
+            if let Ok(m) = Arc::try_unwrap(m) {
+                self.reclaimer.retire(m);
             }
         }
         self.reclaimer.shutdown();
@@ -478,9 +516,8 @@ mod tests {
                 self.0.is_complete(i)
             }
         }
-        let pool =
-            Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(Shared(fences.clone())))
-                .unwrap();
+        let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(Shared(fences.clone())))
+            .unwrap();
         let t = pool.checkout(None).unwrap();
         pool.release(t, Some(5)).unwrap();
         assert_eq!(pool.try_checkout().unwrap(), None);

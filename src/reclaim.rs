@@ -68,11 +68,7 @@ impl Reclaimer {
                 }
             })
             .map_err(|e| Error::Invalid(format!("cannot start the reclaimer thread: {e}")))?;
-        Ok(Reclaimer {
-            tx: Mutex::new(Some(tx)),
-            thread: Mutex::new(Some(thread)),
-            shared,
-        })
+        Ok(Reclaimer { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)), shared })
     }
 
     /// Hands `mapping` to the background thread to be unmapped and closed.

@@ -121,8 +121,6 @@ pub type SegmentKey = (u64, u32);
 pub struct SegmentCache {
     pool: Arc<Pool>,
     maps: Mutex<HashMap<SegmentKey, Arc<Mapping>>>,
-    /// Retired mappings still borrowed by a copy; unmapped once the copy is done.
-    borrowed: Mutex<Vec<Arc<Mapping>>>,
 }
 
 impl std::fmt::Debug for SegmentCache {
@@ -134,7 +132,12 @@ impl std::fmt::Debug for SegmentCache {
 impl SegmentCache {
     /// An empty cache whose copies go into `pool`'s slots.
     pub fn new(pool: Arc<Pool>) -> Self {
-        SegmentCache { pool, maps: Mutex::new(HashMap::new()), borrowed: Mutex::new(Vec::new()) }
+        SegmentCache { pool, maps: Mutex::new(HashMap::new()) }
+    }
+
+    /// The pool whose slots copies go into.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
     }
 
     fn maps(&self) -> std::sync::MutexGuard<'_, HashMap<SegmentKey, Arc<Mapping>>> {
@@ -183,25 +186,29 @@ impl SegmentCache {
 
     /// Copies `ranges` (source offsets relative to the segment's data area) into the slot of
     /// `ticket`. Every range is validated; the segment stays in flight.
-    pub fn copy_to_slot(&self, key: SegmentKey, ticket: Ticket, ranges: &[CopyRange]) -> Result<usize> {
+    pub fn copy_to_slot(
+        &self,
+        key: SegmentKey,
+        ticket: Ticket,
+        ranges: &[CopyRange],
+    ) -> Result<usize> {
         let map = self.get(key)?;
         let shifted: Vec<CopyRange> = ranges
             .iter()
             .map(|r| {
-                r.src
-                    .checked_add(DATA_OFFSET)
-                    .map(|src| CopyRange { src, ..*r })
-                    .ok_or(Error::OutOfRange {
+                r.src.checked_add(DATA_OFFSET).map(|src| CopyRange { src, ..*r }).ok_or(
+                    Error::OutOfRange {
                         what: "segment data",
                         offset: r.src,
                         len: r.len,
                         size: map.len() - DATA_OFFSET,
-                    })
+                    },
+                )
             })
             .collect::<Result<_>>()?;
         let result = self.pool.copy_in(ticket, &map, &shifted);
         drop(map);
-        self.reap_borrowed();
+        self.pool.reap_lingering();
         result
     }
 
@@ -246,35 +253,14 @@ impl SegmentCache {
     }
 
     fn retire_arc(&self, map: Arc<Mapping>) {
-        match Arc::try_unwrap(map) {
-            Ok(map) => self.pool.retire_segment(map),
-            Err(shared) => self.borrowed.lock().unwrap_or_else(|e| e.into_inner()).push(shared),
-        }
-    }
-
-    fn reap_borrowed(&self) {
-        let ready: Vec<Mapping> = {
-            let mut borrowed = self.borrowed.lock().unwrap_or_else(|e| e.into_inner());
-            let all = std::mem::take(&mut *borrowed);
-            let mut ready = Vec::new();
-            for arc in all {
-                match Arc::try_unwrap(arc) {
-                    Ok(map) => ready.push(map),
-                    Err(arc) => borrowed.push(arc),
-                }
-            }
-            ready
-        };
-        for map in ready {
-            self.pool.retire_segment(map);
-        }
+        self.pool.retire_shared_segment(map);
     }
 }
 
 impl Drop for SegmentCache {
     fn drop(&mut self) {
         self.retire_all(None);
-        self.reap_borrowed();
+        self.pool.reap_lingering();
     }
 }
 
@@ -298,7 +284,8 @@ mod tests {
         unsafe { std::ptr::write_bytes(seg.data_ptr(), 0xAB, 10_000) };
         cache.insert((7, 0), dup(&seg), seg.total_len()).unwrap();
         let t = pool.checkout(None).unwrap();
-        let n = cache.copy_to_slot((7, 0), t, &[CopyRange { src: 0, dst: 64, len: 10_000 }]).unwrap();
+        let n =
+            cache.copy_to_slot((7, 0), t, &[CopyRange { src: 0, dst: 64, len: 10_000 }]).unwrap();
         assert_eq!(n, 10_000);
         // SAFETY: reading inside the slot we hold.
         let slot = unsafe { std::slice::from_raw_parts(pool.slot_ptr(t).unwrap(), 10_064) };

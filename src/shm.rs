@@ -65,7 +65,8 @@ impl Mapping {
         }
         // SAFETY: `raw` is a fresh fd that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let size = libc::off_t::try_from(len).map_err(|_| Error::Invalid("region too large".into()))?;
+        let size =
+            libc::off_t::try_from(len).map_err(|_| Error::Invalid("region too large".into()))?;
         // SAFETY: `fd` is a valid memfd.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
             return Err(Error::last_os("ftruncate"));

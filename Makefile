@@ -1,0 +1,45 @@
+# The two commands a new user needs: `make demo` and `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.deps-installed
+export VIRTUAL_ENV := $(abspath $(VENV))
+
+.PHONY: demo test build lint rust-test py-test bench wheel clean
+
+demo: build
+	$(PY) -m pinpool.bench
+
+test: lint rust-test py-test
+
+$(STAMP): requirements-dev.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+build: $(STAMP)
+	$(VENV)/bin/maturin develop --release -q
+
+lint: build
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features python -- -D warnings
+	$(VENV)/bin/ruff check python tests benchmarks
+	$(VENV)/bin/ruff format --check python tests benchmarks
+	$(PY) -m mypy.stubtest pinpool._native --allowlist stubtest-allowlist.txt
+
+rust-test:
+	cargo test -q
+
+py-test: build
+	$(PY) -m pytest -q
+
+bench:
+	cargo bench --bench checkout
+
+# An abi3 wheel (Python >= 3.11) for the GPU machine: dist/pinpool-*.whl
+wheel: $(STAMP)
+	$(VENV)/bin/maturin build --release -q -o dist
+
+clean:
+	rm -rf $(VENV) target dist

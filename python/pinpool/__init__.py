@@ -1,0 +1,59 @@
+"""pinpool: a fixed arena of CUDA pinned host memory, cut into slots handed out without the GIL.
+
+>>> import pinpool
+>>> pool = pinpool.PinPool(slot_bytes=1 << 20, num_slots=4, device=None)
+>>> with pool.checkout() as slot:
+...     slot.view("uint8", (16,)).fill_(7)
+
+See README.md for the DataLoader and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import _native, _streams
+from ._errors import (
+    BatchTooLarge,
+    CudaError,
+    InvalidArgument,
+    OutOfBounds,
+    PinPoolError,
+    PoolClosed,
+    PoolExhausted,
+    SlotReleased,
+)
+from ._native import PinPool, Segment, Slot, cuda_available, page_size
+
+if TYPE_CHECKING:
+    from .loader import DataLoader
+
+_native._set_stream_hook(_streams.current_stream)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchTooLarge",
+    "CudaError",
+    "DataLoader",
+    "InvalidArgument",
+    "OutOfBounds",
+    "PinPool",
+    "PinPoolError",
+    "PoolClosed",
+    "PoolExhausted",
+    "Segment",
+    "Slot",
+    "SlotReleased",
+    "cuda_available",
+    "page_size",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The DataLoader needs torch; importing pinpool alone must not.
+    if name == "DataLoader":
+        from .loader import DataLoader
+
+        return DataLoader
+    raise AttributeError(f"module 'pinpool' has no attribute {name!r}")

@@ -1,0 +1,149 @@
+//! The PyO3 layer: `pinpool._native`.
+//!
+//! Invariants:
+//! - This layer only converts arguments, results and errors; the logic lives in the core.
+//! - Every entry point runs inside [`guarded`]: a panic anywhere below becomes
+//!   `pinpool.PinPoolError`, never `PanicException`.
+//! - Anything that can block (waiting for a slot, copying, joining threads) runs inside
+//!   `Python::detach`, with the GIL released.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::error::Error;
+
+mod pool;
+mod segment;
+mod slot;
+
+/// Runs `f`, turning a panic into `pinpool.PinPoolError`.
+pub(crate) fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            Python::attach(|py| {
+                Err(to_py(py, Error::Invalid(format!("internal error in pinpool: {msg}"))))
+            })
+        }
+    }
+}
+
+/// Builds the Python exception for a core error (classes live in `pinpool._errors`).
+pub(crate) fn to_py(py: Python<'_>, err: Error) -> PyErr {
+    let msg = err.to_string();
+    let (class, args): (&str, Bound<'_, PyTuple>) = match &err {
+        Error::Exhausted { .. } => ("PoolExhausted", one(py, msg)),
+        Error::SlotReleased { .. } => ("SlotReleased", one(py, msg)),
+        Error::BatchTooLarge { needed, slot_bytes } => (
+            "BatchTooLarge",
+            (msg, *needed, *slot_bytes).into_pyobject(py).unwrap_or_else(|_| PyTuple::empty(py)),
+        ),
+        Error::Cuda { name, code, .. } => (
+            "CudaError",
+            (msg, name.clone(), *code).into_pyobject(py).unwrap_or_else(|_| PyTuple::empty(py)),
+        ),
+        Error::OutOfRange { .. } => ("OutOfBounds", one(py, msg)),
+        Error::Closed => ("PoolClosed", one(py, msg)),
+        Error::Os { .. } => ("PinPoolError", one(py, msg)),
+        Error::Invalid(_) => ("InvalidArgument", one(py, msg)),
+    };
+    let made =
+        py.import("pinpool._errors").and_then(|m| m.getattr(class)).and_then(|cls| cls.call1(args));
+    match made {
+        Ok(instance) => PyErr::from_value(instance),
+        Err(import_failed) => import_failed,
+    }
+}
+
+fn one(py: Python<'_>, msg: String) -> Bound<'_, PyTuple> {
+    PyTuple::new(py, [msg]).unwrap_or_else(|_| PyTuple::empty(py))
+}
+
+/// Extension trait: `result.py(py)?` converts a core error.
+pub(crate) trait IntoPy<T> {
+    fn py(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for crate::error::Result<T> {
+    fn py(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_py(py, e))
+    }
+}
+
+/// The function that says which CUDA stream is current: `hook(device) -> int | None`.
+static STREAM_HOOK: OnceLock<Py<PyAny>> = OnceLock::new();
+
+/// Asks the stream hook for the current stream of `device`; `Ok(None)` when torch's CUDA is
+/// not in use (then no GPU work can be reading a slot).
+pub(crate) fn current_stream(py: Python<'_>, device: usize) -> PyResult<Option<usize>> {
+    let Some(hook) = STREAM_HOOK.get() else { return Ok(None) };
+    let value = hook.bind(py).call1((device,))?;
+    if value.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(value.extract::<usize>()?))
+}
+
+/// Converts a `stream=` argument: None asks the hook; an int is a raw `CUstream`; anything
+/// with a `cuda_stream` attribute (a `torch.cuda.Stream`) gives that.
+pub(crate) fn stream_arg(
+    py: Python<'_>,
+    stream: Option<&Bound<'_, PyAny>>,
+    device: usize,
+) -> PyResult<Option<usize>> {
+    match stream {
+        None => current_stream(py, device),
+        Some(s) if s.is_none() => current_stream(py, device),
+        Some(s) => {
+            let raw = if s.hasattr("cuda_stream")? { s.getattr("cuda_stream")? } else { s.clone() };
+            raw.extract::<usize>().map(Some).map_err(|_| {
+                to_py(
+                    py,
+                    Error::Invalid(
+                        "stream must be a torch.cuda.Stream, a raw CUstream int, or None".into(),
+                    ),
+                )
+            })
+        }
+    }
+}
+
+/// Installs the stream hook (called once by `pinpool/__init__.py`).
+#[pyfunction]
+fn _set_stream_hook(hook: Py<PyAny>) -> bool {
+    STREAM_HOOK.set(hook).is_ok()
+}
+
+/// Whether the CUDA driver can be loaded and reports at least one device.
+#[pyfunction]
+fn cuda_available() -> bool {
+    crate::cuda::device_count().map(|n| n > 0).unwrap_or(false)
+}
+
+/// The system page size.
+#[pyfunction]
+fn page_size() -> usize {
+    crate::shm::page_size()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<pool::PyPinPool>()?;
+    m.add_class::<slot::PySlot>()?;
+    m.add_class::<segment::PySegment>()?;
+    m.add_class::<segment::PyWorkerSegment>()?;
+    m.add_class::<segment::PySegmentCache>()?;
+    m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(page_size, m)?)?;
+    m.add("SEGMENT_DATA_OFFSET", crate::segment::DATA_OFFSET)?;
+    Ok(())
+}

@@ -1,0 +1,334 @@
+//! `pinpool.PinPool`: the Python face of [`crate::pool::Pool`].
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::segment::PySegment;
+use super::slot::PySlot;
+use super::{guarded, to_py, IntoPy};
+use crate::arena::Backend;
+use crate::copy::CopyRange;
+use crate::error::Error;
+use crate::pool::{Pool, PoolConfig, Stats};
+
+/// A fixed arena of (pinned) host memory cut into equal slots.
+#[pyclass(name = "PinPool", module = "pinpool._native", frozen)]
+pub struct PyPinPool {
+    pool: Mutex<Option<Arc<Pool>>>,
+    last_stats: Mutex<Stats>,
+    device: Option<usize>,
+    backend: &'static str,
+    memory: &'static str,
+    slot_bytes: usize,
+    num_slots: usize,
+    copy_threads: usize,
+    notes: Vec<String>,
+}
+
+/// A `device=` argument: an ordinal, a name ("cpu", "cuda", "cuda:N"), or a `torch.device`.
+#[derive(FromPyObject)]
+pub(crate) enum DeviceArg<'py> {
+    Index(i64),
+    Name(String),
+    Object(Bound<'py, PyAny>),
+}
+
+/// Parses `device=`; `None` (and "cpu") mean no CUDA.
+pub(crate) fn parse_device(
+    py: Python<'_>,
+    device: Option<DeviceArg<'_>>,
+) -> PyResult<Option<usize>> {
+    let text = match device {
+        None => return Ok(None),
+        Some(DeviceArg::Index(i)) => {
+            return usize::try_from(i)
+                .map(Some)
+                .map_err(|_| to_py(py, Error::Invalid(format!("device must be >= 0, got {i}"))))
+        }
+        Some(DeviceArg::Name(s)) => s,
+        Some(DeviceArg::Object(o)) => o.str()?.to_string(),
+    };
+    let bad = || to_py(py, Error::Invalid(format!("cannot use device {text:?}")));
+    match text.as_str() {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        other => match other.strip_prefix("cuda:") {
+            Some(n) => n.parse::<usize>().map(Some).map_err(|_| bad()),
+            None => Err(bad()),
+        },
+    }
+}
+
+fn default_copy_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(1, 8)
+}
+
+impl PyPinPool {
+    pub(crate) fn get(&self, py: Python<'_>) -> PyResult<Arc<Pool>> {
+        self.pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| to_py(py, Error::Closed))
+    }
+
+    fn wrap(&self, pool: Arc<Pool>, ticket: crate::slots::Ticket) -> PySlot {
+        PySlot::new(pool, ticket, self.device_for_fences())
+    }
+
+    fn device_for_fences(&self) -> Option<usize> {
+        match self.backend {
+            "host" => None,
+            _ => self.device,
+        }
+    }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("slots_free", s.slots.free)?;
+    d.set_item("slots_checked_out", s.slots.checked_out)?;
+    d.set_item("slots_fenced", s.slots.fenced)?;
+    d.set_item("checkouts", s.checkouts)?;
+    d.set_item("waits", s.waits)?;
+    d.set_item("wait_seconds", s.wait_ns as f64 / 1e9)?;
+    d.set_item("releases", s.releases)?;
+    d.set_item("bytes_copied", s.bytes_copied)?;
+    d.set_item("copies", s.copies)?;
+    d.set_item("segments_mapped", s.segments_mapped)?;
+    d.set_item("segments_unmapped", s.segments_unmapped)?;
+    d.set_item("pending_unmaps", s.pending_unmaps)?;
+    d.set_item("fence_errors", s.fence_errors)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl PyPinPool {
+    #[new]
+    #[pyo3(signature = (slot_bytes, num_slots, device = Some(DeviceArg::Index(0)), backend = "auto", copy_threads = None))]
+    fn new(
+        py: Python<'_>,
+        slot_bytes: usize,
+        num_slots: usize,
+        device: Option<DeviceArg<'_>>,
+        backend: &str,
+        copy_threads: Option<usize>,
+    ) -> PyResult<Self> {
+        guarded(|| {
+            let config = PoolConfig {
+                slot_bytes,
+                num_slots,
+                device: parse_device(py, device)?,
+                backend: Backend::parse(backend).py(py)?,
+                copy_threads: copy_threads.unwrap_or_else(default_copy_threads),
+            };
+            let pool = py.detach(|| Pool::new(&config)).py(py)?;
+            let notes = pool.arena().notes().to_vec();
+            if !notes.is_empty() {
+                let logger = py.import("logging")?.call_method1("getLogger", ("pinpool",))?;
+                for note in &notes {
+                    logger.call_method1("warning", (note.as_str(),))?;
+                }
+            }
+            Ok(PyPinPool {
+                device: pool.arena().device().map(|d| d.ordinal()),
+                backend: pool.backend().name(),
+                memory: pool.residency().name(),
+                slot_bytes: pool.slot_bytes(),
+                num_slots: pool.num_slots(),
+                copy_threads: pool.copy_threads(),
+                notes,
+                last_stats: Mutex::new(Stats::default()),
+                pool: Mutex::new(Some(pool)),
+            })
+        })
+    }
+
+    /// Takes a free slot, waiting (without the GIL) up to `timeout` seconds.
+    #[pyo3(signature = (timeout = None))]
+    fn checkout(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PySlot> {
+        guarded(|| {
+            let pool = self.get(py)?;
+            if let Some(t) = pool.try_checkout().py(py)? {
+                return Ok(self.wrap(pool, t));
+            }
+            let timeout = match timeout {
+                Some(t) if !(t >= 0.0 && t.is_finite()) => {
+                    return Err(to_py(
+                        py,
+                        Error::Invalid(format!("timeout must be a non-negative number, got {t}")),
+                    ))
+                }
+                Some(t) => Some(Duration::from_secs_f64(t)),
+                None => None,
+            };
+            let p = Arc::clone(&pool);
+            let ticket = py.detach(move || p.checkout(timeout)).py(py)?;
+            Ok(self.wrap(pool, ticket))
+        })
+    }
+
+    /// Takes a free slot, or returns None at once if there is none.
+    fn try_checkout(&self, py: Python<'_>) -> PyResult<Option<PySlot>> {
+        guarded(|| {
+            let pool = self.get(py)?;
+            Ok(pool.try_checkout().py(py)?.map(|t| self.wrap(pool, t)))
+        })
+    }
+
+    /// Copies `(src_offset, dst_offset, nbytes)` ranges from `segment` into `slot`, with the
+    /// pool's copy threads and without the GIL. Returns the bytes copied.
+    fn copy_into(
+        &self,
+        py: Python<'_>,
+        slot: &Bound<'_, PySlot>,
+        segment: &Bound<'_, PySegment>,
+        ranges: Vec<(usize, usize, usize)>,
+    ) -> PyResult<usize> {
+        guarded(|| {
+            let pool = self.get(py)?;
+            let ranges: Vec<CopyRange> =
+                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let slot = slot.get();
+            let _pin = slot.pin(py, &pool)?;
+            let ticket = slot.ticket();
+            let map = segment.get().mapping(py)?;
+            py.detach(|| pool.copy_in(ticket, &map, &ranges)).py(py)
+        })
+    }
+
+    /// Maps `nbytes` of the shared-memory file behind `fd` (the fd is duplicated; yours stays
+    /// yours). Closing the returned segment unmaps it on a background thread.
+    fn map_segment(&self, py: Python<'_>, fd: i32, nbytes: usize) -> PyResult<PySegment> {
+        guarded(|| {
+            let pool = self.get(py)?;
+            if fd < 0 {
+                return Err(to_py(py, Error::Invalid(format!("bad file descriptor {fd}"))));
+            }
+            // SAFETY: `fd` is only borrowed for the duplication below; `try_clone_to_owned`
+            // fails cleanly (EBADF) if it is not an open descriptor.
+            let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+            let owned: OwnedFd = borrowed.try_clone_to_owned().map_err(|e| {
+                to_py(py, Error::Os { call: "dup", errno: e.raw_os_error().unwrap_or(0) })
+            })?;
+            let p = Arc::clone(&pool);
+            let map = py.detach(move || p.map_segment(owned, nbytes, false)).py(py)?;
+            Ok(PySegment::new(pool, map))
+        })
+    }
+
+    /// Counters and slot states, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        guarded(|| {
+            let snapshot = match self.get(py) {
+                Ok(pool) => pool.stats(),
+                Err(_) => self.last_stats.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            };
+            stats_dict(py, &snapshot)
+        })
+    }
+
+    /// Waits (without the GIL) until every retired segment has been unmapped.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| {
+            let pool = self.get(py)?;
+            py.detach(|| pool.flush_unmaps());
+            Ok(())
+        })
+    }
+
+    /// Stops new checkouts and wakes waiters (they raise `PoolClosed`). Slots already out stay
+    /// valid; the arena is freed once the last of them is released or collected.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| {
+            let taken = self.pool.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(pool) = taken {
+                pool.close();
+                py.detach(|| pool.flush_unmaps());
+                *self.last_stats.lock().unwrap_or_else(|e| e.into_inner()) = pool.stats();
+                py.detach(move || drop(pool));
+            }
+            Ok(())
+        })
+    }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// `"cuda-register"`, `"cuda-hostalloc"` or `"host"`.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// `"pinned"`, `"locked"` or `"pageable"`.
+    #[getter]
+    fn memory(&self) -> &'static str {
+        self.memory
+    }
+
+    /// Bytes per slot (rounded up to a page).
+    #[getter]
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Number of slots.
+    #[getter]
+    fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    /// The whole arena's size in bytes.
+    #[getter]
+    fn arena_bytes(&self) -> usize {
+        self.slot_bytes * self.num_slots
+    }
+
+    /// CUDA device ordinal, or None on the host backend.
+    #[getter]
+    fn device(&self) -> Option<usize> {
+        self.device
+    }
+
+    /// Threads used for copies.
+    #[getter]
+    fn copy_threads(&self) -> usize {
+        self.copy_threads
+    }
+
+    /// Why the pool differs from what was asked (e.g. no CUDA, memory not locked).
+    #[getter]
+    fn notes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.notes)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PinPool(slot_bytes={}, num_slots={}, backend={:?}, memory={:?}, device={:?}{})",
+            self.slot_bytes,
+            self.num_slots,
+            self.backend,
+            self.memory,
+            self.device,
+            if self.closed() { ", closed" } else { "" }
+        )
+    }
+}

@@ -1,0 +1,241 @@
+//! Shared-memory segments from Python: a mapped segment (`Segment`), a worker's reusable
+//! segment (`WorkerSegment`), and the main process's cache of worker segments
+//! (`SegmentCache`).
+//!
+//! Invariant: no mapping made here is ever unmapped on a thread that holds the GIL; closing or
+//! collecting any of these objects hands its mappings to the pool's reclaimer thread.
+
+use std::ffi::c_int;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use super::pool::PyPinPool;
+use super::slot::PySlot;
+use super::{guarded, to_py, IntoPy};
+use crate::copy::CopyRange;
+use crate::error::Error;
+use crate::pool::Pool;
+use crate::segment::{SegmentCache, WorkerSegment};
+use crate::shm::Mapping;
+
+/// A shared-memory segment mapped read-only by `PinPool.map_segment`.
+#[pyclass(name = "Segment", module = "pinpool._native", frozen)]
+pub struct PySegment {
+    pool: Arc<Pool>,
+    map: Mutex<Option<Arc<Mapping>>>,
+    nbytes: usize,
+}
+
+impl PySegment {
+    pub(crate) fn new(pool: Arc<Pool>, map: Mapping) -> Self {
+        let nbytes = map.len();
+        PySegment { pool, map: Mutex::new(Some(Arc::new(map))), nbytes }
+    }
+
+    pub(crate) fn mapping(&self, py: Python<'_>) -> PyResult<Arc<Mapping>> {
+        self.map
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| to_py(py, Error::Invalid("this segment was closed".into())))
+    }
+
+    fn take(&self) {
+        if let Some(map) = self.map.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            self.pool.retire_shared_segment(map);
+        }
+    }
+}
+
+#[pymethods]
+impl PySegment {
+    /// Bytes mapped.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.map.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
+    /// Hands the mapping to the background thread, which unmaps it and closes its fd.
+    fn close(&self) {
+        self.take();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.take();
+        false
+    }
+}
+
+impl Drop for PySegment {
+    fn drop(&mut self) {
+        self.take();
+    }
+}
+
+/// A worker process's reusable batch segment (a sealed memfd with a small header).
+#[pyclass(name = "WorkerSegment", module = "pinpool._native", frozen)]
+pub struct PyWorkerSegment {
+    seg: WorkerSegment,
+}
+
+#[pymethods]
+impl PyWorkerSegment {
+    #[new]
+    fn new(py: Python<'_>, capacity: usize) -> PyResult<Self> {
+        guarded(|| {
+            Ok(PyWorkerSegment { seg: py.detach(|| WorkerSegment::create(capacity)).py(py)? })
+        })
+    }
+
+    /// Data bytes available.
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.seg.capacity()
+    }
+
+    /// Length of the memfd, header included (what the receiver maps).
+    #[getter]
+    fn total_len(&self) -> usize {
+        self.seg.total_len()
+    }
+
+    /// The memfd (owned by this object).
+    #[getter]
+    fn fd(&self) -> i32 {
+        self.seg.fd().map_or(-1, |fd| fd.as_raw_fd())
+    }
+
+    /// Address of the first data byte.
+    #[getter]
+    fn address(&self) -> usize {
+        self.seg.data_ptr() as usize
+    }
+
+    /// Claims the segment for a new batch; False while the receiver still reads the last one.
+    fn try_claim(&self) -> bool {
+        self.seg.try_claim()
+    }
+
+    /// Gives up a claim without sending the batch.
+    fn unclaim(&self) {
+        self.seg.unclaim()
+    }
+
+    /// Whether the receiver still holds the last batch.
+    #[getter]
+    fn in_flight(&self) -> bool {
+        self.seg.in_flight()
+    }
+
+    /// # Safety
+    /// Called by CPython with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let this = slf.get();
+        let len = isize::try_from(this.seg.capacity())
+            .map_err(|_| PyBufferError::new_err("segment too large for a buffer"))?;
+        // SAFETY: `view` is valid (CPython's contract); the data area is mapped for as long as
+        // this object lives, and `PyBuffer_FillInfo` takes a reference on it.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(view, slf.as_ptr(), this.seg.data_ptr().cast(), len, 0, flags)
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by CPython once per successful `__getbuffer__`.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// The main process's mappings of worker segments, keyed by `(worker_key, segment_id)`.
+#[pyclass(name = "SegmentCache", module = "pinpool._native", frozen)]
+pub struct PySegmentCache {
+    cache: SegmentCache,
+}
+
+#[pymethods]
+impl PySegmentCache {
+    #[new]
+    fn new(py: Python<'_>, pool: &Bound<'_, PyPinPool>) -> PyResult<Self> {
+        Ok(PySegmentCache { cache: SegmentCache::new(pool.get().get(py)?) })
+    }
+
+    /// Maps the segment behind `fd` (taking ownership of the fd, which is closed at once) and
+    /// checks its header.
+    fn insert(&self, py: Python<'_>, key: (u64, u32), fd: i32, total_len: usize) -> PyResult<()> {
+        guarded(|| {
+            if fd < 0 {
+                return Err(to_py(py, Error::Invalid(format!("bad file descriptor {fd}"))));
+            }
+            // SAFETY: the caller hands us ownership of `fd` (documented); it is closed exactly
+            // once, by this OwnedFd.
+            let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+            py.detach(|| self.cache.insert(key, owned, total_len)).py(py)
+        })
+    }
+
+    /// Whether the segment `key` is mapped here.
+    fn __contains__(&self, key: (u64, u32)) -> bool {
+        self.cache.contains(key)
+    }
+
+    fn __len__(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Copies `(src_offset, dst_offset, nbytes)` ranges (source offsets within the segment's
+    /// data area) into `slot`, validating each, without the GIL.
+    fn copy_to_slot(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        slot: &Bound<'_, PySlot>,
+        ranges: Vec<(usize, usize, usize)>,
+    ) -> PyResult<usize> {
+        guarded(|| {
+            let ranges: Vec<CopyRange> =
+                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let slot = slot.get();
+            let _pin = slot.pin(py, self.cache.pool())?;
+            let ticket = slot.ticket();
+            py.detach(|| self.cache.copy_to_slot(key, ticket, &ranges)).py(py)
+        })
+    }
+
+    /// Returns the segment to its worker for reuse.
+    fn release(&self, py: Python<'_>, key: (u64, u32)) -> PyResult<()> {
+        guarded(|| self.cache.release(key).py(py))
+    }
+
+    /// Forgets the segment; it is unmapped on the reclaimer thread. False if unknown.
+    fn retire(&self, key: (u64, u32)) -> bool {
+        self.cache.retire(key)
+    }
+
+    /// Retires every segment of one worker (all with None); returns how many.
+    #[pyo3(signature = (worker = None))]
+    fn retire_all(&self, worker: Option<u64>) -> usize {
+        self.cache.retire_all(worker)
+    }
+}
