@@ -109,7 +109,10 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 #[pymethods]
 impl PyPinPool {
     #[new]
-    #[pyo3(signature = (slot_bytes, num_slots, device = Some(DeviceArg::Index(0)), backend = "auto", copy_threads = None))]
+    #[pyo3(
+        signature = (slot_bytes, num_slots, device = Some(DeviceArg::Index(0)), backend = "auto", copy_threads = None),
+        text_signature = "(slot_bytes, num_slots, device=0, backend='auto', copy_threads=None)"
+    )]
     fn new(
         py: Python<'_>,
         slot_bytes: usize,
