@@ -1,1 +1,180 @@
-fn main() {}
+//! What a checkout + release costs, next to what the allocations a pool saves would cost.
+//!
+//! Groups:
+//! - `checkout+release`: one thread, a host pool (`try_checkout` + `release(None)`);
+//! - `checkout+release, 8 threads`: eight threads contending for one pool, time per operation;
+//! - `malloc+free`: `libc::malloc` + `free` of a slot's size, one byte touched;
+//! - `cuMemHostAlloc+cuMemFreeHost`: the same with pinned memory (needs a CUDA device);
+//! - `checkout+release fenced`: a CUDA pool, released behind an event on stream 0 (needs a
+//!   CUDA device).
+//!
+//! Without a CUDA device the last two groups are skipped with a note. Kept short: the whole
+//! run takes well under two minutes.
+
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use pinpool::cuda::{self, Device};
+use pinpool::{Pool, PoolConfig};
+
+const MIB: usize = 1 << 20;
+/// Slot sizes compared: a small batch, and an awkward large one (past glibc's mmap threshold).
+const SIZES: [(usize, &str); 2] = [(MIB, "1MiB"), (37 * MIB, "37MiB")];
+const THREADS: usize = 8;
+
+/// CUDA device 0, or `None` with a note saying why `group` is skipped.
+fn cuda_device(group: &str) -> Option<Arc<Device>> {
+    let why = match cuda::device_count() {
+        Ok(n) if n > 0 => match Device::open(0) {
+            Ok(d) => return Some(d),
+            Err(e) => format!("CUDA device 0 cannot be opened: {e}"),
+        },
+        Ok(_) => "no CUDA device".to_string(),
+        Err(e) => format!("no CUDA driver: {e}"),
+    };
+    println!("note: skipping {group} ({why})");
+    None
+}
+
+fn uncontended(c: &mut Criterion) {
+    let pool = Pool::new(&PoolConfig::host(MIB, 8)).expect("host pool");
+    let mut g = c.benchmark_group("checkout+release");
+    g.bench_function("1 thread", |b| {
+        b.iter(|| {
+            let t = pool.try_checkout().unwrap().expect("a free slot");
+            pool.release(black_box(t), None).unwrap();
+        })
+    });
+    g.finish();
+}
+
+/// `THREADS` threads each doing `iters` checkout + release; returns the time per operation
+/// (wall time / `THREADS`, so that criterion's per-iteration figure is per operation).
+fn contended_run(pool: &Arc<Pool>, iters: u64, blocking: bool) -> Duration {
+    let start = Arc::new(Barrier::new(THREADS + 1));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (pool, start) = (Arc::clone(pool), Arc::clone(&start));
+            thread::spawn(move || {
+                start.wait();
+                for _ in 0..iters {
+                    let t = if blocking {
+                        pool.checkout(None).unwrap()
+                    } else {
+                        loop {
+                            if let Some(t) = pool.try_checkout().unwrap() {
+                                break t;
+                            }
+                            std::hint::spin_loop();
+                        }
+                    };
+                    pool.release(black_box(t), None).unwrap();
+                }
+            })
+        })
+        .collect();
+    start.wait();
+    let t0 = Instant::now();
+    for w in workers {
+        w.join().unwrap();
+    }
+    t0.elapsed() / THREADS as u32
+}
+
+fn contended(c: &mut Criterion) {
+    let mut g = c.benchmark_group(format!("checkout+release, {THREADS} threads"));
+    // Enough slots that no thread ever waits: only the free list is contended.
+    let roomy = Pool::new(&PoolConfig::host(MIB, 2 * THREADS)).expect("host pool");
+    g.bench_function(format!("{} slots, try_checkout", 2 * THREADS), |b| {
+        b.iter_custom(|iters| contended_run(&roomy, iters, false))
+    });
+    // Fewer slots than threads: checkouts block and releases wake them.
+    let scarce = Pool::new(&PoolConfig::host(MIB, THREADS / 2)).expect("host pool");
+    g.bench_function(format!("{} slots, blocking checkout", THREADS / 2), |b| {
+        b.iter_custom(|iters| contended_run(&scarce, iters, true))
+    });
+    g.finish();
+}
+
+fn malloc_free(c: &mut Criterion) {
+    let mut g = c.benchmark_group("malloc+free");
+    for (size, name) in SIZES {
+        g.bench_with_input(BenchmarkId::from_parameter(name), &size, |b, &size| {
+            b.iter(|| {
+                // SAFETY: malloc has no preconditions; the result is checked for null before
+                // the one write, which lies inside the `size` (> 0) bytes just allocated, and
+                // the pointer is freed exactly once, right after.
+                unsafe {
+                    let p = libc::malloc(black_box(size)).cast::<u8>();
+                    assert!(!p.is_null(), "malloc({size}) failed");
+                    p.write_volatile(1);
+                    libc::free(black_box(p).cast());
+                }
+            })
+        });
+    }
+    g.finish();
+}
+
+fn pinned_alloc(c: &mut Criterion) {
+    const GROUP: &str = "cuMemHostAlloc+cuMemFreeHost";
+    let Some(device) = cuda_device(GROUP) else { return };
+    let mut g = c.benchmark_group(GROUP);
+    for (size, name) in SIZES {
+        g.bench_with_input(BenchmarkId::from_parameter(name), &size, |b, &size| {
+            b.iter(|| {
+                let p = device.host_alloc(black_box(size)).expect("cuMemHostAlloc");
+                // SAFETY: `p` is a live allocation of `size` (> 0) bytes from `host_alloc`, so
+                // the one write lies inside it; it is freed once, on the same device, and not
+                // used afterwards.
+                unsafe {
+                    p.write_volatile(1);
+                    device.free_host(black_box(p)).expect("cuMemFreeHost");
+                }
+            })
+        });
+    }
+    g.finish();
+}
+
+fn fenced_cuda(c: &mut Criterion) {
+    const GROUP: &str = "checkout+release fenced";
+    if cuda_device(GROUP).is_none() {
+        return;
+    }
+    let config = PoolConfig { device: Some(0), ..PoolConfig::host(MIB, 8) };
+    let pool = match Pool::new(&config) {
+        Ok(p) => p,
+        Err(e) => {
+            println!("note: skipping {GROUP} (no CUDA pool: {e})");
+            return;
+        }
+    };
+    let mut g = c.benchmark_group(GROUP);
+    g.bench_function(format!("stream 0, {}", pool.backend().name()), |b| {
+        b.iter(|| {
+            // The event on the legacy default stream completes at once (no work queued), but
+            // the slot comes back only once the pool has seen it complete.
+            let t = pool.checkout(None).unwrap();
+            pool.release(black_box(t), Some(0)).unwrap();
+        })
+    });
+    g.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = uncontended, contended, malloc_free, pinned_alloc, fenced_cuda
+}
+criterion_main!(benches);

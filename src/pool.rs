@@ -318,6 +318,27 @@ impl Pool {
         Ok(n)
     }
 
+    /// Copies `ranges` from `src` into caller-owned memory `[dst, dst + dst_len)` (the
+    /// overflow path: a batch that gets no slot). Ranges are validated as in `copy_in`.
+    ///
+    /// # Safety
+    /// `[dst, dst + dst_len)` is writable, not aliased by `src`, and not accessed by anyone
+    /// else during the call.
+    pub unsafe fn copy_out(
+        &self,
+        src: &Mapping,
+        dst: *mut u8,
+        dst_len: usize,
+        ranges: &[CopyRange],
+    ) -> Result<usize> {
+        validate_ranges(ranges, src.len(), dst_len)?;
+        // SAFETY: ranges validated against both sides; the caller vouches for `dst`.
+        let n = unsafe { self.copier.copy(src.as_ptr(), dst, ranges) };
+        self.counters.bytes_copied.fetch_add(n as u64, Ordering::Relaxed);
+        self.counters.copies.fetch_add(1, Ordering::Relaxed);
+        Ok(n)
+    }
+
     /// Maps a shared-memory segment received as `fd`, `len` bytes long.
     pub fn map_segment(&self, fd: OwnedFd, len: usize, writable: bool) -> Result<Mapping> {
         let m = Mapping::from_fd(fd, len, writable)?;

@@ -9,13 +9,15 @@
 //! | 0      | magic `b"PINPSEG1"`                            |
 //! | 8      | state, `u32`: 0 = free for the worker, 1 = in flight |
 //! | 16     | capacity, `u64`: bytes from `DATA_OFFSET`     |
+//! | 24     | nonce, `u64`: random, names this segment among all others |
 //!
 //! Invariants:
 //! - A worker writes a segment's data only after winning `free -> in flight` on its state
 //!   word; the main process sets it back to free (release ordering) only after it has finished
 //!   copying the data out, so a worker never overwrites a batch still being read.
 //! - The main process trusts nothing in a segment: the mapping is never longer than the file,
-//!   the header's magic and capacity are checked when a segment is first mapped, and every
+//!   the header's magic, capacity and nonce are checked when a segment is first mapped (so a
+//!   recycled fd number can never pass off another segment as this one), and every
 //!   range is checked against the capacity before a copy (see `pool.rs`).
 //! - The main process closes a segment's fd as soon as it is mapped; a mapping leaves the
 //!   cache only to the reclaimer thread, which unmaps it off the GIL.
@@ -44,10 +46,39 @@ fn state_word(map: &Mapping) -> &AtomicU32 {
     unsafe { &*map.as_ptr().add(8).cast::<AtomicU32>() }
 }
 
-fn read_capacity(map: &Mapping) -> u64 {
-    // SAFETY: offset 16..24 lies inside the header page of a mapping of at least DATA_OFFSET
-    // bytes; an unaligned read tolerates any alignment.
-    unsafe { map.as_ptr().add(16).cast::<u64>().read_unaligned() }
+fn read_header_u64(map: &Mapping, offset: usize) -> u64 {
+    debug_assert!(offset + 8 <= 64);
+    // SAFETY: offset + 8 <= 64 lies inside the header page of a mapping of at least
+    // DATA_OFFSET bytes; an unaligned read tolerates any alignment.
+    unsafe { map.as_ptr().add(offset).cast::<u64>().read_unaligned() }
+}
+
+/// A random 64-bit number from the kernel.
+fn random_u64() -> Result<u64> {
+    let mut buf = [0u8; 8];
+    // SAFETY: `buf` is a valid writable buffer of 8 bytes.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n != 8 {
+        return Err(Error::last_os("getrandom"));
+    }
+    Ok(u64::from_ne_bytes(buf))
+}
+
+/// Ranges relative to the data area, made relative to the mapping.
+fn shift_to_data(map: &Mapping, ranges: &[CopyRange]) -> Result<Vec<CopyRange>> {
+    ranges
+        .iter()
+        .map(|r| {
+            r.src.checked_add(DATA_OFFSET).map(|src| CopyRange { src, ..*r }).ok_or(
+                Error::OutOfRange {
+                    what: "segment data",
+                    offset: r.src,
+                    len: r.len,
+                    size: map.len() - DATA_OFFSET,
+                },
+            )
+        })
+        .collect()
 }
 
 /// A worker's segment: creates and writes it.
@@ -55,6 +86,7 @@ fn read_capacity(map: &Mapping) -> u64 {
 pub struct WorkerSegment {
     map: Mapping,
     capacity: usize,
+    nonce: u64,
 }
 
 impl WorkerSegment {
@@ -67,12 +99,19 @@ impl WorkerSegment {
             .ok_or_else(|| Error::Invalid("segment capacity too large".into()))?;
         let map = Mapping::memfd("pinpool-segment", total)?;
         map.populate(1)?;
+        let nonce = random_u64()?;
         // SAFETY: the header lies inside the fresh mapping, which no one else has seen yet.
         unsafe {
             std::ptr::copy_nonoverlapping(MAGIC.as_ptr(), map.as_ptr(), MAGIC.len());
             map.as_ptr().add(16).cast::<u64>().write_unaligned(capacity as u64);
+            map.as_ptr().add(24).cast::<u64>().write_unaligned(nonce);
         }
-        Ok(WorkerSegment { map, capacity })
+        Ok(WorkerSegment { map, capacity, nonce })
+    }
+
+    /// The random number in the header that the receiver checks.
+    pub fn nonce(&self) -> u64 {
+        self.nonce
     }
 
     /// Data bytes available.
@@ -159,9 +198,9 @@ impl SegmentCache {
         self.maps().contains_key(&key)
     }
 
-    /// Maps the segment `key` from `fd` (`total_len` bytes) and checks its header. A segment
-    /// already known under `key` is replaced (the old mapping is retired).
-    pub fn insert(&self, key: SegmentKey, fd: OwnedFd, total_len: usize) -> Result<()> {
+    /// Maps the segment `key` from `fd` (`total_len` bytes) and checks its header against
+    /// `nonce`. A segment already known under `key` is replaced (the old one is retired).
+    pub fn insert(&self, key: SegmentKey, fd: OwnedFd, total_len: usize, nonce: u64) -> Result<()> {
         if total_len <= DATA_OFFSET {
             return Err(Error::Invalid(format!("segment of {total_len} bytes has no data area")));
         }
@@ -169,12 +208,13 @@ impl SegmentCache {
         map.close_fd();
         // SAFETY: the mapping is at least DATA_OFFSET bytes long (checked above).
         let magic = unsafe { std::slice::from_raw_parts(map.as_ptr(), MAGIC.len()) };
-        let capacity = read_capacity(&map);
-        if magic != MAGIC || capacity != (total_len - DATA_OFFSET) as u64 {
+        let capacity = read_header_u64(&map, 16);
+        let found = read_header_u64(&map, 24);
+        if magic != MAGIC || capacity != (total_len - DATA_OFFSET) as u64 || found != nonce {
             self.pool.retire_segment(map);
             return Err(Error::Invalid(format!(
-                "segment {key:?} has a bad header (magic or capacity {capacity} does not match \
-                 {total_len} bytes)"
+                "segment {key:?} has a bad header (magic, capacity {capacity} for {total_len} \
+                 bytes, or nonce {found:#x} where {nonce:#x} was expected)"
             )));
         }
         let old = self.maps().insert(key, Arc::new(map));
@@ -207,6 +247,26 @@ impl SegmentCache {
             })
             .collect::<Result<_>>()?;
         let result = self.pool.copy_in(ticket, &map, &shifted);
+        drop(map);
+        self.pool.reap_lingering();
+        result
+    }
+
+    /// Copies `ranges` (source offsets relative to the data area) into caller-owned memory.
+    ///
+    /// # Safety
+    /// As [`Pool::copy_out`]: `[dst, dst + dst_len)` is writable and exclusively ours.
+    pub unsafe fn copy_to_memory(
+        &self,
+        key: SegmentKey,
+        dst: *mut u8,
+        dst_len: usize,
+        ranges: &[CopyRange],
+    ) -> Result<usize> {
+        let map = self.get(key)?;
+        let shifted = shift_to_data(&map, ranges)?;
+        // SAFETY: forwarded from the caller.
+        let result = unsafe { self.pool.copy_out(&map, dst, dst_len, &shifted) };
         drop(map);
         self.pool.reap_lingering();
         result
@@ -282,7 +342,7 @@ mod tests {
         assert!(!seg.try_claim(), "a segment in flight cannot be claimed again");
         // SAFETY: test writes inside the segment's data area.
         unsafe { std::ptr::write_bytes(seg.data_ptr(), 0xAB, 10_000) };
-        cache.insert((7, 0), dup(&seg), seg.total_len()).unwrap();
+        cache.insert((7, 0), dup(&seg), seg.total_len(), seg.nonce()).unwrap();
         let t = pool.checkout(None).unwrap();
         let n =
             cache.copy_to_slot((7, 0), t, &[CopyRange { src: 0, dst: 64, len: 10_000 }]).unwrap();
@@ -303,12 +363,14 @@ mod tests {
         let cache = SegmentCache::new(Arc::clone(&pool));
         let seg = WorkerSegment::create(4096).unwrap();
         // Claiming a longer file than exists.
-        assert!(cache.insert((1, 1), dup(&seg), seg.total_len() + 4096).is_err());
+        assert!(cache.insert((1, 1), dup(&seg), seg.total_len() + 4096, seg.nonce()).is_err());
+        // The right file under the wrong nonce.
+        assert!(cache.insert((1, 4), dup(&seg), seg.total_len(), seg.nonce() ^ 1).is_err());
         // A plain memfd without our header.
         let plain = Mapping::memfd("pinpool-test", 3 * 4096).unwrap();
         let fd = plain.fd().unwrap().try_clone_to_owned().unwrap();
-        assert!(cache.insert((1, 2), fd, plain.len()).is_err());
-        cache.insert((1, 3), dup(&seg), seg.total_len()).unwrap();
+        assert!(cache.insert((1, 2), fd, plain.len(), 0).is_err());
+        cache.insert((1, 3), dup(&seg), seg.total_len(), seg.nonce()).unwrap();
         let t = pool.checkout(None).unwrap();
         let past_end = [CopyRange { src: 4000, dst: 0, len: 200 }];
         assert!(cache.copy_to_slot((1, 3), t, &past_end).is_err());

@@ -9,6 +9,7 @@ use std::ffi::c_int;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -114,6 +115,12 @@ impl PyWorkerSegment {
         self.seg.total_len()
     }
 
+    /// The random number in the header that the receiver checks.
+    #[getter]
+    fn nonce(&self) -> u64 {
+        self.seg.nonce()
+    }
+
     /// The memfd (owned by this object).
     #[getter]
     fn fd(&self) -> i32 {
@@ -182,8 +189,15 @@ impl PySegmentCache {
     }
 
     /// Maps the segment behind `fd` (taking ownership of the fd, which is closed at once) and
-    /// checks its header.
-    fn insert(&self, py: Python<'_>, key: (u64, u32), fd: i32, total_len: usize) -> PyResult<()> {
+    /// checks its header against `nonce`.
+    fn insert(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        fd: i32,
+        total_len: usize,
+        nonce: u64,
+    ) -> PyResult<()> {
         guarded(|| {
             if fd < 0 {
                 return Err(to_py(py, Error::Invalid(format!("bad file descriptor {fd}"))));
@@ -191,7 +205,7 @@ impl PySegmentCache {
             // SAFETY: the caller hands us ownership of `fd` (documented); it is closed exactly
             // once, by this OwnedFd.
             let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-            py.detach(|| self.cache.insert(key, owned, total_len)).py(py)
+            py.detach(|| self.cache.insert(key, owned, total_len, nonce)).py(py)
         })
     }
 
@@ -220,6 +234,36 @@ impl PySegmentCache {
             let _pin = slot.pin(py, self.cache.pool())?;
             let ticket = slot.ticket();
             py.detach(|| self.cache.copy_to_slot(key, ticket, &ranges)).py(py)
+        })
+    }
+
+    /// Copies `(src_offset, dst_offset, nbytes)` ranges into any writable, C-contiguous
+    /// buffer (a bytearray, a CPU tensor's memory ...), validating each, without the GIL.
+    fn copy_to_buffer(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        buffer: &Bound<'_, PyAny>,
+        ranges: Vec<(usize, usize, usize)>,
+    ) -> PyResult<usize> {
+        guarded(|| {
+            let ranges: Vec<CopyRange> =
+                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let buf = PyBuffer::<u8>::get(buffer)?;
+            if buf.readonly() || !buf.is_c_contiguous() {
+                return Err(to_py(
+                    py,
+                    Error::Invalid("the target buffer must be writable and C-contiguous".into()),
+                ));
+            }
+            let (dst, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+            // SAFETY: `buf` keeps the exporter's memory alive and writable for this call; we
+            // are its only writer while we hold the export (the caller's contract, as for any
+            // buffer-filling function), and the segment mapping cannot alias it.
+            let n = py
+                .detach(|| unsafe { self.cache.copy_to_memory(key, dst as *mut u8, len, &ranges) });
+            drop(buf);
+            n.py(py)
         })
     }
 

@@ -1,0 +1,271 @@
+"""Batches as flat bytes: where each array goes, how to write it, how to view it again.
+
+A *plan* replaces every array leaf of a batch (torch tensor, numpy array, or a stack that
+collation has not run yet) with a :class:`Leaf` marker and gives it an aligned place in one
+flat buffer. The marked tree and the leaf specs are all that travel between processes; the
+arrays travel as bytes in shared memory. Decoding checks every spec before it makes a view,
+so a corrupt description raises :class:`~pinpool.PinPoolError` instead of reading outside
+the slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data._utils import collate as torch_collate
+
+from ._errors import OutOfBounds
+from ._tree import KEEP, map_leaves
+
+#: Every leaf starts on a multiple of this (a cache line; more than any element size).
+ALIGN = 64
+
+_TORCH_DTYPE_NAMES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _TORCH_DTYPE_NAMES if hasattr(torch, name)
+}
+_NUMPY_KINDS = frozenset("biufcmM")
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """Marks where array number ``index`` sits in a batch tree."""
+
+    index: int
+
+
+class LeafSpec(NamedTuple):
+    """Where one array lives in the flat buffer, and what it is."""
+
+    offset: int
+    nbytes: int
+    kind: str  # "torch" or "numpy"
+    dtype: str  # a key of TORCH_DTYPES, or a numpy dtype string such as "<f4"
+    shape: tuple[int, ...]
+    subclass: type | None  # a torch.Tensor subclass to restore, if any
+
+
+class Stack:
+    """A ``torch.stack`` that collation asked for but that has not run yet."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+
+def _plain_torch(t: torch.Tensor) -> bool:
+    return (
+        t.layout == torch.strided
+        and not t.is_nested
+        and t.device.type == "cpu"
+        and not t.requires_grad
+        and str(t.dtype).removeprefix("torch.") in TORCH_DTYPES
+    )
+
+
+def _defer_stack(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+    elem = batch[0]
+    if type(elem) is torch.Tensor and _plain_torch(elem):
+        return Stack(list(batch))
+    return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
+def _deferring_map() -> dict[Any, Any]:
+    table = dict(torch_collate.default_collate_fn_map)
+    table[torch.Tensor] = _defer_stack
+    return table
+
+
+_DEFERRING_MAP = _deferring_map()
+
+
+def default_collate_deferred(samples: Any) -> Any:
+    """``torch.utils.data.default_collate``, except that tensor stacks are left as
+    :class:`Stack` so they can be written straight into shared memory."""
+    return torch_collate.collate(samples, collate_fn_map=_DEFERRING_MAP)
+
+
+def _describe(obj: Any) -> tuple[str, str, tuple[int, ...], int, type | None] | None:
+    """(kind, dtype, shape, itemsize, subclass) of an array leaf, or None if not one."""
+    if isinstance(obj, Stack):
+        first = obj.tensors[0]
+        name = str(first.dtype).removeprefix("torch.")
+        shape = (len(obj.tensors), *first.shape)
+        return "torch", name, shape, first.dtype.itemsize, None
+    if isinstance(obj, torch.Tensor):
+        if not _plain_torch(obj):
+            return None
+        name = str(obj.dtype).removeprefix("torch.")
+        sub = None if type(obj) is torch.Tensor else type(obj)
+        return "torch", name, tuple(obj.shape), obj.dtype.itemsize, sub
+    if isinstance(obj, np.ndarray):
+        dt = obj.dtype
+        if dt.kind not in _NUMPY_KINDS or dt.hasobject or dt.fields is not None:
+            return None
+        return "numpy", dt.str, tuple(obj.shape), dt.itemsize, None
+    return None
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class Plan:
+    """A batch split into a tree of markers and a list of arrays with their places."""
+
+    tree: Any
+    sources: list[Any]
+    specs: list[LeafSpec]
+    nbytes: int  # bytes from 0 to the end of the last leaf
+
+
+def plan(batch: Any) -> Plan:
+    """Finds the array leaves of ``batch`` and lays them out one after another."""
+    sources: list[Any] = []
+    specs: list[LeafSpec] = []
+    end = 0
+
+    def leaf(obj: Any) -> Any:
+        nonlocal end
+        described = _describe(obj)
+        if described is None:
+            return KEEP
+        kind, dtype, shape, itemsize, sub = described
+        nbytes = math.prod(shape) * itemsize
+        offset = align(end)
+        end = offset + nbytes
+        specs.append(LeafSpec(offset, nbytes, kind, dtype, shape, sub))
+        sources.append(obj)
+        return Leaf(len(specs) - 1)
+
+    tree = map_leaves(batch, leaf)
+    return Plan(tree, sources, specs, end)
+
+
+def write(p: Plan, buffer: Any) -> None:
+    """Writes every array of plan ``p`` into ``buffer`` (a writable buffer object, or a flat
+    CPU uint8 tensor)."""
+    if isinstance(buffer, torch.Tensor):
+        buffer = buffer.numpy()
+    mem = memoryview(buffer).cast("B")
+    try:
+        for spec, src in zip(p.specs, p.sources, strict=True):
+            if spec.nbytes == 0:
+                continue
+            chunk = mem[spec.offset : spec.offset + spec.nbytes]
+            if spec.kind == "numpy":
+                dst_np = np.frombuffer(chunk, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
+                np.copyto(dst_np, src, casting="no")
+                continue
+            dtype = TORCH_DTYPES[spec.dtype]
+            dst = torch.frombuffer(chunk, dtype=dtype).view(spec.shape)
+            if isinstance(src, Stack):
+                torch.stack(src.tensors, 0, out=dst)
+            else:
+                dst.copy_(src)
+            del dst, chunk
+    finally:
+        mem.release()
+
+
+def checked_specs(specs: Any, limit: int) -> list[LeafSpec]:
+    """Validates leaf specs received from another process against ``limit`` bytes."""
+    if not isinstance(specs, (list, tuple)):
+        raise OutOfBounds("corrupt batch description: leaf list is not a list")
+    out: list[LeafSpec] = []
+    for raw in specs:
+        try:
+            offset, nbytes, kind, dtype, shape, sub = raw
+            offset, nbytes = int(offset), int(nbytes)
+            shape = tuple(int(d) for d in shape)
+        except (TypeError, ValueError) as exc:
+            raise OutOfBounds(f"corrupt batch description: bad leaf {raw!r}") from exc
+        if kind == "torch":
+            if dtype not in TORCH_DTYPES:
+                raise OutOfBounds(f"corrupt batch description: unknown dtype {dtype!r}")
+            itemsize = TORCH_DTYPES[dtype].itemsize
+            if sub is not None and not (isinstance(sub, type) and issubclass(sub, torch.Tensor)):
+                raise OutOfBounds(f"corrupt batch description: {sub!r} is not a tensor type")
+        elif kind == "numpy":
+            try:
+                ndt = np.dtype(dtype)
+            except TypeError as exc:
+                raise OutOfBounds(f"corrupt batch description: dtype {dtype!r}") from exc
+            if ndt.kind not in _NUMPY_KINDS or ndt.hasobject or ndt.fields is not None:
+                raise OutOfBounds(f"corrupt batch description: dtype {dtype!r}")
+            itemsize = ndt.itemsize
+        else:
+            raise OutOfBounds(f"corrupt batch description: leaf kind {kind!r}")
+        if any(d < 0 for d in shape) or offset < 0 or offset % ALIGN:
+            raise OutOfBounds(f"corrupt batch description: leaf {raw!r}")
+        if nbytes != math.prod(shape) * itemsize or offset + nbytes > limit:
+            raise OutOfBounds(
+                f"corrupt batch description: leaf of {nbytes} bytes at {offset} "
+                f"(shape {shape}) does not fit {limit} bytes"
+            )
+        out.append(LeafSpec(offset, nbytes, kind, dtype, shape, sub))
+    return out
+
+
+def extent(specs: list[LeafSpec]) -> int:
+    """Bytes from 0 to the end of the last leaf."""
+    return max((s.offset + s.nbytes for s in specs), default=0)
+
+
+def leaf_from_bytes(base: torch.Tensor, spec: LeafSpec) -> Any:
+    """The array of ``spec`` viewing ``base`` (a flat uint8 tensor, host or device)."""
+    if spec.kind == "numpy":
+        ndt = np.dtype(spec.dtype)
+        if spec.nbytes == 0:
+            return np.empty(spec.shape, dtype=ndt)
+        raw = base[spec.offset : spec.offset + spec.nbytes]
+        return raw.numpy().view(ndt).reshape(spec.shape)
+    dtype = TORCH_DTYPES[spec.dtype]
+    if spec.nbytes == 0:
+        out = torch.empty(spec.shape, dtype=dtype, device=base.device)
+    else:
+        out = base[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+    return out if spec.subclass is None else out.as_subclass(spec.subclass)
+
+
+def views_for(specs: list[LeafSpec], base: torch.Tensor) -> list[Any]:
+    """One view per spec into ``base``."""
+    return [leaf_from_bytes(base, s) for s in specs]
+
+
+def rebuild(tree: Any, views: list[Any]) -> Any:
+    """The batch of ``tree`` with marker ``i`` replaced by ``views[i]``."""
+
+    def leaf(obj: Any) -> Any:
+        if isinstance(obj, Leaf):
+            if not 0 <= obj.index < len(views):
+                raise OutOfBounds(f"corrupt batch description: leaf {obj.index} does not exist")
+            return views[obj.index]
+        return KEEP
+
+    return map_leaves(tree, leaf)

@@ -1,0 +1,213 @@
+"""The worker side: collate into a reused shared-memory segment and send a small handle.
+
+Each worker process keeps a small ring of segments (sealed memfds, see ``src/segment.rs``).
+A batch goes into a segment the main process has finished with; the handle sent through
+torch's result queue carries only the marked batch tree, the leaf specs and the segment's
+name. The first time a segment is used, the handle also says where the main process can open
+it (``/proc/<worker pid>/fd/<fd>``, checked against a random nonce in the header). Segments
+too small for a batch are retired: the worker drops its mapping and the next handle tells
+the main process to drop its own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _codec
+from ._native import WorkerSegment
+
+#: Headroom when a segment is (re)made, so slowly growing batches do not retire every time.
+_GROWTH = 1.25
+_GRANULE = 2 << 20
+#: How long a worker waits for the main process to free a segment before making another.
+_WAIT_SECONDS = 5.0
+
+
+@dataclass
+class _Ring:
+    """One worker process's segments for one loader."""
+
+    limit: int
+    key: int = field(default_factory=lambda: random.getrandbits(63))
+    segments: dict[int, WorkerSegment] = field(default_factory=dict)
+    announced: set[int] = field(default_factory=set)
+    retired: list[int] = field(default_factory=list)
+    next_id: int = 0
+
+    def acquire(self, nbytes: int) -> tuple[int, WorkerSegment]:
+        """A claimed segment with room for ``nbytes``."""
+        deadline = time.monotonic() + _WAIT_SECONDS
+        while True:
+            for sid, seg in self.segments.items():
+                if seg.capacity >= nbytes and seg.try_claim():
+                    return sid, seg
+            for sid, seg in list(self.segments.items()):
+                if seg.capacity < nbytes and not seg.in_flight:
+                    del self.segments[sid]
+                    self.retired.append(sid)
+            if len(self.segments) < self.limit or time.monotonic() > deadline:
+                return self._create(nbytes)
+            time.sleep(0.0005)
+
+    def _create(self, nbytes: int) -> tuple[int, WorkerSegment]:
+        capacity = -(-int(max(nbytes, 1) * _GROWTH) // _GRANULE) * _GRANULE
+        seg = WorkerSegment(capacity)
+        sid = self.next_id
+        self.next_id += 1
+        self.segments[sid] = seg
+        if not seg.try_claim():  # a fresh segment is always free
+            raise RuntimeError("a new segment could not be claimed")
+        return sid, seg
+
+    def take_retired(self) -> tuple[int, ...]:
+        out = tuple(self.retired)
+        self.retired.clear()
+        return out
+
+
+_RINGS: dict[tuple[int, str], _Ring] = {}
+_RINGS_LOCK = threading.Lock()
+
+
+def ring_for(token: str, limit: int) -> _Ring:
+    """This process's ring for the loader ``token`` (made on first use, per process)."""
+    key = (os.getpid(), token)
+    with _RINGS_LOCK:
+        ring = _RINGS.get(key)
+        if ring is None:
+            ring = _Ring(limit=limit)
+            _RINGS[key] = ring
+        return ring
+
+
+class BatchHandle:
+    """What a worker sends instead of a batch: the tree, the leaf specs, the segment's name.
+
+    torch's pin-memory thread calls :meth:`pin_memory`, which copies the batch into a pinned
+    slot (in the main process, without the GIL) and returns it.
+    """
+
+    __slots__ = (
+        "_error",
+        "_live",
+        "first",
+        "nbytes",
+        "nonce",
+        "origin",
+        "retired",
+        "segment",
+        "specs",
+        "token",
+        "total_len",
+        "tree",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        token: str,
+        worker: int,
+        segment: int,
+        origin: tuple[int, int] | None,
+        total_len: int,
+        nonce: int,
+        retired: tuple[int, ...],
+        p: _codec.Plan,
+    ) -> None:
+        self.token = token
+        self.worker = worker
+        self.segment = segment
+        self.origin = origin
+        self.first = origin is not None
+        self.total_len = total_len
+        self.nonce = nonce
+        self.retired = retired
+        self.tree = p.tree
+        self.specs = [tuple(s) for s in p.specs]
+        self.nbytes = p.nbytes
+        self._live = False
+        self._error: BaseException | None = None
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (
+            self.token,
+            self.worker,
+            self.segment,
+            self.origin,
+            self.total_len,
+            self.nonce,
+            self.retired,
+            self.tree,
+            self.specs,
+            self.nbytes,
+        )
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (
+            self.token,
+            self.worker,
+            self.segment,
+            self.origin,
+            self.total_len,
+            self.nonce,
+            self.retired,
+            self.tree,
+            self.specs,
+            self.nbytes,
+        ) = state
+        self.first = self.origin is not None
+        self._error = None
+        self._live = False
+        # Unpickled in the main process: take hold of the segment now, while its worker is
+        # certainly alive and holding it. Errors surface when the batch is decoded.
+        from .loader import lookup
+
+        try:
+            decoder = lookup(self.token)
+            decoder.receive(self)
+            self._live = True
+        except Exception as exc:
+            self._error = exc
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.worker, self.segment)
+
+    def pin_memory(self) -> Any:
+        from .loader import lookup
+
+        if self._error is not None:
+            raise self._error
+        return lookup(self.token).decode(self)
+
+    def __del__(self) -> None:
+        if getattr(self, "_live", False):
+            from .loader import lookup_or_none
+
+            decoder = lookup_or_none(self.token)
+            if decoder is not None:
+                decoder.discard(self)
+
+
+def encode_in_worker(token: str, limit: int, batch: Any) -> BatchHandle:
+    """Writes ``batch`` into one of this worker's segments and returns its handle."""
+    p = _codec.plan(batch)
+    ring = ring_for(token, limit)
+    sid, seg = ring.acquire(p.nbytes)
+    try:
+        _codec.write(p, seg)
+    except BaseException:
+        seg.unclaim()
+        raise
+    origin = None
+    if sid not in ring.announced:
+        origin = (os.getpid(), seg.fd)
+        ring.announced.add(sid)
+    return BatchHandle(
+        token, ring.key, sid, origin, seg.total_len, seg.nonce, ring.take_retired(), p
+    )

@@ -1,0 +1,502 @@
+"""``pinpool.DataLoader``: torch's DataLoader, with batches landing in pinned arena slots.
+
+How a batch travels (``num_workers > 0``):
+
+1. In the worker, :class:`PinCollate` collates (stacks go straight into shared memory) and
+   writes the batch into a reused segment; torch's result queue carries a small
+   :class:`~pinpool._worker.BatchHandle`.
+2. In the main process the handle is unpickled by torch's pin-memory thread (or, on a
+   machine without an accelerator, by the iterating thread), which calls its
+   ``pin_memory()``: Rust checks out a slot (waiting without the GIL), validates and copies
+   the bytes with several threads, and hands the segment back to its worker. Nothing is
+   unmapped per batch; retired segments are unmapped on the Rust reclaimer thread.
+3. The batch is rebuilt as views into the slot. The slot returns to the pool when the last
+   of them dies, fenced on torch's current stream at that moment. With ``device=``, the pin
+   thread instead copies the slot to the GPU on its own stream, releases the slot behind an
+   event on that stream, and the consumer's stream waits on that event.
+
+Everything else (samplers, worker start-up and shutdown, errors, timeouts, ordering,
+persistent workers) is torch's own machinery, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.data
+from torch.utils.data._utils.collate import default_convert
+
+from . import _codec
+from ._errors import BatchTooLarge, InvalidArgument, PinPoolError, PoolExhausted
+from ._native import SEGMENT_DATA_OFFSET, PinPool, SegmentCache, Slot
+from ._worker import BatchHandle, encode_in_worker
+
+__all__ = ["DataLoader", "PinCollate"]
+
+_DECODERS: weakref.WeakValueDictionary[str, _Decoder] = weakref.WeakValueDictionary()
+
+#: Slots get this much room over the first batch, rounded up to this granule.
+_HEADROOM = 1.25
+_GRANULE = 2 << 20
+
+
+def lookup_or_none(token: str) -> _Decoder | None:
+    return _DECODERS.get(token)
+
+
+def lookup(token: str) -> _Decoder:
+    decoder = _DECODERS.get(token)
+    if decoder is None:
+        raise PinPoolError("this batch belongs to a pinpool.DataLoader that no longer exists")
+    return decoder
+
+
+class _OnDevice:
+    """A batch already copied to the GPU on the copy stream; ``wait()`` hands it over to the
+    consumer's current stream."""
+
+    __slots__ = ("batch", "device", "event", "storage")
+
+    def __init__(self, batch: Any, storage: torch.Tensor, event: Any, device: torch.device):
+        self.batch = batch
+        self.storage = storage
+        self.event = event
+        self.device = device
+
+    def wait(self) -> Any:
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.event)
+        # The device memory was allocated on the copy stream: tell the caching allocator it is
+        # used on the consumer's stream too, so it is not reused before that work is done.
+        self.storage.record_stream(stream)
+        return self.batch
+
+
+class _Local:
+    """A batch collated in the main process (``num_workers=0``), already in a slot."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+    def pin_memory(self) -> Any:
+        return self.batch
+
+
+def _finish(item: Any) -> Any:
+    if isinstance(item, (BatchHandle, _Local)):
+        item = item.pin_memory()
+    if isinstance(item, _OnDevice):
+        item = item.wait()
+    return item
+
+
+class _Decoder:
+    """The main process's side of one loader: the pool, the segment cache, the copy stream."""
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        pool: PinPool | None,
+        slot_bytes: int | None,
+        num_slots: int,
+        pool_device: int | None,
+        device: torch.device | None,
+        copy_threads: int | None,
+        slot_timeout: float | None,
+        overflow: str,
+        oversize: str,
+    ) -> None:
+        self.token = token
+        self._overflow = overflow
+        self._oversize = oversize
+        self.overflow_batches = 0
+        self._lock = threading.Lock()
+        self._own_pool = pool is None
+        self.pool = pool
+        self.cache: SegmentCache | None = None
+        self._slot_bytes = slot_bytes
+        self._num_slots = num_slots
+        self._pool_device = pool_device
+        self.device = device
+        self._copy_threads = copy_threads
+        self._slot_timeout = slot_timeout
+        self.copy_stream = torch.cuda.Stream(device) if device is not None else None
+        self.batches = 0
+        self.bytes = 0
+
+    # -- set-up -------------------------------------------------------------------------
+
+    def _ensure(self, nbytes: int) -> tuple[PinPool, SegmentCache]:
+        with self._lock:
+            if self.pool is None:
+                slot = self._slot_bytes or max(
+                    _GRANULE, -(-int(nbytes * _HEADROOM) // _GRANULE) * _GRANULE
+                )
+                self.pool = PinPool(
+                    slot,
+                    self._num_slots,
+                    device=self._pool_device,
+                    copy_threads=self._copy_threads,
+                )
+            if self.cache is None:
+                self.cache = SegmentCache(self.pool)
+            return self.pool, self.cache
+
+    # -- segments from workers ----------------------------------------------------------
+
+    def receive(self, handle: BatchHandle) -> None:
+        """Takes hold of the handle's segment (mapping it the first time it is seen)."""
+        _, cache = self._ensure(int(handle.nbytes))
+        if handle.first:
+            pid, fd = handle.origin  # type: ignore[misc]
+            own = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
+            cache.insert(handle.key, own, int(handle.total_len), int(handle.nonce))
+        elif handle.key not in cache:
+            raise PinPoolError(f"segment {handle.key} was never received by this process")
+
+    def discard(self, handle: BatchHandle) -> None:
+        """Hands the segment back to its worker and drops what the worker retired."""
+        if not handle._live:
+            return
+        handle._live = False
+        cache = self.cache
+        if cache is None:
+            return
+        try:
+            cache.release(handle.key)
+        except PinPoolError:
+            pass  # already retired with the whole worker
+        for sid in handle.retired:
+            cache.retire((handle.worker, int(sid)))
+
+    def decode(self, handle: BatchHandle) -> Any:
+        """Copies the handle's batch into a slot and returns it rebuilt (or on the device)."""
+        try:
+            pool, cache = self._ensure(int(handle.nbytes))
+            limit = int(handle.total_len) - SEGMENT_DATA_OFFSET
+            specs = _codec.checked_specs(handle.specs, limit)
+            need = _codec.extent(specs)
+            slot = self._checkout(pool, need) if need else None
+            if isinstance(slot, Slot):
+                cache.copy_to_slot(handle.key, slot, [(0, 0, need)])
+            elif slot is not None:
+                cache.copy_to_buffer(handle.key, slot.numpy(), [(0, 0, need)])
+        finally:
+            self.discard(handle)
+        return self._deliver(handle.tree, specs, slot, need)
+
+    # -- num_workers=0 ------------------------------------------------------------------
+
+    def encode_local(self, batch: Any) -> _Local:
+        """Writes a batch collated in this process straight into a slot."""
+        plan = _codec.plan(batch)
+        pool, _ = self._ensure(plan.nbytes)
+        slot = self._checkout(pool, plan.nbytes) if plan.nbytes else None
+        if slot is not None:
+            _codec.write(plan, slot)
+        return _Local(self._deliver(plan.tree, plan.specs, slot, plan.nbytes))
+
+    # -- shared -------------------------------------------------------------------------
+
+    def _checkout(self, pool: PinPool, need: int) -> Slot | torch.Tensor:
+        """A slot for ``need`` bytes, or (by the overflow rules) an ordinary buffer."""
+        if need > pool.slot_bytes:
+            if self._oversize == "copy":
+                return self._overflow_buffer(need)
+            raise BatchTooLarge(
+                f"a batch needs {need} bytes but the pool's slots hold {pool.slot_bytes}; "
+                f"pass slot_bytes= (at least {need}) to pinpool.DataLoader, or "
+                f"oversize='copy' to put such batches in ordinary memory",
+                need,
+                pool.slot_bytes,
+            )
+        deadline = None if self._slot_timeout is None else time.monotonic() + self._slot_timeout
+        while True:
+            slot = pool.try_checkout()
+            if slot is not None:
+                return slot
+            stats = pool.stats()
+            if stats["slots_fenced"] == 0 and self._overflow == "copy":
+                # Every slot is held by a batch the consumer keeps alive: waiting could wait
+                # forever (list(loader) does this). Use ordinary memory for this one.
+                return self._overflow_buffer(need)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise PoolExhausted(
+                    f"no free slot after {self._slot_timeout} s: all {pool.num_slots} slots "
+                    "are held by batches that are still alive; keep fewer batches, or pass "
+                    "num_slots= to pinpool.DataLoader"
+                )
+            try:
+                # Fenced slots come back as the GPU finishes reading them.
+                return pool.checkout(timeout=0.01 if left is None else min(0.01, left))
+            except PoolExhausted:
+                continue
+
+    def _overflow_buffer(self, need: int) -> torch.Tensor:
+        self.overflow_batches += 1
+        if self.overflow_batches == 1:
+            logging.getLogger("pinpool").warning(
+                "a batch did not get a pinned slot and went into ordinary memory; see "
+                "DataLoader(overflow=..., oversize=..., num_slots=..., slot_bytes=...)"
+            )
+        return torch.empty(need, dtype=torch.uint8)
+
+    def _deliver(
+        self, tree: Any, specs: list[_codec.LeafSpec], slot: Slot | torch.Tensor | None, need: int
+    ) -> Any:
+        self.batches += 1
+        self.bytes += need
+        if slot is None:
+            base = torch.empty(0, dtype=torch.uint8)
+            return _codec.rebuild(tree, _codec.views_for(specs, base))
+        if isinstance(slot, Slot):
+            base = torch.frombuffer(slot, dtype=torch.uint8, count=need)
+        else:
+            base, slot = slot, None
+        if self.device is None:
+            # The views hold the slot; it returns to the pool when the last of them dies.
+            del slot
+            return _codec.rebuild(tree, _codec.views_for(specs, base))
+        assert self.copy_stream is not None
+        with torch.cuda.stream(self.copy_stream):
+            storage = base.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        views = []
+        for s in specs:
+            if s.kind == "numpy":  # numpy cannot live on the GPU: keep a host copy
+                views.append(_codec.leaf_from_bytes(base, s).copy())
+            else:
+                views.append(_codec.leaf_from_bytes(storage, s))
+        if slot is not None:
+            slot.release(self.copy_stream)
+        return _OnDevice(_codec.rebuild(tree, views), storage, event, self.device)
+
+    def retire_segments(self) -> None:
+        """Unmaps (on the reclaimer thread) every worker segment known so far."""
+        if self.cache is not None:
+            self.cache.retire_all()
+
+    def close(self) -> None:
+        self.retire_segments()
+        if self.pool is not None:
+            self.pool.flush()
+            if self._own_pool:
+                self.pool.close()
+
+
+class PinCollate:
+    """The ``collate_fn`` pinpool gives torch: collates, then writes the batch into shared
+    memory (in a worker) or straight into a slot (in the main process)."""
+
+    def __init__(
+        self,
+        token: str,
+        collate_fn: Callable[[Any], Any] | None,
+        auto_collation: bool,
+        ring_size: int,
+    ) -> None:
+        self.token = token
+        self.collate_fn = collate_fn
+        self.auto_collation = auto_collation
+        self.ring_size = ring_size
+
+    def __call__(self, data: Any) -> Any:
+        if self.collate_fn is not None:
+            batch = self.collate_fn(data)
+        elif self.auto_collation:
+            batch = _codec.default_collate_deferred(data)
+        else:
+            batch = default_convert(data)
+        if torch.utils.data.get_worker_info() is None:
+            return lookup(self.token).encode_local(batch)
+        return encode_in_worker(self.token, self.ring_size, batch)
+
+
+class _PinnedIter:
+    """Wraps torch's iterator: finishes each batch and cleans up at the end."""
+
+    def __init__(self, loader: DataLoader, inner: Iterator[Any]) -> None:
+        self._loader = loader
+        self._inner = inner
+        self._ended = False
+
+    def __iter__(self) -> _PinnedIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __next__(self) -> Any:
+        try:
+            item = next(self._inner)
+        except StopIteration:
+            self._end()
+            raise
+        return _finish(item)
+
+    def _end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if not self._loader.persistent_workers:
+            shutdown = getattr(self._inner, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._loader._pin_decoder.retire_segments()
+
+    def __del__(self) -> None:
+        try:
+            self._end()
+        except Exception:
+            pass
+
+
+def _cuda_device(device: Any) -> torch.device | None:
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise InvalidArgument(f"device must be None, 'cpu' or a CUDA device, not {device!r}")
+    if not torch.cuda.is_available():
+        raise InvalidArgument(f"device={device!r} was asked for, but torch sees no CUDA device")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A drop-in ``torch.utils.data.DataLoader`` whose batches land in pinned arena slots.
+
+    Takes torch's arguments (``pin_memory`` is implied and ignored), plus:
+
+    - ``device``: None (default) yields pinned CPU batches, views into slots; a CUDA device
+      yields batches already on it, safe to use on the consumer's current stream.
+    - ``pool``: an existing :class:`~pinpool.PinPool` to use (default: one made at the first
+      batch, with ``slot_bytes`` (default: the first batch's size plus 25%, rounded up to
+      2 MiB) and ``num_slots`` (default: batches in flight plus 4)).
+    - ``copy_threads``: threads copying batches into slots (default: up to 8).
+    - ``overflow``: what happens to a batch when every slot is held by a batch the consumer
+      keeps alive (``list(loader)`` does that): ``"copy"`` (default) puts it in ordinary,
+      unpinned memory, counted in ``stats()["overflow_batches"]``; ``"wait"`` waits up to
+      ``slot_timeout`` seconds (None: forever) for one to die, then raises
+      :class:`~pinpool.PoolExhausted`. Slots still fenced by GPU work are always waited for.
+    - ``oversize``: a batch larger than a slot raises :class:`~pinpool.BatchTooLarge` naming
+      both sizes (``"error"``, default), or goes into ordinary memory (``"copy"``).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = True,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        pool: PinPool | None = None,
+        slot_bytes: int | None = None,
+        num_slots: int | None = None,
+        device: Any = None,
+        copy_threads: int | None = None,
+        slot_timeout: float | None = 60.0,
+        overflow: str = "copy",
+        oversize: str = "error",
+    ) -> None:
+        del pin_memory, pin_memory_device  # always pinned, on the pool's device
+        if overflow not in ("copy", "wait"):
+            raise InvalidArgument(f"overflow must be 'copy' or 'wait', not {overflow!r}")
+        if oversize not in ("copy", "error"):
+            raise InvalidArgument(f"oversize must be 'copy' or 'error', not {oversize!r}")
+        out_device = _cuda_device(device)
+        if pool is not None:
+            pool_device = pool.device
+        elif out_device is not None:
+            pool_device = out_device.index
+        elif torch.cuda.is_available():
+            pool_device = torch.cuda.current_device()
+        else:
+            pool_device = None
+        in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
+        token = uuid.uuid4().hex
+        decoder = _Decoder(
+            token,
+            pool=pool,
+            slot_bytes=slot_bytes,
+            num_slots=num_slots if num_slots is not None else in_flight + 4,
+            pool_device=pool_device,
+            device=out_device,
+            copy_threads=copy_threads,
+            slot_timeout=slot_timeout,
+            overflow=overflow,
+            oversize=oversize,
+        )
+        collate = PinCollate(
+            token,
+            collate_fn,
+            auto_collation=batch_size is not None or batch_sampler is not None,
+            ring_size=(prefetch_factor or 2) + 2,
+        )
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate,
+            pin_memory=torch.accelerator.is_available(),
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            in_order=in_order,
+        )
+        self._pin_decoder = decoder
+        _DECODERS[token] = decoder
+        weakref.finalize(self, decoder.close)
+
+    def __iter__(self) -> _PinnedIter:  # type: ignore[override]
+        return _PinnedIter(self, super().__iter__())
+
+    @property
+    def pool(self) -> PinPool | None:
+        """The pool batches land in (None until the first batch when it is made lazily)."""
+        return self._pin_decoder.pool
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's counters plus the loader's own (``batches``, ``bytes``,
+        ``overflow_batches``, ``segments_cached``)."""
+        decoder = self._pin_decoder
+        out: dict[str, Any] = decoder.pool.stats() if decoder.pool is not None else {}
+        out["batches"] = decoder.batches
+        out["bytes"] = decoder.bytes
+        out["overflow_batches"] = decoder.overflow_batches
+        out["segments_cached"] = len(decoder.cache) if decoder.cache is not None else 0
+        return out
