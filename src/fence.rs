@@ -26,6 +26,16 @@ pub trait Fences: Send + Sync {
     fn is_complete(&self, index: usize) -> Result<bool>;
 }
 
+impl<F: Fences + ?Sized> Fences for Arc<F> {
+    fn record(&self, index: usize, stream: StreamHandle) -> Result<()> {
+        (**self).record(index, stream)
+    }
+
+    fn is_complete(&self, index: usize) -> Result<bool> {
+        (**self).is_complete(index)
+    }
+}
+
 /// CUDA events, one per slot, in the device's primary context.
 pub struct CudaFences {
     events: Vec<Event>,
@@ -152,17 +162,8 @@ mod tests {
     use super::*;
 
     fn setup(n: usize) -> (SlotTable, FenceTracker, Arc<ManualFences>) {
-        struct Shared(Arc<ManualFences>);
-        impl Fences for Shared {
-            fn record(&self, i: usize, s: StreamHandle) -> Result<()> {
-                self.0.record(i, s)
-            }
-            fn is_complete(&self, i: usize) -> Result<bool> {
-                self.0.is_complete(i)
-            }
-        }
         let manual = Arc::new(ManualFences::new(n));
-        let tracker = FenceTracker::new(Box::new(Shared(Arc::clone(&manual))));
+        let tracker = FenceTracker::new(Box::new(Arc::clone(&manual)));
         (SlotTable::new(n).unwrap(), tracker, manual)
     }
 

@@ -10,10 +10,12 @@
 //!   thread (and any waiting checkout) retires fences as they complete. A slot with a pending
 //!   fence is never handed out.
 //! - The arena outlives every user: tickets are only usable through an `Arc<Pool>`, and
-//!   dropping the last one first waits for pending fences, then frees the arena.
+//!   dropping the last one first waits for pending fences, then frees the arena (or, if a
+//!   fence has not completed after 30 s, leaks it rather than free memory the GPU may read).
 //! - After [`Pool::close`] no checkout succeeds; slots already out may still be used and
 //!   released.
 
+use std::mem::ManuallyDrop;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -91,7 +93,8 @@ pub struct Stats {
 
 /// The slot pool.
 pub struct Pool {
-    arena: Arena,
+    /// Dropped by hand in `Drop`, and only once no GPU work can still read it.
+    arena: ManuallyDrop<Arena>,
     slot_bytes: usize,
     table: SlotTable,
     fences: Option<FenceTracker>,
@@ -157,7 +160,7 @@ impl Pool {
         copy_threads: usize,
     ) -> Result<Arc<Self>> {
         let pool = Arc::new(Pool {
-            arena,
+            arena: ManuallyDrop::new(arena),
             slot_bytes,
             table,
             fences: fences.map(FenceTracker::new),
@@ -222,7 +225,12 @@ impl Pool {
                 }
             }
         }
-        if ticket.is_some() {
+        if let Some(t) = ticket {
+            if self.table.is_closed() {
+                // Closed while we took it: give it back, so no checkout outlives `close()`.
+                let _ = self.table.release(t, false);
+                return Err(Error::Closed);
+            }
             self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
         }
         Ok(ticket)
@@ -464,9 +472,17 @@ impl Drop for Pool {
     fn drop(&mut self) {
         self.stopping.store(true, Ordering::Release);
         self.table.close();
-        // GPU work may still read fenced slots: keep the arena until it has finished.
+        // GPU work may still read fenced slots: keep the arena until it has finished. A fence
+        // that never completes (a hung stream) would make this wait forever; after a bound we
+        // leak the arena instead, which is safe, where freeing it would not be.
+        let deadline = Instant::now() + DROP_FENCE_WAIT;
+        let mut fenced_forever = false;
         if let Some(f) = &self.fences {
             while f.pending() > 0 {
+                if Instant::now() > deadline {
+                    fenced_forever = true;
+                    break;
+                }
                 if f.retire_ready(&self.table) == 0 {
                     std::thread::sleep(Duration::from_micros(200));
                 }
@@ -479,8 +495,16 @@ impl Drop for Pool {
             }
         }
         self.reclaimer.shutdown();
+        if !fenced_forever {
+            // SAFETY: dropped exactly once, here; no fence is pending, and no ticket can be
+            // used any more (tickets are used through an `Arc<Pool>`, and this is its drop).
+            unsafe { ManuallyDrop::drop(&mut self.arena) };
+        }
     }
 }
+
+/// How long dropping a pool waits for pending fences before leaking the arena instead.
+const DROP_FENCE_WAIT: Duration = Duration::from_secs(30);
 
 #[cfg(test)]
 mod tests {

@@ -6,7 +6,7 @@
 //! - A slot's index is in the free queue exactly when the slot is `Free`; the queue has room
 //!   for every slot, so a push never fails.
 //! - A checkout moves `Free -> CheckedOut` and bumps the generation; the [`Ticket`] it returns
-//!   (index + generation) names that one checkout. Every later transition compares the whole
+//!   (table id + index + generation) names that one checkout; another table refuses it. Every later transition compares the whole
 //!   word, so a second release, or a release through a stale ticket, is refused with
 //!   [`Error::SlotReleased`] and can never put an index in the free queue twice.
 //! - `Fenced -> Free` happens only through [`SlotTable::complete_fence`], which the pool calls
@@ -15,7 +15,7 @@
 //! - Waiting never misses a wake-up: a pusher that sees a waiter notifies under the lock the
 //!   waiter holds while it re-checks the queue, and every wait is bounded by a timeout anyway.
 
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -23,9 +23,11 @@ use crossbeam_queue::ArrayQueue;
 
 use crate::error::{Error, Result};
 
-/// Names one checkout of one slot.
+/// Names one checkout of one slot of one table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Ticket {
+    /// The table (pool) that issued it: a ticket is refused by every other table.
+    pub table: u32,
     /// The slot's position in the arena.
     pub index: u32,
     /// Which checkout of that slot this is.
@@ -71,8 +73,11 @@ pub struct Counts {
     pub fenced: usize,
 }
 
+static NEXT_TABLE_ID: AtomicU32 = AtomicU32::new(1);
+
 /// The states of `n` slots and their free list.
 pub struct SlotTable {
+    id: u32,
     words: Box<[AtomicU64]>,
     free: ArrayQueue<u32>,
     waiters: AtomicUsize,
@@ -99,6 +104,7 @@ impl SlotTable {
             let _ = free.push(i as u32);
         }
         Ok(SlotTable {
+            id: NEXT_TABLE_ID.fetch_add(1, Ordering::Relaxed),
             words: (0..n).map(|_| AtomicU64::new(word(0, FREE))).collect(),
             free,
             waiters: AtomicUsize::new(0),
@@ -111,6 +117,11 @@ impl SlotTable {
     /// Number of slots.
     pub fn len(&self) -> usize {
         self.words.len()
+    }
+
+    /// This table's id, carried by every ticket it issues.
+    pub fn id(&self) -> u32 {
+        self.id
     }
 
     /// Always false: a table has at least one slot.
@@ -135,7 +146,7 @@ impl SlotTable {
                 .compare_exchange(current, word(next, OUT), Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                return Some(Ticket { index, generation: next });
+                return Some(Ticket { table: self.id, index, generation: next });
             }
         }
     }
@@ -150,7 +161,8 @@ impl SlotTable {
 
     /// Whether `ticket` names the slot's current, unreleased checkout.
     pub fn is_live(&self, ticket: Ticket) -> bool {
-        self.state(ticket.index as usize) == Some((State::CheckedOut, ticket.generation))
+        ticket.table == self.id
+            && self.state(ticket.index as usize) == Some((State::CheckedOut, ticket.generation))
     }
 
     /// Ends the checkout `ticket`. With `fenced`, the slot waits in `Fenced` until
@@ -205,6 +217,7 @@ impl SlotTable {
     fn cell(&self, ticket: Ticket) -> Result<&AtomicU64> {
         self.words
             .get(ticket.index as usize)
+            .filter(|_| ticket.table == self.id)
             .ok_or(Error::SlotReleased { index: ticket.index as usize })
     }
 
@@ -293,9 +306,14 @@ mod tests {
     #[test]
     fn bad_index_is_refused() {
         let t = SlotTable::new(1).unwrap();
-        let bogus = Ticket { index: 9, generation: 1 };
+        let bogus = Ticket { table: t.id(), index: 9, generation: 1 };
         assert!(t.release(bogus, false).is_err());
         assert!(!t.complete_fence(bogus));
+        let other = SlotTable::new(1).unwrap();
+        let foreign = other.try_checkout().unwrap();
+        assert!(t.release(foreign, false).is_err(), "a ticket of another table is refused");
+        assert!(!t.is_live(foreign));
+        assert!(other.is_live(foreign));
         assert!(SlotTable::new(0).is_err());
     }
 }

@@ -121,6 +121,8 @@ enum Slot {
 
 /// What the test expects of the table, the tracker and the fences.
 struct Model {
+    /// The id of the table under test.
+    table: u32,
     /// State of each slot.
     slots: Vec<Slot>,
     /// Generation of each slot's latest checkout (0 before the first).
@@ -140,8 +142,9 @@ struct Model {
 }
 
 impl Model {
-    fn new(n: usize) -> Self {
+    fn new(n: usize, table: u32) -> Self {
         Model {
+            table,
             slots: vec![Slot::Free; n],
             generation: vec![0; n],
             done: vec![true; n],
@@ -200,11 +203,15 @@ impl Model {
             }
             Pick::LastReleased => self.last_released,
             Pick::Forged(k, past_end) => Some(if past_end {
-                Ticket { index: n.saturating_add(k % 1000), generation: k }
+                Ticket { table: self.table, index: n.saturating_add(k % 1000), generation: k }
             } else {
                 let index = k % n;
                 // A generation the slot has not reached yet.
-                Ticket { index, generation: self.generation[index as usize].wrapping_add(1) }
+                Ticket {
+                    table: self.table,
+                    index,
+                    generation: self.generation[index as usize].wrapping_add(1),
+                }
             }),
         }
     }
@@ -249,14 +256,9 @@ impl Harness {
             fail_record: Arc::clone(&fail_record),
             fail_query: Arc::clone(&fail_query),
         }));
-        Harness {
-            table: SlotTable::new(n).unwrap(),
-            tracker,
-            manual,
-            fail_record,
-            fail_query,
-            model: Model::new(n),
-        }
+        let table = SlotTable::new(n).unwrap();
+        let model = Model::new(n, table.id());
+        Harness { table, tracker, manual, fail_record, fail_query, model }
     }
 
     /// Checks a ticket the table just handed out against the model, and records it.
