@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +23,6 @@ from ._native import WorkerSegment
 #: Headroom when a segment is (re)made, so slowly growing batches do not retire every time.
 _GROWTH = 1.25
 _GRANULE = 2 << 20
-#: How long a worker waits for the main process to free a segment before making another.
-_WAIT_SECONDS = 5.0
 
 
 @dataclass
@@ -40,19 +37,24 @@ class _Ring:
     next_id: int = 0
 
     def acquire(self, nbytes: int) -> tuple[int, WorkerSegment]:
-        """A claimed segment with room for ``nbytes``."""
-        deadline = time.monotonic() + _WAIT_SECONDS
-        while True:
-            for sid, seg in self.segments.items():
-                if seg.capacity >= nbytes and seg.try_claim():
-                    return sid, seg
-            for sid, seg in list(self.segments.items()):
-                if seg.capacity < nbytes and not seg.in_flight:
-                    del self.segments[sid]
-                    self.retired.append(sid)
-            if len(self.segments) < self.limit or time.monotonic() > deadline:
-                return self._create(nbytes)
-            time.sleep(0.0005)
+        """A claimed segment with room for ``nbytes``: a free one, else a new one.
+
+        torch keeps at most ``prefetch_factor`` batches of one worker in flight, so a ring of
+        ``prefetch_factor + 2`` segments normally suffices; more are made only while the main
+        process holds handles it has not decoded yet (it is shutting down, say). A worker
+        never waits here, so it always gets back to torch's loop and its shutdown signals.
+        """
+        for sid, seg in self.segments.items():
+            if seg.capacity >= nbytes and seg.try_claim():
+                return sid, seg
+        # Free segments that are too small, or beyond the ring's size, are retired.
+        idle = [sid for sid, seg in self.segments.items() if not seg.in_flight]
+        for sid in idle:
+            seg = self.segments[sid]
+            if seg.capacity < nbytes or len(self.segments) >= self.limit:
+                del self.segments[sid]
+                self.retired.append(sid)
+        return self._create(nbytes)
 
     def _create(self, nbytes: int) -> tuple[int, WorkerSegment]:
         capacity = -(-int(max(nbytes, 1) * _GROWTH) // _GRANULE) * _GRANULE
