@@ -107,6 +107,7 @@ class BatchHandle:
         "token",
         "total_len",
         "tree",
+        "unused",
         "worker",
     )
 
@@ -120,6 +121,7 @@ class BatchHandle:
         nonce: int,
         retired: tuple[int, ...],
         p: _codec.Plan,
+        unused: tuple[int, int, int] | None = None,
     ) -> None:
         self.token = token
         self.worker = worker
@@ -132,6 +134,7 @@ class BatchHandle:
         self.tree = p.tree
         self.specs = [tuple(s) for s in p.specs]
         self.nbytes = p.nbytes
+        self.unused = unused  # (index, generation, nonce) of a zero-copy slot not used
         self._live = False
         self._error: BaseException | None = None
 
@@ -147,6 +150,7 @@ class BatchHandle:
             self.tree,
             self.specs,
             self.nbytes,
+            self.unused,
         )
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
@@ -161,6 +165,7 @@ class BatchHandle:
             self.tree,
             self.specs,
             self.nbytes,
+            self.unused,
         ) = state
         self.first = self.origin is not None
         self._error = None
@@ -196,9 +201,17 @@ class BatchHandle:
                 decoder.discard(self)
 
 
-def encode_in_worker(token: str, limit: int, batch: Any) -> BatchHandle:
-    """Writes ``batch`` into one of this worker's segments and returns its handle."""
-    p = _codec.plan(batch)
+def encode_in_worker(
+    token: str,
+    limit: int,
+    batch: Any,
+    p: _codec.Plan | None = None,
+    unused: tuple[int, int, int] | None = None,
+) -> BatchHandle:
+    """Writes ``batch`` (planned as ``p``, if given) into one of this worker's segments and
+    returns its handle; ``unused`` names a zero-copy slot the main process should take back."""
+    if p is None:
+        p = _codec.plan(batch)
     ring = ring_for(token, limit)
     sid, seg = ring.acquire(p.nbytes)
     try:
@@ -211,5 +224,5 @@ def encode_in_worker(token: str, limit: int, batch: Any) -> BatchHandle:
         origin = (os.getpid(), seg.fd)
         ring.announced.add(sid)
     return BatchHandle(
-        token, ring.key, sid, origin, seg.total_len, seg.nonce, ring.take_retired(), p
+        token, ring.key, sid, origin, seg.total_len, seg.nonce, ring.take_retired(), p, unused
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from . import _codec
 from ._errors import BatchTooLarge, InvalidArgument, PinPoolError, PoolExhausted
 from ._native import SEGMENT_DATA_OFFSET, PinPool, SegmentCache, Slot
 from ._worker import BatchHandle, encode_in_worker
+from ._zerocopy import SlotHandle, SlotTicket, TicketDataset, TicketSampler, write_into_slot
 
 __all__ = ["DataLoader", "PinCollate"]
 
@@ -93,7 +95,7 @@ class _Local:
 
 
 def _finish(item: Any) -> Any:
-    if isinstance(item, (BatchHandle, _Local)):
+    if isinstance(item, (BatchHandle, SlotHandle, _Local)):
         item = item.pin_memory()
     if isinstance(item, _OnDevice):
         item = item.wait()
@@ -116,11 +118,18 @@ class _Decoder:
         slot_timeout: float | None,
         overflow: str,
         oversize: str,
+        zero_copy: bool,
     ) -> None:
         self.token = token
         self._overflow = overflow
         self._oversize = oversize
         self.overflow_batches = 0
+        self.zero_copy = zero_copy
+        self.zero_copy_batches = 0
+        self.zero_copy_fallbacks = 0
+        # Slots handed to workers with batch indices: (index, generation) -> (slot, nonce).
+        self._assigned: dict[tuple[int, int], tuple[Slot, int]] = {}
+        self.iterator: weakref.ref[Any] | None = None
         self._lock = threading.Lock()
         self._own_pool = pool is None
         self.pool = pool
@@ -179,6 +188,9 @@ class _Decoder:
             pass  # already retired with the whole worker
         for sid in handle.retired:
             cache.retire((handle.worker, int(sid)))
+        if handle.unused is not None:
+            index, generation, nonce = handle.unused
+            self.unassign((int(index), int(generation)), int(nonce))
 
     def decode(self, handle: BatchHandle) -> Any:
         """Copies the handle's batch into a slot and returns it rebuilt (or on the device)."""
@@ -194,6 +206,62 @@ class _Decoder:
                 cache.copy_to_buffer(handle.key, slot.numpy(), [(0, 0, need)])
         finally:
             self.discard(handle)
+        return self._deliver(handle.tree, specs, slot, need)
+
+    # -- zero-copy: slots handed out with the indices -----------------------------------
+
+    def assign(self) -> SlotTicket | None:
+        """Checks out a slot for a batch about to be dispatched (never waits: this runs on
+        the consumer's thread). None sends the batch through copy mode."""
+        pool = self.pool
+        arena_fd = pool.arena_fd if pool is not None else None
+        slot = pool.try_checkout() if arena_fd is not None else None  # type: ignore[union-attr]
+        if slot is None or pool is None or arena_fd is None:
+            self.zero_copy_fallbacks += 1
+            return None
+        nonce = random.getrandbits(63)
+        with self._lock:
+            self._assigned[(slot.index, slot.generation)] = (slot, nonce)
+        return SlotTicket(
+            slot.index,
+            slot.generation,
+            nonce,
+            slot.index * pool.slot_bytes,
+            pool.slot_bytes,
+            os.getpid(),
+            arena_fd,
+            pool.arena_bytes,
+        )
+
+    def unassign(self, key: tuple[int, int], nonce: int) -> None:
+        """Takes back a slot handed out for a batch that will not arrive in it."""
+        with self._lock:
+            entry = self._assigned.get(key)
+            if entry is not None and entry[1] == nonce:
+                del self._assigned[key]
+
+    def drop_assignments(self) -> None:
+        """Takes back every handed-out slot (only once no worker can write any more)."""
+        with self._lock:
+            self._assigned.clear()
+
+    def decode_slot(self, handle: SlotHandle) -> Any:
+        """A batch a worker wrote into the slot it was given: check it, view it."""
+        handle._live = False
+        with self._lock:
+            entry = self._assigned.get(handle.key)
+            if entry is None or entry[1] != handle.nonce:
+                raise PinPoolError(
+                    f"a batch claims slot {handle.key}, which was not handed out for it"
+                )
+            del self._assigned[handle.key]
+        slot = entry[0]
+        specs = _codec.checked_specs(handle.specs, slot.nbytes)
+        need = _codec.extent(specs)
+        self.zero_copy_batches += 1
+        if need == 0:
+            slot.release()
+            return self._deliver(handle.tree, specs, None, 0)
         return self._deliver(handle.tree, specs, slot, need)
 
     # -- num_workers=0 ------------------------------------------------------------------
@@ -290,6 +358,11 @@ class _Decoder:
             self.cache.retire_all()
 
     def close(self) -> None:
+        inner = self.iterator() if self.iterator is not None else None
+        shutdown = getattr(inner, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()  # no worker may write into a slot we take back below
+        self.drop_assignments()
         self.retire_segments()
         if self.pool is not None:
             self.pool.flush()
@@ -314,6 +387,7 @@ class PinCollate:
         self.ring_size = ring_size
 
     def __call__(self, data: Any) -> Any:
+        ticket = getattr(data, "ticket", None)
         if self.collate_fn is not None:
             batch = self.collate_fn(data)
         elif self.auto_collation:
@@ -322,7 +396,13 @@ class PinCollate:
             batch = default_convert(data)
         if torch.utils.data.get_worker_info() is None:
             return lookup(self.token).encode_local(batch)
-        return encode_in_worker(self.token, self.ring_size, batch)
+        if ticket is None:
+            return encode_in_worker(self.token, self.ring_size, batch)
+        plan = _codec.plan(batch)
+        if plan.nbytes <= ticket.nbytes:
+            return write_into_slot(self.token, ticket, plan)
+        unused = (ticket.index, ticket.generation, ticket.nonce)
+        return encode_in_worker(self.token, self.ring_size, batch, plan, unused)
 
 
 class _PinnedIter:
@@ -332,6 +412,7 @@ class _PinnedIter:
         self._loader = loader
         self._inner = inner
         self._ended = False
+        loader._pin_decoder.iterator = weakref.ref(inner)
 
     def __iter__(self) -> _PinnedIter:
         return self
@@ -355,6 +436,7 @@ class _PinnedIter:
             shutdown = getattr(self._inner, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
+            self._loader._pin_decoder.drop_assignments()
             self._loader._pin_decoder.retire_segments()
 
     def __del__(self) -> None:
@@ -395,6 +477,12 @@ class DataLoader(torch.utils.data.DataLoader):
       :class:`~pinpool.PoolExhausted`. Slots still fenced by GPU work are always waited for.
     - ``oversize``: a batch larger than a slot raises :class:`~pinpool.BatchTooLarge` naming
       both sizes (``"error"``, default), or goes into ordinary memory (``"copy"``).
+    - ``zero_copy``: workers write batches straight into arena slots handed out with the
+      indices (map-style datasets with batching and ``num_workers > 0``; the pool must be a
+      memfd: ``cuda-register`` or ``host``). The first batch, batches that find no free slot
+      when dispatched and batches too large for a slot go through copy mode, counted in
+      ``stats()["zero_copy_fallbacks"]``. ``loader.dataset`` is then a thin wrapper whose
+      ``.dataset`` is yours.
     """
 
     def __init__(
@@ -425,6 +513,7 @@ class DataLoader(torch.utils.data.DataLoader):
         slot_timeout: float | None = 60.0,
         overflow: str = "copy",
         oversize: str = "error",
+        zero_copy: bool = False,
     ) -> None:
         del pin_memory, pin_memory_device  # always pinned, on the pool's device
         if overflow not in ("copy", "wait"):
@@ -453,11 +542,21 @@ class DataLoader(torch.utils.data.DataLoader):
             slot_timeout=slot_timeout,
             overflow=overflow,
             oversize=oversize,
+            zero_copy=zero_copy,
         )
+        auto_collation = batch_size is not None or batch_sampler is not None
+        self._pin_tickets = (
+            zero_copy
+            and auto_collation
+            and num_workers > 0
+            and not isinstance(dataset, torch.utils.data.IterableDataset)
+        )
+        if self._pin_tickets:
+            dataset = TicketDataset(dataset)
         collate = PinCollate(
             token,
             collate_fn,
-            auto_collation=batch_size is not None or batch_sampler is not None,
+            auto_collation=auto_collation,
             ring_size=(prefetch_factor or 2) + 2,
         )
         super().__init__(
@@ -480,10 +579,21 @@ class DataLoader(torch.utils.data.DataLoader):
         )
         self._pin_decoder = decoder
         _DECODERS[token] = decoder
+        if slot_bytes is not None or pool is not None:
+            decoder._ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
         weakref.finalize(self, decoder.close)
 
     def __iter__(self) -> _PinnedIter:  # type: ignore[override]
         return _PinnedIter(self, super().__iter__())
+
+    @property
+    def _index_sampler(self) -> Any:
+        # torch reads this when it starts an epoch; in zero-copy mode every index list it
+        # hands a worker carries a slot.
+        base = super()._index_sampler
+        if getattr(self, "_pin_tickets", False):
+            return TicketSampler(base, self._pin_decoder.assign)
+        return base
 
     @property
     def pool(self) -> PinPool | None:
@@ -498,5 +608,7 @@ class DataLoader(torch.utils.data.DataLoader):
         out["batches"] = decoder.batches
         out["bytes"] = decoder.bytes
         out["overflow_batches"] = decoder.overflow_batches
+        out["zero_copy_batches"] = decoder.zero_copy_batches
+        out["zero_copy_fallbacks"] = decoder.zero_copy_fallbacks
         out["segments_cached"] = len(decoder.cache) if decoder.cache is not None else 0
         return out

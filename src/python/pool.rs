@@ -1,6 +1,6 @@
 //! `pinpool.PinPool`: the Python face of [`crate::pool::Pool`].
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -303,6 +303,14 @@ impl PyPinPool {
     #[getter]
     fn arena_bytes(&self) -> usize {
         self.slot_bytes * self.num_slots
+    }
+
+    /// The memfd behind the arena (None for `cuda-hostalloc`, or once closed): worker
+    /// processes map it to write batches straight into slots.
+    #[getter]
+    fn arena_fd(&self) -> Option<i32> {
+        let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
+        pool.arena().memfd().map(|fd| fd.as_raw_fd())
     }
 
     /// CUDA device ordinal, or None on the host backend.

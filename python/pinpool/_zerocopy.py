@@ -1,0 +1,189 @@
+"""Zero-copy mode: workers collate straight into the pinned arena.
+
+The arena is a memfd (``cuda-register`` or ``host`` backend). When torch asks the sampler for
+the next batch's indices, :class:`TicketSampler` checks a slot out (without waiting: the
+asking thread is the consumer) and tags the index list with a :class:`SlotTicket`: the slot's
+place in the arena and a random nonce. :class:`TicketDataset` carries the ticket from the
+indices to the samples, so the worker's collate sees it; the worker maps the arena (opening
+the main process's memfd through ``/proc``), writes the batch into that slot, and sends a
+:class:`SlotHandle`: the marked tree, the leaf specs, and the ticket. The main process checks
+that the ticket is one it handed out (index, generation and nonce) and that every leaf lies
+inside that slot, then builds views: no copy, no segment, nothing to unmap.
+
+A batch with no ticket (no free slot at dispatch, or the pool not made yet) or too large for
+its slot goes through copy mode instead; the unused ticket's slot is returned.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import Any, NamedTuple
+
+import torch.utils.data
+
+from . import _codec
+
+
+class SlotTicket(NamedTuple):
+    """A slot handed to the worker that will collate one batch."""
+
+    index: int
+    generation: int
+    nonce: int
+    offset: int  # of the slot in the arena, bytes
+    nbytes: int  # slot size
+    arena_pid: int  # the process whose arena fd this is
+    arena_fd: int
+    arena_len: int
+
+
+class TaggedIndices(list):  # type: ignore[type-arg]
+    """A batch's indices, with the slot its batch should land in (or None)."""
+
+    ticket: SlotTicket | None
+
+    def __init__(self, indices: Any, ticket: SlotTicket | None) -> None:
+        super().__init__(indices)
+        self.ticket = ticket
+
+
+class TaggedSamples(list):  # type: ignore[type-arg]
+    """A batch's samples, with the slot from their indices."""
+
+    ticket: SlotTicket | None
+
+    def __init__(self, samples: Any, ticket: SlotTicket | None) -> None:
+        super().__init__(samples)
+        self.ticket = ticket
+
+
+class TicketSampler:
+    """Wraps torch's batch sampler: tags each index list with a freshly checked-out slot."""
+
+    def __init__(self, base: Any, assign: Any) -> None:
+        self.base = base
+        self.assign = assign
+
+    def __iter__(self) -> Any:
+        for indices in self.base:
+            yield TaggedIndices(indices, self.assign())
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+class TicketDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Wraps a map-style dataset so the ticket on the indices reaches collate."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __getitems__(self, indices: Any) -> TaggedSamples:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(list(indices)) if getitems else [self.dataset[i] for i in indices]
+        return TaggedSamples(samples, getattr(indices, "ticket", None))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+# -- worker side -----------------------------------------------------------------------------
+
+_ARENAS: dict[tuple[int, int, int, int], mmap.mmap] = {}
+_ARENAS_LOCK = threading.Lock()
+
+
+def _arena(ticket: SlotTicket) -> mmap.mmap:
+    """This worker's mapping of the main process's arena."""
+    key = (os.getpid(), ticket.arena_pid, ticket.arena_fd, ticket.arena_len)
+    with _ARENAS_LOCK:
+        mapped = _ARENAS.get(key)
+        if mapped is None:
+            fd = os.open(f"/proc/{ticket.arena_pid}/fd/{ticket.arena_fd}", os.O_RDWR | os.O_CLOEXEC)
+            try:
+                if os.fstat(fd).st_size != ticket.arena_len:
+                    raise RuntimeError("the arena behind the ticket has an unexpected size")
+                mapped = mmap.mmap(fd, ticket.arena_len, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            _ARENAS[key] = mapped
+        return mapped
+
+
+class SlotHandle:
+    """What a worker sends after writing a batch into its slot."""
+
+    __slots__ = ("_live", "generation", "index", "nbytes", "nonce", "specs", "token", "tree")
+
+    def __init__(self, token: str, ticket: SlotTicket, p: _codec.Plan) -> None:
+        self.token = token
+        self.index = ticket.index
+        self.generation = ticket.generation
+        self.nonce = ticket.nonce
+        self.tree = p.tree
+        self.specs = [tuple(s) for s in p.specs]
+        self.nbytes = p.nbytes
+        self._live = False
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (
+            self.token,
+            self.index,
+            self.generation,
+            self.nonce,
+            self.tree,
+            self.specs,
+            self.nbytes,
+        )
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (
+            self.token,
+            self.index,
+            self.generation,
+            self.nonce,
+            self.tree,
+            self.specs,
+            self.nbytes,
+        ) = state
+        self._live = True  # unpickled in the main process: it names an assigned slot
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.index, self.generation)
+
+    def pin_memory(self) -> Any:
+        from .loader import lookup
+
+        return lookup(self.token).decode_slot(self)
+
+    def __del__(self) -> None:
+        if getattr(self, "_live", False):
+            from .loader import lookup_or_none
+
+            decoder = lookup_or_none(self.token)
+            if decoder is not None:
+                decoder.unassign(self.key, self.nonce)
+
+
+def write_into_slot(token: str, ticket: SlotTicket, p: _codec.Plan) -> SlotHandle:
+    """Writes the planned batch into the ticket's slot of the shared arena."""
+    arena = _arena(ticket)
+    whole = memoryview(arena)
+    try:
+        region = whole[ticket.offset : ticket.offset + ticket.nbytes]
+        _codec.write(p, region)
+        region.release()
+    finally:
+        whole.release()
+    return SlotHandle(token, ticket, p)
