@@ -1,0 +1,443 @@
+"""CUDA behaviour: pinned slots, asynchronous copies, and fences that keep a slot out of the
+pool until the GPU has finished reading it.
+
+Every test here is marked ``cuda`` and is skipped (by ``conftest.py``) unless both pinpool and
+torch see a GPU. Nothing at import time touches CUDA, so the module imports cleanly without
+one. Long GPU work is simulated with ``torch.cuda._sleep`` (a spin of N clock cycles),
+calibrated once per module with CUDA events.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import pinpool  # noqa: E402
+from pinpool import CudaError, InvalidArgument  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+MiB = 1 << 20
+LONG_KERNEL_S = 0.3  # how long the "slow GPU work" ahead of a copy runs
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Iterator[torch.device]:
+    """Initialises torch's CUDA (so pinpool's stream hook sees a current stream)."""
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # creates the primary context
+    torch.cuda.synchronize()
+    yield torch.device("cuda", 0)
+    torch.cuda.synchronize()
+
+
+@pytest.fixture(scope="module")
+def cycles_per_ms(gpu: torch.device) -> float:
+    """GPU clock cycles per millisecond, for ``torch.cuda._sleep``.
+
+    The highest rate seen is kept, so a sleep computed from it lasts at least as long as asked
+    even if the clock later runs faster than during the calibration.
+    """
+    torch.cuda._sleep(1000)  # load the kernel
+    torch.cuda.synchronize()
+    best = 0.0
+    cycles = 20_000_000
+    for _ in range(3):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        best = max(best, cycles / max(start.elapsed_time(end), 1e-3))
+    return best
+
+
+@pytest.fixture
+def gpu_sleep(cycles_per_ms: float) -> Callable[[float], None]:
+    """Enqueues a kernel that spins for about ``seconds`` on the current stream."""
+
+    def sleep(seconds: float) -> None:
+        torch.cuda._sleep(int(seconds * 1000 * cycles_per_ms))
+
+    return sleep
+
+
+@pytest.fixture
+def cuda_pool(gpu: torch.device) -> Iterator[Callable[..., pinpool.PinPool]]:
+    """A factory for CUDA pools (device 0 by default), all closed when the test ends."""
+    pools: list[pinpool.PinPool] = []
+
+    def factory(slot_bytes: int, num_slots: int, **kwargs: object) -> pinpool.PinPool:
+        kwargs.setdefault("device", 0)
+        pool = pinpool.PinPool(slot_bytes, num_slots, **kwargs)  # type: ignore[arg-type]
+        pools.append(pool)
+        return pool
+
+    yield factory
+    torch.cuda.synchronize()
+    gc.collect()
+    for pool in pools:
+        pool.close()
+    torch.cuda.synchronize()
+
+
+def timed_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def byte_pattern(n: int, seed: int) -> torch.Tensor:
+    """A CPU uint8 tensor of ``n`` pseudo-random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def checksum(t: torch.Tensor) -> int:
+    return int(t.sum(dtype=torch.int64).item())
+
+
+# --------------------------------------------------------------------------- construction
+
+
+def test_cuda_is_seen_by_pinpool_and_torch(gpu: torch.device) -> None:
+    assert pinpool.cuda_available()
+    assert torch.cuda.is_available()
+
+
+def test_default_backend_is_cuda_register_and_pinned(cuda_pool) -> None:
+    pool = cuda_pool(2 * MiB, 2)
+    assert pool.backend == "cuda-register"
+    assert pool.memory == "pinned"
+    assert pool.device == 0
+    assert not any("unavailable" in note for note in pool.notes), pool.notes
+    slot = pool.checkout()
+    assert slot.device == 0
+    whole = slot.view(torch.uint8, (slot.nbytes,))
+    part = slot.view(torch.float32, (256,), offset=4096)
+    assert whole.is_pinned()
+    assert part.is_pinned()
+    assert whole.data_ptr() == slot.address
+    del whole, part
+    slot.release()
+
+
+@pytest.mark.parametrize("device", [0, "cuda", "cuda:0", "torch-cuda:0"])
+def test_device_spellings(cuda_pool, device) -> None:
+    if device == "torch-cuda:0":
+        device = torch.device("cuda", 0)
+    pool = cuda_pool(MiB, 1, device=device)
+    assert pool.device == 0
+    assert pool.backend == "cuda-register"
+
+
+def test_missing_device_ordinal_is_an_error(gpu: torch.device) -> None:
+    missing = torch.cuda.device_count()
+    with pytest.raises((InvalidArgument, CudaError), match=str(missing)):
+        pinpool.PinPool(MiB, 1, device=missing)
+
+
+def test_cuda_hostalloc_backend(cuda_pool) -> None:
+    n = 4 * MiB
+    pool = cuda_pool(n, 2, backend="cuda-hostalloc")
+    assert pool.backend == "cuda-hostalloc"
+    assert pool.memory == "pinned"
+    with pool.checkout() as slot:
+        host = slot.view(torch.uint8, (n,))
+        assert host.is_pinned()
+        src = byte_pattern(n, seed=1)
+        host.copy_(src)
+        dev = host.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), src)
+        del host, dev
+    assert slot.released
+
+
+def test_host_backend_on_a_gpu_machine_is_not_pinned(cuda_pool) -> None:
+    pool = cuda_pool(MiB, 1, backend="host")
+    assert pool.backend == "host"
+    assert pool.memory != "pinned"
+    with pool.checkout() as slot:
+        assert slot.device is None  # no fences on a host pool
+        view = slot.view(torch.uint8, (16,))
+        assert not view.is_pinned()
+        del view
+
+
+# --------------------------------------------------------------------------- asynchronous copies
+
+
+def test_non_blocking_copy_from_a_slot_is_asynchronous_and_correct(cuda_pool, gpu_sleep) -> None:
+    n = 64 * MiB
+    pool = cuda_pool(n, 1)
+    slot = pool.checkout()
+    host = slot.view(torch.uint8, (n,))
+    host.copy_(byte_pattern(n, seed=2))
+    want = checksum(host)
+    # Warm up: the timed call must find a cached device block (no cudaMalloc in it).
+    warm = host.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    del warm
+
+    start, end = timed_events()
+    start.record()
+    gpu_sleep(LONG_KERNEL_S)
+    t0 = time.perf_counter()
+    dev = host.to("cuda", non_blocking=True)
+    call_s = time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    gpu_ms = start.elapsed_time(end)
+    print(f"non_blocking .to('cuda') call: {call_s * 1e3:.2f} ms; GPU time {gpu_ms:.1f} ms")
+    assert gpu_ms >= 0.5 * LONG_KERNEL_S * 1e3, "the sleep kernel was too short to tell"
+    # The call returned long before the kernel queued ahead of the copy had finished.
+    assert call_s * 1e3 < gpu_ms / 4, (call_s, gpu_ms)
+    assert checksum(dev) == want
+    assert torch.equal(dev.cpu(), host)
+    del host, dev
+    slot.release()
+
+
+# --------------------------------------------------------------------------- fences
+
+
+@pytest.mark.parametrize("stream_kind", ["torch.cuda.Stream", "raw int"])
+def test_fenced_release_keeps_the_slot_until_the_copy_is_done(
+    cuda_pool, gpu_sleep, stream_kind
+) -> None:
+    n = 32 * MiB
+    pool = cuda_pool(n, 1)
+    side = torch.cuda.Stream()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+    slot = pool.checkout()
+    host = slot.view(torch.uint8, (n,))
+    pattern_a = byte_pattern(n, seed=3)
+    host.copy_(pattern_a)
+    start, end = timed_events()
+    with torch.cuda.stream(side):
+        start.record()
+        gpu_sleep(LONG_KERNEL_S)
+        dev.copy_(host, non_blocking=True)
+        end.record()
+    del host  # no live view: the release below is not deferred
+
+    slot.release(side if stream_kind == "torch.cuda.Stream" else side.cuda_stream)
+    assert slot.released
+    # The kernel is still running: the slot is fenced, not free.
+    assert pool.try_checkout() is None
+    s = pool.stats()
+    assert s["slots_fenced"] == 1 and s["slots_free"] == 0
+
+    t0 = time.perf_counter()
+    again = pool.checkout(timeout=10)
+    waited = time.perf_counter() - t0
+    # The slot came back only after everything queued before the fence, copy included.
+    assert end.query(), "the slot was handed out before the copy reading it had finished"
+    view_b = again.view(torch.uint8, (n,))
+    view_b.fill_(0x5A)  # pattern B: would corrupt the copy if it had not finished
+    torch.cuda.synchronize()
+    gpu_ms = start.elapsed_time(end)
+    print(f"checkout waited {waited * 1e3:.1f} ms for a fence; GPU work took {gpu_ms:.1f} ms")
+    assert waited * 1e3 >= 0.5 * gpu_ms, (waited, gpu_ms)
+    assert waited < 10
+    assert checksum(dev) == checksum(pattern_a)
+    assert torch.equal(dev.cpu(), pattern_a)
+    s = pool.stats()
+    assert s["slots_fenced"] == 0
+    assert s["fence_errors"] == 0
+    assert s["waits"] >= 1
+    del view_b
+    again.release()
+
+
+def test_release_without_stream_fences_on_the_current_stream(cuda_pool, gpu_sleep) -> None:
+    n = 8 * MiB
+    pool = cuda_pool(n, 1)
+    side = torch.cuda.Stream()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    slot = pool.checkout()
+    host = slot.view(torch.uint8, (n,))
+    pattern = byte_pattern(n, seed=4)
+    host.copy_(pattern)
+    with torch.cuda.stream(side):
+        gpu_sleep(LONG_KERNEL_S)
+        dev.copy_(host, non_blocking=True)
+        del host
+        slot.release()  # stream=None: torch's current stream, i.e. `side`
+    # A fence on any other (idle) stream would have completed by now.
+    time.sleep(0.05)
+    assert pool.try_checkout() is None
+    assert pool.stats()["slots_fenced"] == 1
+    side.synchronize()
+    again = pool.checkout(timeout=10)
+    assert torch.equal(dev.cpu(), pattern)
+    again.release()
+    assert pool.stats()["fence_errors"] == 0
+
+
+def test_dropping_a_slot_fences_on_the_current_stream(cuda_pool, gpu_sleep) -> None:
+    n = 8 * MiB
+    pool = cuda_pool(n, 1)
+    side = torch.cuda.Stream()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    slot = pool.checkout()
+    host = slot.view(torch.uint8, (n,))
+    pattern = byte_pattern(n, seed=5)
+    host.copy_(pattern)
+    with torch.cuda.stream(side):
+        gpu_sleep(LONG_KERNEL_S)
+        dev.copy_(host, non_blocking=True)
+        del host, slot  # automatic release, fenced on `side`
+    time.sleep(0.05)
+    assert pool.try_checkout() is None
+    assert pool.stats()["slots_fenced"] == 1
+    again = pool.checkout(timeout=10)
+    again.view(torch.uint8, (n,)).fill_(0)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), pattern)
+    again.release()
+
+
+def test_deferred_release_is_fenced_too(cuda_pool, gpu_sleep) -> None:
+    """release(stream) with a view alive: the slot returns when the view dies, fenced."""
+    n = 8 * MiB
+    pool = cuda_pool(n, 1)
+    side = torch.cuda.Stream()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    slot = pool.checkout()
+    host = slot.view(torch.uint8, (n,))
+    pattern = byte_pattern(n, seed=6)
+    host.copy_(pattern)
+    with torch.cuda.stream(side):
+        gpu_sleep(LONG_KERNEL_S)
+        dev.copy_(host, non_blocking=True)
+    slot.release(side)
+    s = pool.stats()
+    assert s["slots_checked_out"] == 1, "a live view must defer the release"
+    del host
+    time.sleep(0.05)
+    assert pool.try_checkout() is None, "the deferred release must still be fenced"
+    again = pool.checkout(timeout=10)
+    again.view(torch.uint8, (n,)).fill_(0xFF)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), pattern)
+    again.release()
+
+
+def test_pipelined_fenced_reuse_never_corrupts(cuda_pool, gpu_sleep) -> None:
+    """Many batches through two slots, the GPU lagging behind: every copy sees its own batch."""
+    n = 2 * MiB
+    pool = cuda_pool(n, 2)
+    side = torch.cuda.Stream()
+    outs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(40)]
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        slot = pool.checkout(timeout=10)
+        host = slot.view(torch.uint8, (n,))
+        host.fill_(i % 251)
+        with torch.cuda.stream(side):
+            gpu_sleep(0.002)
+            out.copy_(host, non_blocking=True)
+        del host
+        slot.release(side)
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        lo, hi = int(out.min()), int(out.max())
+        assert lo == hi == i % 251, f"batch {i} was overwritten before its copy ran"
+    s = pool.stats()
+    assert s["checkouts"] == s["releases"] == len(outs)
+    assert s["fence_errors"] == 0
+
+
+def test_bad_stream_arguments_are_refused_and_the_slot_stays_out(cuda_pool) -> None:
+    pool = cuda_pool(MiB, 1)
+    slot = pool.checkout()
+    for bad in ("not a stream", -1, 1.5):
+        with pytest.raises(InvalidArgument, match="stream"):
+            slot.release(stream=bad)
+        assert not slot.released
+        assert pool.stats()["slots_checked_out"] == 1
+    v = slot.view(torch.uint8, (16,))
+    v.fill_(3)
+    assert checksum(v.to("cuda")) == 48
+    del v
+    slot.release(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    again = pool.checkout(timeout=5)
+    again.release()
+
+
+# A raw int stream is trusted as a live CUstream: the driver dereferences it, and a garbage
+# pointer crashes the process (seen on the H200: SIGSEGV inside cuEventRecord). Only its type
+# is checked (test_bad_stream_arguments_are_refused_and_the_slot_stays_out).
+
+
+def test_close_with_a_fenced_slot_does_not_pull_memory_from_under_the_gpu(
+    cuda_pool, gpu_sleep
+) -> None:
+    n = 16 * MiB
+    pool = cuda_pool(n, 1)
+    side = torch.cuda.Stream()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    slot = pool.checkout()
+    host = slot.view(torch.uint8, (n,))
+    pattern = byte_pattern(n, seed=7)
+    host.copy_(pattern)
+    with torch.cuda.stream(side):
+        gpu_sleep(LONG_KERNEL_S)
+        dev.copy_(host, non_blocking=True)
+    del host
+    slot.release(side)
+    del slot
+    pool.close()  # the arena may be freed only once the fenced copy has finished
+    assert pool.closed
+    torch.cuda.synchronize()  # would raise on an illegal access
+    assert torch.equal(dev.cpu(), pattern)
+
+
+# --------------------------------------------------------------------------- bandwidth
+
+
+def test_h2d_from_a_slot_is_much_faster_than_from_pageable_memory(cuda_pool) -> None:
+    n = 256 * MiB
+    pool = cuda_pool(n, 1)
+    slot = pool.checkout()
+    pinned = slot.view(torch.uint8, (n,))
+    pinned.fill_(1)
+    pageable = torch.ones(n, dtype=torch.uint8)
+    assert pinned.is_pinned()
+    assert not pageable.is_pinned()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+
+    def best_seconds(src: torch.Tensor, reps: int = 5) -> float:
+        dev.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dev.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    pinned_gbs = n / best_seconds(pinned) / 1e9
+    pageable_gbs = n / best_seconds(pageable) / 1e9
+    print(f"H2D from a 256 MiB slot: {pinned_gbs:.1f} GB/s; pageable: {pageable_gbs:.1f} GB/s")
+    assert checksum(dev) == n
+    assert pinned_gbs > 2 * pageable_gbs, (pinned_gbs, pageable_gbs)
+    del pinned
+    slot.release()

@@ -1,0 +1,84 @@
+"""The DataLoader on a GPU: torch's pin thread decodes, batches are pinned or on the device.
+
+All tests here need CUDA (``@pytest.mark.cuda``) and are skipped cleanly without it.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pinpool
+import pytest
+import torch
+from loader_gpu_datasets import Images, Mixed
+
+pytestmark = pytest.mark.cuda
+
+
+def _same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.cpu().view(-1).view(torch.uint8), b.cpu().view(-1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_host_batches_are_pinned_views_and_equal_torch(workers: int, zero_copy: bool) -> None:
+    ref = torch.utils.data.DataLoader(Mixed(40), batch_size=8, num_workers=workers)
+    ours = pinpool.DataLoader(Mixed(40), batch_size=8, num_workers=workers, zero_copy=zero_copy)
+    for a, b in zip(ref, ours, strict=True):
+        _same(a, b)
+        assert b["image"].is_pinned() and b["features"].is_pinned()
+    assert ours.pool is not None and ours.pool.memory == "pinned"
+    del a, b
+    gc.collect()
+    ours.pool.flush()
+    stats = ours.stats()
+    assert stats["slots_checked_out"] == 0
+    if zero_copy and workers:
+        assert stats["zero_copy_batches"] > 0
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_device_batches_equal_torch_and_are_safe_on_the_consumer_stream(zero_copy: bool) -> None:
+    ref = torch.utils.data.DataLoader(Mixed(48), batch_size=8, num_workers=2)
+    ours = pinpool.DataLoader(
+        Mixed(48), batch_size=8, num_workers=2, device="cuda", zero_copy=zero_copy
+    )
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # the consumer works on a stream of its own
+        for a, b in zip(ref, ours, strict=True):
+            assert b["image"].device.type == "cuda"
+            # Use the batch on the consumer stream right away: it must already be complete.
+            total = b["image"].to(torch.int64).sum()
+            assert int(total) == int(a["image"].to(torch.int64).sum())
+            _same(a, b)
+    torch.cuda.synchronize()
+    del a, b
+    gc.collect()
+    assert ours.stats()["slots_checked_out"] == 0
+
+
+def test_big_batches_stream_through_few_slots() -> None:
+    ours = pinpool.DataLoader(Images(64, 3, 512, 512), batch_size=16, num_workers=4, device="cuda")
+    seen = 0
+    for batch, labels in ours:
+        # Each image i is filled with i % 251: check one value per image.
+        expected = (labels % 251).to(torch.uint8).cuda()
+        assert torch.equal(batch[:, 0, 0, 0], expected)
+        seen += len(labels)
+    assert seen == 64
+    stats = ours.stats()
+    assert stats["overflow_batches"] == 0
+    assert stats["slots_checked_out"] == 0
