@@ -23,7 +23,7 @@
 //!   cache only to the reclaimer thread, which unmaps it off the GIL.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -203,6 +203,15 @@ impl SegmentCache {
     pub fn insert(&self, key: SegmentKey, fd: OwnedFd, total_len: usize, nonce: u64) -> Result<()> {
         if total_len <= DATA_OFFSET {
             return Err(Error::Invalid(format!("segment of {total_len} bytes has no data area")));
+        }
+        // A worker segment must be sealed against shrinking: otherwise its sender could
+        // truncate it under our mapping and turn a read into SIGBUS.
+        // SAFETY: F_GET_SEALS on a valid fd has no memory-safety preconditions.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(Error::Invalid(format!(
+                "segment {key:?} is not a sealed memfd (it could shrink under the mapping)"
+            )));
         }
         let mut map = self.pool.map_segment(fd, total_len, true)?;
         map.close_fd();

@@ -299,11 +299,6 @@ def test_view_accepts_numpy_dtype_objects_and_strings(make_pool) -> None:
             slot.view(torch.uint8, (-1,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: with torch installed, Slot.view rejects numpy scalar types such as "
-    "np.float32 (the numpy fallback accepts them); _views._torch_dtype only looks at .name/str()",
-)
 def test_view_accepts_numpy_scalar_types(make_pool) -> None:
     pool = make_pool(PAGE, 1)
     with pool.checkout() as slot:

@@ -23,7 +23,12 @@ def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
 def _torch_dtype(torch: Any, dtype: Any) -> Any:
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = getattr(dtype, "name", None) or str(dtype)
+    try:  # numpy dtypes, numpy scalar types and their names ("float32", np.float32, "<f4")
+        import numpy as np
+
+        name = np.dtype(dtype).name
+    except (TypeError, ImportError):
+        name = getattr(dtype, "name", None) or str(dtype)
     found = getattr(torch, name, None)
     if not isinstance(found, torch.dtype):
         raise InvalidArgument(f"unknown dtype {dtype!r}")

@@ -84,7 +84,7 @@ static STREAM_HOOK: OnceLock<Py<PyAny>> = OnceLock::new();
 /// Asks the stream hook for the current stream of `device`; `Ok(None)` when torch's CUDA is
 /// not in use (then no GPU work can be reading a slot).
 pub(crate) fn current_stream(py: Python<'_>, device: usize) -> PyResult<Option<usize>> {
-    let Some(hook) = STREAM_HOOK.get() else { return Ok(None) };
+    let Some(hook) = STREAM_HOOK.get().filter(|_| device != usize::MAX) else { return Ok(None) };
     let value = hook.bind(py).call1((device,))?;
     if value.is_none() {
         return Ok(None);
@@ -92,8 +92,10 @@ pub(crate) fn current_stream(py: Python<'_>, device: usize) -> PyResult<Option<u
     Ok(Some(value.extract::<usize>()?))
 }
 
-/// Converts a `stream=` argument: None asks the hook; an int is a raw `CUstream`; anything
-/// with a `cuda_stream` attribute (a `torch.cuda.Stream`) gives that.
+/// Converts a `stream=` argument: None asks the hook (not for `device == usize::MAX`, which
+/// only checks the argument); an int is a raw `CUstream`, trusted to be live (the driver
+/// dereferences it); anything with a `cuda_stream` attribute (a `torch.cuda.Stream`) gives
+/// that.
 pub(crate) fn stream_arg(
     py: Python<'_>,
     stream: Option<&Bound<'_, PyAny>>,

@@ -1,7 +1,7 @@
 //! `pinpool.PinPool`: the Python face of [`crate::pool::Pool`].
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -19,6 +19,8 @@ use crate::pool::{Pool, PoolConfig, Stats};
 #[pyclass(name = "PinPool", module = "pinpool._native", frozen)]
 pub struct PyPinPool {
     pool: Mutex<Option<Arc<Pool>>>,
+    /// Still reaches the pool after `close()` while slots keep it alive (for `stats()`).
+    weak: Weak<Pool>,
     last_stats: Mutex<Stats>,
     device: Option<usize>,
     backend: &'static str,
@@ -146,6 +148,7 @@ impl PyPinPool {
                 copy_threads: pool.copy_threads(),
                 notes,
                 last_stats: Mutex::new(Stats::default()),
+                weak: Arc::downgrade(&pool),
                 pool: Mutex::new(Some(pool)),
             })
         })
@@ -155,10 +158,6 @@ impl PyPinPool {
     #[pyo3(signature = (timeout = None))]
     fn checkout(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PySlot> {
         guarded(|| {
-            let pool = self.get(py)?;
-            if let Some(t) = pool.try_checkout().py(py)? {
-                return Ok(self.wrap(pool, t));
-            }
             let timeout = match timeout {
                 Some(t) if !(t >= 0.0 && t.is_finite()) => {
                     return Err(to_py(
@@ -169,6 +168,10 @@ impl PyPinPool {
                 Some(t) => Some(Duration::from_secs_f64(t)),
                 None => None,
             };
+            let pool = self.get(py)?;
+            if let Some(t) = pool.try_checkout().py(py)? {
+                return Ok(self.wrap(pool, t));
+            }
             let p = Arc::clone(&pool);
             let ticket = py.detach(move || p.checkout(timeout)).py(py)?;
             Ok(self.wrap(pool, ticket))
@@ -227,9 +230,9 @@ impl PyPinPool {
     /// Counters and slot states, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guarded(|| {
-            let snapshot = match self.get(py) {
-                Ok(pool) => pool.stats(),
-                Err(_) => self.last_stats.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            let snapshot = match self.weak.upgrade() {
+                Some(pool) => pool.stats(),
+                None => self.last_stats.lock().unwrap_or_else(|e| e.into_inner()).clone(),
             };
             stats_dict(py, &snapshot)
         })

@@ -1,0 +1,171 @@
+"""The command line of ``python -m pinpool.bench`` and the settings a run resolves to.
+
+Every size is an argument. Arguments left out take a preset chosen for the machine: ``gpu``
+when torch sees CUDA, a small ``cpu`` preset otherwise (so ``make demo`` finishes on a 2-core
+box), and a tiny ``quick`` preset with ``--quick``. Explicit arguments always win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .loaders import LOADERS
+from .workloads import WORKLOADS
+
+MODES = ("throughput", "compute", "stall")
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (the affinity mask, not the whole machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpu": {
+        "batch_size": 256,
+        "shape": (3, 224, 224),
+        "workers": min(8, cpu_count()),
+        "steps": 150,
+        "warmup": 10,
+        "repeats": 3,
+        "big_batch_mib": 256,
+    },
+    "cpu": {
+        "batch_size": 64,
+        "shape": (3, 128, 128),
+        "workers": 2,
+        "steps": 60,
+        "warmup": 5,
+        "repeats": 3,
+        "big_batch_mib": 64,
+    },
+    "quick": {
+        "batch_size": 32,
+        "shape": (3, 64, 64),
+        "workers": 2,
+        "steps": 20,
+        "warmup": 3,
+        "repeats": 2,
+        "big_batch_mib": 16,
+    },
+}
+
+#: Items per batch in the stall scenario; each item is big_batch_mib / STALL_ITEMS.
+STALL_ITEMS = 8
+
+
+@dataclass
+class Config:
+    """Everything a benchmark run needs, resolved from arguments and presets."""
+
+    preset: str
+    device: str | None  # a CUDA device, or None: host-side path only
+    workloads: list[str]
+    modes: list[str]
+    loaders: list[str]
+    batch_size: int
+    shape: tuple[int, ...]
+    workers: int
+    steps: int
+    warmup: int
+    prefetch_factor: int
+    compute_ms: float
+    repeats: int
+    big_batch_mib: int
+    stall_shape: tuple[int, ...]
+    stall_steps: int
+    stall_workers: int
+    data_dir: str
+    out: str
+
+
+def _names(values: list[str] | None, allowed: tuple[str, ...], what: str) -> list[str] | None:
+    """Accepts ``--x a b`` and ``--x a,b``; checks every name."""
+    if values is None:
+        return None
+    names = [n for v in values for n in v.split(",") if n]
+    for n in names:
+        if n not in allowed:
+            raise SystemExit(f"unknown {what} {n!r}; choose from {', '.join(allowed)}")
+    return list(dict.fromkeys(names))
+
+
+def parser() -> argparse.ArgumentParser:
+    loader_names = tuple(s.name for s in LOADERS)
+    p = argparse.ArgumentParser(
+        prog="python -m pinpool.bench",
+        description="How much faster does a training loop get with pinpool, and does the GPU "
+        "stop idling? Compares torch's DataLoader (plain and pinned) with pinpool's.",
+    )
+    add = p.add_argument
+    add("--workload", nargs="+", help=f"one or more of {', '.join(WORKLOADS)} (synthetic)")
+    add("--modes", nargs="+", help=f"measurements to run: {', '.join(MODES)} (all)")
+    add("--loaders", nargs="+", help=f"loaders to compare: {', '.join(loader_names)} (all)")
+    add("--batch-size", type=int, help="items per batch (gpu preset: 256)")
+    add("--shape", help="image shape, e.g. 3,224,224 (gpu preset)")
+    add("--workers", type=int, help="DataLoader workers (gpu preset: min(8, CPUs))")
+    add("--steps", type=int, help="batches per measured run")
+    add("--warmup", type=int, help="batches before the timed window of each run")
+    add("--prefetch-factor", type=int, default=2, help="batches in flight per worker (2)")
+    add("--compute-ms", type=float, default=30.0, help="GPU work per step, compute loop (30)")
+    add("--repeats", type=int, help="runs of each loader, alternating (3)")
+    add("--big-batch-mib", type=int, help="batch size of the stall scenario in MiB (256)")
+    add("--device", default="cuda", help="CUDA device to copy to (cuda)")
+    add("--data-dir", help="where the memmap file is made (a dir under the temp dir)")
+    add("--out", help="output dir (benchmarks/results/<date>-<host>/)")
+    add("--quick", action="store_true", help="a short run with small shapes (CI, tests)")
+    return p
+
+
+def resolve(argv: list[str] | None, cuda: bool) -> Config:
+    """Parses ``argv`` and fills what it leaves out from the preset for this machine."""
+    args = parser().parse_args(argv)
+    preset = "quick" if args.quick else ("gpu" if cuda else "cpu")
+    base = PRESETS[preset]
+
+    def pick(name: str) -> Any:
+        value = getattr(args, name)
+        return base[name] if value is None else value
+
+    shape = tuple(int(d) for d in args.shape.split(",")) if args.shape else base["shape"]
+    workers = pick("workers")
+    steps = pick("steps")
+    big = pick("big_batch_mib")
+    # Stall scenario: STALL_ITEMS images of shape (3, s, s) adding up to about big MiB.
+    side = max(1, round(math.sqrt((big << 20) / STALL_ITEMS / 3)))
+    host = socket.gethostname().split(".")[0] or "run"
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    out = args.out or os.path.join("benchmarks", "results", f"{stamp}-{host}")
+    return Config(
+        preset=preset,
+        device=args.device if cuda else None,
+        workloads=_names(args.workload, WORKLOADS, "workload") or ["synthetic"],
+        modes=_names(args.modes, MODES, "mode") or list(MODES),
+        loaders=_names(args.loaders, tuple(s.name for s in LOADERS), "loader")
+        or [s.name for s in LOADERS],
+        batch_size=pick("batch_size"),
+        shape=shape,
+        workers=workers,
+        steps=steps,
+        warmup=pick("warmup"),
+        prefetch_factor=args.prefetch_factor,
+        compute_ms=args.compute_ms,
+        repeats=pick("repeats"),
+        big_batch_mib=big,
+        stall_shape=(3, side, side),
+        stall_steps=max(4, steps // 10),
+        stall_workers=min(2, workers),
+        data_dir=args.data_dir or os.path.join(tempfile.gettempdir(), "pinpool-bench"),
+        out=out,
+    )

@@ -1,0 +1,107 @@
+"""The loaders under comparison, and how each one's batches reach the device.
+
+A loader is one line in :data:`LOADERS`: its name, its class, the keyword arguments that set
+it apart, and how the consumer moves its batches (``"to"``: ``.to(device)``; ``"to_async"``:
+``.to(device, non_blocking=True)``; ``"none"``: the batch is already there). A loader whose
+constructor rejects one of its keyword arguments (a feature this pinpool build does not have
+yet) is skipped with a note, as is one that needs CUDA on a machine without it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from .workloads import move
+
+#: Stands for the run's CUDA device in a loader's keyword arguments.
+DEVICE = "<device>"
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """One loader under comparison."""
+
+    name: str
+    kind: str  # "torch" or "pinpool"
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    transfer: str = "to_async"  # "to", "to_async" or "none"
+    needs_cuda: bool = False
+
+
+LOADERS: tuple[LoaderSpec, ...] = (
+    LoaderSpec("torch", "torch", {"pin_memory": False}, "to"),
+    LoaderSpec("torch-pinned", "torch", {"pin_memory": True}, "to_async"),
+    LoaderSpec("pinpool", "pinpool", {"device": None}, "to_async"),
+    LoaderSpec("pinpool-device", "pinpool", {"device": DEVICE}, "none", needs_cuda=True),
+    LoaderSpec("pinpool-zerocopy", "pinpool", {"device": DEVICE, "zero_copy": True}, "none", True),
+)
+
+#: Ratios are medians divided by this loader's median in the same scenario.
+BASELINE = "torch-pinned"
+
+
+class Unsupported(Exception):
+    """This loader cannot run here (the message says why)."""
+
+
+def spec_named(name: str) -> LoaderSpec:
+    return next(s for s in LOADERS if s.name == name)
+
+
+def build(
+    spec: LoaderSpec,
+    dataset: Any,
+    *,
+    batch_size: int,
+    workers: int,
+    prefetch_factor: int,
+    device: str | None,
+) -> torch.utils.data.DataLoader[Any]:
+    """A fresh loader for ``spec``; raises :class:`Unsupported` for an unknown kwarg."""
+    if spec.needs_cuda and device is None:
+        raise Unsupported("needs a CUDA device")
+    if spec.kind == "pinpool":
+        import pinpool
+
+        cls: type[torch.utils.data.DataLoader[Any]] = pinpool.DataLoader
+    else:
+        cls = torch.utils.data.DataLoader
+    kwargs = {k: (device if v == DEVICE else v) for k, v in spec.kwargs.items()}
+    try:
+        return cls(
+            dataset,
+            batch_size=batch_size,
+            shuffle=False,
+            drop_last=True,
+            num_workers=workers,
+            prefetch_factor=prefetch_factor if workers > 0 else None,
+            **kwargs,
+        )
+    except TypeError as exc:
+        if "unexpected keyword argument" in str(exc):
+            raise Unsupported(f"{cls.__module__}.{cls.__name__} rejects it: {exc}") from exc
+        raise
+
+
+def check(spec: LoaderSpec, device: str | None) -> str | None:
+    """Why ``spec`` cannot run here, or None: builds it once on an empty dataset."""
+    try:
+        loader = build(spec, [], batch_size=1, workers=0, prefetch_factor=2, device=device)
+    except Unsupported as exc:
+        return str(exc)
+    del loader
+    gc.collect()
+    return None
+
+
+def transfer(spec: LoaderSpec, batch: Any, device: torch.device | None) -> Any:
+    """The consumer's side: the batch on ``device`` (unchanged when there is no device)."""
+    if device is None or spec.transfer == "none":
+        return batch
+    return move(batch, device, non_blocking=spec.transfer == "to_async")

@@ -1,0 +1,262 @@
+"""One measured run: make a loader, warm it up, then time a window of ``steps`` batches.
+
+What a run records (the timed window starts after ``warmup`` batches, with workers running):
+
+- ``wall_s``: ``perf_counter`` from just before the first timed ``next()`` to the end of the
+  last step, after ``torch.cuda.synchronize()``, so queued copies and kernels are inside it;
+- ``gb_per_s`` = bytes / wall / 1e9 (bytes: ``nbytes`` of every tensor of every timed batch,
+  strings count 0) and ``batches_per_s`` = steps / wall. With no CUDA there is no copy: this
+  is the rate at which batches reach the consumer;
+- compute loop only: per step the batch goes to the device, :meth:`ComputeWork.step` queues
+  the work between two CUDA events, then ``loss.item()`` waits for it. ``busy_ms`` per step is
+  the event interval; ``idle_share`` = 1 - sum(busy) / wall; ``steps_per_s`` = steps / wall;
+- ``step_ms``: wall time of each step (for the compute loop, up to after ``item()``), and
+  ``wait_ms``: the part of it spent in ``next()``;
+- ``probe_*_ms``: a thread sleeps 1 ms in a loop; its lateness (actual sleep - 1 ms) over the
+  window, max and p99. A main process busy holding the GIL shows up here;
+- ``cpu_ms_per_batch``: ``getrusage(RUSAGE_SELF)`` user+sys over the window (every thread of
+  the main process, workers excluded) / steps;
+- ``pinned_mib``: for torch loaders the peak of torch's pinned host allocator
+  (``allocated_bytes.peak``; its cache is emptied and its peak reset before the loader is
+  made); for pinpool loaders the pool's ``arena_bytes`` plus that peak.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import multiprocessing
+import resource
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .loaders import LoaderSpec, build, transfer
+from .workloads import batch_nbytes, largest
+
+MIB = 1 << 20
+
+
+class StallProbe:
+    """A thread that sleeps ``interval`` seconds in a loop and records how late it wakes."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.lateness: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-probe", daemon=True)
+
+    def _loop(self) -> None:
+        clock, sleep, out, interval = time.perf_counter, time.sleep, self.lateness, self.interval
+        while not self._stop.is_set():
+            t = clock()
+            sleep(interval)
+            out.append(clock() - t - interval)
+
+    def __enter__(self) -> StallProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class ComputeWork:
+    """A stand-in for a model step: the mean of the batch's largest tensor (so the work cannot
+    start before the batch is on the device), then a chain of ``n x n`` float32 matmuls on
+    fixed device tensors, as many as take ``target_ms`` (timed once with CUDA events)."""
+
+    def __init__(self, device: torch.device, target_ms: float, n: int = 4096) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        # Scaled so that x @ w keeps the size of x: long chains neither overflow nor vanish.
+        self.w = torch.randn(n, n, device=device, generator=gen) / math.sqrt(n)
+        self.x = torch.randn(n, n, device=device, generator=gen)
+        self.iters = 10
+        self._chain(torch.ones((), device=device))  # warm-up: kernels, cuBLAS handles
+        per_matmul = self._timed(lambda: self._chain(torch.ones((), device=device))) / 10
+        self.iters = max(1, round(target_ms / per_matmul))
+        self.calibration = {
+            "target_ms": target_ms,
+            "matmul_n": n,
+            "matmul_ms": per_matmul,
+            "matmuls_per_step": self.iters,
+            "chain_ms": self._timed(lambda: self._chain(torch.ones((), device=device))),
+        }
+
+    def _chain(self, scale: torch.Tensor) -> torch.Tensor:
+        x = self.x * scale
+        for _ in range(self.iters):
+            x = x @ self.w
+        return x.mean()
+
+    @staticmethod
+    def _timed(fn: Any) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    def step(self, batch: Any) -> tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor]:
+        """Queues one step's work on the current stream: (start event, end event, loss)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = self._chain(1 + 1e-3 * largest(batch).float().mean())
+        end.record()
+        return start, end, loss
+
+
+@dataclass
+class RunPlan:
+    """What one run does."""
+
+    mode: str  # "throughput", "compute" or "stall"
+    batch_size: int
+    workers: int
+    prefetch_factor: int
+    warmup: int
+    steps: int
+    device: torch.device | None
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None:
+        torch.cuda.synchronize(device)
+
+
+def reset_host_pinned() -> None:
+    """Empties torch's pinned host cache and resets its peak, so each run starts at zero."""
+    if not torch.cuda.is_available():
+        return
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    reset = getattr(torch.cuda.memory, "reset_peak_host_memory_stats", None)
+    for fn in (empty, reset):
+        if fn is not None:
+            fn()
+
+
+def host_pinned() -> dict[str, int] | None:
+    """torch's pinned host allocator: peak and current bytes, or None where not available."""
+    fn = getattr(torch.cuda, "host_memory_stats", None) or getattr(
+        torch.cuda.memory, "host_memory_stats", None
+    )
+    if fn is None or not torch.cuda.is_available():
+        return None
+    stats = fn()
+    keys = ("allocated_bytes.peak", "allocated_bytes.current", "active_bytes.peak")
+    if not all(k in stats for k in keys):
+        return None
+    return {k.replace(".", "_"): int(stats[k]) for k in keys}
+
+
+def _pool_info(pool: Any) -> dict[str, Any] | None:
+    """A pinpool loader's pool, as plain figures (None for torch loaders)."""
+    if pool is None:
+        return None
+    names = ("arena_bytes", "slot_bytes", "num_slots", "backend", "memory", "notes")
+    return {name: getattr(pool, name) for name in names}
+
+
+def _step(
+    spec: LoaderSpec, it: Any, device: torch.device | None, work: ComputeWork | None
+) -> tuple[int, float, float, tuple[Any, Any] | None]:
+    """One step: (bytes, seconds in next(), seconds in all, CUDA events of the work)."""
+    t0 = time.perf_counter()
+    batch = next(it)
+    t1 = time.perf_counter()
+    nbytes = batch_nbytes(batch)
+    on_device = transfer(spec, batch, device)
+    del batch
+    events = None
+    if work is not None:
+        start, end, loss = work.step(on_device)
+        loss.item()  # the read-back: a main thread that stalls now leaves the GPU idle
+        events = (start, end)
+    del on_device
+    return nbytes, t1 - t0, time.perf_counter() - t0, events
+
+
+def run_once(
+    spec: LoaderSpec, dataset: Any, plan: RunPlan, work: ComputeWork | None
+) -> dict[str, Any]:
+    """Makes a fresh loader for ``spec``, runs ``plan`` and returns the figures."""
+    device = plan.device
+    reset_host_pinned()
+    loader = build(
+        spec,
+        dataset,
+        batch_size=plan.batch_size,
+        workers=plan.workers,
+        prefetch_factor=plan.prefetch_factor,
+        device=None if device is None else str(device),
+    )
+    it: Any = iter(loader)
+    try:
+        for _ in range(plan.warmup):
+            _step(spec, it, device, work)
+        _sync(device)
+        nbytes, step_s, wait_s, events = 0, [], [], []
+        with StallProbe() as probe:
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.perf_counter()
+            for _ in range(plan.steps):
+                n, wait, total, ev = _step(spec, it, device, work)
+                nbytes += n
+                wait_s.append(wait)
+                step_s.append(total)
+                if ev is not None:
+                    events.append(ev)
+            _sync(device)
+            wall = time.perf_counter() - t0
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        pinned = host_pinned()
+        pool = _pool_info(getattr(loader, "pool", None))
+        stats = loader.stats() if hasattr(loader, "stats") else None
+        if next(it, None) is not None:  # the dataset holds exactly warmup + steps batches
+            raise RuntimeError("the loader yielded more batches than the run asked for")
+    finally:
+        del it, loader
+        gc.collect()
+        _sync(device)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    late_ms = np.asarray(probe.lateness) * 1e3
+    steps_ms = [s * 1e3 for s in step_s]
+    rec: dict[str, Any] = {
+        "steps": plan.steps,
+        "bytes": nbytes,
+        "wall_s": wall,
+        "gb_per_s": nbytes / wall / 1e9,
+        "batches_per_s": plan.steps / wall,
+        "step_ms": steps_ms,
+        "wait_ms": [s * 1e3 for s in wait_s],
+        "step_ms_median": float(np.median(steps_ms)),
+        "step_ms_max": max(steps_ms),
+        "probe_samples": len(late_ms),
+        "probe_max_ms": float(late_ms.max()) if len(late_ms) else None,
+        "probe_p99_ms": float(np.percentile(late_ms, 99)) if len(late_ms) else None,
+        "probe_p50_ms": float(np.percentile(late_ms, 50)) if len(late_ms) else None,
+        "cpu_s": cpu,
+        "cpu_ms_per_batch": cpu / plan.steps * 1e3,
+        "torch_host_pinned": pinned,
+        "pool": pool,
+        "loader_stats": stats,
+        "leaked_workers": len(multiprocessing.active_children()),
+    }
+    torch_peak = None if pinned is None else pinned["allocated_bytes_peak"]
+    rec["pinned_mib"] = None if torch_peak is None else torch_peak / MIB
+    if pool is not None:
+        rec["pinned_mib"] = (pool["arena_bytes"] + (torch_peak or 0)) / MIB
+    if events:
+        busy = [float(a.elapsed_time(b)) for a, b in events]
+        rec["busy_ms"] = busy
+        rec["busy_ms_median"] = float(np.median(busy))
+        rec["idle_share"] = max(0.0, 1.0 - sum(busy) / (wall * 1e3))
+        rec["steps_per_s"] = plan.steps / wall
+    return rec

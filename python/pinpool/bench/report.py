@@ -1,0 +1,207 @@
+"""Summaries over repeats, the printed table, the JSON file and the PNG plots.
+
+Each metric of a scenario (a workload and a mode, or the stall scenario) is summarised per
+loader as the median, min and max over its repeats (failed runs left out), and as
+``ratio`` = that median / the baseline loader's median in the same scenario.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+#: Metric key -> label in the table and the plots.
+METRICS = {
+    "gb_per_s": "GB/s",
+    "batches_per_s": "batches/s",
+    "steps_per_s": "steps/s",
+    "idle_share": "GPU idle share",
+    "busy_ms_median": "GPU busy ms/step",
+    "step_ms_median": "step ms, median",
+    "step_ms_max": "step ms, max",
+    "probe_p99_ms": "probe late ms, p99",
+    "probe_max_ms": "probe late ms, max",
+    "cpu_ms_per_batch": "CPU ms/batch",
+    "pinned_mib": "pinned MiB",
+}
+_COMMON = ["step_ms_max", "probe_p99_ms", "probe_max_ms", "cpu_ms_per_batch", "pinned_mib"]
+#: The metrics shown for each mode, headline first.
+SHOWN = {
+    "throughput": ["gb_per_s", "batches_per_s", *_COMMON],
+    "compute": ["steps_per_s", "idle_share", "busy_ms_median", "step_ms_median", *_COMMON],
+    "stall": ["probe_max_ms", "probe_p99_ms", "step_ms_max", "gb_per_s", "cpu_ms_per_batch"],
+}
+#: The ratio panels of ratios.png: (mode, metric).
+HEADLINES = [
+    ("throughput", "gb_per_s"),
+    ("compute", "steps_per_s"),
+    ("compute", "idle_share"),
+    ("stall", "probe_max_ms"),
+    ("throughput", "cpu_ms_per_batch"),
+]
+
+
+def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
+    """``{scenario: {loader: {metric: {median, min, max, values, ratio}}}}``."""
+    out: dict[str, Any] = {}
+    for run in runs:
+        if run.get("error"):
+            continue
+        by_loader = out.setdefault(run["scenario"], {}).setdefault(run["loader"], {})
+        for key in METRICS:
+            if run.get(key) is not None:
+                by_loader.setdefault(key, {"values": []})["values"].append(run[key])
+    for by_loader in out.values():
+        for metrics in by_loader.values():
+            for m in metrics.values():
+                m.update(median=statistics.median(m["values"]), min=min(m["values"]))
+                m["max"] = max(m["values"])
+        base = by_loader.get(baseline, {})
+        for metrics in by_loader.values():
+            for key, m in metrics.items():
+                b = base.get(key, {}).get("median")
+                m["ratio"] = m["median"] / b if b else None
+    return out
+
+
+def _num(v: float | None, key: str = "") -> str:
+    if v is None:
+        return "-"
+    if key == "idle_share":
+        return f"{v * 100:.1f}%"
+    a = abs(v)
+    return f"{v:.0f}" if a >= 100 else f"{v:.1f}" if a >= 10 else f"{v:.2f}"
+
+
+def _cell(m: dict[str, Any] | None, key: str) -> str:
+    if m is None:
+        return "-"
+    text = f"{_num(m['median'], key)} [{_num(m['min'], key)}..{_num(m['max'], key)}]"
+    return text if m["ratio"] is None else f"{text} x{m['ratio']:.2f}"
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def table(result: dict[str, Any]) -> str:
+    """The plain-text results: a header, then one block per scenario (metrics x loaders)."""
+    meta, summary = result["meta"], result["summary"]
+    lines = [f"pinpool bench: {meta['path']}", f"  {meta['machine']}"]
+    lines.append(
+        f"  cells: median [min..max] over repeats, xR = median / {result['baseline']}'s median"
+    )
+    for name, why in result["skipped"].items():
+        lines.append(f"  skipped {name}: {why}")
+    lines += [f"  note: {n}" for n in result["notes"]]
+    for scenario, info in result["scenarios"].items():
+        lines += ["", f"{scenario}: {info['description']}"]
+        by_loader = summary.get(scenario, {})
+        loaders = [n for n in result["loaders"] if n in by_loader]
+        if not loaders:
+            lines.append("  (no successful runs)")
+            continue
+        rows = [["", *loaders]]
+        for key in SHOWN[info["mode"]]:
+            if any(key in by_loader[n] for n in loaders):
+                rows.append([METRICS[key], *(_cell(by_loader[n].get(key), key) for n in loaders)])
+        lines += ["  " + row for row in _aligned(rows)]
+    failed = [r for r in result["runs"] if r.get("error")]
+    for r in failed:
+        lines.append(f"FAILED {r['scenario']} {r['loader']} repeat {r['repeat']}: {r['error']}")
+    return "\n".join(lines)
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+        f.write("\n")
+
+
+def plot_steps(result: dict[str, Any], scenario: str, path: str) -> None:
+    """Step wall times of every repeat, one panel per loader (the compute loop's bubbles)."""
+    runs = [r for r in result["runs"] if r["scenario"] == scenario and not r.get("error")]
+    loaders = [n for n in result["loaders"] if any(r["loader"] == n for r in runs)]
+    if not loaders:
+        return
+    fig, axes = plt.subplots(
+        len(loaders), 1, figsize=(10, 1.9 * len(loaders) + 0.8), sharex=True, sharey=True
+    )
+    axes = [axes] if len(loaders) == 1 else list(axes)
+    for ax, name in zip(axes, loaders, strict=True):
+        title = name
+        for r in (r for r in runs if r["loader"] == name):
+            ax.plot(r["step_ms"], lw=0.9, alpha=0.8, label=f"step, repeat {r['repeat']}")
+            if "busy_ms" in r:
+                ax.plot(r["busy_ms"], lw=0.7, ls="--", color="grey", alpha=0.7)
+        idle = result["summary"].get(scenario, {}).get(name, {}).get("idle_share")
+        if idle is not None:
+            title += f"  (GPU idle {idle['median'] * 100:.1f}%; dashed: GPU busy per step)"
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_ylabel("ms")
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("timed step")
+    fig.suptitle(f"{scenario}: wall time per step ({result['scenarios'][scenario]['mode']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_ratios(result: dict[str, Any], path: str) -> None:
+    """Bar charts of each headline metric's ratio to the baseline, per scenario."""
+    panels = []
+    for mode, key in HEADLINES:
+        groups = [
+            (s, result["summary"].get(s, {}))
+            for s, info in result["scenarios"].items()
+            if info["mode"] == mode
+        ]
+        groups = [(s, g) for s, g in groups if any(key in m for m in g.values())]
+        if groups:
+            panels.append((mode, key, groups))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 4))
+    axes = list(axes) if len(panels) > 1 else [axes]
+    loaders = result["loaders"]
+    width = 0.8 / max(1, len(loaders))
+    for ax, (mode, key, groups) in zip(axes, panels, strict=False):
+        for j, name in enumerate(loaders):
+            xs = [i + j * width for i in range(len(groups))]
+            ys = [(g.get(name, {}).get(key) or {}).get("ratio") or 0.0 for _, g in groups]
+            ax.bar(xs, ys, width, label=name)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([i + width * (len(loaders) - 1) / 2 for i in range(len(groups))])
+        ax.set_xticklabels([s.split("/")[0] for s, _ in groups], fontsize=8)
+        ax.set_title(f"{METRICS[key]} ({mode})", fontsize=9)
+        ax.set_ylabel(f"ratio to {result['baseline']}")
+        ax.grid(axis="y", alpha=0.3)
+    if not panels:
+        axes[0].text(0.5, 0.5, "no results", ha="center")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"pinpool bench: ratio to {result['baseline']} (median over repeats)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_all(result: dict[str, Any], out: str) -> list[str]:
+    """Writes results.json, table.txt and the PNGs into ``out``; returns their paths."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, "results.json"), os.path.join(out, "table.txt")]
+    write_json(result, paths[0])
+    with open(paths[1], "w") as f:
+        f.write(table(result) + "\n")
+    for scenario in result["scenarios"]:
+        path = os.path.join(out, f"steps-{scenario.replace('/', '-')}.png")
+        plot_steps(result, scenario, path)
+        paths.append(path)
+    paths.append(os.path.join(out, "ratios.png"))
+    plot_ratios(result, paths[-1])
+    return [p for p in paths if os.path.exists(p)]
