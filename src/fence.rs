@@ -1,116 +1,234 @@
 //! Fences: what keeps a released slot out of the free list until the GPU work that reads it
 //! has finished.
 //!
+//! A release does not call the driver: it moves the slot to `Fenced` and queues
+//! `(ticket, stream)`. Whoever retires fences next (the pool's fence thread, or a checkout that
+//! found no free slot) records **one** fence per stream for everything queued on it, then polls
+//! the fences in flight and frees the slots behind every completed one. Recording later than
+//! the release is safe: a stream runs in order, so a fence recorded later still comes after all
+//! the work queued before the release.
+//!
 //! Invariants:
-//! - Each slot has one fence ([`Fences`] is indexed by slot); it is recorded only while the
-//!   slot is `Fenced` by the release that recorded it, and polled only for tickets in the
-//!   pending list, which a ticket enters *after* its fence was recorded. So a fence left over
-//!   from an earlier checkout can never free a slot early.
-//! - A ticket leaves the pending list exactly when [`SlotTable::complete_fence`] is called for
-//!   it; a fence whose query fails (a dead context) counts as complete, and is counted.
+//! - A ticket is in exactly one place from its fenced release until its slot is free: the
+//!   queue, then one in-flight fence's list. It leaves only through
+//!   [`SlotTable::complete_fence`], after that fence has completed.
+//! - A fence that cannot be recorded (or queried) does not free its slots early: the tracker
+//!   first waits for the whole device ([`Fences::wait_all`]), then frees them, and counts the
+//!   error.
+//! - The stream handle of a release must stay valid until its fence is recorded (torch's
+//!   streams are never destroyed; a raw handle is the caller's promise).
 //! - The fence logic knows nothing of CUDA: [`CudaFences`] is one implementation, and tests use
 //!   [`ManualFences`], whose fences complete when the test says so.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::cuda::{Device, Event, StreamHandle};
 use crate::error::Result;
 use crate::slots::{SlotTable, Ticket};
 
-/// One fence per slot.
+/// Names one recorded fence.
+pub type FenceId = usize;
+
+/// Where fences come from.
 pub trait Fences: Send + Sync {
-    /// Records slot `index`'s fence after the work queued so far on `stream`.
-    fn record(&self, index: usize, stream: StreamHandle) -> Result<()>;
-    /// Whether slot `index`'s last recorded fence has completed.
-    fn is_complete(&self, index: usize) -> Result<bool>;
+    /// Records a fence after the work queued so far on `stream`.
+    fn record(&self, stream: StreamHandle) -> Result<FenceId>;
+    /// Whether fence `id` has completed.
+    fn is_complete(&self, id: FenceId) -> Result<bool>;
+    /// Fence `id` is no longer needed; its resources may be reused.
+    fn recycle(&self, id: FenceId);
+    /// Blocks until all work on the device has finished (the fallback when a fence fails).
+    fn wait_all(&self) -> Result<()>;
 }
 
 impl<F: Fences + ?Sized> Fences for Arc<F> {
-    fn record(&self, index: usize, stream: StreamHandle) -> Result<()> {
-        (**self).record(index, stream)
+    fn record(&self, stream: StreamHandle) -> Result<FenceId> {
+        (**self).record(stream)
     }
 
-    fn is_complete(&self, index: usize) -> Result<bool> {
-        (**self).is_complete(index)
+    fn is_complete(&self, id: FenceId) -> Result<bool> {
+        (**self).is_complete(id)
+    }
+
+    fn recycle(&self, id: FenceId) {
+        (**self).recycle(id)
+    }
+
+    fn wait_all(&self) -> Result<()> {
+        (**self).wait_all()
     }
 }
 
-/// CUDA events, one per slot, in the device's primary context.
+/// CUDA events in the device's primary context, reused through a free list.
 pub struct CudaFences {
-    events: Vec<Event>,
+    device: Arc<Device>,
+    events: Mutex<Slab<Event>>,
 }
 
 impl CudaFences {
-    /// Creates `n` events.
-    pub fn new(device: &Arc<Device>, n: usize) -> Result<Self> {
-        let events = (0..n).map(|_| device.new_event()).collect::<Result<Vec<_>>>()?;
-        Ok(CudaFences { events })
+    /// No events yet; they are made on first need and reused afterwards.
+    pub fn new(device: &Arc<Device>) -> Self {
+        CudaFences { device: Arc::clone(device), events: Mutex::new(Slab::default()) }
     }
 }
 
 impl Fences for CudaFences {
-    fn record(&self, index: usize, stream: StreamHandle) -> Result<()> {
-        self.events[index].record(stream)
+    fn record(&self, stream: StreamHandle) -> Result<FenceId> {
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let id = match events.take_free() {
+            Some(id) => id,
+            None => events.insert(self.device.new_event()?),
+        };
+        if let Err(e) = events.get(id).record(stream) {
+            events.release(id);
+            return Err(e);
+        }
+        Ok(id)
     }
 
-    fn is_complete(&self, index: usize) -> Result<bool> {
-        self.events[index].is_complete()
+    fn is_complete(&self, id: FenceId) -> Result<bool> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).get(id).is_complete()
+    }
+
+    fn recycle(&self, id: FenceId) {
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).release(id);
+    }
+
+    fn wait_all(&self) -> Result<()> {
+        self.device.synchronize()
+    }
+}
+
+/// Items that keep their index while in use, with a free list of indices to reuse.
+struct Slab<T> {
+    items: Vec<T>,
+    free: Vec<usize>,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Slab { items: Vec::new(), free: Vec::new() }
+    }
+}
+
+impl<T> Slab<T> {
+    fn take_free(&mut self) -> Option<usize> {
+        self.free.pop()
+    }
+
+    fn insert(&mut self, item: T) -> usize {
+        self.items.push(item);
+        self.items.len() - 1
+    }
+
+    fn get(&self, id: usize) -> &T {
+        &self.items[id]
+    }
+
+    fn release(&mut self, id: usize) {
+        if id < self.items.len() && !self.free.contains(&id) {
+            self.free.push(id);
+        }
     }
 }
 
 /// Fences that complete when told to: for tests and benchmarks without a GPU.
+#[derive(Default)]
 pub struct ManualFences {
-    done: Vec<AtomicBool>,
-    recorded_on: Vec<AtomicU64>,
+    fences: Mutex<Vec<(StreamHandle, bool)>>,
+    fail_records: std::sync::atomic::AtomicBool,
+    waits: AtomicU64,
 }
 
 impl ManualFences {
-    /// `n` fences.
-    pub fn new(n: usize) -> Self {
-        ManualFences {
-            done: (0..n).map(|_| AtomicBool::new(true)).collect(),
-            recorded_on: (0..n).map(|_| AtomicU64::new(0)).collect(),
+    /// No fences yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Completes every fence recorded so far on `stream`.
+    pub fn complete_stream(&self, stream: StreamHandle) {
+        for f in self.fences.lock().unwrap_or_else(|e| e.into_inner()).iter_mut() {
+            if f.0 == stream {
+                f.1 = true;
+            }
         }
     }
 
-    /// Completes slot `index`'s fence.
-    pub fn complete(&self, index: usize) {
-        self.done[index].store(true, Ordering::Release);
+    /// Completes every fence recorded so far.
+    pub fn complete_all(&self) {
+        for f in self.fences.lock().unwrap_or_else(|e| e.into_inner()).iter_mut() {
+            f.1 = true;
+        }
     }
 
-    /// The stream slot `index`'s fence was last recorded on.
-    pub fn stream_of(&self, index: usize) -> StreamHandle {
-        self.recorded_on[index].load(Ordering::Acquire) as StreamHandle
+    /// The streams of the fences recorded so far, and whether each has completed.
+    pub fn recorded(&self) -> Vec<(StreamHandle, bool)> {
+        self.fences.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Makes every later `record` fail (a bad stream, a dead context).
+    pub fn fail_records(&self, fail: bool) {
+        self.fail_records.store(fail, Ordering::Relaxed);
+    }
+
+    /// How often `wait_all` was called.
+    pub fn waits(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
     }
 }
 
 impl Fences for ManualFences {
-    fn record(&self, index: usize, stream: StreamHandle) -> Result<()> {
-        self.recorded_on[index].store(stream as u64, Ordering::Release);
-        self.done[index].store(false, Ordering::Release);
-        Ok(())
+    fn record(&self, stream: StreamHandle) -> Result<FenceId> {
+        if self.fail_records.load(Ordering::Relaxed) {
+            return Err(crate::Error::Invalid(format!("cannot record on stream {stream}")));
+        }
+        let mut fences = self.fences.lock().unwrap_or_else(|e| e.into_inner());
+        fences.push((stream, false));
+        Ok(fences.len() - 1)
     }
 
-    fn is_complete(&self, index: usize) -> Result<bool> {
-        Ok(self.done[index].load(Ordering::Acquire))
+    fn is_complete(&self, id: FenceId) -> Result<bool> {
+        Ok(self.fences.lock().unwrap_or_else(|e| e.into_inner()).get(id).is_none_or(|f| f.1))
     }
+
+    fn recycle(&self, _id: FenceId) {}
+
+    fn wait_all(&self) -> Result<()> {
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        self.complete_all();
+        Ok(())
+    }
+}
+
+/// One recorded fence and the slots waiting on it.
+struct InFlight {
+    fence: FenceId,
+    tickets: Vec<Ticket>,
 }
 
 /// The fences of one pool and the tickets waiting on them.
 pub struct FenceTracker {
     fences: Box<dyn Fences>,
-    pending: Mutex<Vec<Ticket>>,
+    /// Released, fence not recorded yet. Its own lock, so a release never waits on the driver.
+    queued: Mutex<Vec<(Ticket, StreamHandle)>>,
+    in_flight: Mutex<Vec<InFlight>>,
     errors: AtomicU64,
 }
 
 impl FenceTracker {
     /// Tracks the given fences.
     pub fn new(fences: Box<dyn Fences>) -> Self {
-        FenceTracker { fences, pending: Mutex::new(Vec::new()), errors: AtomicU64::new(0) }
+        FenceTracker {
+            fences,
+            queued: Mutex::new(Vec::new()),
+            in_flight: Mutex::new(Vec::new()),
+            errors: AtomicU64::new(0),
+        }
     }
 
-    /// Releases `ticket` behind a fence on `stream`. On error the slot stays checked out.
+    /// Releases `ticket` behind a fence on `stream` (recorded by the next retire).
     pub fn release_fenced(
         &self,
         table: &SlotTable,
@@ -118,43 +236,81 @@ impl FenceTracker {
         stream: StreamHandle,
     ) -> Result<()> {
         table.release(ticket, true)?;
-        if let Err(e) = self.fences.record(ticket.index as usize, stream) {
-            table.unfence(ticket);
-            return Err(e);
-        }
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).push(ticket);
+        self.queued.lock().unwrap_or_else(|e| e.into_inner()).push((ticket, stream));
         Ok(())
     }
 
-    /// Frees every pending slot whose fence has completed; returns how many.
+    /// Records fences for what is queued, then frees every slot whose fence has completed;
+    /// returns how many slots it freed.
     pub fn retire_ready(&self, table: &SlotTable) -> usize {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let before = pending.len();
-        pending.retain(|&ticket| {
-            let done = match self.fences.is_complete(ticket.index as usize) {
-                Ok(done) => done,
-                Err(_) => {
-                    self.errors.fetch_add(1, Ordering::Relaxed);
-                    true
-                }
-            };
-            if done {
-                table.complete_fence(ticket);
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        let queued = std::mem::take(&mut *self.queued.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut freed = 0;
+        for (stream, tickets) in group_by_stream(queued) {
+            match self.fences.record(stream) {
+                Ok(fence) => in_flight.push(InFlight { fence, tickets }),
+                Err(_) => freed += self.give_up(table, &tickets),
             }
-            !done
+        }
+        let mut failed = Vec::new();
+        in_flight.retain(|f| match self.fences.is_complete(f.fence) {
+            Ok(false) => true,
+            Ok(true) => {
+                for &t in &f.tickets {
+                    freed += usize::from(table.complete_fence(t));
+                }
+                self.fences.recycle(f.fence);
+                false
+            }
+            Err(_) => {
+                failed.extend_from_slice(&f.tickets);
+                self.fences.recycle(f.fence);
+                false
+            }
         });
-        before - pending.len()
+        if !failed.is_empty() {
+            freed += self.give_up(table, &failed);
+        }
+        freed
     }
 
-    /// How many tickets wait on their fence.
+    /// A fence failed: wait for the whole device instead, then free the slots.
+    fn give_up(&self, table: &SlotTable, tickets: &[Ticket]) -> usize {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        // If even that fails the context is dead, and no GPU work can read the slots any more.
+        let _ = self.fences.wait_all();
+        tickets.iter().map(|&t| usize::from(table.complete_fence(t))).sum()
+    }
+
+    /// How many tickets wait on a fence (queued or in flight).
     pub fn pending(&self) -> usize {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
+        let queued = self.queued.lock().unwrap_or_else(|e| e.into_inner()).len();
+        let in_flight: usize = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|f| f.tickets.len())
+            .sum();
+        queued + in_flight
     }
 
-    /// How many fence queries failed (and were treated as complete).
+    /// How many fences failed to record or query (their slots were freed after a device
+    /// wait).
     pub fn errors(&self) -> u64 {
         self.errors.load(Ordering::Relaxed)
     }
+}
+
+fn group_by_stream(queued: Vec<(Ticket, StreamHandle)>) -> Vec<(StreamHandle, Vec<Ticket>)> {
+    let mut groups: Vec<(StreamHandle, Vec<Ticket>)> = Vec::new();
+    for (ticket, stream) in queued {
+        match groups.iter_mut().find(|g| g.0 == stream) {
+            Some(g) => g.1.push(ticket),
+            None => groups.push((stream, vec![ticket])),
+        }
+    }
+    groups
 }
 
 #[cfg(test)]
@@ -162,7 +318,7 @@ mod tests {
     use super::*;
 
     fn setup(n: usize) -> (SlotTable, FenceTracker, Arc<ManualFences>) {
-        let manual = Arc::new(ManualFences::new(n));
+        let manual = Arc::new(ManualFences::new());
         let tracker = FenceTracker::new(Box::new(Arc::clone(&manual)));
         (SlotTable::new(n).unwrap(), tracker, manual)
     }
@@ -172,22 +328,47 @@ mod tests {
         let (table, tracker, manual) = setup(1);
         let t = table.try_checkout().unwrap();
         tracker.release_fenced(&table, t, 77).unwrap();
-        assert_eq!(manual.stream_of(0), 77);
+        assert!(manual.recorded().is_empty(), "a release does not touch the driver");
         assert_eq!(tracker.retire_ready(&table), 0);
+        assert_eq!(manual.recorded(), vec![(77, false)]);
         assert!(table.try_checkout().is_none());
-        manual.complete(0);
+        manual.complete_stream(77);
         assert_eq!(tracker.retire_ready(&table), 1);
         assert_eq!(tracker.pending(), 0);
         assert!(table.try_checkout().is_some());
     }
 
     #[test]
-    fn double_fenced_release_does_not_touch_the_pending_fence() {
-        let (table, tracker, manual) = setup(1);
+    fn one_fence_per_stream_per_round() {
+        let (table, tracker, manual) = setup(4);
+        let ts: Vec<_> = (0..4).map(|_| table.try_checkout().unwrap()).collect();
+        for (i, &t) in ts.iter().enumerate() {
+            tracker.release_fenced(&table, t, 10 + i % 2).unwrap();
+        }
+        assert_eq!(tracker.retire_ready(&table), 0);
+        assert_eq!(manual.recorded().len(), 2);
+        manual.complete_stream(11);
+        assert_eq!(tracker.retire_ready(&table), 2);
+        assert_eq!(tracker.pending(), 2);
+    }
+
+    #[test]
+    fn double_fenced_release_is_refused() {
+        let (table, tracker, _manual) = setup(1);
         let t = table.try_checkout().unwrap();
         tracker.release_fenced(&table, t, 1).unwrap();
         assert!(tracker.release_fenced(&table, t, 2).is_err());
-        assert_eq!(manual.stream_of(0), 1, "the refused release must not re-record the fence");
         assert_eq!(tracker.pending(), 1);
+    }
+
+    #[test]
+    fn a_fence_that_cannot_be_recorded_waits_for_the_device() {
+        let (table, tracker, manual) = setup(1);
+        let t = table.try_checkout().unwrap();
+        tracker.release_fenced(&table, t, 5).unwrap();
+        manual.fail_records(true);
+        assert_eq!(tracker.retire_ready(&table), 1);
+        assert_eq!(manual.waits(), 1);
+        assert_eq!(tracker.errors(), 1);
     }
 }

@@ -6,8 +6,9 @@
 //! - A slot is written or read through this module only while its ticket is live
 //!   ([`SlotTable::is_live`]); every range copied in is checked against the source mapping and
 //!   the slot first, so no copy reads or writes outside either.
-//! - On a CUDA backend a release with a stream goes through the fence tracker; a background
-//!   thread (and any waiting checkout) retires fences as they complete. A slot with a pending
+//! - On a CUDA backend a release with a stream goes through the fence tracker (it only queues:
+//!   no driver call on the releasing thread); a background thread (and any checkout that finds
+//!   no free slot) records the fences and retires them as they complete. A slot with a pending
 //!   fence is never handed out.
 //! - The arena outlives every user: tickets are only usable through an `Arc<Pool>`, and
 //!   dropping the last one first waits for pending fences, then frees the arena (or, if a
@@ -18,7 +19,7 @@
 use std::mem::ManuallyDrop;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::arena::{Arena, Backend, Residency};
@@ -101,7 +102,9 @@ pub struct Pool {
     copier: Copier,
     reclaimer: Reclaimer,
     counters: Counters,
-    retirer: Mutex<Option<std::thread::Thread>>,
+    retirer: OnceLock<std::thread::Thread>,
+    /// Set while the fence thread sleeps with nothing to do: only then does a release wake it.
+    retirer_idle: AtomicBool,
     stopping: AtomicBool,
     /// Retired segments still borrowed by a copy; handed to the reclaimer once free.
     lingering: Mutex<Vec<Arc<Mapping>>>,
@@ -126,10 +129,7 @@ impl Pool {
         })?;
         let table = SlotTable::new(config.num_slots)?;
         let arena = Arena::new(arena_len, config.device, config.backend, config.copy_threads)?;
-        let fences = match arena.device() {
-            Some(device) => Some(Box::new(CudaFences::new(device, config.num_slots)?) as _),
-            None => None,
-        };
+        let fences = arena.device().map(|device| Box::new(CudaFences::new(device)) as _);
         Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)
     }
 
@@ -167,7 +167,8 @@ impl Pool {
             copier: Copier::new(copy_threads)?,
             reclaimer: Reclaimer::start()?,
             counters: Counters::default(),
-            retirer: Mutex::new(None),
+            retirer: OnceLock::new(),
+            retirer_idle: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             lingering: Mutex::new(Vec::new()),
         });
@@ -177,7 +178,7 @@ impl Pool {
                 .name("pinpool-fences".into())
                 .spawn(move || retire_loop(weak))
                 .map_err(|e| Error::Invalid(format!("cannot start the fence thread: {e}")))?;
-            *pool.retirer.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle.thread().clone());
+            let _ = pool.retirer.set(handle.thread().clone());
         }
         Ok(pool)
     }
@@ -296,8 +297,10 @@ impl Pool {
         match (&self.fences, stream) {
             (Some(f), Some(stream)) => {
                 f.release_fenced(&self.table, ticket, stream)?;
-                if let Some(t) = &*self.retirer.lock().unwrap_or_else(|e| e.into_inner()) {
-                    t.unpark();
+                if self.retirer_idle.swap(false, Ordering::AcqRel) {
+                    if let Some(t) = self.retirer.get() {
+                        t.unpark();
+                    }
                 }
             }
             _ => self.table.release(ticket, false)?,
@@ -450,20 +453,23 @@ fn retire_loop(pool: Weak<Pool>) {
     const MAX_NAP: Duration = Duration::from_millis(1);
     let mut nap = MIN_NAP;
     loop {
-        let pending = {
+        let idle = {
             let Some(pool) = pool.upgrade() else { return };
             if pool.stopping.load(Ordering::Acquire) {
                 return;
             }
             let retired = pool.retire_fences();
             nap = if retired > 0 { MIN_NAP } else { (nap * 2).min(MAX_NAP) };
-            pool.fences.as_ref().map_or(0, FenceTracker::pending)
+            let pending = || pool.fences.as_ref().map_or(0, FenceTracker::pending);
+            // Announce the idle sleep first, then look again, so no release slips between.
+            pool.retirer_idle.store(pending() == 0, Ordering::SeqCst);
+            pool.retirer_idle.load(Ordering::SeqCst) && pending() == 0
         };
-        if pending > 0 {
-            std::thread::park_timeout(nap);
-        } else {
+        if idle {
             nap = MIN_NAP;
-            std::thread::park_timeout(Duration::from_millis(20));
+            std::thread::park_timeout(Duration::from_millis(50));
+        } else {
+            std::thread::park_timeout(nap);
         }
     }
 }
@@ -551,23 +557,13 @@ mod tests {
 
     #[test]
     fn fenced_release_is_retired_by_the_background_thread() {
-        let fences = Arc::new(ManualFences::new(1));
-        struct Shared(Arc<ManualFences>);
-        impl Fences for Shared {
-            fn record(&self, i: usize, s: StreamHandle) -> Result<()> {
-                self.0.record(i, s)
-            }
-            fn is_complete(&self, i: usize) -> Result<bool> {
-                self.0.is_complete(i)
-            }
-        }
-        let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(Shared(fences.clone())))
-            .unwrap();
+        let fences = Arc::new(ManualFences::new());
+        let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
         let t = pool.checkout(None).unwrap();
         pool.release(t, Some(5)).unwrap();
         assert_eq!(pool.try_checkout().unwrap(), None);
         assert_eq!(pool.stats().slots.fenced, 1);
-        fences.complete(0);
+        fences.complete_stream(5);
         let deadline = Instant::now() + Duration::from_secs(5);
         while pool.stats().slots.free == 0 {
             assert!(Instant::now() < deadline, "the fence thread never retired the slot");
