@@ -91,6 +91,31 @@ pub struct Arena {
     backend: Backend,
     residency: Residency,
     notes: Vec<String>,
+    timings: Vec<(&'static str, f64)>,
+}
+
+/// Runs `f`, appending its duration in seconds to `timings` under `name`.
+fn timed<T>(
+    timings: &mut Vec<(&'static str, f64)>,
+    name: &'static str,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let start = std::time::Instant::now();
+    let out = f()?;
+    timings.push((name, start.elapsed().as_secs_f64()));
+    Ok(out)
+}
+
+/// A memfd mapping of `len` bytes, every page faulted in by `threads` threads.
+fn populated_memfd(
+    len: usize,
+    threads: usize,
+    timings: &mut Vec<(&'static str, f64)>,
+) -> Result<Mapping> {
+    let map = timed(timings, "map", || Mapping::memfd("pinpool-arena", len))?;
+    map.advise_huge_pages();
+    timed(timings, "populate", || map.populate(threads))?;
+    Ok(map)
 }
 
 // SAFETY: the arena is plain memory plus driver handles (thread-safe); access to its bytes is
@@ -112,6 +137,7 @@ impl std::fmt::Debug for Arena {
 impl Arena {
     /// Allocates `len` bytes. `device = None` means no CUDA; `backend = None` means choose:
     /// the CUDA default when a device is usable, else host memory (with a note saying why).
+    /// `threads` fault the pages in, in parallel.
     pub fn new(
         len: usize,
         device: Option<usize>,
@@ -122,6 +148,7 @@ impl Arena {
             return Err(Error::Invalid("the arena needs at least one byte".into()));
         }
         let mut notes = Vec::new();
+        let mut timings = Vec::new();
         let backend = match (backend, device) {
             (Some(Backend::Host), _) => Backend::Host,
             (Some(b), None) => {
@@ -151,33 +178,35 @@ impl Arena {
         };
         match backend {
             Backend::CudaHostAlloc => {
-                let device = Device::open(device.unwrap_or(0))?;
-                let ptr = device.host_alloc(len)?;
+                let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
+                let ptr = timed(&mut timings, "cuMemHostAlloc", || device.host_alloc(len))?;
                 Ok(Arena {
                     storage: Storage::HostAlloc { ptr, device },
                     len,
                     backend,
                     residency: Residency::Pinned,
                     notes,
+                    timings,
                 })
             }
             Backend::CudaRegister => {
-                let device = Device::open(device.unwrap_or(0))?;
-                let map = Mapping::memfd("pinpool-arena", len)?;
-                map.populate(threads)?;
+                let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
+                let map = populated_memfd(len, threads, &mut timings)?;
                 // SAFETY: `map` stays mapped until the arena drops, where we unregister first.
-                unsafe { device.host_register(map.as_ptr(), len)? };
+                timed(&mut timings, "cuMemHostRegister", || unsafe {
+                    device.host_register(map.as_ptr(), len)
+                })?;
                 Ok(Arena {
                     storage: Storage::Registered { map, device },
                     len,
                     backend,
                     residency: Residency::Pinned,
                     notes,
+                    timings,
                 })
             }
             Backend::Host => {
-                let map = Mapping::memfd("pinpool-arena", len)?;
-                map.populate(threads)?;
+                let map = populated_memfd(len, threads, &mut timings)?;
                 let residency = match map.lock() {
                     Ok(()) => Residency::Locked,
                     Err(e) => {
@@ -188,7 +217,14 @@ impl Arena {
                         Residency::Pageable
                     }
                 };
-                Ok(Arena { storage: Storage::Host { map }, len, backend, residency, notes })
+                Ok(Arena {
+                    storage: Storage::Host { map },
+                    len,
+                    backend,
+                    residency,
+                    notes,
+                    timings,
+                })
             }
         }
     }
@@ -224,6 +260,12 @@ impl Arena {
     /// Why the arena differs from what was asked, if it does.
     pub fn notes(&self) -> &[String] {
         &self.notes
+    }
+
+    /// How long each start-up step took, in seconds (`map`, `populate`, `cuMemHostRegister`,
+    /// `cuMemHostAlloc`, `device`).
+    pub fn timings(&self) -> &[(&'static str, f64)] {
+        &self.timings
     }
 
     /// The CUDA device, on a CUDA backend.

@@ -42,7 +42,7 @@ pub struct PoolConfig {
     pub device: Option<usize>,
     /// Backend, or `None` to choose.
     pub backend: Option<Backend>,
-    /// Threads for copies and for pre-faulting the arena.
+    /// Threads for copies.
     pub copy_threads: usize,
 }
 
@@ -128,7 +128,7 @@ impl Pool {
             Error::Invalid("slot_bytes * num_slots overflows the address space".into())
         })?;
         let table = SlotTable::new(config.num_slots)?;
-        let arena = Arena::new(arena_len, config.device, config.backend, config.copy_threads)?;
+        let arena = Arena::new(arena_len, config.device, config.backend, fault_threads())?;
         let fences = arena.device().map(|device| Box::new(CudaFences::new(device)) as _);
         Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)
     }
@@ -140,7 +140,7 @@ impl Pool {
             .checked_mul(config.num_slots)
             .ok_or_else(|| Error::Invalid("slot_bytes * num_slots overflows".into()))?;
         let table = SlotTable::new(config.num_slots)?;
-        let arena = Arena::new(arena_len, None, Some(Backend::Host), config.copy_threads)?;
+        let arena = Arena::new(arena_len, None, Some(Backend::Host), fault_threads())?;
         Self::assemble(arena, slot_bytes, table, Some(fences), config.copy_threads)
     }
 
@@ -420,6 +420,11 @@ impl Pool {
             fence_errors: self.fences.as_ref().map_or(0, FenceTracker::errors),
         }
     }
+}
+
+/// Threads that fault a new arena in: every core (this happens once, at start-up).
+fn fault_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get())
 }
 
 /// Checks copy ranges: sources inside `src_len`, destinations inside `dst_len`, destinations

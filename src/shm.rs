@@ -172,6 +172,13 @@ impl Mapping {
         }
     }
 
+    /// Asks for transparent huge pages (a hint: ignored where shared-memory THP is off).
+    pub fn advise_huge_pages(&self) {
+        // SAFETY: the range is a live mapping owned by self; MADV_HUGEPAGE only changes how
+        // the kernel backs it, never its contents.
+        unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE) };
+    }
+
     /// `mlock`s the whole mapping.
     pub fn lock(&self) -> Result<()> {
         // SAFETY: the range is a live mapping owned by self.

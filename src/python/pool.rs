@@ -29,6 +29,7 @@ pub struct PyPinPool {
     num_slots: usize,
     copy_threads: usize,
     notes: Vec<String>,
+    startup: Vec<(&'static str, f64)>,
 }
 
 /// A `device=` argument: an ordinal, a name ("cpu", "cuda", "cuda:N"), or a `torch.device`.
@@ -147,6 +148,7 @@ impl PyPinPool {
                 num_slots: pool.num_slots(),
                 copy_threads: pool.copy_threads(),
                 notes,
+                startup: pool.arena().timings().to_vec(),
                 last_stats: Mutex::new(Stats::default()),
                 weak: Arc::downgrade(&pool),
                 pool: Mutex::new(Some(pool)),
@@ -326,6 +328,16 @@ impl PyPinPool {
     #[getter]
     fn copy_threads(&self) -> usize {
         self.copy_threads
+    }
+
+    /// Seconds each start-up step took (`populate`, `cuMemHostRegister`, ...).
+    #[getter]
+    fn startup<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, secs) in &self.startup {
+            d.set_item(*name, *secs)?;
+        }
+        Ok(d)
     }
 
     /// Why the pool differs from what was asked (e.g. no CUDA, memory not locked).
