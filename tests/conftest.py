@@ -11,8 +11,9 @@ import gc
 import os
 from collections.abc import Callable, Iterator
 
-import pinpool
 import pytest
+
+import pinpool
 
 
 def open_fd_count() -> int:

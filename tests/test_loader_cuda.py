@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import gc
 
-import pinpool
 import pytest
 import torch
 from loader_gpu_datasets import Images, Mixed
+
+import pinpool
 
 pytestmark = pytest.mark.cuda
 

@@ -11,9 +11,10 @@ import time
 import weakref
 
 import numpy as np
-import pinpool
 import pytest
 import torch
+
+import pinpool
 from pinpool import (
     BatchTooLarge,
     CudaError,

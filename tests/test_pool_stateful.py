@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pinpool
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -31,6 +30,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
+import pinpool
 from pinpool import PoolExhausted, SlotReleased
 
 NUM_SLOTS = 3

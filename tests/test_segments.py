@@ -11,8 +11,9 @@ import threading
 import time
 
 import numpy as np
-import pinpool
 import pytest
+
+import pinpool
 from pinpool import BatchTooLarge, InvalidArgument, OutOfBounds, PinPoolError, PoolClosed
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
 
