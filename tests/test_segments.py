@@ -467,7 +467,7 @@ def test_segment_cache_rejects_corrupt_input(make_pool, fd_count) -> None:
             insert(cache, (1, 1), ws, fd=os.dup(plain), total_len=3 * PAGE, nonce=0)
         # A memfd that holds garbage where the header should be.
         os.pwrite(plain, b"PINPSEG0" + bytes(56), 0)
-        with pytest.raises(InvalidArgument, match="header|sealed"):
+        with pytest.raises(InvalidArgument, match=r"header|sealed"):
             insert(cache, (1, 1), ws, fd=os.dup(plain), total_len=3 * PAGE, nonce=0)
         # The right segment under a wrong length: a capacity mismatch, or past the file.
         with pytest.raises(InvalidArgument):
