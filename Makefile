@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 .PHONY: demo test build lint rust-test py-test bench wheel clean
 
 demo: build
-	$(PY) -m pinpool.bench
+	$(PY) -m pinpool.bench --out demo-results
 
 test: lint rust-test py-test
 

@@ -30,34 +30,16 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _preset(*values: Any) -> dict[str, Any]:
+    keys = ("batch_size", "shape", "workers", "steps", "warmup", "repeats", "big_batch_mib")
+    return dict(zip(keys, values, strict=True))
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    "gpu": {
-        "batch_size": 256,
-        "shape": (3, 224, 224),
-        "workers": min(8, cpu_count()),
-        "steps": 150,
-        "warmup": 10,
-        "repeats": 3,
-        "big_batch_mib": 256,
-    },
-    "cpu": {
-        "batch_size": 64,
-        "shape": (3, 128, 128),
-        "workers": 2,
-        "steps": 60,
-        "warmup": 5,
-        "repeats": 3,
-        "big_batch_mib": 64,
-    },
-    "quick": {
-        "batch_size": 32,
-        "shape": (3, 64, 64),
-        "workers": 2,
-        "steps": 20,
-        "warmup": 3,
-        "repeats": 2,
-        "big_batch_mib": 16,
-    },
+    # batch size, image shape, workers, steps, warm-up (at least), repeats, big batch MiB
+    "gpu": _preset(256, (3, 224, 224), min(8, cpu_count()), 150, 10, 3, 256),
+    "cpu": _preset(64, (3, 128, 128), 2, 400, 5, 3, 64),
+    "quick": _preset(32, (3, 64, 64), 2, 60, 3, 2, 16),
 }
 
 #: Items per batch in the stall scenario; each item is big_batch_mib / STALL_ITEMS.
@@ -78,6 +60,7 @@ class Config:
     workers: int
     steps: int
     warmup: int
+    stall_warmup: int
     prefetch_factor: int
     compute_ms: float
     repeats: int
@@ -111,15 +94,27 @@ def parser() -> argparse.ArgumentParser:
     add("--workload", nargs="+", help=f"one or more of {', '.join(WORKLOADS)} (synthetic)")
     add("--modes", nargs="+", help=f"measurements to run: {', '.join(MODES)} (all)")
     add("--loaders", nargs="+", help=f"loaders to compare: {', '.join(loader_names)} (all)")
-    add("--batch-size", type=int, help="items per batch (gpu preset: 256)")
-    add("--shape", help="image shape, e.g. 3,224,224 (gpu preset)")
-    add("--workers", type=int, help="DataLoader workers (gpu preset: min(8, CPUs))")
-    add("--steps", type=int, help="batches per measured run")
-    add("--warmup", type=int, help="batches before the timed window of each run")
+
+    def preset(key: str) -> str:
+        values = [PRESETS[p][key] for p in ("gpu", "cpu", "quick")]
+        if key == "shape":
+            values = [",".join(map(str, v)) for v in values]
+        return f"(gpu / cpu / --quick preset: {' / '.join(map(str, values))})"
+
+    add("--batch-size", type=int, help=f"items per batch {preset('batch_size')}")
+    add("--shape", help=f"image shape {preset('shape')}")
+    add("--workers", type=int, help=f"DataLoader workers {preset('workers')}")
+    add("--steps", type=int, help=f"batches per measured run {preset('steps')}")
+    add(
+        "--warmup",
+        type=int,
+        help=f"batches before each timed window; default: the preset's {preset('warmup')} "
+        "or workers x (prefetch + 2) if more, so every buffer a loader cycles through is used",
+    )
     add("--prefetch-factor", type=int, default=2, help="batches in flight per worker (2)")
     add("--compute-ms", type=float, default=30.0, help="GPU work per step, compute loop (30)")
-    add("--repeats", type=int, help="runs of each loader, alternating (3)")
-    add("--big-batch-mib", type=int, help="batch size of the stall scenario in MiB (256)")
+    add("--repeats", type=int, help=f"runs of each loader, alternating {preset('repeats')}")
+    add("--big-batch-mib", type=int, help=f"stall scenario batch in MiB {preset('big_batch_mib')}")
     add("--device", default="cuda", help="CUDA device to copy to (cuda)")
     add("--data-dir", help="where the memmap file is made (a dir under the temp dir)")
     add("--out", help="output dir (benchmarks/results/<date>-<host>/)")
@@ -139,6 +134,10 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
 
     shape = tuple(int(d) for d in args.shape.split(",")) if args.shape else base["shape"]
     workers = pick("workers")
+    stall_workers = min(2, workers)
+    cycle = args.prefetch_factor + 2  # buffers a worker cycles through, give or take
+    warmup = args.warmup if args.warmup is not None else max(base["warmup"], workers * cycle)
+    stall_warmup = args.warmup if args.warmup is not None else max(3, stall_workers * cycle)
     steps = pick("steps")
     big = pick("big_batch_mib")
     # Stall scenario: STALL_ITEMS images of shape (3, s, s) adding up to about big MiB.
@@ -158,14 +157,15 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         shape=shape,
         workers=workers,
         steps=steps,
-        warmup=pick("warmup"),
+        warmup=warmup,
+        stall_warmup=stall_warmup,
         prefetch_factor=args.prefetch_factor,
         compute_ms=args.compute_ms,
         repeats=pick("repeats"),
         big_batch_mib=big,
         stall_shape=(3, side, side),
         stall_steps=max(4, steps // 10),
-        stall_workers=min(2, workers),
+        stall_workers=stall_workers,
         data_dir=args.data_dir or os.path.join(tempfile.gettempdir(), "pinpool-bench"),
         out=out,
     )

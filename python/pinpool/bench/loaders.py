@@ -4,7 +4,8 @@ A loader is one line in :data:`LOADERS`: its name, its class, the keyword argume
 it apart, and how the consumer moves its batches (``"to"``: ``.to(device)``; ``"to_async"``:
 ``.to(device, non_blocking=True)``; ``"none"``: the batch is already there). A loader whose
 constructor rejects one of its keyword arguments (a feature this pinpool build does not have
-yet) is skipped with a note, as is one that needs CUDA on a machine without it.
+yet) is skipped with a note, as is one that needs CUDA on a machine without it. On such a
+machine :data:`DEVICE` stands for None (pinned CPU batches).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.utils.data
 
 from .workloads import move
 
-#: Stands for the run's CUDA device in a loader's keyword arguments.
+#: Stands for the run's CUDA device (None on a host-only run) in a loader's keyword arguments.
 DEVICE = "<device>"
 
 
@@ -39,7 +40,7 @@ LOADERS: tuple[LoaderSpec, ...] = (
     LoaderSpec("torch-pinned", "torch", {"pin_memory": True}, "to_async"),
     LoaderSpec("pinpool", "pinpool", {"device": None}, "to_async"),
     LoaderSpec("pinpool-device", "pinpool", {"device": DEVICE}, "none", needs_cuda=True),
-    LoaderSpec("pinpool-zerocopy", "pinpool", {"device": DEVICE, "zero_copy": True}, "none", True),
+    LoaderSpec("pinpool-zerocopy", "pinpool", {"device": DEVICE, "zero_copy": True}, "none"),
 )
 
 #: Ratios are medians divided by this loader's median in the same scenario.
@@ -72,7 +73,7 @@ def build(
         cls: type[torch.utils.data.DataLoader[Any]] = pinpool.DataLoader
     else:
         cls = torch.utils.data.DataLoader
-    kwargs = {k: (device if v == DEVICE else v) for k, v in spec.kwargs.items()}
+    kwargs: dict[str, Any] = {k: (device if v == DEVICE else v) for k, v in spec.kwargs.items()}
     try:
         return cls(
             dataset,

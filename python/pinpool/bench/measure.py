@@ -77,16 +77,19 @@ class ComputeWork:
         # Scaled so that x @ w keeps the size of x: long chains neither overflow nor vanish.
         self.w = torch.randn(n, n, device=device, generator=gen) / math.sqrt(n)
         self.x = torch.randn(n, n, device=device, generator=gen)
+        one = torch.ones((), device=device)
         self.iters = 10
-        self._chain(torch.ones((), device=device))  # warm-up: kernels, cuBLAS handles
-        per_matmul = self._timed(lambda: self._chain(torch.ones((), device=device))) / 10
+        self._chain(one)  # warm-up: kernels, cuBLAS workspace
+        per_matmul = self._timed(lambda: self._chain(one)) / self.iters
         self.iters = max(1, round(target_ms / per_matmul))
+        first = self._timed(lambda: self._chain(one))
+        self.iters = max(1, round(self.iters * target_ms / first))  # one correction
         self.calibration = {
             "target_ms": target_ms,
             "matmul_n": n,
             "matmul_ms": per_matmul,
             "matmuls_per_step": self.iters,
-            "chain_ms": self._timed(lambda: self._chain(torch.ones((), device=device))),
+            "chain_ms": self._timed(lambda: self._chain(one)),
         }
 
     def _chain(self, scale: torch.Tensor) -> torch.Tensor:
@@ -114,16 +117,18 @@ class ComputeWork:
 
 
 @dataclass
-class RunPlan:
-    """What one run does."""
+class Scenario:
+    """What every run of one scenario does (saved as the JSON's ``scenarios`` entries)."""
 
+    workload: str
     mode: str  # "throughput", "compute" or "stall"
     batch_size: int
+    shape: tuple[int, ...]
     workers: int
     prefetch_factor: int
     warmup: int
     steps: int
-    device: torch.device | None
+    description: str = "not run"
 
 
 def _sync(device: torch.device | None) -> None:
@@ -184,10 +189,13 @@ def _step(
 
 
 def run_once(
-    spec: LoaderSpec, dataset: Any, plan: RunPlan, work: ComputeWork | None
+    spec: LoaderSpec,
+    dataset: Any,
+    plan: Scenario,
+    device: torch.device | None,
+    work: ComputeWork | None,
 ) -> dict[str, Any]:
-    """Makes a fresh loader for ``spec``, runs ``plan`` and returns the figures."""
-    device = plan.device
+    """Makes a fresh loader for ``spec``, runs one repeat of ``plan``, returns the figures."""
     reset_host_pinned()
     loader = build(
         spec,

@@ -74,8 +74,7 @@ def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
 def _num(v: float | None, key: str = "") -> str:
     if v is None:
         return "-"
-    if key == "idle_share":
-        return f"{v * 100:.1f}%"
+    v = v * 100 if key == "idle_share" else v  # a share, shown in percent
     a = abs(v)
     return f"{v:.0f}" if a >= 100 else f"{v:.1f}" if a >= 10 else f"{v:.2f}"
 
@@ -83,7 +82,8 @@ def _num(v: float | None, key: str = "") -> str:
 def _cell(m: dict[str, Any] | None, key: str) -> str:
     if m is None:
         return "-"
-    text = f"{_num(m['median'], key)} [{_num(m['min'], key)}..{_num(m['max'], key)}]"
+    pct = "%" if key == "idle_share" else ""
+    text = f"{_num(m['median'], key)}{pct} [{_num(m['min'], key)}..{_num(m['max'], key)}]"
     return text if m["ratio"] is None else f"{text} x{m['ratio']:.2f}"
 
 
@@ -144,7 +144,9 @@ def plot_steps(result: dict[str, Any], scenario: str, path: str) -> None:
                 ax.plot(r["busy_ms"], lw=0.7, ls="--", color="grey", alpha=0.7)
         idle = result["summary"].get(scenario, {}).get(name, {}).get("idle_share")
         if idle is not None:
-            title += f"  (GPU idle {idle['median'] * 100:.1f}%; dashed: GPU busy per step)"
+            title += f"  (GPU idle {idle['median'] * 100:.1f}%; dashed: GPU busy, dotted: target)"
+        if result["scenarios"][scenario]["mode"] == "compute":
+            ax.axhline(result["config"]["compute_ms"], color="black", lw=0.6, ls=":")
         ax.set_title(title, fontsize=9, loc="left")
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
@@ -175,7 +177,10 @@ def plot_ratios(result: dict[str, Any], path: str) -> None:
         for j, name in enumerate(loaders):
             xs = [i + j * width for i in range(len(groups))]
             ys = [(g.get(name, {}).get(key) or {}).get("ratio") or 0.0 for _, g in groups]
-            ax.bar(xs, ys, width, label=name)
+            bars = ax.bar(xs, ys, width, label=name)
+            labels = [f"{y:.2f}" if y else "" for y in ys]
+            crowded = len(groups) * len(loaders) > 12
+            ax.bar_label(bars, labels=labels, fontsize=7, rotation=90 if crowded else 0, padding=2)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks([i + width * (len(loaders) - 1) / 2 for i in range(len(groups))])
         ax.set_xticklabels([s.split("/")[0] for s, _ in groups], fontsize=8)

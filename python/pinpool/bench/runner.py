@@ -27,8 +27,8 @@ from tqdm import tqdm
 import pinpool
 
 from .cli import STALL_ITEMS, Config, cpu_count, resolve
-from .loaders import BASELINE, LoaderSpec, Unsupported, check, spec_named
-from .measure import ComputeWork, RunPlan, run_once
+from .loaders import BASELINE, LoaderSpec, check, spec_named
+from .measure import ComputeWork, Scenario, run_once
 from .report import summarize, table, write_all
 from .workloads import batch_nbytes, make_dataset
 
@@ -37,14 +37,12 @@ def machine(cfg: Config, argv: list[str]) -> dict[str, Any]:
     """What ran where: versions, CPUs, the GPU, the date, the exact command line."""
     cuda = cfg.device is not None
     name = torch.cuda.get_device_name(cfg.device) if cuda else None
-    cpus = cpu_count()
-    if cuda:
-        path = f"host -> {cfg.device} ({name}): batches are copied to the GPU"
-    else:
-        path = (
-            "HOST-ONLY: torch sees no CUDA device, so batches are not copied to a GPU and the "
-            "compute loop is skipped; throughput = batches delivered to the consumer"
-        )
+    path = (
+        f"host -> {cfg.device} ({name}): batches are copied to the GPU"
+        if cuda
+        else "HOST-ONLY: torch sees no CUDA device, so batches are not copied to a GPU and the "
+        "compute loop is skipped; throughput = batches delivered to the consumer"
+    )
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, "-m", "pinpool.bench", *argv]),
@@ -52,68 +50,116 @@ def machine(cfg: Config, argv: list[str]) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "numpy": np.__version__,
-        "pinpool": pinpool.__version__,
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "numpy": np.__version__,
+            "pinpool": pinpool.__version__,
+        },
         "cpu_count": os.cpu_count(),
-        "cpus_usable": cpus,
+        "cpus_usable": cpu_count(),
         "start_method": multiprocessing.get_start_method(),
-        "cuda_available": cuda,
         "host_only": not cuda,
         "device": cfg.device,
         "device_name": name,
-        "pinpool_cuda_available": pinpool.cuda_available(),
         "path": path,
-        "machine": f"torch {torch.__version__}; {cpus} CPUs; preset {cfg.preset}; "
+        "machine": f"torch {torch.__version__}; {cpu_count()} CPUs; preset {cfg.preset}; "
         f"{cfg.repeats} repeats",
     }
 
 
-def plan_scenarios(cfg: Config) -> dict[str, dict[str, Any]]:
-    """Scenario name -> workload, mode, sizes and a one-line description."""
-    where = f"then .to({cfg.device})" if cfg.device else "no device copy"
-    out: dict[str, dict[str, Any]] = {}
-    modes = [m for m in ("throughput", "compute") if m in cfg.modes]
+def plan_scenarios(cfg: Config) -> dict[str, Scenario]:
+    """Scenario name -> what its runs do."""
+    out: dict[str, Scenario] = {}
     for workload in cfg.workloads:
-        for mode in modes:
-            if mode == "compute" and cfg.device is None:
-                continue
-            what = f"{cfg.compute_ms:g} ms GPU work + loss.item() per step"
-            out[f"{workload}/{mode}"] = {
-                "workload": workload,
-                "mode": mode,
-                "batch_size": cfg.batch_size,
-                "shape": cfg.shape,
-                "workers": cfg.workers,
-                "warmup": cfg.warmup,
-                "steps": cfg.steps,
-                "what": what if mode == "compute" else "no compute",
-            }
+        for mode in ("throughput", "compute"):
+            if mode in cfg.modes and (mode != "compute" or cfg.device is not None):
+                out[f"{workload}/{mode}"] = Scenario(
+                    workload, mode, cfg.batch_size, cfg.shape, cfg.workers,
+                    cfg.prefetch_factor, cfg.warmup, cfg.steps,
+                )  # fmt: skip
     if "stall" in cfg.modes:
-        out["stall"] = {
-            "workload": "synthetic",
-            "mode": "stall",
-            "batch_size": STALL_ITEMS,
-            "shape": cfg.stall_shape,
-            "workers": cfg.stall_workers,
-            "warmup": min(3, cfg.warmup),
-            "steps": cfg.stall_steps,
-            "what": "big batches: main-thread stalls",
-        }
-    for sc in out.values():
-        sc["where"] = where
+        out["stall"] = Scenario(
+            "synthetic", "stall", STALL_ITEMS, cfg.stall_shape, cfg.stall_workers,
+            cfg.prefetch_factor, cfg.stall_warmup, cfg.stall_steps,
+        )  # fmt: skip
     return out
 
 
-def _describe(sc: dict[str, Any], dataset: Any, prefetch: int) -> str:
-    nbytes = batch_nbytes(dataset[0]) * sc["batch_size"]
-    shape = "x".join(map(str, sc["shape"]))
+def describe(sc: Scenario, dataset: Any, cfg: Config) -> str:
+    """One line: the batch, the workers, the steps, what the consumer does."""
+    nbytes = batch_nbytes(dataset[0]) * sc.batch_size
+    what = {
+        "throughput": "no compute",
+        "compute": f"{cfg.compute_ms:g} ms GPU work + loss.item() per step",
+        "stall": "big batches: main-thread stalls",
+    }[sc.mode]
     return (
-        f"{sc['workload']}, batch {sc['batch_size']} x {shape} = {nbytes / 1e6:.1f} MB, "
-        f"{sc['workers']} workers x prefetch {prefetch}, {sc['steps']} steps after "
-        f"{sc['warmup']} warm-up, {sc['where']}, {sc['what']}"
+        f"{sc.workload}, batch {sc.batch_size} x {'x'.join(map(str, sc.shape))} = "
+        f"{nbytes / 1e6:.1f} MB, {sc.workers} workers x prefetch {sc.prefetch_factor}, "
+        f"{sc.steps} steps after {sc.warmup} warm-up, "
+        f"{f'then .to({cfg.device})' if cfg.device else 'no device copy'}, {what}"
     )
+
+
+def run_all(cfg: Config, specs: list[LoaderSpec], result: dict[str, Any]) -> None:
+    """Every run of every scenario, into ``result["runs"]``, under one progress bar."""
+    scenarios = plan_scenarios(cfg)
+    device = torch.device(cfg.device) if cfg.device else None
+    bar = tqdm(total=len(scenarios) * cfg.repeats * len(specs), unit="run", file=sys.stderr)
+    work: ComputeWork | None = None
+    try:
+        for name, sc in scenarios.items():
+            bar.set_description(f"{name}: preparing data")
+            length = (sc.warmup + sc.steps) * sc.batch_size
+            dataset = make_dataset(sc.workload, length, sc.shape, cfg.data_dir)
+            sc.description = describe(sc, dataset, cfg)
+            if sc.mode == "compute" and work is None and device is not None:
+                bar.set_description("calibrating GPU work")
+                work = ComputeWork(device, cfg.compute_ms)
+                result["calibration"] = work.calibration
+            for repeat in range(cfg.repeats):
+                for spec in specs:
+                    bar.set_description(f"{name} {spec.name} #{repeat + 1}")
+                    head = {"scenario": name, "loader": spec.name, "repeat": repeat}
+                    try:
+                        rec = run_once(
+                            spec, dataset, sc, device, work if sc.mode == "compute" else None
+                        )
+                    except Exception as exc:
+                        rec = {"error": f"{type(exc).__name__}: {exc}"}
+                        bar.write(f"{name} {spec.name} #{repeat + 1} failed: {rec['error']}")
+                    if rec.get("leaked_workers"):
+                        bar.write(f"warning: {rec['leaked_workers']} worker(s) outlived the run")
+                    result["runs"].append({**head, **rec})
+                    bar.update()
+            del dataset
+            gc.collect()
+    except KeyboardInterrupt:
+        result["interrupted"] = True
+        result["notes"].append("interrupted: partial results")
+    finally:
+        bar.close()
+        result["scenarios"] = {k: dataclasses.asdict(v) for k, v in scenarios.items()}
+
+
+def loader_notes(result: dict[str, Any]) -> list[str]:
+    """Batches that missed a pinned slot, or zero-copy batches that fell back to a copy."""
+    notes = []
+    for name in result["loaders"]:
+        stats = [
+            r["loader_stats"]
+            for r in result["runs"]
+            if r["loader"] == name and r.get("loader_stats")
+        ]
+        overflow = sum(s.get("overflow_batches", 0) for s in stats)
+        fell = sum(s.get("zero_copy_fallbacks", 0) for s in stats)
+        zero = sum(s.get("zero_copy_batches", 0) for s in stats)
+        if overflow:
+            notes.append(f"{name}: {overflow} batches went to unpinned memory (overflow)")
+        if zero or (fell and spec_named(name).kwargs.get("zero_copy")):
+            notes.append(f"{name}: {fell} of {fell + zero} batches went through copy mode")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator")
     tqdm.monitor_interval = 0  # no monitor thread: workers are forked from this process
     cfg = resolve(argv, torch.cuda.is_available())
-    device = torch.device(cfg.device) if cfg.device else None
     specs: list[LoaderSpec] = []
     skipped: dict[str, str] = {}
     for name in cfg.loaders:
@@ -132,75 +177,31 @@ def main(argv: list[str] | None = None) -> int:
         else:
             skipped[name] = why
     names = [s.name for s in specs]
-    baseline = BASELINE if BASELINE in names else (names[0] if names else BASELINE)
     notes = []
-    if device is None:
+    if cfg.device is None:
         notes.append("torch ignores pin_memory=True without an accelerator: torch-pinned = torch")
         if "compute" in cfg.modes:
             notes.append("compute loop (GPU idle share) skipped: no CUDA device")
     if "memmap" in cfg.workloads:
         notes.append(f"memmap reads a file under {cfg.data_dir} (page cache once written)")
-    scenarios = plan_scenarios(cfg)
     result: dict[str, Any] = {
         "meta": machine(cfg, argv),
         "config": dataclasses.asdict(cfg),
-        "baseline": baseline,
+        "baseline": BASELINE if BASELINE in names or not names else names[0],
         "loaders": names,
         "skipped": skipped,
         "notes": notes,
         "calibration": None,
-        "scenarios": scenarios,
+        "interrupted": False,
+        "scenarios": {},
         "runs": [],
         "summary": {},
     }
-    total = len(scenarios) * cfg.repeats * len(specs)
-    bar = tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr)
-    work: ComputeWork | None = None
-    try:
-        for name, sc in scenarios.items():
-            bar.set_description(f"{name}: preparing data")
-            length = (sc["warmup"] + sc["steps"]) * sc["batch_size"]
-            dataset = make_dataset(sc["workload"], length, sc["shape"], cfg.data_dir)
-            sc["description"] = _describe(sc, dataset, cfg.prefetch_factor)
-            if sc["mode"] == "compute" and work is None:
-                assert device is not None
-                bar.set_description("calibrating GPU work")
-                work = ComputeWork(device, cfg.compute_ms)
-                result["calibration"] = work.calibration
-            plan = RunPlan(
-                mode=sc["mode"],
-                batch_size=sc["batch_size"],
-                workers=sc["workers"],
-                prefetch_factor=cfg.prefetch_factor,
-                warmup=sc["warmup"],
-                steps=sc["steps"],
-                device=device,
-            )
-            for repeat in range(cfg.repeats):
-                for spec in specs:
-                    bar.set_description(f"{name} {spec.name} #{repeat + 1}")
-                    head = {"scenario": name, "loader": spec.name, "repeat": repeat}
-                    step_work = work if plan.mode == "compute" else None
-                    try:
-                        rec = run_once(spec, dataset, plan, step_work)
-                    except (Exception, Unsupported) as exc:
-                        rec = {"error": f"{type(exc).__name__}: {exc}"}
-                        bar.write(f"{name} {spec.name} #{repeat + 1} failed: {rec['error']}")
-                    result["runs"].append({**head, **rec})
-                    if rec.get("leaked_workers"):
-                        bar.write(f"warning: {rec['leaked_workers']} worker(s) outlived the run")
-                    bar.update()
-            del dataset
-            gc.collect()
-    except KeyboardInterrupt:
-        notes.append("interrupted: partial results")
-    finally:
-        bar.close()
-    result["summary"] = summarize(result["runs"], baseline)
-    for sc in scenarios.values():
-        sc.setdefault("description", "not run")
+    run_all(cfg, specs, result)
+    notes += loader_notes(result)
+    result["summary"] = summarize(result["runs"], result["baseline"])
     paths = write_all(result, cfg.out)
     print(table(result))
     print(f"\nwrote {len(paths)} files to {cfg.out}: " + ", ".join(map(os.path.basename, paths)))
     failed = any(r.get("error") for r in result["runs"])
-    return 1 if failed or "interrupted: partial results" in notes else 0
+    return 1 if failed or result["interrupted"] else 0

@@ -114,7 +114,7 @@ def ensure_memmap(data_dir: str, items: int, shape: tuple[int, ...]) -> str:
             index = np.arange(start, min(items, start + chunk))
             block = np.empty((len(index), item_bytes), dtype=np.uint8)
             block[:] = (index % 251).astype(np.uint8)[:, None]
-            f.write(memoryview(block))
+            f.write(block.data)
     os.replace(tmp, path)
     return path
 
