@@ -6,6 +6,8 @@
 //! - Work runs on the copier's own threads, never on a Python thread's intra-op pool, so
 //!   torch's `set_num_threads(1)` in its pin thread does not throttle us.
 //! - Small copies run on the calling thread: a thread hand-off costs more than it saves.
+//! - Big copies write with non-temporal stores on x86-64 (the destination is read next by the
+//!   GPU, not the CPU); `PINPOOL_STREAMING_COPY=0` turns that off for comparison.
 
 use rayon::prelude::*;
 
@@ -31,6 +33,7 @@ const CHUNK_MIN: usize = 256 << 10;
 pub struct Copier {
     pool: rayon::ThreadPool,
     threads: usize,
+    streaming: bool,
 }
 
 impl std::fmt::Debug for Copier {
@@ -48,7 +51,9 @@ impl Copier {
             .thread_name(|i| format!("pinpool-copy-{i}"))
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start copy threads: {e}")))?;
-        Ok(Copier { pool, threads })
+        // Non-temporal stores for the big parallel copies, unless PINPOOL_STREAMING_COPY=0.
+        let streaming = std::env::var("PINPOOL_STREAMING_COPY").map_or(true, |v| v != "0");
+        Ok(Copier { pool, threads, streaming })
     }
 
     /// Number of threads.
@@ -88,11 +93,18 @@ impl Copier {
                 })
             })
             .collect();
+        let streaming = self.streaming;
         self.pool.install(|| {
             pieces.par_iter().for_each(|p| {
                 // SAFETY: each piece lies inside a range the caller vouched for; pieces of
                 // one range are disjoint, and ranges are disjoint by the caller's contract.
-                unsafe { copy_one(src + p.src, dst + p.dst, p.len) };
+                unsafe {
+                    if streaming {
+                        copy_streaming(src + p.src, dst + p.dst, p.len)
+                    } else {
+                        copy_one(src + p.src, dst + p.dst, p.len)
+                    }
+                };
             });
         });
         total
@@ -104,6 +116,58 @@ impl Copier {
 unsafe fn copy_one(src: usize, dst: usize, len: usize) {
     // SAFETY: guaranteed by the caller.
     unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+}
+
+/// Like [`copy_one`], but the destination is written with non-temporal stores: the cache
+/// lines are not read first and not kept, which saves memory bandwidth when the destination
+/// is read next by the GPU's DMA engine, not by the CPU.
+///
+/// # Safety
+/// As [`copy_one`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_streaming(src: usize, dst: usize, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    const LINE: usize = 64;
+    let head = ((LINE - dst % LINE) % LINE).min(len);
+    // SAFETY: the first `head` bytes lie inside both ranges (head <= len).
+    unsafe { copy_one(src, dst, head) };
+    let body = (len - head) / LINE * LINE;
+    let mut off = head;
+    while off < head + body {
+        // SAFETY: `[off, off+64)` lies inside both ranges (off + 64 <= head + body <= len);
+        // `dst + off` is 64-byte aligned, as `_mm_stream_si128` needs (16 would do); the
+        // loads are unaligned loads.
+        unsafe {
+            let s = (src + off) as *const __m128i;
+            let d = (dst + off) as *mut __m128i;
+            let (a, b, c, e) = (
+                _mm_loadu_si128(s),
+                _mm_loadu_si128(s.add(1)),
+                _mm_loadu_si128(s.add(2)),
+                _mm_loadu_si128(s.add(3)),
+            );
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+        }
+        off += LINE;
+    }
+    // SAFETY: the tail `[off, len)` lies inside both ranges.
+    unsafe { copy_one(src + off, dst + off, len - off) };
+    // SAFETY: a store fence has no preconditions; it orders the streaming stores before any
+    // later store (e.g. the slot state that hands the data on).
+    unsafe { _mm_sfence() };
+}
+
+/// Elsewhere: a plain copy.
+///
+/// # Safety
+/// As [`copy_one`].
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn copy_streaming(src: usize, dst: usize, len: usize) {
+    // SAFETY: forwarded.
+    unsafe { copy_one(src, dst, len) }
 }
 
 #[cfg(test)]
@@ -118,11 +182,16 @@ mod tests {
             CopyRange { src: 0, dst: 100, len: 3 << 20 },
             CopyRange { src: 3 << 20, dst: (3 << 20) + 100, len: (2 << 20) - 5 },
         ];
-        let copier = Copier::new(4).unwrap();
-        // SAFETY: ranges lie inside both vectors and do not overlap.
-        let n = unsafe { copier.copy(src.as_ptr(), dst.as_mut_ptr(), &ranges) };
-        assert_eq!(n, (5 << 20) - 5);
-        assert_eq!(&dst[100..100 + (5 << 20) - 5], &src[..(5 << 20) - 5]);
-        assert!(dst[..100].iter().all(|&b| b == 0));
+        for streaming in [false, true] {
+            dst.fill(0);
+            let mut copier = Copier::new(4).unwrap();
+            copier.streaming = streaming;
+            // SAFETY: ranges lie inside both vectors and do not overlap.
+            let n = unsafe { copier.copy(src.as_ptr(), dst.as_mut_ptr(), &ranges) };
+            assert_eq!(n, (5 << 20) - 5);
+            assert_eq!(&dst[100..100 + (5 << 20) - 5], &src[..(5 << 20) - 5]);
+            assert!(dst[..100].iter().all(|&b| b == 0));
+            assert_eq!(dst[100 + (5 << 20) - 5..], [0u8; 5]);
+        }
     }
 }

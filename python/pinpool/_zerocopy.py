@@ -113,7 +113,10 @@ def _arena(ticket: SlotTicket) -> mmap.mmap:
             try:
                 if os.fstat(fd).st_size != ticket.arena_len:
                     raise RuntimeError("the arena behind the ticket has an unexpected size")
-                mapped = mmap.mmap(fd, ticket.arena_len, mmap.MAP_SHARED)
+                # Populate the page tables now, once, rather than fault on every first write
+                # into each slot (costly under a hypervisor).
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mapped = mmap.mmap(fd, ticket.arena_len, flags)
             finally:
                 os.close(fd)
             _ARENAS[key] = mapped

@@ -66,8 +66,13 @@ pub(crate) fn parse_device(
     }
 }
 
+/// `copy_threads` when not given: `$PINPOOL_COPY_THREADS`, else the cores up to 8.
 fn default_copy_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(1, 8)
+    std::env::var("PINPOOL_COPY_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get()).min(8))
 }
 
 impl PyPinPool {
