@@ -5,20 +5,25 @@
 //! - `checkout+release, 8 threads`: eight threads contending for one pool, time per operation;
 //! - `malloc+free`: `libc::malloc` + `free` of a slot's size, one byte touched;
 //! - `cuMemHostAlloc+cuMemFreeHost`: the same with pinned memory (needs a CUDA device);
+//! - `checkout+release fenced, instant fences`: a host pool whose releases with a stream go
+//!   through the fence tracker, with fences that complete as soon as they are recorded: what
+//!   the queue, one fence per stream per retire, and the retire itself cost, without a GPU;
 //! - `checkout+release fenced`: a CUDA pool, released behind an event on stream 0 (needs a
 //!   CUDA device).
 //!
-//! Without a CUDA device the last two groups are skipped with a note. Kept short: the whole
+//! Without a CUDA device the two CUDA groups are skipped with a note. Kept short: the whole
 //! run takes well under two minutes.
 
 use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pinpool::cuda::{self, Device};
-use pinpool::{Pool, PoolConfig};
+use pinpool::cuda::{self, Device, StreamHandle};
+use pinpool::fence::{FenceId, Fences};
+use pinpool::{Pool, PoolConfig, Result};
 
 const MIB: usize = 1 << 20;
 /// Slot sizes compared: a small batch, and an awkward large one (past glibc's mmap threshold).
@@ -140,6 +145,58 @@ fn pinned_alloc(c: &mut Criterion) {
     g.finish();
 }
 
+/// Fences that have completed by the time they are recorded: the tracker's cost alone.
+#[derive(Default)]
+struct InstantFences {
+    next: AtomicUsize,
+}
+
+impl Fences for InstantFences {
+    fn record(&self, _stream: StreamHandle) -> Result<FenceId> {
+        Ok(self.next.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn is_complete(&self, _id: FenceId) -> Result<bool> {
+        Ok(true)
+    }
+
+    fn recycle(&self, _id: FenceId) {}
+
+    fn wait_all(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn fenced_instant(c: &mut Criterion) {
+    const SLOTS: usize = 8;
+    let mut g = c.benchmark_group("checkout+release fenced, instant fences");
+    for streams in [1, 4] {
+        let fences = Arc::new(InstantFences::default());
+        let pool = Pool::with_fences(&PoolConfig::host(MIB, SLOTS), Box::new(Arc::clone(&fences)))
+            .expect("host pool with fences");
+        let mut k: StreamHandle = 0;
+        let plural = if streams == 1 { "" } else { "s" };
+        g.bench_function(format!("{SLOTS} slots, {streams} stream{plural}"), |b| {
+            b.iter(|| {
+                // The release only queues; a checkout that finds no free slot (or the pool's
+                // fence thread, whichever comes first) records one fence per stream for
+                // everything queued and frees the slots behind it.
+                let t = pool.checkout(None).unwrap();
+                k = (k + 1) % streams;
+                pool.release(black_box(t), Some(k)).unwrap();
+            })
+        });
+        let stats = pool.stats();
+        println!(
+            "{streams} stream{plural}: {} fenced releases, {} fences recorded, {} checkouts waited",
+            stats.releases,
+            fences.next.load(Ordering::Relaxed),
+            stats.waits
+        );
+    }
+    g.finish();
+}
+
 fn fenced_cuda(c: &mut Criterion) {
     const GROUP: &str = "checkout+release fenced";
     if cuda_device(GROUP).is_none() {
@@ -156,8 +213,10 @@ fn fenced_cuda(c: &mut Criterion) {
     let mut g = c.benchmark_group(GROUP);
     g.bench_function(format!("stream 0, {}", pool.backend().name()), |b| {
         b.iter(|| {
-            // The event on the legacy default stream completes at once (no work queued), but
-            // the slot comes back only once the pool has seen it complete.
+            // The release only queues the slot; the pool's fence thread (or a checkout that
+            // finds none free) records one event on stream 0 for everything queued. It
+            // completes at once (no work queued), but the slots come back only once the pool
+            // has seen it complete.
             let t = pool.checkout(None).unwrap();
             pool.release(black_box(t), Some(0)).unwrap();
         })
@@ -175,6 +234,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = uncontended, contended, malloc_free, pinned_alloc, fenced_cuda
+    targets = uncontended, contended, malloc_free, pinned_alloc, fenced_instant, fenced_cuda
 }
 criterion_main!(benches);
