@@ -16,7 +16,9 @@
 //!   first waits for the whole device ([`Fences::wait_all`]), then frees them, and counts the
 //!   error.
 //! - The stream handle of a release must stay valid until its fence is recorded (torch's
-//!   streams are never destroyed; a raw handle is the caller's promise).
+//!   streams are never destroyed; a raw handle is the caller's promise). The per-thread default
+//!   stream names a different stream on every thread, so its fence is recorded at once, on the
+//!   releasing thread ([`FenceTracker::release_fenced_now`]).
 //! - The fence logic knows nothing of CUDA: [`CudaFences`] is one implementation, and tests use
 //!   [`ManualFences`], whose fences complete when the test says so.
 
@@ -240,46 +242,74 @@ impl FenceTracker {
         Ok(())
     }
 
+    /// Releases `ticket` behind a fence recorded right now, on this thread: for a stream
+    /// handle that means something different on every thread (the per-thread default
+    /// stream). On error the slot stays checked out.
+    pub fn release_fenced_now(
+        &self,
+        table: &SlotTable,
+        ticket: Ticket,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        table.release(ticket, true)?;
+        match self.fences.record(stream) {
+            Ok(fence) => {
+                let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+                in_flight.push(InFlight { fence, tickets: vec![ticket] });
+                Ok(())
+            }
+            Err(e) => {
+                table.unfence(ticket);
+                Err(e)
+            }
+        }
+    }
+
     /// Records fences for what is queued, then frees every slot whose fence has completed;
     /// returns how many slots it freed.
     pub fn retire_ready(&self, table: &SlotTable) -> usize {
-        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        let queued = std::mem::take(&mut *self.queued.lock().unwrap_or_else(|e| e.into_inner()));
         let mut freed = 0;
-        for (stream, tickets) in group_by_stream(queued) {
-            match self.fences.record(stream) {
-                Ok(fence) => in_flight.push(InFlight { fence, tickets }),
-                Err(_) => freed += self.give_up(table, &tickets),
-            }
-        }
         let mut failed = Vec::new();
-        in_flight.retain(|f| match self.fences.is_complete(f.fence) {
-            Ok(false) => true,
-            Ok(true) => {
-                for &t in &f.tickets {
-                    freed += usize::from(table.complete_fence(t));
+        let mut failures = 0;
+        {
+            let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            let queued =
+                std::mem::take(&mut *self.queued.lock().unwrap_or_else(|e| e.into_inner()));
+            for (stream, tickets) in group_by_stream(queued) {
+                match self.fences.record(stream) {
+                    Ok(fence) => in_flight.push(InFlight { fence, tickets }),
+                    Err(_) => {
+                        failures += 1;
+                        failed.extend(tickets);
+                    }
                 }
-                self.fences.recycle(f.fence);
-                false
             }
-            Err(_) => {
-                failed.extend_from_slice(&f.tickets);
-                self.fences.recycle(f.fence);
-                false
-            }
-        });
-        if !failed.is_empty() {
-            freed += self.give_up(table, &failed);
+            in_flight.retain(|f| match self.fences.is_complete(f.fence) {
+                Ok(false) => true,
+                Ok(true) => {
+                    for &t in &f.tickets {
+                        freed += usize::from(table.complete_fence(t));
+                    }
+                    self.fences.recycle(f.fence);
+                    false
+                }
+                Err(_) => {
+                    failures += 1;
+                    failed.extend_from_slice(&f.tickets);
+                    self.fences.recycle(f.fence);
+                    false
+                }
+            });
+        }
+        if failures > 0 {
+            // Outside the lock: a device-wide wait must not hold up other retires (and the
+            // checkouts that run them, which have timeouts to keep).
+            self.errors.fetch_add(failures, Ordering::Relaxed);
+            // If even the wait fails the context is dead: no GPU work can read the slots.
+            let _ = self.fences.wait_all();
+            freed += failed.iter().map(|&t| usize::from(table.complete_fence(t))).sum::<usize>();
         }
         freed
-    }
-
-    /// A fence failed: wait for the whole device instead, then free the slots.
-    fn give_up(&self, table: &SlotTable, tickets: &[Ticket]) -> usize {
-        self.errors.fetch_add(1, Ordering::Relaxed);
-        // If even that fails the context is dead, and no GPU work can read the slots any more.
-        let _ = self.fences.wait_all();
-        tickets.iter().map(|&t| usize::from(table.complete_fence(t))).sum()
     }
 
     /// How many tickets wait on a fence (queued or in flight).
@@ -295,8 +325,8 @@ impl FenceTracker {
         queued + in_flight
     }
 
-    /// How many fences failed to record or query (their slots were freed after a device
-    /// wait).
+    /// How many fences failed to record or query, each counted once (their slots were freed
+    /// after a device wait).
     pub fn errors(&self) -> u64 {
         self.errors.load(Ordering::Relaxed)
     }

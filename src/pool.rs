@@ -295,6 +295,9 @@ impl Pool {
     /// queued on that stream so far has finished; otherwise at once.
     pub fn release(&self, ticket: Ticket, stream: Option<StreamHandle>) -> Result<()> {
         match (&self.fences, stream) {
+            (Some(f), Some(PER_THREAD_DEFAULT_STREAM)) => {
+                f.release_fenced_now(&self.table, ticket, PER_THREAD_DEFAULT_STREAM)?;
+            }
             (Some(f), Some(stream)) => {
                 f.release_fenced(&self.table, ticket, stream)?;
                 if self.retirer_idle.swap(false, Ordering::AcqRel) {
@@ -421,6 +424,9 @@ impl Pool {
         }
     }
 }
+
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream, whatever thread that is.
+const PER_THREAD_DEFAULT_STREAM: StreamHandle = 2;
 
 /// Threads that fault a new arena in: every core (this happens once, at start-up).
 fn fault_threads() -> usize {

@@ -11,7 +11,7 @@
 //!   [`Error::SlotReleased`] and can never put an index in the free queue twice.
 //! - `Fenced -> Free` happens only through [`SlotTable::complete_fence`], which the pool calls
 //!   once the slot's fence has completed; `Fenced -> CheckedOut` only through
-//!   [`SlotTable::unfence`], when the fence could not be recorded at all.
+//!   [`SlotTable::unfence`], when a fence recorded at release time could not be recorded.
 //! - Waiting never misses a wake-up: a pusher that sees a waiter notifies under the lock the
 //!   waiter holds while it re-checks the queue, and every wait is bounded by a timeout anyway.
 

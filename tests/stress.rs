@@ -443,7 +443,14 @@ fn fenced_stress(threads: usize, rounds: usize, slots: usize, failing: bool) {
     // One fence per stream per retire, each for at least one release.
     assert!(recorded.len() as u64 <= fenced, "{} fences for {fenced} releases", recorded.len());
     if failing {
-        assert_eq!(stats.fence_errors, manual.waits(), "every failed record waits once");
+        // Every failed record counts; the failures of one retire share one device wait.
+        assert!(manual.waits() > 0, "no failed record waited for the device");
+        assert!(
+            stats.fence_errors >= manual.waits(),
+            "{} errors, {} waits",
+            stats.fence_errors,
+            manual.waits()
+        );
     } else {
         assert_eq!(stats.fence_errors, 0);
         assert_eq!(manual.waits(), 0);
@@ -498,7 +505,7 @@ impl Fences for BusyDevice {
 /// that finds no free slot retires: so `try_checkout` blocks, and `checkout` overruns its
 /// timeout, for as long as the device takes to finish its work.
 #[test]
-#[ignore = "bug: a fence's device-wait fallback blocks try_checkout and overruns checkout timeouts"]
+
 fn checkouts_do_not_wait_for_a_device_wait() {
     let pool = Pool::with_fences(&PoolConfig::host(4096, 2), Box::new(BusyDevice)).unwrap();
     let a = pool.checkout(None).unwrap();
