@@ -13,6 +13,7 @@ __all__ = [
     "WorkerSegment",
     "_set_stream_hook",
     "cuda_available",
+    "gather",
     "page_size",
 ]
 SEGMENT_DATA_OFFSET: int
@@ -20,6 +21,7 @@ SEGMENT_DATA_OFFSET: int
 def _set_stream_hook(hook: Callable[[int], int | None]) -> bool: ...
 def cuda_available() -> bool: ...
 def page_size() -> int: ...
+def gather(dst: Any, offset: int, sources: Sequence[Any]) -> int: ...
 
 @final
 class PinPool:
