@@ -1,5 +1,10 @@
 //! The arena: one fixed block of host memory, allocated once at start-up and never grown.
 //!
+//! The arena is a shared-memory [`Region`]: several sealed memfds mapped back to back (so
+//! fresh pages can be faulted in by many threads at once, and worker processes can map the
+//! slots), each part a whole number of slots, and on `cuda-register` each part registered with
+//! the driver as soon as it is faulted in. `cuda-hostalloc` is one `cuMemHostAlloc` instead.
+//!
 //! Invariants:
 //! - The arena's bytes stay mapped (and, on a CUDA backend, page-locked and known to the
 //!   driver) for the arena's whole life; they are released exactly once, in `Drop`.
@@ -9,12 +14,12 @@
 //! - Construction never panics: a missing driver, an absent device or a failed call is an
 //!   [`Error`], or (for `backend = auto`) a documented fallback to host memory.
 
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 
 use crate::cuda::{self, Device};
 use crate::error::{Error, Result};
-use crate::shm::Mapping;
+use crate::shm::Region;
 
 /// How the arena's memory is obtained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,9 +84,19 @@ impl Residency {
 }
 
 enum Storage {
-    HostAlloc { ptr: *mut u8, device: Arc<Device> },
-    Registered { map: Mapping, device: Arc<Device> },
-    Host { map: Mapping },
+    HostAlloc {
+        ptr: *mut u8,
+        device: Arc<Device>,
+    },
+    /// Each part of the region registered on its own (`registered` holds their offsets).
+    Registered {
+        region: Region,
+        registered: Vec<usize>,
+        device: Arc<Device>,
+    },
+    Host {
+        region: Region,
+    },
 }
 
 /// One fixed block of host memory.
@@ -106,16 +121,16 @@ fn timed<T>(
     Ok(out)
 }
 
-/// A memfd mapping of `len` bytes, every page faulted in by `threads` threads.
-fn populated_memfd(
+/// A region of `len` bytes in parts of whole `align` units, one part per thread.
+fn region(
     len: usize,
+    align: usize,
     threads: usize,
     timings: &mut Vec<(&'static str, f64)>,
-) -> Result<Mapping> {
-    let map = timed(timings, "map", || Mapping::memfd("pinpool-arena", len))?;
-    map.advise_huge_pages();
-    timed(timings, "populate", || map.populate(threads))?;
-    Ok(map)
+) -> Result<Region> {
+    let region = timed(timings, "map", || Region::new("pinpool-arena", len, align, threads))?;
+    region.advise_huge_pages();
+    Ok(region)
 }
 
 // SAFETY: the arena is plain memory plus driver handles (thread-safe); access to its bytes is
@@ -135,11 +150,13 @@ impl std::fmt::Debug for Arena {
 }
 
 impl Arena {
-    /// Allocates `len` bytes. `device = None` means no CUDA; `backend = None` means choose:
+    /// Allocates `len` bytes, a multiple of `align` (the slot size: no slot straddles two
+    /// memfds or registrations). `device = None` means no CUDA; `backend = None` means choose:
     /// the CUDA default when a device is usable, else host memory (with a note saying why).
     /// `threads` fault the pages in, in parallel.
     pub fn new(
         len: usize,
+        align: usize,
         device: Option<usize>,
         backend: Option<Backend>,
         threads: usize,
@@ -191,13 +208,29 @@ impl Arena {
             }
             Backend::CudaRegister => {
                 let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
-                let map = populated_memfd(len, threads, &mut timings)?;
-                // SAFETY: `map` stays mapped until the arena drops, where we unregister first.
-                timed(&mut timings, "cuMemHostRegister", || unsafe {
-                    device.host_register(map.as_ptr(), len)
-                })?;
+                let region = region(len, align, threads, &mut timings)?;
+                let registered = std::sync::Mutex::new(Vec::new());
+                let base = region.as_ptr() as usize;
+                // Each part is registered as soon as it is faulted in, while the others are.
+                let done = timed(&mut timings, "populate+cuMemHostRegister", || {
+                    region.populate_then(threads, |part| {
+                        // SAFETY: the part is mapped until the arena drops, where every
+                        // registered part is unregistered first.
+                        unsafe { device.host_register((base + part.offset) as *mut u8, part.len)? };
+                        registered.lock().unwrap_or_else(|e| e.into_inner()).push(part.offset);
+                        Ok(())
+                    })
+                });
+                let registered = registered.into_inner().unwrap_or_else(|e| e.into_inner());
+                if let Err(e) = done {
+                    for offset in registered {
+                        // SAFETY: registered above, and nothing has used the memory yet.
+                        let _ = unsafe { device.host_unregister((base + offset) as *mut u8) };
+                    }
+                    return Err(e);
+                }
                 Ok(Arena {
-                    storage: Storage::Registered { map, device },
+                    storage: Storage::Registered { region, registered, device },
                     len,
                     backend,
                     residency: Residency::Pinned,
@@ -206,8 +239,9 @@ impl Arena {
                 })
             }
             Backend::Host => {
-                let map = populated_memfd(len, threads, &mut timings)?;
-                let residency = match map.lock() {
+                let region = region(len, align, threads, &mut timings)?;
+                timed(&mut timings, "populate", || region.populate_then(threads, |_| Ok(())))?;
+                let residency = match lock(&region) {
                     Ok(()) => Residency::Locked,
                     Err(e) => {
                         notes.push(format!(
@@ -218,7 +252,7 @@ impl Arena {
                     }
                 };
                 Ok(Arena {
-                    storage: Storage::Host { map },
+                    storage: Storage::Host { region },
                     len,
                     backend,
                     residency,
@@ -233,7 +267,7 @@ impl Arena {
     pub fn base(&self) -> *mut u8 {
         match &self.storage {
             Storage::HostAlloc { ptr, .. } => *ptr,
-            Storage::Registered { map, .. } | Storage::Host { map } => map.as_ptr(),
+            Storage::Registered { region, .. } | Storage::Host { region } => region.as_ptr(),
         }
     }
 
@@ -276,10 +310,13 @@ impl Arena {
         }
     }
 
-    /// The memfd behind the arena, where there is one (so other processes can map it).
-    pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
+    /// The memfd holding arena byte `offset`, and where that memfd starts in the arena and
+    /// how long it is (so other processes can map it). None for `cuda-hostalloc`.
+    pub fn part_at(&self, offset: usize) -> Option<(BorrowedFd<'_>, usize, usize)> {
         match &self.storage {
-            Storage::Registered { map, .. } | Storage::Host { map } => map.fd(),
+            Storage::Registered { region, .. } | Storage::Host { region } => {
+                region.part_at(offset).map(|p| (p.fd.as_fd(), p.offset, p.len))
+            }
             Storage::HostAlloc { .. } => None,
         }
     }
@@ -292,14 +329,25 @@ impl Drop for Arena {
                 // SAFETY: `ptr` came from `host_alloc` and the arena, its only owner, is dying.
                 let _ = unsafe { device.free_host(*ptr) };
             }
-            Storage::Registered { map, device } => {
-                // SAFETY: registered in `new`; the mapping itself is unmapped afterwards when
-                // `map` drops.
-                let _ = unsafe { device.host_unregister(map.as_ptr()) };
+            Storage::Registered { region, registered, device } => {
+                for &offset in registered {
+                    // SAFETY: registered in `new`; the region itself is unmapped afterwards,
+                    // when it drops.
+                    let _ = unsafe { device.host_unregister(region.as_ptr().add(offset)) };
+                }
             }
             Storage::Host { .. } => {}
         }
     }
+}
+
+/// `mlock`s the whole region.
+fn lock(region: &Region) -> Result<()> {
+    // SAFETY: the range is mapped (every part) and owned by `region`.
+    if unsafe { libc::mlock(region.as_ptr().cast(), region.len()) } != 0 {
+        return Err(Error::last_os("mlock"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -308,9 +356,10 @@ mod tests {
 
     #[test]
     fn host_arena_is_usable_and_reports_itself() {
-        let a = Arena::new(1 << 20, None, None, 2).unwrap();
+        let a = Arena::new(1 << 20, 1 << 16, None, None, 2).unwrap();
         assert_eq!(a.backend(), Backend::Host);
-        assert!(a.memfd().is_some());
+        let (_, start, len) = a.part_at((1 << 20) - 1).unwrap();
+        assert!(start + len == 1 << 20 && len % (1 << 16) == 0);
         // SAFETY: test-only write inside the arena.
         unsafe { a.base().add(a.len() - 1).write(7) };
         assert_ne!(a.residency(), Residency::Pinned);
@@ -318,12 +367,12 @@ mod tests {
 
     #[test]
     fn cuda_backend_without_device_is_an_error_not_a_panic() {
-        let err = Arena::new(4096, None, Some(Backend::CudaRegister), 1).unwrap_err();
+        let err = Arena::new(4096, 4096, None, Some(Backend::CudaRegister), 1).unwrap_err();
         assert!(matches!(err, Error::Invalid(_)));
         if cuda::device_count().unwrap_or(0) == 0 {
-            let err = Arena::new(4096, Some(0), Some(Backend::CudaHostAlloc), 1).unwrap_err();
+            let err = Arena::new(4096, 4096, Some(0), Some(Backend::CudaHostAlloc), 1).unwrap_err();
             assert!(matches!(err, Error::Cuda { .. }), "{err}");
-            let a = Arena::new(4096, Some(0), None, 1).unwrap();
+            let a = Arena::new(4096, 4096, Some(0), None, 1).unwrap();
             assert_eq!(a.backend(), Backend::Host);
             assert!(!a.notes().is_empty());
         }

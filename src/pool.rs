@@ -128,7 +128,8 @@ impl Pool {
             Error::Invalid("slot_bytes * num_slots overflows the address space".into())
         })?;
         let table = SlotTable::new(config.num_slots)?;
-        let arena = Arena::new(arena_len, config.device, config.backend, fault_threads())?;
+        let arena =
+            Arena::new(arena_len, slot_bytes, config.device, config.backend, fault_threads())?;
         let fences = arena.device().map(|device| Box::new(CudaFences::new(device)) as _);
         Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)
     }
@@ -140,7 +141,7 @@ impl Pool {
             .checked_mul(config.num_slots)
             .ok_or_else(|| Error::Invalid("slot_bytes * num_slots overflows".into()))?;
         let table = SlotTable::new(config.num_slots)?;
-        let arena = Arena::new(arena_len, None, Some(Backend::Host), fault_threads())?;
+        let arena = Arena::new(arena_len, slot_bytes, None, Some(Backend::Host), fault_threads())?;
         Self::assemble(arena, slot_bytes, table, Some(fences), config.copy_threads)
     }
 

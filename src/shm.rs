@@ -55,27 +55,7 @@ impl Mapping {
         if len == 0 {
             return Err(Error::Invalid("a shared region needs at least one byte".into()));
         }
-        let cname = CString::new(name).map_err(|_| Error::Invalid("NUL in region name".into()))?;
-        // SAFETY: `cname` is a valid C string; the flags are plain integers.
-        let raw = unsafe {
-            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
-        if raw < 0 {
-            return Err(Error::last_os("memfd_create"));
-        }
-        // SAFETY: `raw` is a fresh fd that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let size =
-            libc::off_t::try_from(len).map_err(|_| Error::Invalid("region too large".into()))?;
-        // SAFETY: `fd` is a valid memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
-            return Err(Error::last_os("ftruncate"));
-        }
-        // SAFETY: `fd` is a valid memfd created with MFD_ALLOW_SEALING.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
-            return Err(Error::last_os("fcntl(F_ADD_SEALS)"));
-        }
-        Self::map(fd, len, true)
+        Self::map(sealed_memfd(name, len)?, len, true)
     }
 
     /// Maps `len` bytes of the file behind `fd` (taking ownership of `fd`), `MAP_SHARED`.
@@ -171,22 +151,205 @@ impl Mapping {
             errno => Err(Error::Os { call: "madvise(MADV_POPULATE_WRITE)", errno }),
         }
     }
+}
+
+/// Several sealed memfds ("parts") mapped back to back as one contiguous range.
+///
+/// Faulting fresh pages into one shared-memory file does not scale with threads (they contend
+/// on the file); faulting several files does (measured on the H200 machine:
+/// `benchmarks/arena_populate.py`). Each part is a whole number of `part_align` bytes, so a
+/// slot never straddles two parts.
+pub struct Region {
+    base: NonNull<u8>,
+    len: usize,
+    parts: Vec<Part>,
+}
+
+/// One memfd of a [`Region`].
+#[derive(Debug)]
+pub struct Part {
+    /// The memfd.
+    pub fd: OwnedFd,
+    /// Where the part starts in the region.
+    pub offset: usize,
+    /// Its length.
+    pub len: usize,
+}
+
+// SAFETY: as for `Mapping`: plain memory owned by this value, accessed under the slot state
+// machine's rules.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region").field("len", &self.len).field("parts", &self.parts.len()).finish()
+    }
+}
+
+impl Region {
+    /// `len` bytes (a multiple of `part_align`, itself a multiple of the page size) in at most
+    /// `max_parts` memfds.
+    pub fn new(name: &str, len: usize, part_align: usize, max_parts: usize) -> Result<Self> {
+        if len == 0 || part_align == 0 || len % part_align != 0 || part_align % page_size() != 0 {
+            return Err(Error::Invalid(format!(
+                "a region of {len} bytes cannot be cut into parts of {part_align} bytes"
+            )));
+        }
+        let units = len / part_align;
+        let per_part = units.div_ceil(max_parts.clamp(1, units)) * part_align;
+        // SAFETY: a fresh inaccessible reservation chosen by the kernel; it aliases nothing.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(Error::last_os("mmap(reserve)"));
+        }
+        let base = NonNull::new(raw.cast::<u8>()).ok_or(Error::Os { call: "mmap", errno: 0 })?;
+        // From here on, dropping `region` unmaps the whole reservation.
+        let mut region = Region { base, len, parts: Vec::new() };
+        let mut offset = 0;
+        while offset < len {
+            let part_len = per_part.min(len - offset);
+            let fd = sealed_memfd(name, part_len)?;
+            // SAFETY: `[base+offset, +part_len)` lies inside our reservation (offset +
+            // part_len <= len); MAP_FIXED replaces exactly that part of it with the memfd.
+            let at = unsafe {
+                libc::mmap(
+                    base.as_ptr().add(offset).cast(),
+                    part_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if at == libc::MAP_FAILED {
+                return Err(Error::last_os("mmap(MAP_FIXED)"));
+            }
+            region.parts.push(Part { fd, offset, len: part_len });
+            offset += part_len;
+        }
+        Ok(region)
+    }
+
+    /// The first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: regions are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The parts, in order.
+    pub fn parts(&self) -> &[Part] {
+        &self.parts
+    }
+
+    /// The part holding byte `offset`.
+    pub fn part_at(&self, offset: usize) -> Option<&Part> {
+        self.parts.iter().find(|p| offset >= p.offset && offset < p.offset + p.len)
+    }
 
     /// Asks for transparent huge pages (a hint: ignored where shared-memory THP is off).
     pub fn advise_huge_pages(&self) {
-        // SAFETY: the range is a live mapping owned by self; MADV_HUGEPAGE only changes how
-        // the kernel backs it, never its contents.
-        unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE) };
+        // SAFETY: the range is mapped (every part) and owned by self; a hint only.
+        unsafe { libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE) };
     }
 
-    /// `mlock`s the whole mapping.
-    pub fn lock(&self) -> Result<()> {
-        // SAFETY: the range is a live mapping owned by self.
-        if unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) } != 0 {
-            return Err(Error::last_os("mlock"));
-        }
-        Ok(())
+    /// Faults every page in with `threads` threads, each working inside one part, and runs
+    /// `then(part)` on each part's thread right after that part is populated (to register it
+    /// with the driver while other parts are still being faulted in).
+    pub fn populate_then(
+        &self,
+        threads: usize,
+        then: impl Fn(&Part) -> Result<()> + Sync,
+    ) -> Result<()> {
+        let page = page_size();
+        let per_part = threads.div_ceil(self.parts.len()).max(1);
+        let base = self.base.as_ptr() as usize;
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .parts
+                .iter()
+                .map(|part| {
+                    let then = &then;
+                    s.spawn(move || {
+                        let pages = part.len / page;
+                        let step = pages.div_ceil(per_part).max(1) * page;
+                        let faulted: std::result::Result<(), i32> = std::thread::scope(|inner| {
+                            let workers: Vec<_> = (0..part.len)
+                                .step_by(step)
+                                .map(|start| {
+                                    let len = step.min(part.len - start);
+                                    inner.spawn(move || {
+                                        populate_range(base + part.offset + start, len, page)
+                                    })
+                                })
+                                .collect();
+                            workers.into_iter().try_for_each(|w| w.join().unwrap_or(Err(0)))
+                        });
+                        faulted.map_err(|errno| Error::Os {
+                            call: "madvise(MADV_POPULATE_WRITE)",
+                            errno,
+                        })?;
+                        then(part)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(Err(Error::Invalid("populate thread panicked".into()))))
+                .collect()
+        });
+        results.into_iter().collect()
     }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `[base, base+len)` is exactly our reservation, with the parts mapped over
+        // it; one munmap removes them all. The fds close when `parts` drops.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A sealed (no shrinking, no growing), close-on-exec memfd of `len` bytes.
+fn sealed_memfd(name: &str, len: usize) -> Result<OwnedFd> {
+    let cname = CString::new(name).map_err(|_| Error::Invalid("NUL in region name".into()))?;
+    // SAFETY: `cname` is a valid C string; the flags are plain integers.
+    let raw =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        return Err(Error::last_os("memfd_create"));
+    }
+    // SAFETY: `raw` is a fresh fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let size = libc::off_t::try_from(len).map_err(|_| Error::Invalid("region too large".into()))?;
+    // SAFETY: `fd` is a valid memfd.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+        return Err(Error::last_os("ftruncate"));
+    }
+    // SAFETY: `fd` is a valid memfd created with MFD_ALLOW_SEALING.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+        return Err(Error::last_os("fcntl(F_ADD_SEALS)"));
+    }
+    Ok(fd)
 }
 
 const MADV_POPULATE_WRITE: libc::c_int = 23;
@@ -250,6 +413,25 @@ mod tests {
         let dup = m.fd().unwrap().try_clone_to_owned().unwrap();
         let err = Mapping::from_fd(dup, 2 * page_size(), false).unwrap_err();
         assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
+    }
+
+    #[test]
+    fn region_parts_are_contiguous_and_shared() {
+        let page = page_size();
+        let r = Region::new("pinpool-test", 10 * page, 2 * page, 3).unwrap();
+        assert_eq!(r.parts().len(), 3);
+        assert_eq!(r.parts().iter().map(|p| p.len).sum::<usize>(), 10 * page);
+        assert!(r.parts().iter().all(|p| p.len % (2 * page) == 0));
+        r.populate_then(4, |_| Ok(())).unwrap();
+        // SAFETY: test writes inside the region.
+        unsafe { std::ptr::write_bytes(r.as_ptr(), 7, 10 * page) };
+        let last = r.part_at(10 * page - 1).unwrap();
+        let dup = last.fd.try_clone().unwrap();
+        let seen = Mapping::from_fd(dup, last.len, false).unwrap();
+        // SAFETY: reading the separate mapping of the same memfd.
+        assert_eq!(unsafe { *seen.as_ptr().add(last.len - 1) }, 7);
+        assert!(r.part_at(10 * page).is_none());
+        assert!(Region::new("pinpool-test", 3 * page, 2 * page, 1).is_err());
     }
 
     #[test]

@@ -1,14 +1,15 @@
 """Zero-copy mode: workers collate straight into the pinned arena.
 
-The arena is a memfd (``cuda-register`` or ``host`` backend). When torch asks the sampler for
-the next batch's indices, :class:`TicketSampler` checks a slot out (without waiting: the
-asking thread is the consumer) and tags the index list with a :class:`SlotTicket`: the slot's
-place in the arena and a random nonce. :class:`TicketDataset` carries the ticket from the
-indices to the samples, so the worker's collate sees it; the worker maps the arena (opening
-the main process's memfd through ``/proc``), writes the batch into that slot, and sends a
-:class:`SlotHandle`: the marked tree, the leaf specs, and the ticket. The main process checks
-that the ticket is one it handed out (index, generation and nonce) and that every leaf lies
-inside that slot, then builds views: no copy, no segment, nothing to unmap.
+The arena is shared memory: a few memfds back to back (``cuda-register`` or ``host``
+backend). When torch asks the sampler for the next batch's indices, :class:`TicketSampler`
+checks a slot out (without waiting: the asking thread is the consumer) and tags the index
+list with a :class:`SlotTicket`: the slot's place in shared memory and a random nonce.
+:class:`TicketDataset` carries the ticket from the indices to the samples, so the worker's
+collate sees it; the worker maps the memfd holding that slot (opening the main process's fd
+through ``/proc``, once), writes the batch into that slot, and sends a :class:`SlotHandle`:
+the marked tree, the leaf specs, and the ticket. The main process checks that the ticket is
+one it handed out (index, generation and nonce) and that every leaf lies inside that slot,
+then builds views: no copy, no segment, nothing to unmap.
 
 A batch with no ticket (no free slot at dispatch, or the pool not made yet) or too large for
 its slot goes through copy mode instead; the unused ticket's slot is returned.
@@ -32,11 +33,11 @@ class SlotTicket(NamedTuple):
     index: int
     generation: int
     nonce: int
-    offset: int  # of the slot in the arena, bytes
+    offset: int  # of the slot in its memfd, bytes
     nbytes: int  # slot size
-    arena_pid: int  # the process whose arena fd this is
-    arena_fd: int
-    arena_len: int
+    arena_pid: int  # the process whose fd this is
+    arena_fd: int  # the memfd (one part of the arena) holding the slot
+    arena_len: int  # that memfd's length
 
 
 class TaggedIndices(list):  # type: ignore[type-arg]

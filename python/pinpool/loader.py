@@ -214,23 +214,17 @@ class _Decoder:
         """Checks out a slot for a batch about to be dispatched (never waits: this runs on
         the consumer's thread). None sends the batch through copy mode."""
         pool = self.pool
-        arena_fd = pool.arena_fd if pool is not None else None
-        slot = pool.try_checkout() if arena_fd is not None else None  # type: ignore[union-attr]
-        if slot is None or pool is None or arena_fd is None:
+        slot = pool.try_checkout() if pool is not None else None
+        where = pool.slot_memfd(slot.index) if pool is not None and slot is not None else None
+        if slot is None or pool is None or where is None:
             self.zero_copy_fallbacks += 1
-            return None
+            return None  # (a slot checked out above returns to the pool as it dies here)
+        fd, offset, part_len = where
         nonce = random.getrandbits(63)
         with self._lock:
             self._assigned[(slot.index, slot.generation)] = (slot, nonce)
         return SlotTicket(
-            slot.index,
-            slot.generation,
-            nonce,
-            slot.index * pool.slot_bytes,
-            pool.slot_bytes,
-            os.getpid(),
-            arena_fd,
-            pool.arena_bytes,
+            slot.index, slot.generation, nonce, offset, pool.slot_bytes, os.getpid(), fd, part_len
         )
 
     def unassign(self, key: tuple[int, int], nonce: int) -> None:

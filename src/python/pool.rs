@@ -315,12 +315,14 @@ impl PyPinPool {
         self.slot_bytes * self.num_slots
     }
 
-    /// The memfd behind the arena (None for `cuda-hostalloc`, or once closed): worker
-    /// processes map it to write batches straight into slots.
-    #[getter]
-    fn arena_fd(&self) -> Option<i32> {
+    /// Where slot `index` lives in shared memory: `(fd, slot offset in that memfd, memfd
+    /// length)`, for worker processes that write batches straight into slots. None for
+    /// `cuda-hostalloc` (no memfd), or once closed.
+    fn slot_memfd(&self, index: usize) -> Option<(i32, usize, usize)> {
         let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-        pool.arena().memfd().map(|fd| fd.as_raw_fd())
+        let at = index.checked_mul(pool.slot_bytes()).filter(|_| index < pool.num_slots())?;
+        let (fd, start, len) = pool.arena().part_at(at)?;
+        Some((fd.as_raw_fd(), at - start, len))
     }
 
     /// CUDA device ordinal, or None on the host backend.
