@@ -115,39 +115,6 @@ pub fn streaming_default() -> bool {
     *STREAMING.get_or_init(|| std::env::var("PINPOOL_STREAMING_COPY").map_or(true, |v| v != "0"))
 }
 
-/// Copies `src` into the start of `dst` on the calling thread, with non-temporal stores when
-/// [`streaming_default`] says so and the copy is big. Returns the bytes copied; a `dst`
-/// shorter than `src` is an error and nothing is copied.
-pub fn copy_bytes(src: &[u8], dst: &mut [u8]) -> Result<usize> {
-    if dst.len() < src.len() {
-        return Err(Error::OutOfRange {
-            what: "destination",
-            offset: 0,
-            len: src.len(),
-            size: dst.len(),
-        });
-    }
-    // SAFETY: `src` is readable for its length and `dst` writable for at least as long; a
-    // shared and an exclusive borrow cannot overlap.
-    unsafe { copy_raw(src.as_ptr() as usize, dst.as_mut_ptr() as usize, src.len()) };
-    Ok(src.len())
-}
-
-/// [`copy_bytes`] on raw addresses.
-///
-/// # Safety
-/// `[src, src+len)` readable, `[dst, dst+len)` writable, the two disjoint, for the call.
-pub unsafe fn copy_raw(src: usize, dst: usize, len: usize) {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        if streaming_default() && len >= CHUNK_MIN {
-            copy_streaming(src, dst, len)
-        } else {
-            copy_one(src, dst, len)
-        }
-    }
-}
-
 /// # Safety
 /// `[src, src+len)` readable, `[dst, dst+len)` writable, the two disjoint.
 unsafe fn copy_one(src: usize, dst: usize, len: usize) {
@@ -210,15 +177,6 @@ unsafe fn copy_streaming(src: usize, dst: usize, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn copy_bytes_checks_the_destination() {
-        let src: Vec<u8> = (0..(1 << 20) + 3).map(|i| (i % 253) as u8).collect();
-        let mut dst = vec![0u8; src.len() + 1];
-        assert_eq!(copy_bytes(&src, &mut dst).unwrap(), src.len());
-        assert_eq!(&dst[..src.len()], &src[..]);
-        assert!(copy_bytes(&src, &mut dst[..10]).is_err());
-    }
 
     #[test]
     fn parallel_copy_matches_serial() {

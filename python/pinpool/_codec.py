@@ -19,7 +19,6 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from ._errors import OutOfBounds
-from ._native import gather
 from ._tree import KEEP, map_leaves
 
 #: Every leaf starts on a multiple of this (a cache line; more than any element size).
@@ -168,37 +167,6 @@ def plan(batch: Any) -> Plan:
     return Plan(tree, sources, specs, end)
 
 
-def _flat_bytes(obj: Any) -> np.ndarray | None:
-    """The bytes of a C-contiguous CPU tensor or array as a flat uint8 numpy view, or None
-    when only torch/numpy themselves can read it correctly (strided, lazily conjugated...)."""
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_contiguous() or obj.is_conj() or obj.is_neg() or obj.device.type != "cpu":
-            return None
-        if obj.dtype == torch.uint8:
-            return obj.numpy()  # the common case (images), and the cheapest
-        return obj.reshape(-1).view(torch.uint8).numpy()
-    if isinstance(obj, np.ndarray) and obj.flags.c_contiguous:
-        return obj.reshape(-1).view(np.uint8)
-    return None
-
-
-def _gather_parts(spec: LeafSpec, src: Any) -> list[np.ndarray] | None:
-    """The byte runs that, back to back, are leaf ``spec``'s bytes; None if the leaf must go
-    through torch or numpy (a stack of unlike tensors, a strided source, a cast...)."""
-    if isinstance(src, Stack):
-        first = src.tensors[0]
-        if any(t.dtype != first.dtype or t.shape != first.shape for t in src.tensors):
-            return None
-        parts = [_flat_bytes(t) for t in src.tensors]
-    elif spec.kind == "numpy" and src.dtype.str != spec.dtype:
-        return None
-    else:
-        parts = [_flat_bytes(src)]
-    if any(p is None for p in parts):
-        return None
-    return parts  # type: ignore[return-value]
-
-
 def write(p: Plan, buffer: Any) -> None:
     """Writes every array of plan ``p`` into ``buffer`` (a writable buffer object, or a flat
     CPU uint8 tensor)."""
@@ -208,11 +176,6 @@ def write(p: Plan, buffer: Any) -> None:
     try:
         for spec, src in zip(p.specs, p.sources, strict=True):
             if spec.nbytes == 0:
-                continue
-            parts = _gather_parts(spec, src)
-            if parts is not None:
-                # Straight into shared memory, without the GIL, with streaming stores.
-                gather(mem, spec.offset, parts)
                 continue
             chunk = mem[spec.offset : spec.offset + spec.nbytes]
             if spec.kind == "numpy":

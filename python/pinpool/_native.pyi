@@ -13,7 +13,6 @@ __all__ = [
     "WorkerSegment",
     "_set_stream_hook",
     "cuda_available",
-    "gather",
     "page_size",
 ]
 SEGMENT_DATA_OFFSET: int
@@ -21,7 +20,6 @@ SEGMENT_DATA_OFFSET: int
 def _set_stream_hook(hook: Callable[[int], int | None]) -> bool: ...
 def cuda_available() -> bool: ...
 def page_size() -> int: ...
-def gather(dst: Any, offset: int, sources: Sequence[Any]) -> int: ...
 
 @final
 class PinPool:

@@ -130,53 +130,6 @@ fn cuda_available() -> bool {
     crate::cuda::device_count().map(|n| n > 0).unwrap_or(false)
 }
 
-/// Copies each source buffer, back to back, into `dst` from byte `offset`, without the GIL
-/// (the worker's side of collation: stacking samples straight into shared memory). Every
-/// buffer must be C-contiguous bytes (`format "B"`); `dst` writable. Returns the bytes written;
-/// if they do not all fit, nothing is copied and `OutOfBounds` is raised.
-#[pyfunction]
-fn gather(
-    py: Python<'_>,
-    dst: &Bound<'_, PyAny>,
-    offset: usize,
-    sources: Vec<Bound<'_, PyAny>>,
-) -> PyResult<usize> {
-    use pyo3::buffer::PyBuffer;
-    guarded(|| {
-        let out = PyBuffer::<u8>::get(dst)?;
-        if out.readonly() || !out.is_c_contiguous() {
-            return Err(to_py(py, Error::Invalid("dst must be writable and C-contiguous".into())));
-        }
-        let ins = sources.iter().map(PyBuffer::<u8>::get).collect::<PyResult<Vec<_>>>()?;
-        if ins.iter().any(|b| !b.is_c_contiguous()) {
-            return Err(to_py(py, Error::Invalid("every source must be C-contiguous".into())));
-        }
-        let total: usize = ins.iter().map(|b| b.len_bytes()).sum();
-        crate::shm::check_range("gather destination", offset, total, out.len_bytes())
-            .map_err(|e| to_py(py, e))?;
-        let dst_addr = out.buf_ptr() as usize + offset;
-        let parts: Vec<(usize, usize)> =
-            ins.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).collect();
-        let (lo, hi) = (dst_addr, dst_addr + total);
-        if parts.iter().any(|&(src, len)| len > 0 && src < hi && lo < src + len) {
-            return Err(to_py(py, Error::Invalid("a source overlaps the destination".into())));
-        }
-        py.detach(move || {
-            let mut at = dst_addr;
-            for (src, len) in parts {
-                // SAFETY: the held buffer exports keep every source and `dst` alive and in
-                // place for this call; `[dst_addr, dst_addr + total)` was checked to lie in
-                // `dst` and to overlap no source.
-                unsafe { crate::copy::copy_raw(src, at, len) };
-                at += len;
-            }
-        });
-        drop(ins);
-        drop(out);
-        Ok(total)
-    })
-}
-
 /// The system page size.
 #[pyfunction]
 fn page_size() -> usize {
@@ -193,7 +146,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
-    m.add_function(wrap_pyfunction!(gather, m)?)?;
     m.add("SEGMENT_DATA_OFFSET", crate::segment::DATA_OFFSET)?;
     Ok(())
 }
