@@ -268,3 +268,22 @@ def run_once(
         rec["idle_share"] = max(0.0, 1.0 - sum(busy) / (wall * 1e3))
         rec["steps_per_s"] = plan.steps / wall
     return rec
+
+
+def h2d_ceiling(nbytes: int, device: torch.device, repeats: int = 10) -> float:
+    """GB/s of ``non_blocking`` copies of ``nbytes`` from torch pinned memory to ``device``:
+    the PCIe ceiling that loaders are measured against in the same run."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    gbps = nbytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+    del src, dst
+    return gbps

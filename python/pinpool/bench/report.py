@@ -106,6 +106,16 @@ def table(result: dict[str, Any]) -> str:
         lines += ["", f"{scenario}: {info['description']}"]
         by_loader = summary.get(scenario, {})
         loaders = [n for n in result["loaders"] if n in by_loader]
+        ceiling = result.get("h2d_ceiling_gbps", {}).get(scenario)
+        if ceiling:
+            best = max(
+                (by_loader[n]["gb_per_s"]["median"] for n in loaders if "gb_per_s" in by_loader[n]),
+                default=0.0,
+            )
+            lines.append(
+                f"  pinned H2D ceiling (same run): {ceiling:.1f} GB/s; "
+                f"fastest loader at {100 * best / ceiling:.0f}% of it"
+            )
         if not loaders:
             lines.append("  (no successful runs)")
             continue

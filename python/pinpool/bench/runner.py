@@ -22,13 +22,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 from tqdm import tqdm
 
 import pinpool
 
 from .cli import STALL_ITEMS, Config, cpu_count, resolve
 from .loaders import BASELINE, LoaderSpec, check, spec_named
-from .measure import ComputeWork, Scenario, run_once
+from .measure import ComputeWork, Scenario, h2d_ceiling, run_once
 from .report import summarize, table, write_all
 from .workloads import batch_nbytes, make_dataset
 
@@ -114,6 +115,10 @@ def run_all(cfg: Config, specs: list[LoaderSpec], result: dict[str, Any]) -> Non
             length = (sc.warmup + sc.steps) * sc.batch_size
             dataset = make_dataset(sc.workload, length, sc.shape, cfg.data_dir)
             sc.description = describe(sc, dataset, cfg)
+            if device is not None and sc.mode != "compute":
+                bar.set_description(f"{name}: pinned H2D ceiling")
+                nbytes = batch_nbytes(default_collate([dataset[i] for i in range(sc.batch_size)]))
+                result["h2d_ceiling_gbps"][name] = h2d_ceiling(nbytes, device)
             if sc.mode == "compute" and work is None and device is not None:
                 bar.set_description("calibrating GPU work")
                 work = ComputeWork(device, cfg.compute_ms)
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "notes": notes,
         "calibration": None,
+        "h2d_ceiling_gbps": {},
         "interrupted": False,
         "scenarios": {},
         "runs": [],
