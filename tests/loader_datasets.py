@@ -1,0 +1,266 @@
+"""Datasets, collate functions and namedtuples for the DataLoader tests.
+
+They live in an importable module (not in the test files) so that workers started with
+``spawn`` or ``forkserver`` can unpickle them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import struct
+import time
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+#: Namedtuples a generated batch may contain (module level, so they pickle).
+Pair = namedtuple("Pair", ["x", "y"])
+Record = namedtuple("Record", ["a", "b", "c"])
+
+
+class ListDataset(Dataset):
+    """Map-style: sample ``i`` is ``items[i]``, whatever it is."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+
+def keep_samples(samples: Any) -> Any:
+    """A custom collate_fn that keeps the samples as they are (numpy arrays, strided views,
+    None ...) inside a small dict."""
+    return {"samples": samples, "meta": Pair(b"meta", None)}
+
+
+def sum_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A custom collate_fn for :class:`Indexed` samples that does its own arithmetic."""
+    return {
+        "idx": torch.tensor([s["idx"] for s in samples]),
+        "total": torch.stack([s["x"] for s in samples]).sum(0),
+        "names": [s["name"] for s in samples],
+    }
+
+
+def fill(shape: tuple[int, ...], value: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.full(shape, value, dtype=dtype)
+
+
+class Indexed(Dataset):
+    """Sample ``i``: its index, a tensor filled with ``i``, a name (and, with ``pid``, the
+    pid of the process that made it)."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (3, 4), pid: bool = False) -> None:
+        self.n = n
+        self.shape = shape
+        self.pid = pid
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        out = {"idx": i, "x": fill(self.shape, i), "name": f"s{i}"}
+        if self.pid:
+            out["pid"] = os.getpid()
+        return out
+
+
+class ShardedRange(IterableDataset):
+    """Iterable: yields :class:`Indexed`-like samples for ``range(n)``, each worker taking
+    every ``num_workers``-th index (sharded with ``get_worker_info``)."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (2, 3)) -> None:
+        self.n = n
+        self.shape = shape
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            yield {"idx": i, "x": fill(self.shape, i), "name": f"s{i}"}
+
+
+class Sized(Dataset):
+    """Sample ``i`` is a uint8 tensor of ``sizes[i]`` bytes filled with ``i % 251``.
+
+    ``sleep`` maps an index to seconds to sleep before returning it."""
+
+    def __init__(self, sizes: list[int], sleep: dict[int, float] | None = None) -> None:
+        self.sizes = sizes
+        self.sleep = sleep or {}
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in self.sleep:
+            time.sleep(self.sleep[i])
+        return torch.full((self.sizes[i],), i % 251, dtype=torch.uint8)
+
+
+class Failing(Indexed):
+    """Raises ``ValueError`` for index ``bad``."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == self.bad:
+            raise ValueError(f"sample {i} is broken on purpose")
+        return super().__getitem__(i)
+
+
+class Killing(Indexed):
+    """Kills its own worker process with SIGKILL at index ``bad`` (never in the main
+    process)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == self.bad and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+        return super().__getitem__(i)
+
+
+class Exiting(Sized):
+    """:class:`Sized`, except that its worker process exits quietly (status 0) at index
+    ``bad``, a moment after being asked for it (so that the batches it already sent have left
+    its queue's buffer)."""
+
+    def __init__(self, sizes: list[int], bad: int) -> None:
+        super().__init__(sizes)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad and get_worker_info() is not None:
+            time.sleep(0.2)
+            os._exit(0)
+        return super().__getitem__(i)
+
+
+class Sleepy(Indexed):
+    """Sleeps ``seconds`` at index ``slow``."""
+
+    def __init__(self, n: int, slow: int, seconds: float) -> None:
+        super().__init__(n)
+        self.slow = slow
+        self.seconds = seconds
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == self.slow:
+            time.sleep(self.seconds)
+        return super().__getitem__(i)
+
+
+class NumpyMix(Dataset):
+    """Sample ``i``: a numpy array, a numpy scalar and a torch tensor (for small smoke
+    tests of the worker start methods)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Pair:
+        a = np.arange(12, dtype=np.int16).reshape(3, 4) * i
+        return Pair(x=a.T, y={"s": np.float32(i) / 3, "t": torch.arange(5) + i})
+
+
+# --------------------------------------------------------------------------- generated data
+
+TORCH_DTYPES = [
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+]
+NUMPY_DTYPES = [d for d in TORCH_DTYPES if d != "bfloat16"]
+
+
+def make_array(lib: str, dtype: str, shape: tuple[int, ...], layout: str, rng: Any) -> Any:
+    """Random contents (every bit pattern, NaNs included; 0/1 for bool) in ``layout``."""
+    base_shape = shape
+    if layout == "transposed":
+        base_shape = shape[::-1]
+    elif layout == "strided" and shape:
+        base_shape = (*shape[:-1], max(0, 2 * shape[-1] - 1))
+    count = math.prod(base_shape)
+    if dtype == "bool":
+        arr = rng.integers(0, 2, count).astype(np.bool_)
+    else:
+        np_dtype = np.dtype("uint16" if dtype == "bfloat16" else dtype)
+        arr = np.frombuffer(rng.bytes(count * np_dtype.itemsize), dtype=np_dtype).copy()
+    arr = arr.reshape(base_shape)
+    x: Any = arr
+    if lib == "torch":
+        x = torch.from_numpy(arr)
+        if dtype == "bfloat16":
+            x = x.view(torch.bfloat16)
+    if layout == "transposed":
+        x = x.permute(tuple(reversed(range(x.ndim)))) if lib == "torch" else x.transpose()
+    elif layout == "strided" and shape:
+        x = x[..., ::2]
+    elif layout == "reversed" and shape:
+        x = x[::-1]
+    return x
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def raw_bytes(x: torch.Tensor | np.ndarray) -> bytes:
+    """The logical contents of an array as bytes (C order; NaN payloads included)."""
+    if isinstance(x, np.ndarray):
+        return x.tobytes()
+    if x.numel() == 0:
+        return b""
+    dense = torch.empty(x.shape, dtype=x.dtype).copy_(x.detach())  # a bitwise copy
+    return dense.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(ref: Any, got: Any, path: str = "batch") -> None:
+    """``got`` has the structure, types, dtypes, shapes and bytes of ``ref``."""
+    assert type(got) is type(ref), f"{path}: {type(got).__name__} != {type(ref).__name__}"
+    if isinstance(ref, torch.Tensor):
+        assert got.dtype == ref.dtype, f"{path}: dtype {got.dtype} != {ref.dtype}"
+        assert got.shape == ref.shape, f"{path}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+        assert raw_bytes(got) == raw_bytes(ref), f"{path}: bytes differ"
+    elif isinstance(ref, np.ndarray):
+        assert got.dtype.str == ref.dtype.str, f"{path}: dtype {got.dtype.str} != {ref.dtype.str}"
+        assert got.shape == ref.shape, f"{path}: shape {got.shape} != {ref.shape}"
+        assert raw_bytes(got) == raw_bytes(ref), f"{path}: bytes differ"
+    elif isinstance(ref, float):
+        assert struct.pack("<d", got) == struct.pack("<d", ref), f"{path}: {got!r} != {ref!r}"
+    elif isinstance(ref, dict):
+        assert list(got) == list(ref), f"{path}: keys {list(got)} != {list(ref)}"
+        for k in ref:
+            assert_same(ref[k], got[k], f"{path}[{k!r}]")
+    elif isinstance(ref, (list, tuple)):
+        assert len(got) == len(ref), f"{path}: length {len(got)} != {len(ref)}"
+        for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+            assert_same(r, g, f"{path}[{i}]")
+    else:
+        assert got == ref, f"{path}: {got!r} != {ref!r}"

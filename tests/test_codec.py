@@ -1,0 +1,492 @@
+"""The codec under the DataLoader: ``plan`` / ``write`` in the worker, ``checked_specs`` /
+``views_for`` / ``rebuild`` in the main process, and what happens to corrupt descriptions
+(leaf specs, marked trees, whole ``BatchHandle`` objects): ``PinPoolError``, never a read
+outside the buffer, no slot or fd left behind."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import math
+import os
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loader_datasets import (
+    NUMPY_DTYPES,
+    TORCH_DTYPES,
+    Indexed,
+    Pair,
+    Record,
+    assert_same,
+    make_array,
+)
+from torch.utils.data import default_collate
+
+import pinpool
+from pinpool import OutOfBounds, PinPoolError, _codec
+from pinpool._codec import ALIGN, Leaf, LeafSpec
+from pinpool._native import WorkerSegment
+from pinpool._worker import BatchHandle
+
+# --------------------------------------------------------------------------- generated batches
+
+
+class Feature(torch.Tensor):
+    """A tensor subclass: the codec restores it."""
+
+
+@st.composite
+def leaves(draw: Any) -> Any:
+    kind = draw(st.sampled_from(["torch", "numpy", "torch", "numpy", "py"]))
+    if kind == "py":
+        return draw(
+            st.one_of(
+                st.integers(-(2**70), 2**70),
+                st.floats(allow_nan=True),
+                st.text(max_size=4),
+                st.binary(max_size=4),
+                st.none(),
+            )
+        )
+    dtype = draw(st.sampled_from(TORCH_DTYPES if kind == "torch" else NUMPY_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+    layout = draw(st.sampled_from(["contig", "transposed", "strided", "reversed"]))
+    if kind == "torch" and layout == "reversed":
+        layout = "contig"
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = make_array(kind, dtype, shape, layout, rng)
+    if kind == "torch" and draw(st.booleans()) and draw(st.booleans()):
+        x = x.as_subclass(Feature)
+    return x
+
+
+def batches() -> st.SearchStrategy[Any]:
+    keys = st.text(alphabet="abc", min_size=1, max_size=2)
+    return st.recursive(
+        leaves(),
+        lambda ch: st.one_of(
+            st.dictionaries(keys, ch, max_size=3),
+            st.lists(ch, max_size=3),
+            st.lists(ch, max_size=3).map(tuple),
+            st.tuples(ch, ch).map(lambda v: Pair(*v)),
+            st.tuples(ch, ch, ch).map(lambda v: Record(*v)),
+        ),
+        max_leaves=8,
+    )
+
+
+def encode(batch: Any) -> tuple[Any, list[tuple], bytearray]:
+    """What a worker sends: the marked tree and plain spec tuples; and the bytes."""
+    p = _codec.plan(batch)
+    buf = bytearray(p.nbytes)
+    _codec.write(p, buf)
+    return p.tree, [tuple(s) for s in p.specs], buf
+
+
+def decode(tree: Any, specs: Any, buf: bytearray, limit: int | None = None) -> Any:
+    checked = _codec.checked_specs(specs, len(buf) if limit is None else limit)
+    base = (
+        torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    )
+    return _codec.rebuild(tree, _codec.views_for(checked, base))
+
+
+def check_layout(specs: list[LeafSpec], nbytes: int) -> None:
+    end = 0
+    for s in specs:
+        assert s.offset % ALIGN == 0
+        assert s.offset >= end, "leaves overlap"
+        end = s.offset + s.nbytes
+    assert nbytes == _codec.extent(specs) == end
+
+
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@SETTINGS
+@given(batches())
+def test_plan_write_rebuild_round_trip(batch: Any) -> None:
+    p = _codec.plan(batch)
+    check_layout(p.specs, p.nbytes)
+    tree, specs, buf = encode(batch)
+    # The tree and specs cross a process boundary by pickle.
+    tree, specs = pickle.loads(pickle.dumps((tree, specs)))
+    got = decode(tree, specs, buf)
+    assert_same(batch, got)
+
+
+@SETTINGS
+@given(batches())
+def test_write_into_a_tensor_buffer_with_slack(batch: Any) -> None:
+    p = _codec.plan(batch)
+    buf = torch.full((p.nbytes + 3 * ALIGN,), 0xAB, dtype=torch.uint8)
+    _codec.write(p, buf)
+    assert bool((buf[p.nbytes :] == 0xAB).all()), "write went past the plan's end"
+    views = _codec.views_for(_codec.checked_specs(p.specs, len(buf)), buf)
+    assert_same(batch, _codec.rebuild(p.tree, views))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(TORCH_DTYPES),
+    st.lists(st.integers(0, 4), max_size=3),
+    st.integers(1, 4),
+    st.integers(0, 2**32 - 1),
+)
+def test_deferred_stack_equals_default_collate(
+    dtype: str, shape: list[int], n: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    samples = [
+        {"x": make_array("torch", dtype, tuple(shape), "strided", rng), "i": i, "s": str(i)}
+        for i in range(n)
+    ]
+    deferred = _codec.default_collate_deferred(samples)
+    assert isinstance(deferred["x"], _codec.Stack)
+    tree, specs, buf = encode(deferred)
+    assert_same(default_collate(samples), decode(tree, specs, buf))
+
+
+def test_containers_are_rebuilt_with_their_types() -> None:
+    t = torch.arange(6).reshape(2, 3)
+    dd: collections.defaultdict[str, Any] = collections.defaultdict(list, a=t)
+    batch = {
+        "ordered": collections.OrderedDict(b=t, a=t.T),
+        "default": dd,
+        "size": torch.Size([2, 3]),
+        "pair": Pair(t, [t, "s"]),
+        "nested": [(t, None), {"k": (b"x", 1.5)}],
+        "np": np.arange(4, dtype=np.int32)[::-1],
+        "sub": t.as_subclass(Feature),
+    }
+    tree, specs, buf = encode(batch)
+    got = decode(tree, specs, buf)
+    assert_same(batch, got)
+    assert got["default"].default_factory is list
+    assert type(got["sub"]) is Feature
+    # The batch's own containers were not touched.
+    assert batch["nested"][0][0] is t
+
+
+def test_non_array_leaves_are_kept_in_the_tree() -> None:
+    t = torch.ones(2, requires_grad=True)  # not plain: travels in the tree
+    sparse = torch.eye(2).to_sparse()
+    batch = {"grad": t, "sparse": sparse, "obj": np.array(["a", "b"]), "x": torch.zeros(3)}
+    p = _codec.plan(batch)
+    assert len(p.specs) == 1
+    assert p.tree["grad"] is t and p.tree["sparse"] is sparse and p.tree["obj"] is batch["obj"]
+
+
+def test_empty_and_scalar_batches() -> None:
+    for batch in ({}, [], (), None, 3, "s", torch.tensor(2.5), np.float32(1), torch.empty(0, 3)):
+        tree, specs, buf = encode(batch)
+        got = decode(tree, specs, buf)
+        if isinstance(batch, np.generic):  # a numpy scalar is not an array leaf
+            assert got == batch
+        else:
+            assert_same(batch, got)
+
+
+# --------------------------------------------------------------------------- corrupt specs
+
+GOOD = (64, 40, "torch", "float32", (10,), None)
+
+
+def replace(**kw: Any) -> tuple:
+    fields = dict(zip(LeafSpec._fields, GOOD, strict=True))
+    fields.update(kw)
+    return tuple(fields.values())
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        pytest.param("not a list", id="specs-not-a-list"),
+        pytest.param([replace(offset=-64)], id="negative-offset"),
+        pytest.param([replace(offset=72)], id="misaligned-offset"),
+        pytest.param([replace(offset=1)], id="odd-offset"),
+        pytest.param([replace(nbytes=44)], id="nbytes-too-big-for-shape"),
+        pytest.param([replace(nbytes=36)], id="nbytes-too-small-for-shape"),
+        pytest.param([replace(nbytes=0, shape=(0,), offset=256)], id="empty-leaf-past-limit"),
+        pytest.param([replace(offset=192)], id="leaf-past-limit"),
+        pytest.param([replace(shape=(2**40, 2**40), nbytes=2**82)], id="huge-shape"),
+        pytest.param([replace(shape=(-2, -5), nbytes=40)], id="negative-dims"),
+        pytest.param([replace(shape=5)], id="shape-not-a-sequence"),
+        pytest.param([replace(shape=("a",))], id="shape-not-ints"),
+        pytest.param([replace(dtype="float128")], id="unknown-torch-dtype"),
+        pytest.param([replace(kind="numpy", dtype="not a dtype")], id="unknown-numpy-dtype"),
+        pytest.param([replace(kind="numpy", dtype="O")], id="numpy-object-dtype"),
+        pytest.param([replace(kind="numpy", dtype="i4,i4")], id="numpy-structured-dtype"),
+        pytest.param([replace(kind="numpy", dtype="U10")], id="numpy-unicode-dtype"),
+        pytest.param([replace(kind="cuda")], id="unknown-kind"),
+        pytest.param([replace(subclass=int)], id="subclass-not-a-tensor-type"),
+        pytest.param([replace(subclass=np.ndarray)], id="subclass-ndarray"),
+        pytest.param([replace(subclass="torch.Tensor")], id="subclass-a-string"),
+        pytest.param([(64, 40, "torch", "float32", (10,))], id="too-few-fields"),
+        pytest.param([(*GOOD, 0)], id="too-many-fields"),
+        pytest.param([None], id="leaf-is-none"),
+        pytest.param([GOOD, replace(offset=128, nbytes=80, shape=(20,))], id="second-leaf-past"),
+    ],
+)
+def test_corrupt_specs_raise_out_of_bounds(specs: Any) -> None:
+    with pytest.raises(OutOfBounds, match="corrupt batch description"):
+        _codec.checked_specs(specs, 160)
+    assert issubclass(OutOfBounds, PinPoolError)
+
+
+def test_good_specs_pass_and_convert() -> None:
+    raw = [GOOD, ("128", 8.0, "numpy", "<i4", [2], None), (0, 0, "torch", "bool", (0, 7), None)]
+    out = _codec.checked_specs(raw, 136)
+    assert out[1] == LeafSpec(128, 8, "numpy", "<i4", (2,), None)
+    assert all(isinstance(s, LeafSpec) for s in out)
+    assert _codec.checked_specs([replace(subclass=Feature)], 104)[0].subclass is Feature
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: checked_specs lets TypeError/OverflowError escape for some corrupt field "
+    "types instead of raising OutOfBounds",
+)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(replace(dtype=["float32"]), id="unhashable-dtype"),
+        pytest.param(replace(shape=(math.inf,)), id="infinite-dim"),
+        pytest.param(replace(offset=math.inf), id="infinite-offset"),
+        pytest.param(replace(nbytes=math.inf), id="infinite-nbytes"),
+    ],
+)
+def test_corrupt_field_types_raise_out_of_bounds(spec: tuple) -> None:
+    with pytest.raises(OutOfBounds):
+        _codec.checked_specs([spec], 160)
+
+
+raw_specs = st.tuples(
+    st.one_of(st.integers(-256, 1024), st.integers(0, 16).map(lambda k: k * ALIGN)),
+    st.integers(-8, 1024),
+    st.sampled_from(["torch", "numpy"]),
+    st.sampled_from([*TORCH_DTYPES, "<f8", ">i2", "?", "<c8", "u1", "float128"]),
+    st.lists(st.integers(-1, 40), max_size=3).map(tuple),
+    st.sampled_from([None, Feature, int]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(raw_specs, max_size=4), st.integers(0, 600))
+def test_specs_that_pass_never_reach_past_the_limit(specs: list[tuple], limit: int) -> None:
+    """Any spec list either raises OutOfBounds or gives views inside the first ``limit``
+    bytes of the buffer (which is longer, to catch a view that strays past the limit)."""
+    try:
+        checked = _codec.checked_specs(specs, limit)
+    except OutOfBounds:
+        return
+    buf = torch.zeros(limit + 4096, dtype=torch.uint8)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + limit
+    for spec, view in zip(checked, _codec.views_for(checked, buf), strict=True):
+        assert spec.offset + spec.nbytes <= limit
+        if spec.nbytes == 0:
+            continue
+        if isinstance(view, np.ndarray):
+            start = view.__array_interface__["data"][0]
+        else:
+            start = view.data_ptr()
+        assert lo <= start and start + view.nbytes <= hi, spec
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_write_zero_dim_uint8_tensor(stacked: bool) -> None:
+    """Regression (fa3b6f9's gather path raised BufferError('shape is null'))."""
+    label = torch.tensor(7, dtype=torch.uint8)
+    batch = _codec.default_collate_deferred([label, label]) if stacked else label
+    tree, specs, buf = encode(batch)
+    assert_same(default_collate([label, label]) if stacked else label, decode(tree, specs, buf))
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_write_one_element_strided_tensor(stacked: bool) -> None:
+    """Regression: a one-element tensor whose stride is not 1 is contiguous for torch, but
+    cannot be viewed as bytes (fa3b6f9's gather path raised RuntimeError)."""
+    x = torch.tensor([1.5, 2.5])[::2]
+    assert x.is_contiguous() and x.stride() == (2,)
+    batch = _codec.default_collate_deferred([x, x]) if stacked else x
+    tree, specs, buf = encode(batch)
+    assert_same(default_collate([x, x]) if stacked else x, decode(tree, specs, buf))
+
+
+def test_rebuild_with_a_missing_leaf() -> None:
+    views = [torch.zeros(1), torch.ones(1)]
+    for tree in ({"a": Leaf(2)}, [Leaf(0), Leaf(-1)], (Leaf(10**9),), Pair(Leaf(5), None)):
+        with pytest.raises(OutOfBounds, match="does not exist"):
+            _codec.rebuild(tree, views)
+    assert _codec.rebuild([Leaf(1), Leaf(0)], views)[0] is views[1]
+
+
+# --------------------------------------------------------------------------- corrupt handles
+
+
+class HandleFactory:
+    """Builds ``BatchHandle`` objects the way the main process gets them (``__setstate__``)
+    for a live loader, over a real segment made here, in this process."""
+
+    def __init__(self, loader: pinpool.DataLoader) -> None:
+        self.token = loader._pin_decoder.token
+        self.batch = {"a": torch.arange(10.0), "b": [torch.ones(3, 3, dtype=torch.int16), "s"]}
+        self.plan = _codec.plan(self.batch)
+        self.segment = WorkerSegment(1 << 16)
+        self.write()
+        self.next_worker = 1000
+
+    def write(self) -> None:
+        assert self.segment.try_claim(), "the segment is still in flight"
+        _codec.write(self.plan, self.segment)
+
+    def worker(self) -> int:
+        self.next_worker += 1
+        return self.next_worker
+
+    def make(self, worker: int | None = None, announce: bool = True, **override: Any) -> Any:
+        seg = self.segment
+        origin = (os.getpid(), seg.fd) if announce else None
+        h = BatchHandle(
+            self.token,
+            self.worker() if worker is None else worker,
+            0,
+            origin,
+            seg.total_len,
+            seg.nonce,
+            (),
+            self.plan,
+        )
+        for name, value in override.items():
+            setattr(h, name, value)
+        received = BatchHandle.__new__(BatchHandle)
+        received.__setstate__(h.__getstate__())
+        h._live = False
+        return received
+
+
+@pytest.fixture
+def live_loader() -> Any:
+    # slot_bytes makes the pool at once: no batch needs to run first.
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, slot_bytes=1 << 20, num_slots=2)
+    yield loader
+    del loader
+    gc.collect()
+
+
+def assert_all_free(loader: pinpool.DataLoader) -> None:
+    gc.collect()
+    s = loader.stats()
+    assert s["slots_checked_out"] == 0 and s["slots_free"] == loader.pool.num_slots, s
+
+
+def test_a_good_hand_made_handle_decodes(live_loader: Any) -> None:
+    make = HandleFactory(live_loader)
+    h = make.make(worker=7)
+    assert h._error is None
+    assert_same(make.batch, h.pin_memory())
+    assert_all_free(live_loader)
+    # The segment was handed back: the same key can carry the next batch.
+    make.write()
+    assert_same(make.batch, make.make(worker=7, announce=False).pin_memory())
+    assert_all_free(live_loader)
+
+
+def corrupt_handles(make: HandleFactory) -> dict[str, Any]:
+    seg = make.segment
+    bad_spec = [(-64, 40, "torch", "float32", (10,), None)]
+    far = [(1 << 17, 40, "torch", "float32", (10,), None)]
+    return {
+        "unknown-segment": lambda: make.make(announce=False),
+        "bad-nonce": lambda: make.make(nonce=seg.nonce ^ 1),
+        "longer-than-the-file": lambda: make.make(total_len=seg.total_len + 4096),
+        "no-data-area": lambda: make.make(total_len=4096),
+        "not-a-segment-fd": lambda: make.make(origin=(os.getpid(), 0)),
+        "negative-offset": lambda: make.make(specs=bad_spec),
+        "specs-not-a-list": lambda: make.make(specs="abc"),
+        "unknown-dtype": lambda: make.make(specs=[(0, 40, "torch", "float128", (10,), None)]),
+        "not-a-tensor-type": lambda: make.make(specs=[(0, 40, "torch", "float32", (10,), int)]),
+        "leaf-index-out-of-range": lambda: make.make(tree={"a": Leaf(7)}),
+        # Claims a longer segment than the one mapped: the leaf passes checked_specs but the
+        # copy is checked against the real mapping.
+        "lies-about-its-length": lambda: make.make(
+            worker=7, announce=False, total_len=1 << 30, specs=far
+        ),
+        "bigger-than-a-slot": lambda: make.make(
+            worker=7,
+            announce=False,
+            total_len=1 << 30,
+            specs=[(0, 4 << 20, "torch", "uint8", (4 << 20,), None)],
+        ),
+        "dead-loader": lambda: make.make(token="0" * 32),
+    }
+
+
+def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
+    make = HandleFactory(live_loader)
+    make.make(worker=7).pin_memory()  # segment key 7 known, for the cases that reuse it
+    for name, build in corrupt_handles(make).items():
+        fds = len(os.listdir("/proc/self/fd"))
+        make.segment.unclaim()
+        make.write()
+        with pytest.raises(PinPoolError) as info:
+            build().pin_memory()
+        del info
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) == fds, f"{name}: fd leaked"
+        assert_all_free(live_loader)
+    # The loader still works after all that.
+    assert [b["idx"].tolist() for b in live_loader] == [[0, 1], [2, 3]]
+    assert_all_free(live_loader)
+    live_loader.pool.flush()
+    s = live_loader.stats()
+    assert s["pending_unmaps"] == 0
+
+
+ODD_TYPES = {
+    "negative-worker": {"worker": -1},
+    "worker-not-an-int": {"worker": "w"},
+    "total-len-not-a-number": {"total_len": "abc"},
+    "negative-nonce": {"nonce": -5},
+}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: Decoder.receive opens /proc/<pid>/fd/<n> before converting the key, "
+    "total_len and nonce; when one of them is malformed the fd is never closed",
+)
+@pytest.mark.parametrize("override", ODD_TYPES.values(), ids=ODD_TYPES.keys())
+def test_malformed_handle_fields_leak_no_fd(live_loader: Any, override: dict) -> None:
+    make = HandleFactory(live_loader)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(Exception):  # noqa: B017 - any error; the fd count is the point
+        make.make(**override).pin_memory()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert_all_free(live_loader)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: malformed key/total_len/nonce types in a BatchHandle raise OverflowError, "
+    "TypeError or ValueError rather than a PinPoolError",
+)
+@pytest.mark.parametrize("override", ODD_TYPES.values(), ids=ODD_TYPES.keys())
+def test_malformed_handle_fields_raise_pinpool_error(live_loader: Any, override: dict) -> None:
+    make = HandleFactory(live_loader)
+    with pytest.raises(PinPoolError):
+        make.make(**override).pin_memory()
