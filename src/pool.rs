@@ -53,9 +53,10 @@ impl PoolConfig {
     }
 }
 
-/// Counters reported by `pool.stats()`.
+/// Counters reported by `pool.stats()`. Shared ([`Pool::counters`]) so that the last figures
+/// can still be read once the pool itself is gone.
 #[derive(Debug, Default)]
-struct Counters {
+pub struct Counters {
     checkouts: AtomicU64,
     waits: AtomicU64,
     wait_ns: AtomicU64,
@@ -63,6 +64,30 @@ struct Counters {
     bytes_copied: AtomicU64,
     copies: AtomicU64,
     segments_mapped: AtomicU64,
+    /// Written when the pool drops (live values come from the reclaimer and the fences).
+    final_unmapped: AtomicU64,
+    final_fence_errors: AtomicU64,
+    num_slots: AtomicU64,
+}
+
+impl Counters {
+    /// The stats of a pool that no longer exists: every slot is free, nothing is pending.
+    pub fn final_stats(&self) -> Stats {
+        let n = self.num_slots.load(Ordering::Relaxed) as usize;
+        Stats {
+            slots: Counts { free: n, checked_out: 0, fenced: 0 },
+            checkouts: self.checkouts.load(Ordering::Relaxed),
+            waits: self.waits.load(Ordering::Relaxed),
+            wait_ns: self.wait_ns.load(Ordering::Relaxed),
+            releases: self.releases.load(Ordering::Relaxed),
+            bytes_copied: self.bytes_copied.load(Ordering::Relaxed),
+            copies: self.copies.load(Ordering::Relaxed),
+            segments_mapped: self.segments_mapped.load(Ordering::Relaxed),
+            segments_unmapped: self.final_unmapped.load(Ordering::Relaxed),
+            pending_unmaps: 0,
+            fence_errors: self.final_fence_errors.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// A snapshot of the pool's state and counters.
@@ -101,7 +126,7 @@ pub struct Pool {
     fences: Option<FenceTracker>,
     copier: Copier,
     reclaimer: Reclaimer,
-    counters: Counters,
+    counters: Arc<Counters>,
     retirer: OnceLock<std::thread::Thread>,
     /// Set while the fence thread sleeps with nothing to do: only then does a release wake it.
     retirer_idle: AtomicBool,
@@ -160,6 +185,7 @@ impl Pool {
         fences: Option<Box<dyn Fences>>,
         copy_threads: usize,
     ) -> Result<Arc<Self>> {
+        let n = table.len() as u64;
         let pool = Arc::new(Pool {
             arena: ManuallyDrop::new(arena),
             slot_bytes,
@@ -167,7 +193,7 @@ impl Pool {
             fences: fences.map(FenceTracker::new),
             copier: Copier::new(copy_threads)?,
             reclaimer: Reclaimer::start()?,
-            counters: Counters::default(),
+            counters: Arc::new(Counters { num_slots: AtomicU64::new(n), ..Counters::default() }),
             retirer: OnceLock::new(),
             retirer_idle: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
@@ -406,6 +432,11 @@ impl Pool {
         self.table.is_closed()
     }
 
+    /// The counters, which outlive the pool (see [`Counters::final_stats`]).
+    pub fn counters(&self) -> Arc<Counters> {
+        Arc::clone(&self.counters)
+    }
+
     /// Counters and slot states.
     pub fn stats(&self) -> Stats {
         let c = &self.counters;
@@ -513,6 +544,10 @@ impl Drop for Pool {
             }
         }
         self.reclaimer.shutdown();
+        let c = &self.counters;
+        c.final_unmapped.store(self.reclaimer.unmapped(), Ordering::Relaxed);
+        c.final_fence_errors
+            .store(self.fences.as_ref().map_or(0, FenceTracker::errors), Ordering::Relaxed);
         if !fenced_forever {
             // SAFETY: dropped exactly once, here; no fence is pending, and no ticket can be
             // used any more (tickets are used through an `Arc<Pool>`, and this is its drop).

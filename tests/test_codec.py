@@ -255,11 +255,6 @@ def test_good_specs_pass_and_convert() -> None:
     assert _codec.checked_specs([replace(subclass=Feature)], 104)[0].subclass is Feature
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: checked_specs lets TypeError/OverflowError escape for some corrupt field "
-    "types instead of raising OutOfBounds",
-)
 @pytest.mark.parametrize(
     "spec",
     [
@@ -464,11 +459,6 @@ ODD_TYPES = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Decoder.receive opens /proc/<pid>/fd/<n> before converting the key, "
-    "total_len and nonce; when one of them is malformed the fd is never closed",
-)
 @pytest.mark.parametrize("override", ODD_TYPES.values(), ids=ODD_TYPES.keys())
 def test_malformed_handle_fields_leak_no_fd(live_loader: Any, override: dict) -> None:
     make = HandleFactory(live_loader)
@@ -480,11 +470,6 @@ def test_malformed_handle_fields_leak_no_fd(live_loader: Any, override: dict) ->
     assert_all_free(live_loader)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: malformed key/total_len/nonce types in a BatchHandle raise OverflowError, "
-    "TypeError or ValueError rather than a PinPoolError",
-)
 @pytest.mark.parametrize("override", ODD_TYPES.values(), ids=ODD_TYPES.keys())
 def test_malformed_handle_fields_raise_pinpool_error(live_loader: Any, override: dict) -> None:
     make = HandleFactory(live_loader)

@@ -476,11 +476,6 @@ def test_zero_copy_batches_are_written_into_slots(slot_bytes: int | None) -> Non
     assert isinstance(pin.dataset.dataset, Indexed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: in zero-copy mode a custom collate_fn gets pinpool's TaggedSamples (a list "
-    "subclass carrying the slot ticket) instead of a list; returned as is, it reaches the user",
-)
 def test_zero_copy_custom_collate_gets_a_plain_list() -> None:
     compare_loaders(
         Indexed(8),
@@ -723,11 +718,6 @@ def test_awkward_but_legal_leaves(num_workers: int, leaf: str) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the default slot size comes from whichever batch is *received* first; a "
-    "small last batch arriving before batch 0 makes batch 0 raise BatchTooLarge",
-)
 def test_default_slot_size_does_not_depend_on_arrival_order() -> None:
     # 9 samples of 1 MiB, batch_size 8: batch 0 is 8 MiB, batch 1 (worker 1) 1 MiB and
     # ready first because worker 0 sleeps.
@@ -738,11 +728,6 @@ def test_default_slot_size_does_not_depend_on_arrival_order() -> None:
     assert got == [8, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: when one iterator of a loader ends, every worker segment of the loader is "
-    "retired, including those of another live iterator (PinPoolError: never received)",
-)
 def test_two_live_iterators_of_one_loader() -> None:
     pin = pinpool.DataLoader(Indexed(8), batch_size=2, num_workers=1)
     first = iter(pin)

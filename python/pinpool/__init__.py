@@ -22,6 +22,7 @@ from ._errors import (
     PoolClosed,
     PoolExhausted,
     SlotReleased,
+    WorkerLost,
 )
 from ._native import PinPool, Segment, Slot, cuda_available, page_size
 
@@ -45,6 +46,7 @@ __all__ = [
     "Segment",
     "Slot",
     "SlotReleased",
+    "WorkerLost",
     "cuda_available",
     "page_size",
 ]

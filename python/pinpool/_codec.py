@@ -200,36 +200,43 @@ def checked_specs(specs: Any, limit: int) -> list[LeafSpec]:
     out: list[LeafSpec] = []
     for raw in specs:
         try:
-            offset, nbytes, kind, dtype, shape, sub = raw
-            offset, nbytes = int(offset), int(nbytes)
-            shape = tuple(int(d) for d in shape)
-        except (TypeError, ValueError) as exc:
-            raise OutOfBounds(f"corrupt batch description: bad leaf {raw!r}") from exc
-        if kind == "torch":
-            if dtype not in TORCH_DTYPES:
-                raise OutOfBounds(f"corrupt batch description: unknown dtype {dtype!r}")
-            itemsize = TORCH_DTYPES[dtype].itemsize
-            if sub is not None and not (isinstance(sub, type) and issubclass(sub, torch.Tensor)):
-                raise OutOfBounds(f"corrupt batch description: {sub!r} is not a tensor type")
-        elif kind == "numpy":
-            try:
-                ndt = np.dtype(dtype)
-            except TypeError as exc:
-                raise OutOfBounds(f"corrupt batch description: dtype {dtype!r}") from exc
-            if ndt.kind not in _NUMPY_KINDS or ndt.hasobject or ndt.fields is not None:
-                raise OutOfBounds(f"corrupt batch description: dtype {dtype!r}")
-            itemsize = ndt.itemsize
-        else:
-            raise OutOfBounds(f"corrupt batch description: leaf kind {kind!r}")
-        if any(d < 0 for d in shape) or offset < 0 or offset % ALIGN:
-            raise OutOfBounds(f"corrupt batch description: leaf {raw!r}")
-        if nbytes != math.prod(shape) * itemsize or offset + nbytes > limit:
-            raise OutOfBounds(
-                f"corrupt batch description: leaf of {nbytes} bytes at {offset} "
-                f"(shape {shape}) does not fit {limit} bytes"
-            )
-        out.append(LeafSpec(offset, nbytes, kind, dtype, shape, sub))
+            out.append(_checked_spec(raw, limit))
+        except (TypeError, ValueError, OverflowError) as exc:
+            if isinstance(exc, OutOfBounds):
+                raise
+            raise OutOfBounds(f"corrupt batch description: bad leaf {raw!r}") from None
     return out
+
+
+def _checked_spec(raw: Any, limit: int) -> LeafSpec:
+    """One leaf spec, checked; raises OutOfBounds (or TypeError, ValueError, OverflowError)."""
+    offset, nbytes, kind, dtype, shape, sub = raw
+    offset, nbytes = int(offset), int(nbytes)
+    shape = tuple(int(d) for d in shape)
+    if kind == "torch":
+        if dtype not in TORCH_DTYPES:
+            raise OutOfBounds(f"corrupt batch description: unknown dtype {dtype!r}")
+        itemsize = TORCH_DTYPES[dtype].itemsize
+        if sub is not None and not (isinstance(sub, type) and issubclass(sub, torch.Tensor)):
+            raise OutOfBounds(f"corrupt batch description: {sub!r} is not a tensor type")
+    elif kind == "numpy":
+        try:
+            ndt = np.dtype(dtype)
+        except TypeError as exc:
+            raise OutOfBounds(f"corrupt batch description: dtype {dtype!r}") from exc
+        if ndt.kind not in _NUMPY_KINDS or ndt.hasobject or ndt.fields is not None:
+            raise OutOfBounds(f"corrupt batch description: dtype {dtype!r}")
+        itemsize = ndt.itemsize
+    else:
+        raise OutOfBounds(f"corrupt batch description: leaf kind {kind!r}")
+    if any(d < 0 for d in shape) or offset < 0 or offset % ALIGN:
+        raise OutOfBounds(f"corrupt batch description: leaf {raw!r}")
+    if nbytes != math.prod(shape) * itemsize or offset + nbytes > limit:
+        raise OutOfBounds(
+            f"corrupt batch description: leaf of {nbytes} bytes at {offset} "
+            f"(shape {shape}) does not fit {limit} bytes"
+        )
+    return LeafSpec(offset, nbytes, kind, dtype, shape, sub)
 
 
 def extent(specs: list[LeafSpec]) -> int:

@@ -37,6 +37,10 @@ class CudaError(PinPoolError):
         self.code = code
 
 
+class WorkerLost(PinPoolError, RuntimeError):
+    """A DataLoader worker exited before the main process could take its batch."""
+
+
 class InvalidArgument(PinPoolError, ValueError):
     """An argument makes no sense (zero sizes, unknown backend, ...)."""
 

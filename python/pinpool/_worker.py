@@ -97,6 +97,7 @@ class BatchHandle:
     __slots__ = (
         "_error",
         "_live",
+        "count",
         "first",
         "nbytes",
         "nonce",
@@ -122,6 +123,7 @@ class BatchHandle:
         retired: tuple[int, ...],
         p: _codec.Plan,
         unused: tuple[int, int, int] | None = None,
+        count: int | None = None,
     ) -> None:
         self.token = token
         self.worker = worker
@@ -135,6 +137,7 @@ class BatchHandle:
         self.specs = [tuple(s) for s in p.specs]
         self.nbytes = p.nbytes
         self.unused = unused  # (index, generation, nonce) of a zero-copy slot not used
+        self.count = count  # samples in the batch, when known
         self._live = False
         self._error: BaseException | None = None
 
@@ -151,6 +154,7 @@ class BatchHandle:
             self.specs,
             self.nbytes,
             self.unused,
+            self.count,
         )
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
@@ -166,6 +170,7 @@ class BatchHandle:
             self.specs,
             self.nbytes,
             self.unused,
+            self.count,
         ) = state
         self.first = self.origin is not None
         self._error = None
@@ -179,6 +184,9 @@ class BatchHandle:
             decoder.receive(self)
             self._live = True
         except Exception as exc:
+            # Raised later, from pin_memory(); without its traceback, which would keep this
+            # frame (and torch's iterator above it) alive.
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
             self._error = exc
 
     @property
@@ -207,9 +215,11 @@ def encode_in_worker(
     batch: Any,
     p: _codec.Plan | None = None,
     unused: tuple[int, int, int] | None = None,
+    count: int | None = None,
 ) -> BatchHandle:
     """Writes ``batch`` (planned as ``p``, if given) into one of this worker's segments and
-    returns its handle; ``unused`` names a zero-copy slot the main process should take back."""
+    returns its handle; ``unused`` names a zero-copy slot the main process should take back;
+    ``count`` is the number of samples, when known (it helps size the slots)."""
     if p is None:
         p = _codec.plan(batch)
     ring = ring_for(token, limit)
@@ -224,5 +234,14 @@ def encode_in_worker(
         origin = (os.getpid(), seg.fd)
         ring.announced.add(sid)
     return BatchHandle(
-        token, ring.key, sid, origin, seg.total_len, seg.nonce, ring.take_retired(), p, unused
+        token,
+        ring.key,
+        sid,
+        origin,
+        seg.total_len,
+        seg.nonce,
+        ring.take_retired(),
+        p,
+        unused,
+        count,
     )

@@ -17,6 +17,7 @@ its slot goes through copy mode instead; the unused ticket's slot is returned.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import threading
@@ -61,15 +62,22 @@ class TaggedSamples(list):  # type: ignore[type-arg]
 
 
 class TicketSampler:
-    """Wraps torch's batch sampler: tags each index list with a freshly checked-out slot."""
+    """Wraps torch's batch sampler: tags each index list with a freshly checked-out slot.
+
+    torch keeps one per iterator; ``owner`` names the slots it handed out, so that iterator's
+    end takes back its own and no other's.
+    """
+
+    _next_owner = itertools.count(1)
 
     def __init__(self, base: Any, assign: Any) -> None:
         self.base = base
         self.assign = assign
+        self.owner = next(TicketSampler._next_owner)
 
     def __iter__(self) -> Any:
         for indices in self.base:
-            yield TaggedIndices(indices, self.assign())
+            yield TaggedIndices(indices, self.assign(self.owner))
 
     def __len__(self) -> int:
         return len(self.base)

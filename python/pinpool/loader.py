@@ -36,10 +36,24 @@ import torch.utils.data
 from torch.utils.data._utils.collate import default_convert
 
 from . import _codec
-from ._errors import BatchTooLarge, InvalidArgument, PinPoolError, PoolExhausted
+from ._errors import (
+    BatchTooLarge,
+    InvalidArgument,
+    OutOfBounds,
+    PinPoolError,
+    PoolExhausted,
+    WorkerLost,
+)
 from ._native import SEGMENT_DATA_OFFSET, PinPool, SegmentCache, Slot
 from ._worker import BatchHandle, encode_in_worker
-from ._zerocopy import SlotHandle, SlotTicket, TicketDataset, TicketSampler, write_into_slot
+from ._zerocopy import (
+    SlotHandle,
+    SlotTicket,
+    TaggedSamples,
+    TicketDataset,
+    TicketSampler,
+    write_into_slot,
+)
 
 __all__ = ["DataLoader", "PinCollate"]
 
@@ -119,16 +133,21 @@ class _Decoder:
         overflow: str,
         oversize: str,
         zero_copy: bool,
+        batch_size: int | None,
     ) -> None:
         self.token = token
+        self._batch_size = batch_size
         self._overflow = overflow
         self._oversize = oversize
         self.overflow_batches = 0
         self.zero_copy = zero_copy
         self.zero_copy_batches = 0
         self.zero_copy_fallbacks = 0
-        # Slots handed to workers with batch indices: (index, generation) -> (slot, nonce).
-        self._assigned: dict[tuple[int, int], tuple[Slot, int]] = {}
+        # Slots handed to workers with batch indices: (index, generation) -> (slot, nonce,
+        # the sampler that handed it out).
+        self._assigned: dict[tuple[int, int], tuple[Slot, int, int]] = {}
+        # Worker key -> pid, for the workers whose segments are mapped here.
+        self._worker_pids: dict[int, int] = {}
         self.iterator: weakref.ref[Any] | None = None
         self._lock = threading.Lock()
         self._own_pool = pool is None
@@ -146,9 +165,15 @@ class _Decoder:
 
     # -- set-up -------------------------------------------------------------------------
 
-    def _ensure(self, nbytes: int) -> tuple[PinPool, SegmentCache]:
+    def _ensure(self, nbytes: int, count: int | None = None) -> tuple[PinPool, SegmentCache]:
+        """The pool and segment cache, made on first use. Without ``slot_bytes=``, slots hold
+        this batch plus headroom, scaled up to a full batch when this one has fewer samples
+        (the last batch of an epoch may well arrive first)."""
         with self._lock:
             if self.pool is None:
+                full = self._batch_size
+                if count and full and 0 < count < full:
+                    nbytes = nbytes * full // count
                 slot = self._slot_bytes or max(
                     _GRANULE, -(-int(nbytes * _HEADROOM) // _GRANULE) * _GRANULE
                 )
@@ -166,13 +191,39 @@ class _Decoder:
 
     def receive(self, handle: BatchHandle) -> None:
         """Takes hold of the handle's segment (mapping it the first time it is seen)."""
-        _, cache = self._ensure(int(handle.nbytes))
+        try:
+            worker, segment = int(handle.worker), int(handle.segment)
+            total_len, nonce = int(handle.total_len), int(handle.nonce)
+            nbytes = int(handle.nbytes)
+            count = None if handle.count is None else int(handle.count)
+            pid, fd = (int(x) for x in handle.origin) if handle.first else (0, 0)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise OutOfBounds(f"corrupt batch handle: {exc}") from None
+        if not (
+            0 <= worker < 1 << 64
+            and 0 <= segment < 1 << 32
+            and SEGMENT_DATA_OFFSET < total_len
+            and 0 <= nonce < 1 << 64
+            and nbytes >= 0
+            and (not handle.first or (pid > 0 and fd >= 0))
+        ):
+            raise OutOfBounds("corrupt batch handle: a field is out of range")
+        _, cache = self._ensure(nbytes, count)
+        key = (worker, segment)
         if handle.first:
-            pid, fd = handle.origin  # type: ignore[misc]
-            own = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
-            cache.insert(handle.key, own, int(handle.total_len), int(handle.nonce))
-        elif handle.key not in cache:
-            raise PinPoolError(f"segment {handle.key} was never received by this process")
+            try:
+                own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                if not _alive(pid):
+                    raise WorkerLost(
+                        f"DataLoader worker (pid {pid}) exited before the main process could "
+                        "take its batch"
+                    ) from None
+                raise OutOfBounds(f"corrupt batch handle: cannot open its segment: {exc}") from None
+            cache.insert(key, own, total_len, nonce)
+            self._worker_pids[worker] = pid
+        elif key not in cache:
+            raise PinPoolError(f"segment {key} was never received by this process")
 
     def discard(self, handle: BatchHandle) -> None:
         """Hands the segment back to its worker and drops what the worker retired."""
@@ -210,9 +261,9 @@ class _Decoder:
 
     # -- zero-copy: slots handed out with the indices -----------------------------------
 
-    def assign(self) -> SlotTicket | None:
-        """Checks out a slot for a batch about to be dispatched (never waits: this runs on
-        the consumer's thread). None sends the batch through copy mode."""
+    def assign(self, owner: int) -> SlotTicket | None:
+        """Checks out a slot for a batch about to be dispatched by sampler ``owner`` (never
+        waits: this runs on the consumer's thread). None sends the batch through copy mode."""
         pool = self.pool
         slot = pool.try_checkout() if pool is not None else None
         where = pool.slot_memfd(slot.index) if pool is not None and slot is not None else None
@@ -222,7 +273,7 @@ class _Decoder:
         fd, offset, part_len = where
         nonce = random.getrandbits(63)
         with self._lock:
-            self._assigned[(slot.index, slot.generation)] = (slot, nonce)
+            self._assigned[(slot.index, slot.generation)] = (slot, nonce, owner)
         return SlotTicket(
             slot.index, slot.generation, nonce, offset, pool.slot_bytes, os.getpid(), fd, part_len
         )
@@ -234,10 +285,12 @@ class _Decoder:
             if entry is not None and entry[1] == nonce:
                 del self._assigned[key]
 
-    def drop_assignments(self) -> None:
-        """Takes back every handed-out slot (only once no worker can write any more)."""
+    def drop_assignments(self, owner: int | None = None) -> None:
+        """Takes back the slots handed out by sampler ``owner`` (all with None), once no
+        worker that got them can write any more."""
         with self._lock:
-            self._assigned.clear()
+            for key in [k for k, v in self._assigned.items() if owner in (None, v[2])]:
+                del self._assigned[key]
 
     def decode_slot(self, handle: SlotHandle) -> Any:
         """A batch a worker wrote into the slot it was given: check it, view it."""
@@ -260,10 +313,10 @@ class _Decoder:
 
     # -- num_workers=0 ------------------------------------------------------------------
 
-    def encode_local(self, batch: Any) -> _Local:
+    def encode_local(self, batch: Any, count: int | None) -> _Local:
         """Writes a batch collated in this process straight into a slot."""
         plan = _codec.plan(batch)
-        pool, _ = self._ensure(plan.nbytes)
+        pool, _ = self._ensure(plan.nbytes, count)
         slot = self._checkout(pool, plan.nbytes) if plan.nbytes else None
         if slot is not None:
             _codec.write(plan, slot)
@@ -346,10 +399,19 @@ class _Decoder:
             slot.release(self.copy_stream)
         return _OnDevice(_codec.rebuild(tree, views), storage, event, self.device)
 
-    def retire_segments(self) -> None:
-        """Unmaps (on the reclaimer thread) every worker segment known so far."""
-        if self.cache is not None:
+    def retire_segments(self, dead_only: bool = False) -> None:
+        """Unmaps (on the reclaimer thread) the segments of workers that have exited (of every
+        worker with ``dead_only=False``)."""
+        if self.cache is None:
+            return
+        if not dead_only:
             self.cache.retire_all()
+            self._worker_pids.clear()
+            return
+        for worker, pid in list(self._worker_pids.items()):
+            if not _alive(pid):
+                self.cache.retire_all(worker)
+                del self._worker_pids[worker]
 
     def close(self) -> None:
         inner = self.iterator() if self.iterator is not None else None
@@ -358,7 +420,7 @@ class _Decoder:
             shutdown()  # no worker may write into a slot we take back below
         self.drop_assignments()
         self.retire_segments()
-        if self.pool is not None:
+        if self.pool is not None and not self.pool.closed:  # the caller may have closed theirs
             self.pool.flush()
             if self._own_pool:
                 self.pool.close()
@@ -382,6 +444,9 @@ class PinCollate:
 
     def __call__(self, data: Any) -> Any:
         ticket = getattr(data, "ticket", None)
+        if isinstance(data, TaggedSamples):
+            data = list(data)  # collate functions get what torch would give them
+        count = len(data) if self.auto_collation else None
         if self.collate_fn is not None:
             batch = self.collate_fn(data)
         elif self.auto_collation:
@@ -389,14 +454,14 @@ class PinCollate:
         else:
             batch = default_convert(data)
         if torch.utils.data.get_worker_info() is None:
-            return lookup(self.token).encode_local(batch)
+            return lookup(self.token).encode_local(batch, count)
         if ticket is None:
-            return encode_in_worker(self.token, self.ring_size, batch)
+            return encode_in_worker(self.token, self.ring_size, batch, count=count)
         plan = _codec.plan(batch)
         if plan.nbytes <= ticket.nbytes:
             return write_into_slot(self.token, ticket, plan)
         unused = (ticket.index, ticket.generation, ticket.nonce)
-        return encode_in_worker(self.token, self.ring_size, batch, plan, unused)
+        return encode_in_worker(self.token, self.ring_size, batch, plan, unused, count)
 
 
 class _PinnedIter:
@@ -430,14 +495,28 @@ class _PinnedIter:
             shutdown = getattr(self._inner, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
-            self._loader._pin_decoder.drop_assignments()
-            self._loader._pin_decoder.retire_segments()
+            # Only what this iterator's (now exited) workers had: another iterator of the
+            # same loader may still be running.
+            decoder = self._loader._pin_decoder
+            sampler = getattr(self._inner, "_index_sampler", None)
+            if isinstance(sampler, TicketSampler):
+                decoder.drop_assignments(sampler.owner)
+            decoder.retire_segments(dead_only=True)
 
     def __del__(self) -> None:
         try:
             self._end()
         except Exception:
             pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _cuda_device(device: Any) -> torch.device | None:
@@ -537,6 +616,7 @@ class DataLoader(torch.utils.data.DataLoader):
             overflow=overflow,
             oversize=oversize,
             zero_copy=zero_copy,
+            batch_size=batch_size if batch_sampler is None else None,
         )
         auto_collation = batch_size is not None or batch_sampler is not None
         self._pin_tickets = (
@@ -586,7 +666,7 @@ class DataLoader(torch.utils.data.DataLoader):
         # hands a worker carries a slot.
         base = super()._index_sampler
         if getattr(self, "_pin_tickets", False):
-            return TicketSampler(base, self._pin_decoder.assign)
+            return TicketSampler(base, self._pin_decoder.assign)  # one per iterator
         return base
 
     @property

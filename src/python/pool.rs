@@ -13,7 +13,7 @@ use super::{guarded, to_py, IntoPy};
 use crate::arena::Backend;
 use crate::copy::CopyRange;
 use crate::error::Error;
-use crate::pool::{Pool, PoolConfig, Stats};
+use crate::pool::{Counters, Pool, PoolConfig, Stats};
 
 /// A fixed arena of (pinned) host memory cut into equal slots.
 #[pyclass(name = "PinPool", module = "pinpool._native", frozen)]
@@ -21,7 +21,8 @@ pub struct PyPinPool {
     pool: Mutex<Option<Arc<Pool>>>,
     /// Still reaches the pool after `close()` while slots keep it alive (for `stats()`).
     weak: Weak<Pool>,
-    last_stats: Mutex<Stats>,
+    /// The counters, which outlive the pool (for `stats()` once it is gone).
+    counters: Arc<Counters>,
     device: Option<usize>,
     backend: &'static str,
     memory: &'static str,
@@ -154,7 +155,7 @@ impl PyPinPool {
                 copy_threads: pool.copy_threads(),
                 notes,
                 startup: pool.arena().timings().to_vec(),
-                last_stats: Mutex::new(Stats::default()),
+                counters: pool.counters(),
                 weak: Arc::downgrade(&pool),
                 pool: Mutex::new(Some(pool)),
             })
@@ -239,7 +240,7 @@ impl PyPinPool {
         guarded(|| {
             let snapshot = match self.weak.upgrade() {
                 Some(pool) => pool.stats(),
-                None => self.last_stats.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+                None => self.counters.final_stats(),
             };
             stats_dict(py, &snapshot)
         })
@@ -262,7 +263,6 @@ impl PyPinPool {
             if let Some(pool) = taken {
                 pool.close();
                 py.detach(|| pool.flush_unmaps());
-                *self.last_stats.lock().unwrap_or_else(|e| e.into_inner()) = pool.stats();
                 py.detach(move || drop(pool));
             }
             Ok(())
