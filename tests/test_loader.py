@@ -88,13 +88,14 @@ def in_slot_bytes(batch: Any) -> int:
 
 def check_live_batch(pin: Any, batch: Any, overflowed: int) -> int:
     """While ``batch`` is alive it holds a slot (unless it overflowed into ordinary memory),
-    and its tensors are not pinned (host pool, no CUDA). Returns the overflow count."""
+    and, on a host pool (no CUDA), its tensors are not pinned. Returns the overflow count."""
     stats = pin.stats()
     if in_slot_bytes(batch) and stats["overflow_batches"] == overflowed:
         assert stats["slots_checked_out"] >= 1, "a live batch holds no slot"
-    for leaf in array_leaves(batch):
-        if isinstance(leaf, torch.Tensor):
-            assert not leaf.is_pinned(), "a host pool is not pinned without CUDA"
+    if pin.pool is not None and pin.pool.memory != "pinned":
+        for leaf in array_leaves(batch):
+            if isinstance(leaf, torch.Tensor):
+                assert not leaf.is_pinned(), "a host pool is not pinned"
     return stats["overflow_batches"]
 
 
@@ -495,7 +496,7 @@ def test_batches_are_views_into_the_pools_arena() -> None:
     it = iter(pin)
     batch = next(it)
     pool = pin.pool
-    assert pool is not None and pool.num_slots == 3 and pool.device is None
+    assert pool is not None and pool.num_slots == 3
     assert pin.stats()["slots_checked_out"] == 1
     # Every array of the batch lies in one buffer, starting where a slot starts.
     storage = {t.untyped_storage().data_ptr() for t in array_leaves(batch)}
@@ -503,7 +504,7 @@ def test_batches_are_views_into_the_pools_arena() -> None:
     start = storage.pop()
     for t in array_leaves(batch):
         assert start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + pool.slot_bytes
-        assert not t.is_pinned()
+        assert t.is_pinned() == (pool.memory == "pinned")
     del t
     second = next(it)
     assert pin.stats()["slots_checked_out"] == 2
@@ -575,7 +576,8 @@ def test_overflow_wait_raises_pool_exhausted(num_workers: int) -> None:
         kept.append(next(it))
     waited = time.monotonic() - t0
     forget(info)
-    assert 0.4 <= waited < 10, waited
+    # torch's pin thread (with an accelerator) starts waiting before the consumer asks.
+    assert (0.0 if torch.accelerator.is_available() else 0.4) <= waited < 10, waited
     assert len(kept) == 2
     assert [b["idx"].tolist() for b in kept] == [[0, 1], [2, 3]]
     del kept, it
@@ -598,7 +600,8 @@ def test_overflow_wait_gets_a_slot_back_in_time(num_workers: int) -> None:
         del batch
     stats = pin.stats()
     assert stats["batches"] == 5 and stats["overflow_batches"] == 0
-    assert stats["slots_free"] == 1
+    # On a CUDA pool the last release may still wait on its fence for a moment.
+    assert stats["slots_free"] + stats["slots_fenced"] == 1
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -664,7 +667,8 @@ def test_explicit_pool_slot_bytes_and_num_slots() -> None:
         pass
     assert pin.pool.slot_bytes == 3 * MiB
     assert pin.pool.num_slots == 5
-    assert pin.pool.device is None
+    # The loader's own pool lives on the current CUDA device, if there is one.
+    assert pin.pool.device == (torch.cuda.current_device() if torch.cuda.is_available() else None)
 
 
 def test_default_num_slots_follows_prefetch() -> None:
@@ -696,7 +700,10 @@ def test_bad_arguments() -> None:
     with pytest.raises(InvalidArgument, match="oversize"):
         pinpool.DataLoader(Indexed(2), oversize="truncate")
     with pytest.raises(InvalidArgument):
-        pinpool.DataLoader(Indexed(2), device="cuda")  # no CUDA here
+        if not torch.cuda.is_available():
+            pinpool.DataLoader(Indexed(2), device="cuda")  # no CUDA here
+        else:
+            pinpool.DataLoader(Indexed(2), device="meta")  # not a CUDA device
     pinpool.DataLoader(Indexed(2), device="cpu")  # same as None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class PinPoolError(Exception):
     """Base class of every pinpool error."""
@@ -20,12 +22,21 @@ class SlotReleased(PinPoolError):
 
 
 class BatchTooLarge(PinPoolError, ValueError):
-    """A batch needs more bytes than one slot holds."""
+    """A batch needs more bytes than one slot holds (``needed``, ``slot_bytes``)."""
 
-    def __init__(self, message: str, needed: int = 0, slot_bytes: int = 0) -> None:
+    def __init__(
+        self, message: str, needed: int | None = None, slot_bytes: int | None = None
+    ) -> None:
         super().__init__(message)
+        if needed is None or slot_bytes is None:
+            # Rebuilt from its message alone (torch re-raises a pin-thread error that way).
+            found = _SIZES.search(message)
+            needed, slot_bytes = (int(found[1]), int(found[2])) if found else (0, 0)
         self.needed = needed
         self.slot_bytes = slot_bytes
+
+
+_SIZES = re.compile(r"needs (\d+) bytes but (?:a slot holds|the pool's slots hold) (\d+)")
 
 
 class CudaError(PinPoolError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import threading
 import time
@@ -418,6 +419,7 @@ class _Decoder:
         shutdown = getattr(inner, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()  # no worker may write into a slot we take back below
+            _drop_undelivered(inner)
         self.drop_assignments()
         self.retire_segments()
         if self.pool is not None and not self.pool.closed:  # the caller may have closed theirs
@@ -495,6 +497,7 @@ class _PinnedIter:
             shutdown = getattr(self._inner, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
+                _drop_undelivered(self._inner)
             # Only what this iterator's (now exited) workers had: another iterator of the
             # same loader may still be running.
             decoder = self._loader._pin_decoder
@@ -508,6 +511,21 @@ class _PinnedIter:
             self._end()
         except Exception:
             pass
+
+
+def _drop_undelivered(inner: Any) -> None:
+    """Drops the batches a shut-down torch iterator still holds (its pin thread decoded them
+    ahead, or they arrived out of order): each holds a slot."""
+    data = getattr(inner, "_data_queue", None)
+    if isinstance(data, queue.Queue):  # the pin thread's output (in-process, not a pipe)
+        while True:
+            try:
+                data.get_nowait()
+            except queue.Empty:
+                break
+    task_info = getattr(inner, "_task_info", None)
+    if isinstance(task_info, dict):
+        task_info.clear()
 
 
 def _alive(pid: int) -> bool:
