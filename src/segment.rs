@@ -242,19 +242,7 @@ impl SegmentCache {
         ranges: &[CopyRange],
     ) -> Result<usize> {
         let map = self.get(key)?;
-        let shifted: Vec<CopyRange> = ranges
-            .iter()
-            .map(|r| {
-                r.src.checked_add(DATA_OFFSET).map(|src| CopyRange { src, ..*r }).ok_or(
-                    Error::OutOfRange {
-                        what: "segment data",
-                        offset: r.src,
-                        len: r.len,
-                        size: map.len() - DATA_OFFSET,
-                    },
-                )
-            })
-            .collect::<Result<_>>()?;
+        let shifted = shift_to_data(&map, ranges)?;
         let result = self.pool.copy_in(ticket, &map, &shifted);
         drop(map);
         self.pool.reap_lingering();

@@ -141,37 +141,28 @@ class BatchHandle:
         self._live = False
         self._error: BaseException | None = None
 
+    #: What travels between processes, in order.
+    _STATE = (
+        "token",
+        "worker",
+        "segment",
+        "origin",
+        "total_len",
+        "nonce",
+        "retired",
+        "tree",
+        "specs",
+        "nbytes",
+        "unused",
+        "count",
+    )
+
     def __getstate__(self) -> tuple[Any, ...]:
-        return (
-            self.token,
-            self.worker,
-            self.segment,
-            self.origin,
-            self.total_len,
-            self.nonce,
-            self.retired,
-            self.tree,
-            self.specs,
-            self.nbytes,
-            self.unused,
-            self.count,
-        )
+        return tuple(getattr(self, name) for name in self._STATE)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (
-            self.token,
-            self.worker,
-            self.segment,
-            self.origin,
-            self.total_len,
-            self.nonce,
-            self.retired,
-            self.tree,
-            self.specs,
-            self.nbytes,
-            self.unused,
-            self.count,
-        ) = state
+        for name, value in zip(self._STATE, state, strict=True):
+            setattr(self, name, value)
         self.first = self.origin is not None
         self._error = None
         self._live = False

@@ -147,27 +147,15 @@ class SlotHandle:
         self.nbytes = p.nbytes
         self._live = False
 
+    #: What travels between processes, in order.
+    _STATE = ("token", "index", "generation", "nonce", "tree", "specs", "nbytes")
+
     def __getstate__(self) -> tuple[Any, ...]:
-        return (
-            self.token,
-            self.index,
-            self.generation,
-            self.nonce,
-            self.tree,
-            self.specs,
-            self.nbytes,
-        )
+        return tuple(getattr(self, name) for name in self._STATE)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (
-            self.token,
-            self.index,
-            self.generation,
-            self.nonce,
-            self.tree,
-            self.specs,
-            self.nbytes,
-        ) = state
+        for name, value in zip(self._STATE, state, strict=True):
+            setattr(self, name, value)
         self._live = True  # unpickled in the main process: it names an assigned slot
 
     @property
