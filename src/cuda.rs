@@ -32,11 +32,7 @@ pub fn guarded<T>(
         Ok(Ok(value)) => Ok(value),
         Ok(Err(err)) => Err(driver_error(call, err)),
         Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("unknown panic");
+            let msg = crate::error::panic_message(&*panic);
             Err(Error::Cuda { call, name: format!("PANIC_IN_DRIVER_BINDING: {msg}"), code: 0 })
         }
     }

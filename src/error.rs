@@ -65,5 +65,14 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// The text of a caught panic (`catch_unwind`'s payload).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("unknown panic")
+}
+
 /// Shorthand used across the crate.
 pub type Result<T> = std::result::Result<T, Error>;

@@ -24,11 +24,7 @@ pub(crate) fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(result) => result,
         Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("unknown panic");
+            let msg = crate::error::panic_message(&*panic);
             Python::attach(|py| {
                 Err(to_py(py, Error::Invalid(format!("internal error in pinpool: {msg}"))))
             })
