@@ -33,6 +33,8 @@ rust-test:
 
 py-test: build
 	$(PY) -m pytest -q
+	# The DataLoader suite again, with zero_copy=True as the default.
+	$(PY) -m pytest -q --zero-copy tests/test_loader.py tests/test_loader_faults.py
 
 bench:
 	cargo bench --bench checkout

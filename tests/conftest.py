@@ -89,3 +89,32 @@ def make_pool() -> Iterator[Callable[..., pinpool.PinPool]]:
         pool.close()
     # Drop slots and views the test left behind while the pools are still referenced here.
     gc.collect()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--zero-copy",
+        action="store_true",
+        help="run the DataLoader tests with zero_copy=True as pinpool.DataLoader's default",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "copy_mode_only: checks copy-mode internals (skipped under --zero-copy)"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _zero_copy_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``--zero-copy``, every ``pinpool.DataLoader`` a test makes defaults to
+    ``zero_copy=True`` (the whole loader suite runs again in that mode)."""
+    if not request.config.getoption("--zero-copy"):
+        return
+    if request.node.get_closest_marker("copy_mode_only") is not None:
+        pytest.skip("checks copy-mode internals")
+    import pinpool.loader
+
+    defaults = dict(pinpool.loader.DataLoader.__init__.__kwdefaults__ or {})
+    defaults["zero_copy"] = True
+    monkeypatch.setattr(pinpool.loader.DataLoader.__init__, "__kwdefaults__", defaults)

@@ -266,6 +266,11 @@ class _Decoder:
         """Checks out a slot for a batch about to be dispatched by sampler ``owner`` (never
         waits: this runs on the consumer's thread). None sends the batch through copy mode."""
         pool = self.pool
+        # Keep one slot free for batches that come through copy mode (the first ones, and any
+        # too large for their slot): they need a slot when they arrive, and tickets must not
+        # starve them.
+        if pool is not None and pool.stats()["slots_free"] <= 1:
+            pool = None
         slot = pool.try_checkout() if pool is not None else None
         where = pool.slot_memfd(slot.index) if pool is not None and slot is not None else None
         if slot is None or pool is None or where is None:
