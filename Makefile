@@ -33,8 +33,11 @@ rust-test:
 
 py-test: build
 	$(PY) -m pytest -q
-	# The DataLoader suite again, with zero_copy=True as the default.
+	# The DataLoader suite again: with zero_copy=True as the default, then both modes the way
+	# a GPU machine runs them (torch's pin thread decoding batches ahead, in arrival order).
 	$(PY) -m pytest -q --zero-copy tests/test_loader.py tests/test_loader_faults.py
+	$(PY) -m pytest -q --pin-thread tests/test_loader.py tests/test_loader_faults.py
+	$(PY) -m pytest -q --pin-thread --zero-copy tests/test_loader.py tests/test_loader_faults.py
 
 bench:
 	cargo bench --bench checkout

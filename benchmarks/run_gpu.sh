@@ -5,8 +5,8 @@
 #
 #   benchmarks/run_gpu.sh WHEEL OUTDIR STAGE...     (run from the repository root)
 #
-# Stages: tests (every pytest test, CUDA ones included), cuda-tests (only those),
-# pool (benchmarks/pool_bench.py), criterion BINARY (the checkout bench), bench ARGS...
+# Stages: tests (every pytest test, CUDA ones included), zero-copy-tests (the DataLoader
+# suite again with zero_copy=True as its default), cuda-tests (only the CUDA tests), pool (benchmarks/pool_bench.py), criterion BINARY (the checkout bench), bench ARGS...
 # (python -m pinpool.bench with ARGS up to the next stage name).
 set -uo pipefail
 wheel=$1 out=$2
@@ -16,13 +16,21 @@ site=/tmp/pinpool-site
 python3 -m pip install -q --no-deps --no-index --upgrade --target "$site" "$wheel" || exit 1
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
 status=0
+# A hung test must not eat the whole run: give each one a limit when pytest-timeout is there.
+pytest=(python3 -m pytest -q -rfE --durations=8 -p no:cacheprovider)
+if python3 -c 'import pytest_timeout' 2>/dev/null; then pytest+=(--timeout 180); fi
 while [ $# -gt 0 ]; do
   stage=$1
   shift
   echo "== $stage"
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" || status=1 ;;
-    cuda-tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$out/cuda-tests.log" || status=1 ;;
+    tests) "${pytest[@]}" tests >"$out/tests.log" 2>&1 || status=1; tail -n 40 "$out/tests.log" ;;
+    zero-copy-tests)
+      "${pytest[@]}" --zero-copy tests/test_loader.py tests/test_loader_faults.py tests/test_loader_cuda.py \
+        >"$out/zero-copy-tests.log" 2>&1 || status=1
+      tail -n 40 "$out/zero-copy-tests.log"
+      ;;
+    cuda-tests) "${pytest[@]}" -m cuda tests >"$out/cuda-tests.log" 2>&1 || status=1; tail -n 25 "$out/cuda-tests.log" ;;
     pool) python3 benchmarks/pool_bench.py --out "$out/pool.json" || status=1 ;;
     criterion)
       bin=$1
@@ -31,7 +39,7 @@ while [ $# -gt 0 ]; do
       ;;
     bench)
       args=()
-      while [ $# -gt 0 ] && ! [[ $1 =~ ^(tests|cuda-tests|pool|criterion|bench)$ ]]; do
+      while [ $# -gt 0 ] && ! [[ $1 =~ ^(tests|zero-copy-tests|cuda-tests|pool|criterion|bench)$ ]]; do
         args+=("$1")
         shift
       done

@@ -97,6 +97,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the DataLoader tests with zero_copy=True as pinpool.DataLoader's default",
     )
+    parser.addoption(
+        "--pin-thread",
+        action="store_true",
+        help="on a machine without an accelerator, make torch's DataLoader run its pin-memory "
+        "thread anyway (the path every GPU machine takes)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -118,3 +124,21 @@ def _zero_copy_default(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     defaults = dict(pinpool.loader.DataLoader.__init__.__kwdefaults__ or {})
     defaults["zero_copy"] = True
     monkeypatch.setattr(pinpool.loader.DataLoader.__init__, "__kwdefaults__", defaults)
+
+
+@pytest.fixture(autouse=True)
+def _pin_thread(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``--pin-thread`` on a machine with no accelerator, torch's DataLoader believes
+    there is one: its iterators start the pin-memory thread, which decodes batches ahead of
+    the consumer and in the order they arrive, exactly as on a GPU machine. pinpool's
+    handles do their own pinning, so nothing else of the accelerator is used."""
+    if not request.config.getoption("--pin-thread"):
+        return
+    import torch
+
+    if torch.accelerator.is_available():
+        return  # the real thing
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)

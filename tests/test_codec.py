@@ -438,7 +438,7 @@ def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
         make.segment.unclaim()
         make.write()
         with pytest.raises(PinPoolError) as info:
-            build().pin_memory()
+            build().decode()  # on the consumer's thread: every rule applies
         del info
         gc.collect()
         assert len(os.listdir("/proc/self/fd")) == fds, f"{name}: fd leaked"
@@ -449,6 +449,22 @@ def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
     live_loader.pool.flush()
     s = live_loader.stats()
     assert s["pending_unmaps"] == 0
+
+
+def test_the_pin_thread_leaves_an_oversized_batch_to_the_consumer(live_loader: Any) -> None:
+    """torch's pin thread (``pin_memory()``) does not decide what happens to a batch larger
+    than a slot: it returns the handle, and the consumer's decode raises in its turn."""
+    make = HandleFactory(live_loader)
+    make.make(worker=7).pin_memory()
+    make.segment.unclaim()
+    make.write()
+    handle = corrupt_handles(make)["bigger-than-a-slot"]()
+    assert handle.pin_memory() is handle
+    with pytest.raises(pinpool.BatchTooLarge):
+        handle.decode()
+    del handle
+    gc.collect()
+    assert_all_free(live_loader)
 
 
 ODD_TYPES = {

@@ -78,10 +78,10 @@ class Resources:
     def now() -> Resources:
         return Resources(open_fd_count(), shm_entry_count(), frozenset(child_pids()))
 
-    def leaks_since(self, before: Resources) -> list[str]:
+    def leaks_since(self, before: Resources, kept_fds: int = 0) -> list[str]:
         out = []
-        if self.fds > before.fds:
-            out.append(f"{self.fds - before.fds} more open fds")
+        if self.fds > before.fds + kept_fds:
+            out.append(f"{self.fds - before.fds} more open fds (torch keeps {kept_fds})")
         if self.shm > before.shm:
             out.append(f"{self.shm - before.shm} more /dev/shm entries")
         extra = self.children - before.children
@@ -112,9 +112,21 @@ def assert_pool_clean(pool: pinpool.PinPool) -> None:
     assert s["pending_unmaps"] == 0, s
 
 
-def assert_no_leaks(before: Resources, pool: pinpool.PinPool | None = None) -> None:
+def torch_keeps_fds(persistent_workers: int) -> int:
+    """File descriptors torch itself keeps after a loader with ``persistent_workers`` is gone:
+    when it pins memory (an accelerator is present), it registers an ``atexit`` hook per
+    persistent worker, which holds the worker's ``Process`` object, and with it the two pipe
+    ends ``fork`` opened for it, until the interpreter exits. ``torch.utils.data.DataLoader``
+    does the same."""
+    return 2 * persistent_workers if torch.accelerator.is_available() else 0
+
+
+def assert_no_leaks(
+    before: Resources, pool: pinpool.PinPool | None = None, persistent_workers: int = 0
+) -> None:
     """Once the garbage is collected: the pool is clean and no fd, /dev/shm entry or child
-    process is left over (waiting a little for exiting workers to be reaped)."""
+    process is left over (waiting a little for exiting workers to be reaped), beyond what
+    torch keeps of ``persistent_workers`` (see :func:`torch_keeps_fds`)."""
     gc.collect()
     if pool is not None:
         assert_pool_clean(pool)
@@ -123,10 +135,11 @@ def assert_no_leaks(before: Resources, pool: pinpool.PinPool | None = None) -> N
     def settled() -> bool:
         gc.collect()
         after.append(Resources.now())
-        return not after[-1].leaks_since(before)
+        return not after[-1].leaks_since(before, kept)
 
+    kept = torch_keeps_fds(persistent_workers)
     if not wait_until(settled):
-        pytest.fail("leaked: " + "; ".join(after[-1].leaks_since(before)))
+        pytest.fail("leaked: " + "; ".join(after[-1].leaks_since(before, kept)))
 
 
 class Hang(Exception):
@@ -290,9 +303,14 @@ def test_worker_gone_before_its_batch_is_received() -> None:
     assert next(it).shape == (2, 10)
     time.sleep(0.8)  # meanwhile the worker sent batch 1, started batch 2 and exited
     outcome = "no error"
+    delivered = 1
     with deadline(30):
         try:
-            next(it)
+            # torch's pin thread (on GPU machines) takes batch 1's segment as it arrives, while
+            # the worker still lives: then batch 1 comes, and the error is batch 2's.
+            while True:
+                assert next(it).shape == ((2, 3 * MiB) if delivered == 1 else (2, 10))
+                delivered += 1
         except Exception as exc:
             # Keep only the text (an exception's frames reference torch's iterator). Either
             # torch notices the dead worker first (RuntimeError), or pinpool does, when it
@@ -301,8 +319,8 @@ def test_worker_gone_before_its_batch_is_received() -> None:
             outcome = f"{kind}: {exc}"
         del it, pin
         assert_no_leaks(before, pool)
-    # (through torch's pin thread, the message starts "Caught WorkerLost in pin memory thread")
     assert outcome.startswith("RuntimeError:") and "DataLoader worker (pid" in outcome, outcome
+    assert delivered in (1, 2), delivered
 
 
 def test_timeout(pool: pinpool.PinPool) -> None:
@@ -357,7 +375,7 @@ def test_loader_deleted_mid_epoch(pool: pinpool.PinPool, persistent: bool) -> No
     check_batch(third, 4)
     assert pool.stats()["slots_checked_out"] == 2
     del first, third
-    assert_no_leaks(before, pool)
+    assert_no_leaks(before, pool, persistent_workers=2 if persistent else 0)
 
 
 def test_owned_pool_goes_with_the_loader() -> None:
@@ -382,7 +400,7 @@ def test_owned_pool_goes_with_the_loader() -> None:
     # (with torch's pin thread, batches decoded ahead count too)
     assert s["checkouts"] == s["releases"] >= 3, s
     del own
-    assert_no_leaks(before)
+    assert_no_leaks(before, persistent_workers=2)
 
 
 # Counts checkouts exactly; zero-copy also checks slots out when it dispatches indices.
@@ -450,7 +468,7 @@ def test_persistent_workers_with_a_break(pool: pinpool.PinPool) -> None:
     # ... and are reused: at most a ring (prefetch_factor + 2) per worker over 4 epochs.
     assert pool.stats()["segments_mapped"] - mapped_before <= 2 * (2 + 2)
     del pin
-    assert_no_leaks(before, pool)
+    assert_no_leaks(before, pool, persistent_workers=2)
 
 
 @pytest.mark.parametrize("end", ["normal", "break"])

@@ -185,11 +185,15 @@ class BatchHandle:
         return (self.worker, self.segment)
 
     def pin_memory(self) -> Any:
+        """torch's pin thread: decode now if a slot is at hand, else leave it for later."""
+        return self.decode(ahead=True)
+
+    def decode(self, ahead: bool = False) -> Any:
         from .loader import lookup
 
         if self._error is not None:
             raise self._error
-        return lookup(self.token).decode(self)
+        return lookup(self.token).decode(self, ahead)
 
     def __del__(self) -> None:
         if getattr(self, "_live", False):

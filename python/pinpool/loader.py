@@ -45,6 +45,7 @@ from ._errors import (
     PoolExhausted,
     WorkerLost,
 )
+from ._heap import keep_freed_memory
 from ._native import SEGMENT_DATA_OFFSET, PinPool, SegmentCache, Slot
 from ._worker import BatchHandle, encode_in_worker
 from ._zerocopy import (
@@ -59,6 +60,9 @@ from ._zerocopy import (
 __all__ = ["DataLoader", "PinCollate"]
 
 _DECODERS: weakref.WeakValueDictionary[str, _Decoder] = weakref.WeakValueDictionary()
+
+#: What ``_Decoder._checkout`` returns to the pin thread for a batch to decode in its turn.
+_LATER = object()
 
 #: Slots get this much room over the first batch, rounded up to this granule.
 _HEADROOM = 1.25
@@ -110,7 +114,9 @@ class _Local:
 
 
 def _finish(item: Any) -> Any:
-    if isinstance(item, (BatchHandle, SlotHandle, _Local)):
+    if isinstance(item, BatchHandle):
+        item = item.decode()  # on the consumer's thread, in order
+    elif isinstance(item, (SlotHandle, _Local)):
         item = item.pin_memory()
     if isinstance(item, _OnDevice):
         item = item.wait()
@@ -244,20 +250,30 @@ class _Decoder:
             index, generation, nonce = handle.unused
             self.unassign((int(index), int(generation)), int(nonce))
 
-    def decode(self, handle: BatchHandle) -> Any:
-        """Copies the handle's batch into a slot and returns it rebuilt (or on the device)."""
+    def decode(self, handle: BatchHandle, ahead: bool = False) -> Any:
+        """Copies the handle's batch into a slot and returns it rebuilt (or on the device).
+
+        ``ahead``: called by torch's pin thread, which decodes batches as they arrive, ahead
+        of the consumer and in any order. It never waits for a slot that only the consumer can
+        give back, nor decides on overflow: when every slot is held by a batch, the handle
+        itself is returned, and the consumer's thread decodes it when it reaches that batch,
+        in order (the same rules as on a machine without an accelerator)."""
         try:
             pool, cache = self._ensure(int(handle.nbytes))
             limit = int(handle.total_len) - SEGMENT_DATA_OFFSET
             specs = _codec.checked_specs(handle.specs, limit)
             need = _codec.extent(specs)
-            slot = self._checkout(pool, need) if need else None
+            slot = self._checkout(pool, need, ahead) if need else None
+            if slot is _LATER:
+                return handle
             if isinstance(slot, Slot):
                 cache.copy_to_slot(handle.key, slot, [(0, 0, need)])
             elif slot is not None:
                 cache.copy_to_buffer(handle.key, slot.numpy(), [(0, 0, need)])
-        finally:
+        except BaseException:
             self.discard(handle)
+            raise
+        self.discard(handle)
         return self._deliver(handle.tree, specs, slot, need)
 
     # -- zero-copy: slots handed out with the indices -----------------------------------
@@ -330,9 +346,16 @@ class _Decoder:
 
     # -- shared -------------------------------------------------------------------------
 
-    def _checkout(self, pool: PinPool, need: int) -> Slot | torch.Tensor:
-        """A slot for ``need`` bytes, or (by the overflow rules) an ordinary buffer."""
+    def _checkout(self, pool: PinPool, need: int, ahead: bool = False) -> Any:
+        """A slot for ``need`` bytes, or (by the overflow rules) an ordinary buffer.
+
+        With ``ahead`` (torch's pin thread, decoding a batch the consumer may not want yet),
+        the slot must not be the last one free (that one is kept for the batch the consumer
+        waits for, which may still be on its way), and nothing waits for the consumer: it
+        returns :data:`_LATER` instead of waiting, overflowing or raising."""
         if need > pool.slot_bytes:
+            if ahead:
+                return _LATER  # the error or the ordinary buffer belongs to this batch's turn
             if self._oversize == "copy":
                 return self._overflow_buffer(need)
             raise BatchTooLarge(
@@ -343,16 +366,22 @@ class _Decoder:
                 pool.slot_bytes,
             )
         deadline = None if self._slot_timeout is None else time.monotonic() + self._slot_timeout
+        keep = 1 if ahead else 0
         while True:
-            slot = pool.try_checkout()
-            if slot is not None:
-                return slot
             stats = pool.stats()
-            if stats["slots_fenced"] == 0 and self._overflow == "copy":
+            if stats["slots_free"] > keep:
+                slot = pool.try_checkout()
+                if slot is not None:
+                    return slot
+                continue  # another thread took it
+            fenced = stats["slots_fenced"]
+            left = None if deadline is None else deadline - time.monotonic()
+            if ahead and (stats["slots_free"] + fenced <= keep or (left is not None and left <= 0)):
+                return _LATER
+            if fenced == 0 and self._overflow == "copy":
                 # Every slot is held by a batch the consumer keeps alive: waiting could wait
                 # forever (list(loader) does this). Use ordinary memory for this one.
                 return self._overflow_buffer(need)
-            left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise PoolExhausted(
                     f"no free slot after {self._slot_timeout} s: all {pool.num_slots} slots "
@@ -360,7 +389,8 @@ class _Decoder:
                     "num_slots= to pinpool.DataLoader"
                 )
             try:
-                # Fenced slots come back as the GPU finishes reading them.
+                # Fenced slots come back as the GPU finishes reading them (ahead: with more
+                # than ``keep`` on their way, taking the first leaves enough for the others).
                 return pool.checkout(timeout=0.01 if left is None else min(0.01, left))
             except PoolExhausted:
                 continue
@@ -443,11 +473,13 @@ class PinCollate:
         collate_fn: Callable[[Any], Any] | None,
         auto_collation: bool,
         ring_size: int,
+        keep_worker_memory: bool = True,
     ) -> None:
         self.token = token
         self.collate_fn = collate_fn
         self.auto_collation = auto_collation
         self.ring_size = ring_size
+        self.keep_worker_memory = keep_worker_memory
 
     def __call__(self, data: Any) -> Any:
         ticket = getattr(data, "ticket", None)
@@ -462,9 +494,11 @@ class PinCollate:
             batch = default_convert(data)
         if torch.utils.data.get_worker_info() is None:
             return lookup(self.token).encode_local(batch, count)
-        if ticket is None:
-            return encode_in_worker(self.token, self.ring_size, batch, count=count)
         plan = _codec.plan(batch)
+        if self.keep_worker_memory:
+            keep_freed_memory(plan.nbytes)
+        if ticket is None:
+            return encode_in_worker(self.token, self.ring_size, batch, plan, count=count)
         if plan.nbytes <= ticket.nbytes:
             return write_into_slot(self.token, ticket, plan)
         unused = (ticket.index, ticket.generation, ticket.nonce)
@@ -579,6 +613,10 @@ class DataLoader(torch.utils.data.DataLoader):
       when dispatched and batches too large for a slot go through copy mode, counted in
       ``stats()["zero_copy_fallbacks"]``. ``loader.dataset`` is then a thin wrapper whose
       ``.dataset`` is yours.
+    - ``keep_worker_memory``: workers keep memory their items were made in (up to twice the
+      largest batch, at most 1 GiB each) for the next batch's items, rather than give it
+      back to the kernel and fault fresh pages in for every batch (glibc's trim and mmap
+      thresholds; see ``pinpool._heap``). False leaves the workers' allocator alone.
     """
 
     def __init__(
@@ -610,6 +648,7 @@ class DataLoader(torch.utils.data.DataLoader):
         overflow: str = "copy",
         oversize: str = "error",
         zero_copy: bool = False,
+        keep_worker_memory: bool = True,
     ) -> None:
         del pin_memory, pin_memory_device  # always pinned, on the pool's device
         if overflow not in ("copy", "wait"):
@@ -655,6 +694,7 @@ class DataLoader(torch.utils.data.DataLoader):
             collate_fn,
             auto_collation=auto_collation,
             ring_size=(prefetch_factor or 2) + 2,
+            keep_worker_memory=keep_worker_memory,
         )
         super().__init__(
             dataset,

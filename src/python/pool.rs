@@ -28,6 +28,7 @@ pub struct PyPinPool {
     memory: &'static str,
     slot_bytes: usize,
     num_slots: usize,
+    address: usize,
     copy_threads: usize,
     notes: Vec<String>,
     startup: Vec<(&'static str, f64)>,
@@ -152,6 +153,7 @@ impl PyPinPool {
                 memory: pool.residency().name(),
                 slot_bytes: pool.slot_bytes(),
                 num_slots: pool.num_slots(),
+                address: pool.arena().base() as usize,
                 copy_threads: pool.copy_threads(),
                 notes,
                 startup: pool.arena().timings().to_vec(),
@@ -313,6 +315,13 @@ impl PyPinPool {
     #[getter]
     fn arena_bytes(&self) -> usize {
         self.slot_bytes * self.num_slots
+    }
+
+    /// The arena's first byte, as an integer: slot `i` starts at `address + i * slot_bytes`.
+    /// (Kept after `close()`, when nothing is mapped there any more.)
+    #[getter]
+    fn address(&self) -> usize {
+        self.address
     }
 
     /// Where slot `index` lives in shared memory: `(fd, slot offset in that memfd, memfd

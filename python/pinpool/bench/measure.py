@@ -15,7 +15,7 @@ What a run records (the timed window starts after ``warmup`` batches, with worke
 - ``probe_*_ms``: a thread sleeps 1 ms in a loop; its lateness (actual sleep - 1 ms) over the
   window, max and p99. A main process busy holding the GIL shows up here;
 - ``cpu_ms_per_batch``: ``getrusage(RUSAGE_SELF)`` user+sys over the window (every thread of
-  the main process, workers excluded) / steps;
+  the main process but the probe's, workers excluded) / steps;
 - ``pinned_mib``: for torch loaders the peak of torch's pinned host allocator
   (``allocated_bytes.peak``; its cache is emptied and its peak reset before the loader is
   made); for pinpool loaders the pool's ``arena_bytes`` plus that peak.
@@ -48,15 +48,18 @@ class StallProbe:
     def __init__(self, interval: float = 0.001) -> None:
         self.interval = interval
         self.lateness: list[float] = []
+        self.cpu_s = 0.0  # the probe thread's own CPU time, once stopped
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-probe", daemon=True)
 
     def _loop(self) -> None:
         clock, sleep, out, interval = time.perf_counter, time.sleep, self.lateness, self.interval
+        cpu0 = time.thread_time()
         while not self._stop.is_set():
             t = clock()
             sleep(interval)
             out.append(clock() - t - interval)
+        self.cpu_s = time.thread_time() - cpu0
 
     def __enter__(self) -> StallProbe:
         self._thread.start()
@@ -233,7 +236,9 @@ def run_once(
         del it, loader
         gc.collect()
         _sync(device)
-    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    # The main process's CPU, less the probe thread's own (it wakes 1000 times a second, so
+    # its share would grow with the time a batch takes, not with the loader's work).
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime) - probe.cpu_s
     late_ms = np.asarray(probe.lateness) * 1e3
     steps_ms = [s * 1e3 for s in step_s]
     rec: dict[str, Any] = {
