@@ -109,6 +109,34 @@ impl Copier {
     }
 }
 
+/// This process's shared copier with `threads` threads, for copies that belong to no pool
+/// (a DataLoader worker gathering a batch). Made on first use, and made again in a forked
+/// child, which inherits the parent's copier but none of its threads.
+pub fn process_copier(threads: usize) -> Result<std::sync::Arc<Copier>> {
+    use std::sync::{Arc, Mutex};
+    type Slot = Option<(u32, Arc<Copier>)>;
+    static COPIERS: Mutex<Vec<Slot>> = Mutex::new(Vec::new());
+    let threads = threads.clamp(1, 64);
+    let pid = std::process::id();
+    let mut copiers = COPIERS.lock().unwrap_or_else(|e| e.into_inner());
+    if copiers.len() <= threads {
+        copiers.resize(threads + 1, None);
+    }
+    if let Some((owner, copier)) = &copiers[threads] {
+        if *owner == pid {
+            return Ok(Arc::clone(copier));
+        }
+        // A forked child: the parent's pool has no threads here. Forget it without running
+        // its destructor, which would wait for threads that do not exist in this process.
+        if let Some((_, stale)) = copiers[threads].take() {
+            std::mem::forget(stale);
+        }
+    }
+    let copier = Arc::new(Copier::new(threads)?);
+    copiers[threads] = Some((pid, Arc::clone(&copier)));
+    Ok(copier)
+}
+
 /// Whether big copies use non-temporal stores: yes, unless `PINPOOL_STREAMING_COPY=0`.
 pub fn streaming_default() -> bool {
     static STREAMING: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -177,6 +205,34 @@ unsafe fn copy_streaming(src: usize, dst: usize, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn process_copier_is_shared_per_thread_count() {
+        let a = process_copier(3).unwrap();
+        let b = process_copier(3).unwrap();
+        assert!(std::sync::Arc::ptr_eq(&a, &b));
+        assert_eq!(a.threads(), 3);
+        assert_eq!(process_copier(0).unwrap().threads(), 1);
+    }
+
+    #[test]
+    fn gathers_from_absolute_addresses() {
+        // Sources anywhere in memory: a zero base with absolute offsets.
+        let parts: Vec<Vec<u8>> = (0..40u8).map(|i| vec![i; 200_000]).collect();
+        let mut dst = vec![0u8; 40 * 200_000];
+        let ranges: Vec<CopyRange> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| CopyRange { src: p.as_ptr() as usize, dst: i * 200_000, len: p.len() })
+            .collect();
+        let copier = process_copier(4).unwrap();
+        // SAFETY: every source is a live vector; destinations are disjoint slices of `dst`.
+        let n = unsafe { copier.copy(std::ptr::null(), dst.as_mut_ptr(), &ranges) };
+        assert_eq!(n, dst.len());
+        for (i, chunk) in dst.chunks(200_000).enumerate() {
+            assert!(chunk.iter().all(|&b| b == i as u8));
+        }
+    }
 
     #[test]
     fn parallel_copy_matches_serial() {

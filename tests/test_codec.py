@@ -160,6 +160,68 @@ def test_deferred_stack_equals_default_collate(
     assert_same(default_collate(samples), decode(tree, specs, buf))
 
 
+def written(p: _codec.Plan, threads: int) -> bytes:
+    buf = bytearray(b"\xab" * (p.nbytes + ALIGN))
+    _codec.write(p, buf, threads)
+    return bytes(buf)
+
+
+@SETTINGS
+@given(
+    batches(),
+    st.sampled_from(TORCH_DTYPES),
+    st.lists(st.integers(0, 4), max_size=3),
+    st.integers(1, 5),
+    st.sampled_from(["contig", "transposed", "strided"]),
+    st.booleans(),
+    st.integers(0, 2**32 - 1),
+)
+def test_threaded_write_matches_the_plain_one(
+    batch: Any, dtype: str, shape: list[int], n: int, layout: str, conj: bool, seed: int
+) -> None:
+    """Copy threads (``_native._gather``, here for arrays of any size) write the same bytes
+    as torch and numpy do, for plain arrays and deferred stacks, falling back where a stack
+    is not contiguous or a complex tensor is lazily conjugated."""
+    rng = np.random.default_rng(seed)
+    items = [make_array("torch", dtype, tuple(shape), layout, rng) for _ in range(n)]
+    if conj and items[0].is_complex():
+        items = [t.conj() for t in items]
+    stacked = _codec.default_collate_deferred([{"x": t, "i": i} for i, t in enumerate(items)])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_codec, "GATHER_MIN", 0)
+        for b in (batch, stacked):
+            p = _codec.plan(b)
+            assert written(p, 3) == written(p, 1)
+
+
+def test_contiguous_stacks_and_arrays_are_gathered() -> None:
+    items = [torch.full((3, 5), i, dtype=torch.int16) for i in range(4)]
+    stack = _codec.default_collate_deferred(items)
+    p = _codec.plan({"s": stack, "n": np.arange(6.0), "t": items[0].T})
+    pieces = [_codec._gather_items(src, spec) for spec, src in zip(p.specs, p.sources, strict=True)]
+    assert pieces[0] == [(t.data_ptr(), 30, 30 * i) for i, t in enumerate(items)]
+    assert pieces[1] is not None and pieces[1][0][1:] == (48, 0)
+    assert pieces[2] is None  # a transposed view goes through torch
+
+
+def test_gather_refuses_bad_destinations() -> None:
+    src = np.arange(64, dtype=np.uint8)
+    addr = src.ctypes.data
+    target = bytearray(100)
+    assert pinpool._native._gather(target, [(addr, 64, 36)], 2) == 64
+    assert bytes(target[36:]) == src.tobytes()
+    for items in (
+        [(addr, 64, 37)],  # one byte past the end
+        [(addr, 8, 1 << 63), (addr, 8, 0)],  # far out, and wraps
+        [(addr, 32, 0), (addr, 32, 16)],  # overlapping destinations
+        [(0, 8, 0)],  # a null source
+    ):
+        with pytest.raises(PinPoolError):
+            pinpool._native._gather(target, items, 2)
+    with pytest.raises(PinPoolError):
+        pinpool._native._gather(bytes(100), [(addr, 8, 0)], 2)  # read-only target
+
+
 def test_containers_are_rebuilt_with_their_types() -> None:
     t = torch.arange(6).reshape(2, 3)
     dd: collections.defaultdict[str, Any] = collections.defaultdict(list, a=t)

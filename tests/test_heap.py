@@ -46,8 +46,10 @@ def test_freed_item_memory_is_reused() -> None:
     if bound == 0:
         pytest.skip("this C library has no mallopt")
     assert bound == _heap.MIN_KEPT
-    assert plain > pages / 2, "the allocator gave the items' pages back (the case this fixes)"
-    assert kept < pages / 20, (kept, pages)
+    # Kept, a batch of fresh items faults (almost) nothing in. Left alone, a fresh process
+    # faults every page of every batch here; one whose thresholds grew with earlier large
+    # frees may not (glibc adjusts them), so ``plain`` is not asserted.
+    assert kept < pages / 20, (kept, plain, pages)
 
 
 def test_the_bound_only_grows_and_is_capped() -> None:

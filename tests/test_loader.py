@@ -240,7 +240,9 @@ def run_round_trip(
         kw["drop_last"] = drop_last
     if collate_fn is not None:
         kw["collate_fn"] = collate_fn
-    pin_kw = {"slot_bytes": slot_bytes_for(samples, batch_size), "num_slots": 4}
+    pin_kw: dict[str, Any] = {"slot_bytes": slot_bytes_for(samples, batch_size), "num_slots": 4}
+    if num_workers:
+        pin_kw["worker_copy_threads"] = 3  # big arrays through the workers' copy threads
     compare_loaders(ds, pin_kw=pin_kw, **kw)
 
 
@@ -327,6 +329,7 @@ def test_round_trip_every_dtype_and_layout(num_workers: int) -> None:
             ):
                 leaves[f"{lib}-{dtype}-{layout}-{len(shape)}d"] = (lib, dtype, shape, layout)
     leaves["big"] = ("torch", "float32", (1024, 700), "strided")  # ~2.7 MiB per sample
+    leaves["big-contig"] = ("torch", "int16", (1024, 700), "contig")  # gathered by threads
 
     def sample() -> dict[str, Any]:
         out: dict[str, Any] = {k: make_array(*v, rng) for k, v in leaves.items()}
@@ -335,7 +338,7 @@ def test_round_trip_every_dtype_and_layout(num_workers: int) -> None:
         return out
 
     ds = ListDataset([sample() for _ in range(5)])
-    kw = {"slot_bytes": 16 * MiB, "num_slots": 3}
+    kw = {"slot_bytes": 16 * MiB, "num_slots": 3, "worker_copy_threads": 3}
     compare_loaders(ds, pin_kw=kw, batch_size=2, num_workers=num_workers)
     compare_loaders(ds, pin_kw=kw, batch_size=2, num_workers=num_workers, collate_fn=keep_samples)
     compare_loaders(ds, pin_kw=kw, batch_size=None, num_workers=num_workers)
@@ -723,6 +726,9 @@ def test_bad_arguments() -> None:
         else:
             pinpool.DataLoader(Indexed(2), device="meta")  # not a CUDA device
     pinpool.DataLoader(Indexed(2), device="cpu")  # same as None
+    for threads in (0, 65, 1.5):
+        with pytest.raises(InvalidArgument, match="worker_copy_threads"):
+            pinpool.DataLoader(Indexed(2), num_workers=2, worker_copy_threads=threads)
 
 
 # --------------------------------------------------------------------------- known bugs

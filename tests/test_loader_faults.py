@@ -418,7 +418,8 @@ def test_owned_pool_stats_after_a_batch_outlives_the_loader() -> None:
     del kept
     gc.collect()
     s = own.stats()
-    assert s["releases"] == s["checkouts"] == 1, s
+    # (with torch's pin thread, batches decoded ahead count too)
+    assert s["releases"] == s["checkouts"] >= 1, s
     assert s["slots_checked_out"] == 0 and s["slots_free"] == own.num_slots, s
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils import collate as torch_collate
 
+from . import _native
 from ._errors import OutOfBounds
 from ._tree import KEEP, map_leaves
 
@@ -167,9 +168,45 @@ def plan(batch: Any) -> Plan:
     return Plan(tree, sources, specs, end)
 
 
-def write(p: Plan, buffer: Any) -> None:
+#: Below this many bytes an array is copied by torch or numpy on the calling thread.
+GATHER_MIN = 1 << 20
+
+
+def _gather_items(src: Any, spec: LeafSpec) -> list[tuple[int, int, int]] | None:
+    """``(address, nbytes, offset)`` of each contiguous piece of ``src`` for
+    ``_native._gather``, or None when it must go through torch or numpy (not contiguous,
+    lazily conjugated or negated, mixed shapes or dtypes, not on the CPU)."""
+    if isinstance(src, Stack):
+        first = src.tensors[0]
+        each = first.nbytes
+        if each * len(src.tensors) != spec.nbytes:
+            return None
+        items = []
+        for i, t in enumerate(src.tensors):
+            if not (
+                t.dtype == first.dtype
+                and t.shape == first.shape
+                and t.device.type == "cpu"
+                and t.is_contiguous()
+                and not t.is_conj()
+                and not t.is_neg()
+            ):
+                return None
+            items.append((t.data_ptr(), each, i * each))
+        return items
+    if isinstance(src, torch.Tensor):
+        ok = src.is_contiguous() and not src.is_conj() and not src.is_neg()
+        return [(src.data_ptr(), spec.nbytes, 0)] if ok and src.nbytes == spec.nbytes else None
+    if isinstance(src, np.ndarray) and src.flags.c_contiguous and src.nbytes == spec.nbytes:
+        return [(src.ctypes.data, spec.nbytes, 0)]
+    return None
+
+
+def write(p: Plan, buffer: Any, threads: int = 1) -> None:
     """Writes every array of plan ``p`` into ``buffer`` (a writable buffer object, or a flat
-    CPU uint8 tensor)."""
+    CPU uint8 tensor). With ``threads > 1``, contiguous arrays and stacks of at least
+    :data:`GATHER_MIN` bytes are copied by that many of this process's copy threads, without
+    the GIL."""
     if isinstance(buffer, torch.Tensor):
         buffer = buffer.numpy()
     mem = memoryview(buffer).cast("B")
@@ -178,6 +215,13 @@ def write(p: Plan, buffer: Any) -> None:
             if spec.nbytes == 0:
                 continue
             chunk = mem[spec.offset : spec.offset + spec.nbytes]
+            if threads > 1 and spec.nbytes >= GATHER_MIN:
+                items = _gather_items(src, spec)
+                if items is not None:
+                    # The sources are arrays this plan holds: alive for the whole call.
+                    _native._gather(chunk, items, threads)
+                    del chunk
+                    continue
             if spec.kind == "numpy":
                 dst_np = np.frombuffer(chunk, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
                 np.copyto(dst_np, src, casting="no")

@@ -11,12 +11,14 @@ __all__ = [
     "SegmentCache",
     "Slot",
     "WorkerSegment",
+    "_gather",
     "_set_stream_hook",
     "cuda_available",
     "page_size",
 ]
 SEGMENT_DATA_OFFSET: int
 
+def _gather(target: Any, items: Sequence[tuple[int, int, int]], threads: int) -> int: ...
 def _set_stream_hook(hook: Callable[[int], int | None]) -> bool: ...
 def cuda_available() -> bool: ...
 def page_size() -> int: ...

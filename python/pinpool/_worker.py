@@ -211,16 +211,18 @@ def encode_in_worker(
     p: _codec.Plan | None = None,
     unused: tuple[int, int, int] | None = None,
     count: int | None = None,
+    threads: int = 1,
 ) -> BatchHandle:
     """Writes ``batch`` (planned as ``p``, if given) into one of this worker's segments and
     returns its handle; ``unused`` names a zero-copy slot the main process should take back;
-    ``count`` is the number of samples, when known (it helps size the slots)."""
+    ``count`` is the number of samples, when known (it helps size the slots); big arrays are
+    copied with ``threads`` threads."""
     if p is None:
         p = _codec.plan(batch)
     ring = ring_for(token, limit)
     sid, seg = ring.acquire(p.nbytes)
     try:
-        _codec.write(p, seg)
+        _codec.write(p, seg, threads)
     except BaseException:
         seg.unclaim()
         raise

@@ -176,13 +176,14 @@ class SlotHandle:
                 decoder.unassign(self.key, self.nonce)
 
 
-def write_into_slot(token: str, ticket: SlotTicket, p: _codec.Plan) -> SlotHandle:
-    """Writes the planned batch into the ticket's slot of the shared arena."""
+def write_into_slot(token: str, ticket: SlotTicket, p: _codec.Plan, threads: int = 1) -> SlotHandle:
+    """Writes the planned batch into the ticket's slot of the shared arena (big arrays with
+    ``threads`` copy threads)."""
     arena = _arena(ticket)
     whole = memoryview(arena)
     try:
         region = whole[ticket.offset : ticket.offset + ticket.nbytes]
-        _codec.write(p, region)
+        _codec.write(p, region, threads)
         region.release()
     finally:
         whole.release()

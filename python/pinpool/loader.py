@@ -474,12 +474,14 @@ class PinCollate:
         auto_collation: bool,
         ring_size: int,
         keep_worker_memory: bool = True,
+        worker_copy_threads: int = 1,
     ) -> None:
         self.token = token
         self.collate_fn = collate_fn
         self.auto_collation = auto_collation
         self.ring_size = ring_size
         self.keep_worker_memory = keep_worker_memory
+        self.worker_copy_threads = worker_copy_threads
 
     def __call__(self, data: Any) -> Any:
         ticket = getattr(data, "ticket", None)
@@ -498,11 +500,20 @@ class PinCollate:
         if self.keep_worker_memory:
             keep_freed_memory(plan.nbytes)
         if ticket is None:
-            return encode_in_worker(self.token, self.ring_size, batch, plan, count=count)
+            return encode_in_worker(
+                self.token,
+                self.ring_size,
+                batch,
+                plan,
+                count=count,
+                threads=self.worker_copy_threads,
+            )
         if plan.nbytes <= ticket.nbytes:
-            return write_into_slot(self.token, ticket, plan)
+            return write_into_slot(self.token, ticket, plan, self.worker_copy_threads)
         unused = (ticket.index, ticket.generation, ticket.nonce)
-        return encode_in_worker(self.token, self.ring_size, batch, plan, unused, count)
+        return encode_in_worker(
+            self.token, self.ring_size, batch, plan, unused, count, self.worker_copy_threads
+        )
 
 
 class _PinnedIter:
@@ -567,6 +578,26 @@ def _drop_undelivered(inner: Any) -> None:
         task_info.clear()
 
 
+def _worker_copy_threads(asked: int | None, num_workers: int) -> int:
+    """Copy threads per worker: as asked, else ``$PINPOOL_WORKER_COPY_THREADS``, else the
+    cores this process may use per worker, from 1 to 4."""
+    if asked is None:
+        env = os.environ.get("PINPOOL_WORKER_COPY_THREADS")
+        if env:
+            try:
+                asked = int(env)
+            except ValueError:
+                raise InvalidArgument(
+                    f"PINPOOL_WORKER_COPY_THREADS must be an integer, not {env!r}"
+                ) from None
+        else:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+            asked = min(4, max(1, cores // max(1, num_workers)))
+    if not isinstance(asked, int) or isinstance(asked, bool) or not 1 <= asked <= 64:
+        raise InvalidArgument(f"worker_copy_threads must be an integer from 1 to 64, not {asked!r}")
+    return asked
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     try:
@@ -617,6 +648,9 @@ class DataLoader(torch.utils.data.DataLoader):
       largest batch, at most 1 GiB each) for the next batch's items, rather than give it
       back to the kernel and fault fresh pages in for every batch (glibc's trim and mmap
       thresholds; see ``pinpool._heap``). False leaves the workers' allocator alone.
+    - ``worker_copy_threads``: threads each worker copies a batch's big arrays with (its
+      stacks, into its segment or its zero-copy slot), without the GIL. Default:
+      ``$PINPOOL_WORKER_COPY_THREADS``, else the cores per worker, from 1 to 4.
     """
 
     def __init__(
@@ -649,6 +683,7 @@ class DataLoader(torch.utils.data.DataLoader):
         oversize: str = "error",
         zero_copy: bool = False,
         keep_worker_memory: bool = True,
+        worker_copy_threads: int | None = None,
     ) -> None:
         del pin_memory, pin_memory_device  # always pinned, on the pool's device
         if overflow not in ("copy", "wait"):
@@ -695,6 +730,7 @@ class DataLoader(torch.utils.data.DataLoader):
             auto_collation=auto_collation,
             ring_size=(prefetch_factor or 2) + 2,
             keep_worker_memory=keep_worker_memory,
+            worker_copy_threads=_worker_copy_threads(worker_copy_threads, num_workers),
         )
         super().__init__(
             dataset,

@@ -15,6 +15,7 @@ use pyo3::types::PyTuple;
 
 use crate::error::Error;
 
+mod gather;
 mod pool;
 mod segment;
 mod slot;
@@ -142,6 +143,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
+    m.add_function(wrap_pyfunction!(gather::_gather, m)?)?;
     m.add("SEGMENT_DATA_OFFSET", crate::segment::DATA_OFFSET)?;
     Ok(())
 }

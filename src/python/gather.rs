@@ -1,0 +1,67 @@
+//! `_gather`: a DataLoader worker's multi-threaded copy of many arrays into one buffer (the
+//! items of a stacked batch into its segment or its zero-copy slot).
+//!
+//! Invariants: every destination range is checked against the target buffer and against the
+//! others (no overlap) before anything is copied; the copy runs without the GIL on this
+//! process's own copy threads (`copy::process_copier`). The sources are raw addresses, which
+//! nothing can check: this is a private function for `pinpool._codec`, which passes the data
+//! pointers of live, contiguous CPU tensors it holds for the whole call.
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+
+use super::{guarded, to_py, IntoPy};
+use crate::copy::{process_copier, CopyRange};
+use crate::error::Error;
+
+/// Copies `(source address, nbytes, destination offset)` items into `target` (a writable,
+/// C-contiguous buffer) with `threads` threads, without the GIL. Returns the bytes copied.
+#[pyfunction]
+pub(crate) fn _gather(
+    py: Python<'_>,
+    target: &Bound<'_, PyAny>,
+    items: Vec<(usize, usize, usize)>,
+    threads: usize,
+) -> PyResult<usize> {
+    guarded(|| {
+        let buf = PyBuffer::<u8>::get(target)?;
+        if buf.readonly() || !buf.is_c_contiguous() {
+            let msg = "the target buffer must be writable and C-contiguous";
+            return Err(to_py(py, Error::Invalid(msg.into())));
+        }
+        let (dst, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+        let mut ranges: Vec<CopyRange> =
+            items.into_iter().map(|(src, len, dst)| CopyRange { src, dst, len }).collect();
+        check_destinations(&mut ranges, len).py(py)?;
+        let copier = process_copier(threads).py(py)?;
+        // SAFETY: each destination range lies inside `target`'s buffer, which `buf` keeps
+        // exported (alive, writable) for the call, and no two overlap (checked above). The
+        // sources are live memory of the caller's for the whole call (this function's
+        // contract, see the module comment); a zero base makes their addresses absolute.
+        let n = py.detach(|| unsafe { copier.copy(std::ptr::null(), dst as *mut u8, &ranges) });
+        drop(buf);
+        Ok(n)
+    })
+}
+
+/// Every destination range inside `[0, len)` and disjoint from the others (sorts `ranges`).
+fn check_destinations(ranges: &mut [CopyRange], len: usize) -> crate::error::Result<()> {
+    ranges.sort_unstable_by_key(|r| r.dst);
+    let mut end = 0usize;
+    for r in ranges.iter() {
+        let out =
+            Error::OutOfRange { what: "gather destination", offset: r.dst, len: r.len, size: len };
+        let stop = r.dst.checked_add(r.len).filter(|&s| s <= len).ok_or(out)?;
+        if r.dst < end {
+            return Err(Error::Invalid(format!(
+                "gather: destinations overlap at offset {}",
+                r.dst
+            )));
+        }
+        if r.len > 0 && (r.src == 0 || r.src.checked_add(r.len).is_none()) {
+            return Err(Error::Invalid("gather: a source address is null or wraps".into()));
+        }
+        end = stop;
+    }
+    Ok(())
+}
