@@ -580,7 +580,9 @@ def _drop_undelivered(inner: Any) -> None:
 
 def _worker_copy_threads(asked: int | None, num_workers: int) -> int:
     """Copy threads per worker: as asked, else ``$PINPOOL_WORKER_COPY_THREADS``, else the
-    cores this process may use per worker, from 1 to 4."""
+    cores this process may use per worker, from 2 to 4 (a worker copies for only part of
+    its time: on the H200, 2 per worker with 8 and with 14 workers on 16 cores was the best
+    or near the best of 1 to 4, see ``benchmarks/results/h200-worker-threads``)."""
     if asked is None:
         env = os.environ.get("PINPOOL_WORKER_COPY_THREADS")
         if env:
@@ -592,7 +594,7 @@ def _worker_copy_threads(asked: int | None, num_workers: int) -> int:
                 ) from None
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-            asked = min(4, max(1, cores // max(1, num_workers)))
+            asked = min(4, max(2, cores // max(1, num_workers)))
     if not isinstance(asked, int) or isinstance(asked, bool) or not 1 <= asked <= 64:
         raise InvalidArgument(f"worker_copy_threads must be an integer from 1 to 64, not {asked!r}")
     return asked
@@ -650,7 +652,7 @@ class DataLoader(torch.utils.data.DataLoader):
       thresholds; see ``pinpool._heap``). False leaves the workers' allocator alone.
     - ``worker_copy_threads``: threads each worker copies a batch's big arrays with (its
       stacks, into its segment or its zero-copy slot), without the GIL. Default:
-      ``$PINPOOL_WORKER_COPY_THREADS``, else the cores per worker, from 1 to 4.
+      ``$PINPOOL_WORKER_COPY_THREADS``, else the cores per worker, from 2 to 4.
     """
 
     def __init__(
