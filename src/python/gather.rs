@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use super::{guarded, to_py, IntoPy};
 use crate::copy::{process_copier, CopyRange};
 use crate::error::Error;
+use crate::pool::validate_ranges;
 
 /// Copies `(source address, nbytes, destination offset)` items into `target` (a writable,
 /// C-contiguous buffer) with `threads` threads, without the GIL. Returns the bytes copied.
@@ -30,9 +31,9 @@ pub(crate) fn _gather(
             return Err(to_py(py, Error::Invalid(msg.into())));
         }
         let (dst, len) = (buf.buf_ptr() as usize, buf.len_bytes());
-        let mut ranges: Vec<CopyRange> =
+        let ranges: Vec<CopyRange> =
             items.into_iter().map(|(src, len, dst)| CopyRange { src, dst, len }).collect();
-        check_destinations(&mut ranges, len).py(py)?;
+        check_destinations(&ranges, len).py(py)?;
         let copier = process_copier(threads).py(py)?;
         // SAFETY: each destination range lies inside `target`'s buffer, which `buf` keeps
         // exported (alive, writable) for the call, and no two overlap (checked above). The
@@ -44,24 +45,11 @@ pub(crate) fn _gather(
     })
 }
 
-/// Every destination range inside `[0, len)` and disjoint from the others (sorts `ranges`).
-fn check_destinations(ranges: &mut [CopyRange], len: usize) -> crate::error::Result<()> {
-    ranges.sort_unstable_by_key(|r| r.dst);
-    let mut end = 0usize;
-    for r in ranges.iter() {
-        let out =
-            Error::OutOfRange { what: "gather destination", offset: r.dst, len: r.len, size: len };
-        let stop = r.dst.checked_add(r.len).filter(|&s| s <= len).ok_or(out)?;
-        if r.dst < end {
-            return Err(Error::Invalid(format!(
-                "gather: destinations overlap at offset {}",
-                r.dst
-            )));
-        }
-        if r.len > 0 && (r.src == 0 || r.src.checked_add(r.len).is_none()) {
-            return Err(Error::Invalid("gather: a source address is null or wraps".into()));
-        }
-        end = stop;
+/// The pool's range checks (destinations inside `len` and pairwise disjoint; sources that
+/// do not wrap, their addresses being offsets from zero), plus: no null source.
+fn check_destinations(ranges: &[CopyRange], len: usize) -> crate::error::Result<()> {
+    if ranges.iter().any(|r| r.len > 0 && r.src == 0) {
+        return Err(Error::Invalid("gather: a source address is null".into()));
     }
-    Ok(())
+    validate_ranges(ranges, usize::MAX, len)
 }
