@@ -15,6 +15,9 @@
 //!   fence has not completed after 30 s, leaks it rather than free memory the GPU may read).
 //! - After [`Pool::close`] no checkout succeeds; slots already out may still be used and
 //!   released.
+//! - A forked child (a DataLoader worker) may inherit and drop the last reference to its
+//!   parent's pool: there the drop does nothing but free plain memory. The threads the pool's
+//!   parts would stop and wait for, and the CUDA context they would call, live in the parent.
 
 use std::mem::ManuallyDrop;
 use std::os::fd::OwnedFd;
@@ -123,9 +126,12 @@ pub struct Pool {
     arena: ManuallyDrop<Arena>,
     slot_bytes: usize,
     table: SlotTable,
-    fences: Option<FenceTracker>,
-    copier: Copier,
-    reclaimer: Reclaimer,
+    /// These three own threads (and CUDA events): dropped by hand, in the creating process only.
+    fences: ManuallyDrop<Option<FenceTracker>>,
+    copier: ManuallyDrop<Copier>,
+    reclaimer: ManuallyDrop<Reclaimer>,
+    /// The process that made the pool.
+    owner: u32,
     counters: Arc<Counters>,
     retirer: OnceLock<std::thread::Thread>,
     /// Set while the fence thread sleeps with nothing to do: only then does a release wake it.
@@ -190,9 +196,10 @@ impl Pool {
             arena: ManuallyDrop::new(arena),
             slot_bytes,
             table,
-            fences: fences.map(FenceTracker::new),
-            copier: Copier::new(copy_threads)?,
-            reclaimer: Reclaimer::start()?,
+            fences: ManuallyDrop::new(fences.map(FenceTracker::new)),
+            copier: ManuallyDrop::new(Copier::new(copy_threads)?),
+            reclaimer: ManuallyDrop::new(Reclaimer::start()?),
+            owner: std::process::id(),
             counters: Arc::new(Counters { num_slots: AtomicU64::new(n), ..Counters::default() }),
             retirer: OnceLock::new(),
             retirer_idle: AtomicBool::new(false),
@@ -247,7 +254,7 @@ impl Pool {
         }
         let mut ticket = self.table.try_checkout();
         if ticket.is_none() {
-            if let Some(f) = &self.fences {
+            if let Some(f) = self.fences.as_ref() {
                 if f.retire_ready(&self.table) > 0 {
                     ticket = self.table.try_checkout();
                 }
@@ -321,7 +328,7 @@ impl Pool {
     /// Ends the checkout. With a stream (on a fenced pool) the slot returns once the work
     /// queued on that stream so far has finished; otherwise at once.
     pub fn release(&self, ticket: Ticket, stream: Option<StreamHandle>) -> Result<()> {
-        match (&self.fences, stream) {
+        match (self.fences.as_ref(), stream) {
             (Some(f), Some(PER_THREAD_DEFAULT_STREAM)) => {
                 f.release_fenced_now(&self.table, ticket, PER_THREAD_DEFAULT_STREAM)?;
             }
@@ -519,6 +526,12 @@ fn retire_loop(pool: Weak<Pool>) {
 
 impl Drop for Pool {
     fn drop(&mut self) {
+        if std::process::id() != self.owner {
+            // A forked child's copy: its threads and CUDA context exist only in the parent, so
+            // waiting for or calling them here would hang or fail. The child's copy of the
+            // arena, the threads' stacks and the fds go when the child exits.
+            return;
+        }
         self.stopping.store(true, Ordering::Release);
         self.table.close();
         // GPU work may still read fenced slots: keep the arena until it has finished. A fence
@@ -526,7 +539,7 @@ impl Drop for Pool {
         // leak the arena instead, which is safe, where freeing it would not be.
         let deadline = Instant::now() + DROP_FENCE_WAIT;
         let mut fenced_forever = false;
-        if let Some(f) = &self.fences {
+        if let Some(f) = self.fences.as_ref() {
             while f.pending() > 0 {
                 if Instant::now() > deadline {
                     fenced_forever = true;
@@ -548,6 +561,13 @@ impl Drop for Pool {
         c.final_unmapped.store(self.reclaimer.unmapped(), Ordering::Relaxed);
         c.final_fence_errors
             .store(self.fences.as_ref().map_or(0, FenceTracker::errors), Ordering::Relaxed);
+        // SAFETY: each is dropped exactly once, here, in the process that made it; nothing
+        // uses them after this point (this is the pool's drop).
+        unsafe {
+            ManuallyDrop::drop(&mut self.fences);
+            ManuallyDrop::drop(&mut self.copier);
+            ManuallyDrop::drop(&mut self.reclaimer);
+        }
         if !fenced_forever {
             // SAFETY: dropped exactly once, here; no fence is pending, and no ticket can be
             // used any more (tickets are used through an `Arc<Pool>`, and this is its drop).

@@ -11,6 +11,7 @@ import os
 import signal
 import struct
 import time
+import weakref
 from collections import namedtuple
 from typing import Any
 
@@ -112,14 +113,47 @@ class Sized(Dataset):
 class Failing(Indexed):
     """Raises ``ValueError`` for index ``bad``."""
 
-    def __init__(self, n: int, bad: int) -> None:
-        super().__init__(n)
+    def __init__(self, n: int, bad: int, shape: tuple[int, ...] = (3, 4)) -> None:
+        super().__init__(n, shape)
         self.bad = bad
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if i == self.bad:
             raise ValueError(f"sample {i} is broken on purpose")
         return super().__getitem__(i)
+
+
+class Tracked(Dataset):
+    """Sample ``i``: a 64 KiB float32 tensor filled with ``i`` and how many tensors this
+    dataset made earlier are still alive in this process as ``i`` is made (``alive``).
+    With streaming collation the count stays 0: a sample's tensor is freed before the next
+    sample is made. A ``worker_init_fn`` may set ``tag``, which every sample carries."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.live = 0
+        self.tag = "main"
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _died(self) -> None:
+        self.live -= 1
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        alive = self.live
+        x = fill((128, 128), i)
+        self.live += 1
+        weakref.finalize(x, self._died)
+        return {"x": x, "alive": alive, "tag": self.tag}
+
+
+def tag_worker(worker_id: int) -> None:
+    """A ``worker_init_fn`` that sets an attribute on the worker's dataset, as h5py users
+    open their files."""
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.tag = f"worker {worker_id}"
 
 
 class Killing(Indexed):

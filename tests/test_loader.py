@@ -31,10 +31,12 @@ from loader_datasets import (
     Record,
     ShardedRange,
     Sized,
+    Tracked,
     assert_same,
     keep_samples,
     make_array,
     sum_collate,
+    tag_worker,
 )
 
 import pinpool
@@ -492,7 +494,7 @@ def test_zero_copy_batches_are_written_into_slots(slot_bytes: int | None) -> Non
     stats = pin.stats()
     assert stats["zero_copy_batches"] + stats["zero_copy_fallbacks"] >= 20
     assert stats["zero_copy_batches"] >= 10, stats
-    assert isinstance(pin.dataset.dataset, Indexed)
+    assert isinstance(pin.dataset, Indexed)  # the workers' wrapper stays out of sight
 
 
 def test_zero_copy_custom_collate_gets_a_plain_list() -> None:
@@ -770,3 +772,69 @@ def test_two_live_iterators_of_one_loader() -> None:
     assert head == [0, 1]
     assert got_first == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert got_second == [[2, 3], [4, 5], [6, 7]]
+
+
+# --------------------------------------------------------------------------- streaming collation
+
+
+def big_mixed_samples(n: int) -> list[Any]:
+    rng = np.random.default_rng(7)
+    return [
+        {
+            "image": torch.from_numpy(rng.integers(0, 255, (3, 64, 96), dtype=np.uint8)),
+            "depth": rng.standard_normal((64, 64)).astype(np.float32),
+            "pair": Pair(torch.full((128, 40), float(i), dtype=torch.float64), i),
+            "label": i,
+            "name": f"s{i}",
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("stream_samples", [True, False])
+def test_big_samples_match_torch_with_and_without_streaming(stream_samples: bool) -> None:
+    kw = {"stream_samples": stream_samples}
+    compare_loaders(ListDataset(big_mixed_samples(22)), pin_kw=kw, batch_size=4, num_workers=2)
+    compare_loaders(Indexed(20, shape=(64, 64)), pin_kw=kw, batch_size=3, num_workers=2)
+
+
+@pytest.mark.parametrize("stream_samples", [True, False])
+def test_streaming_frees_each_sample_before_the_next_is_made(stream_samples: bool) -> None:
+    pin = pinpool.DataLoader(
+        Tracked(16), batch_size=4, num_workers=2, stream_samples=stream_samples
+    )
+    alive = [batch["alive"].tolist() for batch in pin]
+    assert len(alive) == 4
+    if stream_samples:
+        assert alive == [[0, 0, 0, 0]] * 4  # each sample's tensor died as it was streamed
+    else:
+        assert alive == [[0, 1, 2, 3]] * 4  # torch's way: all of a batch's samples at once
+
+
+def test_worker_init_fn_sets_attributes_on_the_callers_dataset() -> None:
+    ds = Tracked(8)
+    pin = pinpool.DataLoader(ds, batch_size=2, num_workers=2, worker_init_fn=tag_worker)
+    assert pin.dataset is ds
+    tags = {tag for batch in pin for tag in batch["tag"]}
+    assert tags == {"worker 0", "worker 1"}
+    assert pin.dataset is ds and ds.tag == "main"
+
+
+def test_samples_unlike_the_first_fall_back_to_torchs_collation() -> None:
+    def raise_alike(samples: list[Any], error: type[Exception], match: str) -> None:
+        pin = pinpool.DataLoader(ListDataset(samples), batch_size=4, num_workers=2)
+        ref = torch.utils.data.DataLoader(ListDataset(samples), batch_size=4, num_workers=2)
+        for it in (ref, pin):
+            with pytest.raises(error, match=match):
+                for batch in it:
+                    del batch
+
+    samples = big_mixed_samples(8)
+    samples[6]["depth"] = samples[6]["depth"][:, :60].copy()
+    raise_alike(samples, RuntimeError, "storage|equal size")
+    # Mixed dtypes: torch stacks into shared memory of the first sample's dtype in a worker
+    # (and fails), and promotes in the main process.
+    samples = big_mixed_samples(8)
+    samples[5]["image"] = samples[5]["image"].float()
+    raise_alike(samples, TypeError, "can't be cast")
+    compare_loaders(ListDataset(samples), batch_size=4, num_workers=0)

@@ -196,10 +196,12 @@ def warm_up(pool: pinpool.PinPool, **kw: Any) -> Resources:
     return Resources.now()
 
 
-def check_batch(batch: dict[str, Any], first: int, size: int = 2) -> None:
+def check_batch(
+    batch: dict[str, Any], first: int, size: int = 2, shape: tuple[int, ...] = (3, 4)
+) -> None:
     idx = list(range(first, first + size))
     assert batch["idx"].tolist() == idx
-    assert torch.equal(batch["x"], torch.stack([torch.full((3, 4), float(i)) for i in idx]))
+    assert torch.equal(batch["x"], torch.stack([torch.full(shape, float(i)) for i in idx]))
     assert batch["name"] == [f"s{i}" for i in idx]
 
 
@@ -238,10 +240,14 @@ def test_break_out_of_the_loop(pool: pinpool.PinPool, num_workers: int) -> None:
     assert_no_leaks(before, pool)
 
 
+@pytest.mark.parametrize("shape", [(3, 4), (64, 64)], ids=["small", "streamed"])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_exception_in_getitem(pool: pinpool.PinPool, num_workers: int) -> None:
+def test_exception_in_getitem(
+    pool: pinpool.PinPool, num_workers: int, shape: tuple[int, ...]
+) -> None:
+    # With 16 KiB samples the worker streams sample 4 into its segment, then sample 5 raises.
     before = warm_up(pool, num_workers=num_workers)
-    pin = loader(Failing(20, bad=5), pool, num_workers=num_workers)
+    pin = loader(Failing(20, bad=5, shape=shape), pool, num_workers=num_workers)
     it = iter(pin)
     got = []
     with deadline(60), pytest.raises(ValueError) as info:
@@ -261,7 +267,7 @@ def test_exception_in_getitem(pool: pinpool.PinPool, num_workers: int) -> None:
     rest = []
     for batch in it:
         rest.append(batch["idx"].tolist())
-        check_batch(batch, rest[-1][0])
+        check_batch(batch, rest[-1][0], shape=shape)
     del batch
     assert rest == [[2 * i, 2 * i + 1] for i in range(3, 10)]
     del it, pin, err, info

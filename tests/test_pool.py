@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import os
+import signal
 import threading
 import time
 import weakref
@@ -25,6 +27,7 @@ from pinpool import (
     PoolExhausted,
     SlotReleased,
 )
+from pinpool._native import SegmentCache, WorkerSegment
 
 PAGE = pinpool.page_size()
 
@@ -838,3 +841,46 @@ def test_batch_too_large_is_a_value_error() -> None:
     e = BatchTooLarge("too big", 10, 5)
     assert isinstance(e, ValueError) and isinstance(e, PinPoolError)
     assert (e.needed, e.slot_bytes) == (10, 5)
+
+
+def _wait_for_child(pid: int, seconds: float) -> int | None:
+    """The child's exit code, or None if it did not exit in time (then it is killed)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.parametrize("used", [False, True])
+def test_a_forked_child_can_drop_its_copy_of_the_pool(used: bool) -> None:
+    # A DataLoader worker forked while the parent holds a pool (an earlier loader's, kept
+    # alive by a traceback, say) may drop the last reference to it: that must neither wait
+    # for the parent's threads nor touch its CUDA context. With a segment cache, dropping it
+    # hands its mappings to the pool's reclaimer, whose thread is not in the child.
+    pool = pinpool.PinPool(1 << 20, 4, device=None)
+    cache = SegmentCache(pool)
+    segment = WorkerSegment(1 << 16)
+    if used:
+        cache.insert((1, 0), os.dup(segment.fd), segment.total_len, segment.nonce)
+        pool.checkout().release()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, only an exit code
+        code = 1
+        try:
+            del pool, cache
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    code = _wait_for_child(pid, 20)
+    assert code is not None, "the child hung dropping its copy of the pool"
+    assert code == 0
+    assert pool.stats()["slots_free"] == 4  # the parent's pool is untouched
+    del cache
+    pool.flush()
+    pool.close()

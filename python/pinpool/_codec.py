@@ -69,6 +69,13 @@ class LeafSpec(NamedTuple):
     subclass: type | None  # a torch.Tensor subclass to restore, if any
 
 
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """An array already written at ``spec``'s place (by streaming collation)."""
+
+    spec: LeafSpec
+
+
 class Stack:
     """A ``torch.stack`` that collation asked for but that has not run yet."""
 
@@ -91,7 +98,13 @@ def _plain_torch(t: torch.Tensor) -> bool:
 def _defer_stack(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
     elem = batch[0]
     if type(elem) is torch.Tensor and _plain_torch(elem):
-        return Stack(list(batch))
+        dtype, shape = elem.dtype, elem.shape
+        # Mixed dtypes (torch promotes them) or shapes (torch raises): torch's own stack.
+        if all(
+            type(t) is torch.Tensor and t.dtype == dtype and t.shape == shape and _plain_torch(t)
+            for t in batch
+        ):
+            return Stack(list(batch))
     return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
 
 
@@ -101,13 +114,13 @@ def _deferring_map() -> dict[Any, Any]:
     return table
 
 
-_DEFERRING_MAP = _deferring_map()
+DEFERRING_MAP = _deferring_map()
 
 
 def default_collate_deferred(samples: Any) -> Any:
     """``torch.utils.data.default_collate``, except that tensor stacks are left as
     :class:`Stack` so they can be written straight into shared memory."""
-    return torch_collate.collate(samples, collate_fn_map=_DEFERRING_MAP)
+    return torch_collate.collate(samples, collate_fn_map=DEFERRING_MAP)
 
 
 def _describe(obj: Any) -> tuple[str, str, tuple[int, ...], int, type | None] | None:
@@ -140,19 +153,24 @@ class Plan:
     """A batch split into a tree of markers and a list of arrays with their places."""
 
     tree: Any
-    sources: list[Any]
+    sources: list[Any]  # None for a leaf already in place
     specs: list[LeafSpec]
     nbytes: int  # bytes from 0 to the end of the last leaf
 
 
-def plan(batch: Any) -> Plan:
-    """Finds the array leaves of ``batch`` and lays them out one after another."""
+def plan(batch: Any, start: int = 0) -> Plan:
+    """Finds the array leaves of ``batch`` and lays them out one after another from
+    ``start``; :class:`Placed` leaves keep the place they were written at (below ``start``)."""
     sources: list[Any] = []
     specs: list[LeafSpec] = []
-    end = 0
+    end = start
 
     def leaf(obj: Any) -> Any:
         nonlocal end
+        if isinstance(obj, Placed):
+            specs.append(obj.spec)
+            sources.append(None)
+            return Leaf(len(specs) - 1)
         described = _describe(obj)
         if described is None:
             return KEEP
@@ -165,7 +183,7 @@ def plan(batch: Any) -> Plan:
         return Leaf(len(specs) - 1)
 
     tree = map_leaves(batch, leaf)
-    return Plan(tree, sources, specs, end)
+    return Plan(tree, sources, specs, max(end, extent(specs)))
 
 
 #: Below this many bytes an array is copied by torch or numpy on the calling thread.
@@ -212,7 +230,7 @@ def write(p: Plan, buffer: Any, threads: int = 1) -> None:
     mem = memoryview(buffer).cast("B")
     try:
         for spec, src in zip(p.specs, p.sources, strict=True):
-            if spec.nbytes == 0:
+            if spec.nbytes == 0 or src is None:
                 continue
             chunk = mem[spec.offset : spec.offset + spec.nbytes]
             if threads > 1 and spec.nbytes >= GATHER_MIN:

@@ -17,8 +17,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _codec
+from . import _codec, _stream
+from ._heap import keep_freed_memory
 from ._native import WorkerSegment
+from ._stream import LazySamples
+from ._zerocopy import SlotHandle, _arena
 
 #: Headroom when a segment is (re)made, so slowly growing batches do not retire every time.
 _GROWTH = 1.25
@@ -204,6 +207,26 @@ class BatchHandle:
                 decoder.discard(self)
 
 
+def _handle(
+    token: str,
+    ring: _Ring,
+    sid: int,
+    seg: WorkerSegment,
+    p: _codec.Plan,
+    unused: tuple[int, int, int] | None,
+    count: int | None,
+) -> BatchHandle:
+    """The handle of a batch written into segment ``sid`` of ``ring``."""
+    origin = None
+    if sid not in ring.announced:
+        origin = (os.getpid(), seg.fd)
+        ring.announced.add(sid)
+    retired = ring.take_retired()
+    return BatchHandle(
+        token, ring.key, sid, origin, seg.total_len, seg.nonce, retired, p, unused, count
+    )
+
+
 def encode_in_worker(
     token: str,
     limit: int,
@@ -226,19 +249,78 @@ def encode_in_worker(
     except BaseException:
         seg.unclaim()
         raise
-    origin = None
-    if sid not in ring.announced:
-        origin = (os.getpid(), seg.fd)
-        ring.announced.add(sid)
-    return BatchHandle(
-        token,
-        ring.key,
-        sid,
-        origin,
-        seg.total_len,
-        seg.nonce,
-        ring.take_retired(),
-        p,
-        unused,
-        count,
-    )
+    return _handle(token, ring, sid, seg, p, unused, count)
+
+
+#: Room a streamed batch's segment gets after its big arrays, for the rest of the batch.
+_STREAM_SPARE = 1 << 20
+
+
+def _release(view: memoryview) -> None:
+    try:
+        view.release()
+    except BufferError:  # a view is still held (by a traceback): it goes when that does
+        pass
+
+
+def encode_streaming(
+    token: str, limit: int, samples: LazySamples, threads: int = 1, keep_memory: bool = True
+) -> BatchHandle | SlotHandle | list[Any]:
+    """Makes the samples and collates them as torch's ``default_collate`` would, streaming
+    their big arrays into the batch's place as each sample is made (see ``_stream``): the
+    zero-copy slot of ``samples.ticket`` if they fit, else one of this worker's segments.
+
+    Returns the batch's handle, or the samples themselves (made, in order) when the batch
+    must be collated the ordinary way (no big arrays, or samples unlike the first)."""
+    count = len(samples)
+    rest = iter(samples)
+    if count == 0:
+        return []
+    first = next(rest)
+    layout = _stream.plan_layout(first, count)
+    if layout is None:
+        return [first, *rest]
+    if keep_memory:
+        keep_freed_memory(layout.nbytes)
+    ticket = samples.ticket
+    unused = None if ticket is None else (ticket.index, ticket.generation, ticket.nonce)
+    ring = ring_for(token, limit)
+    seg: WorkerSegment | None = None
+    sid = -1
+    whole: memoryview | None = None
+    if ticket is not None and layout.nbytes <= ticket.nbytes:
+        whole = memoryview(_arena(ticket))
+        mem = whole[ticket.offset : ticket.offset + ticket.nbytes]
+    else:
+        sid, seg = ring.acquire(layout.nbytes + _STREAM_SPARE)
+        mem = memoryview(seg).cast("B")
+    box = [first]
+    del first  # the samples are freed as they are streamed
+    try:
+        batch, made = _stream.collate_streaming(_stream.owned(box, rest), layout, mem)
+        if batch is None:
+            if seg is not None:
+                seg.unclaim()
+            return made
+        p = _codec.plan(batch, start=layout.nbytes)
+        if p.nbytes > len(mem):  # the rest of the batch does not fit: move to a bigger segment
+            sid2, seg2 = ring.acquire(p.nbytes)
+            mem2 = memoryview(seg2).cast("B")
+            mem2[: layout.nbytes] = mem[: layout.nbytes]
+            if seg is not None:
+                seg.unclaim()
+            _release(mem)
+            sid, seg, mem = sid2, seg2, mem2
+        _codec.write(p, mem, threads)
+    except BaseException:
+        if seg is not None:
+            seg.unclaim()
+        raise
+    finally:
+        _release(mem)
+        if whole is not None:
+            _release(whole)
+    if seg is None:
+        assert ticket is not None
+        return SlotHandle(token, ticket, p)
+    return _handle(token, ring, sid, seg, p, unused, count)

@@ -4,12 +4,12 @@ The arena is shared memory: a few memfds back to back (``cuda-register`` or ``ho
 backend). When torch asks the sampler for the next batch's indices, :class:`TicketSampler`
 checks a slot out (without waiting: the asking thread is the consumer) and tags the index
 list with a :class:`SlotTicket`: the slot's place in shared memory and a random nonce.
-:class:`TicketDataset` carries the ticket from the indices to the samples, so the worker's
-collate sees it; the worker maps the memfd holding that slot (opening the main process's fd
-through ``/proc``, once), writes the batch into that slot, and sends a :class:`SlotHandle`:
-the marked tree, the leaf specs, and the ticket. The main process checks that the ticket is
-one it handed out (index, generation and nonce) and that every leaf lies inside that slot,
-then builds views: no copy, no segment, nothing to unmap.
+:class:`~pinpool._stream.StreamingDataset` carries the ticket from the indices to the
+samples, so the worker's collate sees it; the worker maps the memfd holding that slot
+(opening the main process's fd through ``/proc``, once), writes the batch into that slot,
+and sends a :class:`SlotHandle`: the marked tree, the leaf specs, and the ticket. The main
+process checks that the ticket is one it handed out (index, generation and nonce) and that
+every leaf lies inside that slot, then builds views: no copy, no segment, nothing to unmap.
 
 A batch with no ticket (no free slot at dispatch, or the pool not made yet) or too large for
 its slot goes through copy mode instead; the unused ticket's slot is returned.
@@ -22,8 +22,6 @@ import mmap
 import os
 import threading
 from typing import Any, NamedTuple
-
-import torch.utils.data
 
 from . import _codec
 
@@ -81,29 +79,6 @@ class TicketSampler:
 
     def __len__(self) -> int:
         return len(self.base)
-
-
-class TicketDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Wraps a map-style dataset so the ticket on the indices reaches collate."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __getitems__(self, indices: Any) -> TaggedSamples:
-        getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(list(indices)) if getitems else [self.dataset[i] for i in indices]
-        return TaggedSamples(samples, getattr(indices, "ticket", None))
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.dataset[index]
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "dataset":  # not set yet (unpickling)
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
 
 
 # -- worker side -----------------------------------------------------------------------------

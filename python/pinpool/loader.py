@@ -2,9 +2,10 @@
 
 How a batch travels (``num_workers > 0``):
 
-1. In the worker, :class:`PinCollate` collates (stacks go straight into shared memory) and
-   writes the batch into a reused segment; torch's result queue carries a small
-   :class:`~pinpool._worker.BatchHandle`.
+1. In the worker, :class:`PinCollate` collates (stacks go straight into shared memory; with
+   torch's default collation each sample's big arrays go there as soon as the sample is
+   made, see ``_stream``) and writes the batch into a reused segment; torch's result queue
+   carries a small :class:`~pinpool._worker.BatchHandle`.
 2. In the main process the handle is unpickled by torch's pin-memory thread (or, on a
    machine without an accelerator, by the iterating thread), which calls its
    ``pin_memory()``: Rust checks out a slot (waiting without the GIL), validates and copies
@@ -47,12 +48,12 @@ from ._errors import (
 )
 from ._heap import keep_freed_memory
 from ._native import SEGMENT_DATA_OFFSET, PinPool, SegmentCache, Slot
-from ._worker import BatchHandle, encode_in_worker
+from ._stream import LazySamples, StreamingDataset
+from ._worker import BatchHandle, encode_in_worker, encode_streaming
 from ._zerocopy import (
     SlotHandle,
     SlotTicket,
     TaggedSamples,
-    TicketDataset,
     TicketSampler,
     write_into_slot,
 )
@@ -70,11 +71,14 @@ _GRANULE = 2 << 20
 
 
 def lookup_or_none(token: str) -> _Decoder | None:
-    return _DECODERS.get(token)
+    """The loader side of ``token`` in this process (None in a forked child: objects it
+    inherited, garbage collected there, must not touch the parent's pool)."""
+    decoder = _DECODERS.get(token)
+    return decoder if decoder is not None and decoder.pid == os.getpid() else None
 
 
 def lookup(token: str) -> _Decoder:
-    decoder = _DECODERS.get(token)
+    decoder = lookup_or_none(token)
     if decoder is None:
         raise PinPoolError("this batch belongs to a pinpool.DataLoader that no longer exists")
     return decoder
@@ -143,6 +147,7 @@ class _Decoder:
         batch_size: int | None,
     ) -> None:
         self.token = token
+        self.pid = os.getpid()  # finalizers run in a forked child do nothing
         self._batch_size = batch_size
         self._overflow = overflow
         self._oversize = oversize
@@ -450,6 +455,8 @@ class _Decoder:
                 del self._worker_pids[worker]
 
     def close(self) -> None:
+        if self.pid != os.getpid():
+            return
         inner = self.iterator() if self.iterator is not None else None
         shutdown = getattr(inner, "_shutdown_workers", None)
         if shutdown is not None:
@@ -475,8 +482,10 @@ class PinCollate:
         ring_size: int,
         keep_worker_memory: bool = True,
         worker_copy_threads: int = 1,
+        stream_samples: bool = True,
     ) -> None:
         self.token = token
+        self.stream_samples = stream_samples
         self.collate_fn = collate_fn
         self.auto_collation = auto_collation
         self.ring_size = ring_size
@@ -485,7 +494,22 @@ class PinCollate:
 
     def __call__(self, data: Any) -> Any:
         ticket = getattr(data, "ticket", None)
-        if isinstance(data, TaggedSamples):
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if isinstance(data, LazySamples):
+            if self.stream_samples and self.collate_fn is None and in_worker:
+                made = encode_streaming(
+                    self.token,
+                    self.ring_size,
+                    data,
+                    self.worker_copy_threads,
+                    self.keep_worker_memory,
+                )
+                if not isinstance(made, list):
+                    return made
+                data = made
+            else:
+                data = list(data)
+        elif isinstance(data, TaggedSamples):
             data = list(data)  # collate functions get what torch would give them
         count = len(data) if self.auto_collation else None
         if self.collate_fn is not None:
@@ -494,7 +518,7 @@ class PinCollate:
             batch = _codec.default_collate_deferred(data)
         else:
             batch = default_convert(data)
-        if torch.utils.data.get_worker_info() is None:
+        if not in_worker:
             return lookup(self.token).encode_local(batch, count)
         plan = _codec.plan(batch)
         if self.keep_worker_memory:
@@ -540,7 +564,7 @@ class _PinnedIter:
         return _finish(item)
 
     def _end(self) -> None:
-        if self._ended:
+        if self._ended or self._loader._pin_decoder.pid != os.getpid():
             return
         self._ended = True
         if not self._loader.persistent_workers:
@@ -644,8 +668,7 @@ class DataLoader(torch.utils.data.DataLoader):
       indices (map-style datasets with batching and ``num_workers > 0``; the pool must be a
       memfd: ``cuda-register`` or ``host``). The first batch, batches that find no free slot
       when dispatched and batches too large for a slot go through copy mode, counted in
-      ``stats()["zero_copy_fallbacks"]``. ``loader.dataset`` is then a thin wrapper whose
-      ``.dataset`` is yours.
+      ``stats()["zero_copy_fallbacks"]``.
     - ``keep_worker_memory``: workers keep memory their items were made in (up to twice the
       largest batch, at most 1 GiB each) for the next batch's items, rather than give it
       back to the kernel and fault fresh pages in for every batch (glibc's trim and mmap
@@ -653,6 +676,12 @@ class DataLoader(torch.utils.data.DataLoader):
     - ``worker_copy_threads``: threads each worker copies a batch's big arrays with (its
       stacks, into its segment or its zero-copy slot), without the GIL. Default:
       ``$PINPOOL_WORKER_COPY_THREADS``, else the cores per worker, from 2 to 4.
+    - ``stream_samples``: with torch's default collation, workers copy each sample's big
+      arrays into the batch's shared memory as soon as the sample is made, while they are
+      still in the CPU's cache, instead of making every sample first and stacking them after
+      (see ``pinpool._stream``; the batch is the same, bit for bit). Map-style datasets with
+      ``num_workers > 0``. In the workers, ``get_worker_info().dataset`` is then a thin
+      wrapper (attributes read or set on it are the dataset's); ``loader.dataset`` is yours.
     """
 
     def __init__(
@@ -686,6 +715,7 @@ class DataLoader(torch.utils.data.DataLoader):
         zero_copy: bool = False,
         keep_worker_memory: bool = True,
         worker_copy_threads: int | None = None,
+        stream_samples: bool = True,
     ) -> None:
         del pin_memory, pin_memory_device  # always pinned, on the pool's device
         if overflow not in ("copy", "wait"):
@@ -718,14 +748,17 @@ class DataLoader(torch.utils.data.DataLoader):
             batch_size=batch_size if batch_sampler is None else None,
         )
         auto_collation = batch_size is not None or batch_sampler is not None
-        self._pin_tickets = (
-            zero_copy
-            and auto_collation
+        batched_map_style = (
+            auto_collation
             and num_workers > 0
             and not isinstance(dataset, torch.utils.data.IterableDataset)
         )
-        if self._pin_tickets:
-            dataset = TicketDataset(dataset)
+        self._pin_tickets = zero_copy and batched_map_style
+        streams = stream_samples and collate_fn is None
+        # What torch's workers are given (loader.dataset stays the caller's own).
+        self._pin_worker_dataset = (
+            StreamingDataset(dataset) if batched_map_style and (streams or zero_copy) else None
+        )
         collate = PinCollate(
             token,
             collate_fn,
@@ -733,6 +766,7 @@ class DataLoader(torch.utils.data.DataLoader):
             ring_size=(prefetch_factor or 2) + 2,
             keep_worker_memory=keep_worker_memory,
             worker_copy_threads=_worker_copy_threads(worker_copy_threads, num_workers),
+            stream_samples=stream_samples,
         )
         super().__init__(
             dataset,
@@ -760,6 +794,19 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> _PinnedIter:  # type: ignore[override]
         return _PinnedIter(self, super().__iter__())
+
+    def _get_iterator(self) -> Any:
+        # torch's iterator reads loader.dataset once, as it starts, and hands it to the
+        # workers: for that moment only, it is the wrapper the workers need.
+        inner = getattr(self, "_pin_worker_dataset", None)
+        if inner is None:
+            return super()._get_iterator()
+        own = self.dataset
+        object.__setattr__(self, "dataset", inner)
+        try:
+            return super()._get_iterator()
+        finally:
+            object.__setattr__(self, "dataset", own)
 
     @property
     def _index_sampler(self) -> Any:

@@ -93,7 +93,11 @@ def parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--workload", nargs="+", help=f"one or more of {', '.join(WORKLOADS)} (synthetic)")
     add("--modes", nargs="+", help=f"measurements to run: {', '.join(MODES)} (all)")
-    add("--loaders", nargs="+", help=f"loaders to compare: {', '.join(loader_names)} (all)")
+    add(
+        "--loaders",
+        nargs="+",
+        help=f"loaders to compare: {', '.join(loader_names)} (all but the -unstreamed ones)",
+    )
 
     def preset(key: str) -> str:
         values = [PRESETS[p][key] for p in ("gpu", "cpu", "quick")]
@@ -152,7 +156,7 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         workloads=_names(args.workload, WORKLOADS, "workload") or ["synthetic"],
         modes=_names(args.modes, MODES, "mode") or list(MODES),
         loaders=_names(args.loaders, tuple(s.name for s in LOADERS), "loader")
-        or [s.name for s in LOADERS],
+        or [s.name for s in LOADERS if s.in_default],
         batch_size=pick("batch_size"),
         shape=shape,
         workers=workers,

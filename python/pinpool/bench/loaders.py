@@ -33,6 +33,7 @@ class LoaderSpec:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     transfer: str = "to_async"  # "to", "to_async" or "none"
     needs_cuda: bool = False
+    in_default: bool = True  # run when --loaders is not given
 
 
 LOADERS: tuple[LoaderSpec, ...] = (
@@ -41,6 +42,22 @@ LOADERS: tuple[LoaderSpec, ...] = (
     LoaderSpec("pinpool", "pinpool", {"device": None}, "to_async"),
     LoaderSpec("pinpool-device", "pinpool", {"device": DEVICE}, "none", needs_cuda=True),
     LoaderSpec("pinpool-zerocopy", "pinpool", {"device": DEVICE, "zero_copy": True}, "none"),
+    # The same two without streaming collation, to measure what it brings (by name only).
+    LoaderSpec(
+        "pinpool-device-unstreamed",
+        "pinpool",
+        {"device": DEVICE, "stream_samples": False},
+        "none",
+        needs_cuda=True,
+        in_default=False,
+    ),
+    LoaderSpec(
+        "pinpool-zerocopy-unstreamed",
+        "pinpool",
+        {"device": DEVICE, "zero_copy": True, "stream_samples": False},
+        "none",
+        in_default=False,
+    ),
 )
 
 #: Ratios are medians divided by this loader's median in the same scenario.

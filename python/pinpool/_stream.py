@@ -1,0 +1,360 @@
+"""Streaming collation: each sample's big arrays go into the batch's buffer as it is made.
+
+torch's fetcher makes every sample of a batch and only then collates them. With 256 fresh
+150 KB images that is 38 MB of item memory written, then read back by the stack, long after
+it left the CPU's caches, and often faulted in afresh for every batch. Here
+:class:`StreamingDataset` hands collate the indices (:class:`LazySamples`) and
+:func:`collate_streaming` makes the samples one at a time: a sample's big arrays (plain
+tensors and numeric numpy arrays of at least :data:`STREAM_MIN` bytes) are copied into their
+row of the batch's buffer while still in cache, and the sample keeps a :class:`_Row` marker
+in their place. The next sample's arrays then reuse the memory just freed. torch's own
+``default_collate`` runs over the marked samples, so the batch has exactly the structure and
+types it would have had.
+
+Invariants:
+
+- the dataset is called with the same indices, in the same order, as torch would call it;
+- region ``k`` holds, in row ``i``, array number ``k`` (in walk order) of sample ``i``; every
+  sample's big arrays must match the first sample's (kind, dtype, shape, in walk order);
+- collation must bring each region's markers together exactly once, all of them, in sample
+  order. If anything differs, the rows written so far are copied back out into ordinary
+  arrays and the batch is made the ordinary way, so that every result and every error is
+  torch's own;
+- only exact ``dict``, ``list``, ``tuple`` and namedtuple containers are walked into; other
+  containers are kept whole, with their arrays, as torch would see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.utils.data
+from torch.utils.data._utils import collate as torch_collate
+
+from . import _codec
+
+#: Arrays smaller than this are left to ordinary collation.
+STREAM_MIN = 16 << 10
+
+#: numpy dtypes (native byte order) whose arrays ``default_collate`` turns into these
+#: torch dtypes.
+_NUMPY_TO_TORCH: dict[np.dtype[Any], str] = {
+    np.dtype(name): name
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+    if name in _codec.TORCH_DTYPES
+}
+
+
+class LazySamples:
+    """A batch's indices standing in for its samples: iterating makes them, in order."""
+
+    __slots__ = ("dataset", "indices", "ticket")
+
+    def __init__(self, dataset: Any, indices: list[Any], ticket: Any) -> None:
+        self.dataset = dataset
+        self.indices = indices
+        self.ticket = ticket
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Iterator[Any]:
+        dataset = self.dataset
+        for index in self.indices:
+            yield dataset[index]
+
+
+class StreamingDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Wraps a map-style dataset for torch's workers: their fetcher then passes collate the
+    indices (with a zero-copy ticket, if the index list carries one) rather than the
+    samples. A dataset with its own ``__getitems__`` gets its samples made by it, as torch
+    would. Attributes set on the wrapper (in a ``worker_init_fn``, say) go to the dataset."""
+
+    def __init__(self, dataset: Any) -> None:
+        object.__setattr__(self, "dataset", dataset)
+
+    def __getitems__(self, indices: Any) -> Any:
+        ticket = getattr(indices, "ticket", None)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems:
+            from ._zerocopy import TaggedSamples
+
+            return TaggedSamples(getitems(list(indices)), ticket)
+        return LazySamples(self.dataset, list(indices), ticket)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.dataset, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dataset": self.dataset}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        object.__setattr__(self, "dataset", state["dataset"])
+
+
+class _Region(NamedTuple):
+    """Where array number ``k`` of every sample goes: one row per sample."""
+
+    offset: int
+    shape: tuple[int, ...]  # of one sample's array
+    row_bytes: int
+    torch_dtype: str  # a key of _codec.TORCH_DTYPES: the batch's dtype
+    numpy_dtype: np.dtype[Any] | None  # the samples' dtype, if they are numpy arrays
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """Stands in a sample for its array number ``region``, copied into row ``sample``."""
+
+    region: int
+    sample: int
+
+
+class _Mismatch(Exception):
+    """A sample or the collation did not follow the first sample's layout."""
+
+
+@dataclass
+class Layout:
+    """The regions a batch's big arrays stream into, from its first sample."""
+
+    regions: list[_Region]
+    count: int  # samples in the batch
+    nbytes: int  # bytes the regions take, from 0
+
+    def spec(self, k: int) -> _codec.LeafSpec:
+        r = self.regions[k]
+        shape = (self.count, *r.shape)
+        nbytes = r.row_bytes * self.count
+        return _codec.LeafSpec(r.offset, nbytes, "torch", r.torch_dtype, shape, None)
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def _walk(obj: Any, on_array: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt with ``on_array`` applied to each tensor or numpy array it holds in
+    walked containers (in a fixed order: dict insertion order, then positions)."""
+    kind = type(obj)
+    if kind is torch.Tensor or isinstance(obj, np.ndarray):
+        return on_array(obj)
+    if kind is dict:
+        return {key: _walk(value, on_array) for key, value in obj.items()}
+    if kind is list:
+        return [_walk(value, on_array) for value in obj]
+    if kind is tuple:
+        return tuple(_walk(value, on_array) for value in obj)
+    if _is_namedtuple(obj):
+        return kind(*(_walk(value, on_array) for value in obj))
+    return obj
+
+
+def _region_of(array: Any) -> tuple[tuple[int, ...], int, str, np.dtype[Any] | None] | None:
+    """(shape, bytes, batch dtype, numpy dtype) of a sample's array worth streaming."""
+    if type(array) is torch.Tensor:
+        if not _codec._plain_torch(array) or array.nbytes < STREAM_MIN:
+            return None
+        return tuple(array.shape), array.nbytes, str(array.dtype).removeprefix("torch."), None
+    if type(array) in (np.ndarray, np.memmap):
+        dt = array.dtype
+        name = _NUMPY_TO_TORCH.get(dt) if dt.isnative else None
+        # torch refuses negative strides: such arrays are left to torch, to raise.
+        if name is None or array.nbytes < STREAM_MIN or min(array.strides, default=0) < 0:
+            return None
+        return tuple(array.shape), array.nbytes, name, dt
+    return None
+
+
+def plan_layout(first: Any, count: int) -> Layout | None:
+    """The regions for a batch of ``count`` samples like ``first``; None if it has no big
+    arrays (outside containers that are not walked), so streaming would gain nothing."""
+    if count < 1:
+        return None
+    regions: list[_Region] = []
+    end = 0
+
+    def on_array(array: Any) -> Any:
+        nonlocal end
+        found = _region_of(array)
+        if found is not None:
+            shape, row_bytes, name, np_dtype = found
+            offset = _codec.align(end)
+            end = offset + row_bytes * count
+            regions.append(_Region(offset, shape, row_bytes, name, np_dtype))
+        return array
+
+    try:
+        _walk(first, on_array)
+    except Exception:  # a namedtuple that cannot be rebuilt from its values, say
+        return None
+    if not regions:
+        return None
+    return Layout(regions, count, _codec.align(end))
+
+
+class _Rows:
+    """Typed views of each region of the buffer, one per sample."""
+
+    def __init__(self, layout: Layout, mem: memoryview) -> None:
+        self.views: list[Any] = []
+        for r in layout.regions:
+            chunk = mem[r.offset : r.offset + r.row_bytes * layout.count]
+            if r.numpy_dtype is not None:
+                view: Any = np.frombuffer(chunk, dtype=r.numpy_dtype)
+            else:
+                view = torch.frombuffer(chunk, dtype=_codec.TORCH_DTYPES[r.torch_dtype])
+            self.views.append(view.reshape((layout.count, *r.shape)))
+            del chunk
+
+    def put(self, k: int, i: int, array: Any) -> None:
+        dst = self.views[k][i]
+        if isinstance(dst, np.ndarray):
+            np.copyto(dst, array, casting="no")
+        else:
+            dst.copy_(array)
+
+    def copy_out(self, k: int, i: int) -> Any:
+        row = self.views[k][i]
+        return row.copy() if isinstance(row, np.ndarray) else row.clone()
+
+
+def _mark(sample: Any, i: int, layout: Layout, rows: _Rows) -> Any:
+    """``sample`` with its big arrays copied into row ``i`` and replaced by markers."""
+    k = 0
+
+    def on_array(array: Any) -> Any:
+        nonlocal k
+        found = _region_of(array)
+        if found is None:
+            return array
+        if k >= len(layout.regions):
+            raise _Mismatch
+        r = layout.regions[k]
+        if found != (r.shape, r.row_bytes, r.torch_dtype, r.numpy_dtype):
+            raise _Mismatch
+        rows.put(k, i, array)
+        k += 1
+        return _Row(k - 1, i)
+
+    marked = _walk(sample, on_array)
+    if k != len(layout.regions):
+        raise _Mismatch
+    return marked
+
+
+def _unmark(marked: Any, rows: _Rows) -> Any:
+    """A marked sample with each marker replaced by a copy of its row."""
+
+    def on_row(obj: Any) -> Any:
+        return rows.copy_out(obj.region, obj.sample) if type(obj) is _Row else obj
+
+    return _walk_markers(marked, on_row)
+
+
+def _walk_markers(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    if type(obj) is _Row:
+        return fn(obj)
+    kind = type(obj)
+    if kind is dict:
+        return {key: _walk_markers(value, fn) for key, value in obj.items()}
+    if kind is list:
+        return [_walk_markers(value, fn) for value in obj]
+    if kind is tuple:
+        return tuple(_walk_markers(value, fn) for value in obj)
+    if _is_namedtuple(obj):
+        return kind(*(_walk_markers(value, fn) for value in obj))
+    return obj
+
+
+def _collate_marked(marked: list[Any], layout: Layout) -> Any:
+    """torch's default collation (stacks deferred) over marked samples; each region's
+    markers become one :class:`~pinpool._codec.Placed` leaf."""
+    used = [False] * len(layout.regions)
+
+    def rows_to_leaf(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+        k = batch[0].region
+        ok = len(batch) == layout.count and not used[k]
+        ok = ok and all(
+            type(r) is _Row and r.region == k and r.sample == i for i, r in enumerate(batch)
+        )
+        if not ok:
+            raise _Mismatch
+        used[k] = True
+        return _codec.Placed(layout.spec(k))
+
+    table = dict(_codec.DEFERRING_MAP)
+    table[_Row] = rows_to_leaf
+    batch = torch_collate.collate(marked, collate_fn_map=table)
+    if not all(used):
+        raise _Mismatch
+    return batch
+
+
+def owned(box: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
+    """The sample in ``box`` (taken out of it, so only the consumer holds it), then
+    ``rest``."""
+    yield box.pop()
+    yield from rest
+
+
+def collate_streaming(
+    samples: Iterator[Any], layout: Layout, mem: memoryview
+) -> tuple[Any, None] | tuple[None, list[Any]]:
+    """Makes the batch's ``layout.count`` samples from ``samples``, streaming each one's big
+    arrays into ``mem`` (at least ``layout.nbytes`` long) before the next is made, and
+    collates them.
+
+    Returns ``(batch, None)``, a batch whose streamed arrays are ``Placed`` leaves, or, when a
+    sample or the collation does not follow the layout, ``(None, samples)``: every sample,
+    made the ordinary way (streamed arrays copied back out), for ordinary collation.
+    Exceptions from the dataset propagate; ``mem`` is then simply left unused."""
+    rows = _Rows(layout, mem)
+    marked: list[Any] = []
+    try:
+        for i in range(layout.count):
+            sample = next(samples)
+            try:
+                marked.append(_mark(sample, i, layout, rows))
+            except _Mismatch:
+                made = [_unmark(m, rows) for m in marked]
+                return None, [*made, sample, *samples]
+            del sample  # so its arrays are freed before the next sample is made
+        try:
+            return _collate_marked(marked, layout), None
+        except Exception:
+            # The marked samples did not collate as the layout says (or torch raised): make
+            # the batch the ordinary way, so whatever happens is what torch would do.
+            return None, [_unmark(m, rows) for m in marked]
+    finally:
+        del rows
