@@ -801,7 +801,11 @@ def test_big_samples_match_torch_with_and_without_streaming(stream_samples: bool
 @pytest.mark.parametrize("stream_samples", [True, False])
 def test_streaming_frees_each_sample_before_the_next_is_made(stream_samples: bool) -> None:
     pin = pinpool.DataLoader(
-        Tracked(16), batch_size=4, num_workers=2, stream_samples=stream_samples
+        Tracked(16),
+        batch_size=4,
+        num_workers=2,
+        stream_samples=stream_samples,
+        worker_copy_threads=1,
     )
     alive = [batch["alive"].tolist() for batch in pin]
     assert len(alive) == 4
@@ -809,6 +813,20 @@ def test_streaming_frees_each_sample_before_the_next_is_made(stream_samples: boo
         assert alive == [[0, 0, 0, 0]] * 4  # each sample's tensor died as it was streamed
     else:
         assert alive == [[0, 1, 2, 3]] * 4  # torch's way: all of a batch's samples at once
+
+
+def test_streaming_with_copy_threads_holds_a_bounded_group() -> None:
+    # 64 KiB samples, 40 to a batch: copied in groups of GROUP_BYTES (16 samples), so no
+    # more than 15 earlier samples are ever alive, where torch's way keeps up to 39.
+    from pinpool._stream import GROUP_BYTES
+
+    group = GROUP_BYTES // (64 << 10)
+    pin = pinpool.DataLoader(Tracked(80), batch_size=40, num_workers=2, worker_copy_threads=2)
+    alive = [batch["alive"].tolist() for batch in pin]
+    assert len(alive) == 2
+    for counts in alive:
+        assert max(counts) == group - 1
+        assert counts[:group] == list(range(group))
 
 
 def test_worker_init_fn_sets_attributes_on_the_callers_dataset() -> None:

@@ -24,7 +24,7 @@ from pinpool import _codec, _stream
 KiB = 1 << 10
 
 
-def collate_via_stream(samples: list[Any]) -> tuple[Any, bool]:
+def collate_via_stream(samples: list[Any], threads: int = 1) -> tuple[Any, bool]:
     """What a worker's streaming collate makes of ``samples``, decoded again; and whether it
     streamed (False: the layout did not apply and the batch was made the ordinary way)."""
     rest = iter(samples)
@@ -36,7 +36,7 @@ def collate_via_stream(samples: list[Any]) -> tuple[Any, bool]:
     else:
         region = bytearray(layout.nbytes)
         mem = memoryview(region)
-        batch, made = _stream.collate_streaming(_stream.owned([first], rest), layout, mem)
+        batch, made = _stream.collate_streaming(_stream.owned([first], rest), layout, mem, threads)
         mem.release()
     if batch is None:
         assert made is not None
@@ -60,11 +60,11 @@ def outcome(fn: Any, *args: Any) -> tuple[str, Any]:
         return "raised", type(exc)
 
 
-def assert_same_outcome(samples: list[Any]) -> bool:
+def assert_same_outcome(samples: list[Any], threads: int = 1) -> bool:
     """Streaming gives what ``default_collate`` gives (or raises the same type); returns
     whether it streamed."""
     ref_kind, ref = outcome(default_collate, samples)
-    got_kind, got = outcome(collate_via_stream, samples)
+    got_kind, got = outcome(collate_via_stream, samples, threads)
     assert got_kind == ref_kind, (ref, got)
     if ref_kind == "raised":
         assert got is ref
@@ -138,11 +138,25 @@ SETTINGS = settings(
 
 
 @SETTINGS
-@given(sample_makers(), st.integers(1, 5), st.integers(0, 2**32 - 1))
-def test_streamed_batches_equal_default_collate(maker: Any, count: int, seed: int) -> None:
+@given(
+    sample_makers(),
+    st.integers(1, 5),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([1, 3]),
+    st.sampled_from([16 * KiB, 100 * KiB, 1 << 20]),
+)
+def test_streamed_batches_equal_default_collate(
+    maker: Any, count: int, seed: int, threads: int, group: int
+) -> None:
+    # threads=3: arrays are held and copied in groups of about `group` bytes by copy threads.
     rng = np.random.default_rng(seed)
     samples = [instantiate(maker, rng) for _ in range(count)]
-    streamed = assert_same_outcome(samples)
+    saved = _stream.GROUP_BYTES
+    _stream.GROUP_BYTES = group
+    try:
+        streamed = assert_same_outcome(samples, threads)
+    finally:
+        _stream.GROUP_BYTES = saved
     # Every sample has the first one's layout: if it has big arrays that torch collates,
     # the batch must have streamed, not fallen back.
     layout = _stream.plan_layout(samples[0], count)
@@ -173,11 +187,12 @@ def test_samples_without_big_arrays_are_not_streamed() -> None:
     assert not assert_same_outcome([{"x": torch.zeros(4) + i, "y": i} for i in range(3)])
 
 
-def test_a_later_sample_with_another_shape_raises_torchs_error() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_later_sample_with_another_shape_raises_torchs_error(threads: int) -> None:
     samples = [image(i) for i in range(3)] + [image(3, (3, 64, 90))]
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         default_collate(samples)
-    assert assert_same_outcome(samples) is False
+    assert assert_same_outcome(samples, threads) is False
 
 
 def test_a_later_sample_with_another_dtype_is_promoted_as_torch_does() -> None:
@@ -186,10 +201,12 @@ def test_a_later_sample_with_another_dtype_is_promoted_as_torch_does() -> None:
     assert default_collate(samples).dtype == torch.float32
 
 
-def test_dict_keys_in_another_order_pair_by_key() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dict_keys_in_another_order_pair_by_key(threads: int) -> None:
     a, b = image(1), image(2)
     samples = [{"a": a, "b": b}, {"b": image(3), "a": image(4)}, {"a": image(5), "b": image(6)}]
-    assert assert_same_outcome(samples) is False  # the regions would be crossed: fall back
+    # The regions would be crossed: fall back (rows held for a group copy are copied first).
+    assert assert_same_outcome(samples, threads) is False
 
 
 def test_a_later_sample_missing_an_array_falls_back() -> None:

@@ -7,7 +7,10 @@ it left the CPU's caches, and often faulted in afresh for every batch. Here
 :func:`collate_streaming` makes the samples one at a time: a sample's big arrays (plain
 tensors and numeric numpy arrays of at least :data:`STREAM_MIN` bytes) are copied into their
 row of the batch's buffer while still in cache, and the sample keeps a :class:`_Row` marker
-in their place. The next sample's arrays then reuse the memory just freed. torch's own
+in their place. The next sample's arrays then reuse the memory just freed. (With copy
+threads, contiguous arrays are held until about :data:`GROUP_BYTES` of them are pending and
+copied together: a bounded number of samples' arrays is alive at once, whatever the batch
+size.) torch's own
 ``default_collate`` runs over the marked samples, so the batch has exactly the structure and
 types it would have had.
 
@@ -35,10 +38,12 @@ import torch
 import torch.utils.data
 from torch.utils.data._utils import collate as torch_collate
 
-from . import _codec
+from . import _codec, _native
 
 #: Arrays smaller than this are left to ordinary collation.
 STREAM_MIN = 16 << 10
+#: With copy threads, contiguous arrays are copied in groups of at least this many bytes.
+GROUP_BYTES = 1 << 20
 
 #: numpy dtypes (native byte order) whose arrays ``default_collate`` turns into these
 #: torch dtypes.
@@ -224,9 +229,19 @@ def plan_layout(first: Any, count: int) -> Layout | None:
 
 
 class _Rows:
-    """Typed views of each region of the buffer, one per sample."""
+    """Typed views of each region of the buffer, one row per sample, and the copies into
+    them. With ``threads > 1``, contiguous arrays are not copied one by one: they are held
+    until :data:`GROUP_BYTES` of them are pending (still in this core's cache), then copied
+    together by this process's copy threads (``_native._gather``: non-temporal stores,
+    without the GIL)."""
 
-    def __init__(self, layout: Layout, mem: memoryview) -> None:
+    def __init__(self, layout: Layout, mem: memoryview, threads: int = 1) -> None:
+        self.mem = mem
+        self.threads = threads
+        self.layout = layout
+        self.pending: list[tuple[int, int, int]] = []  # (address, nbytes, offset in mem)
+        self.held: list[Any] = []  # the arrays those addresses belong to
+        self.pending_bytes = 0
         self.views: list[Any] = []
         for r in layout.regions:
             chunk = mem[r.offset : r.offset + r.row_bytes * layout.count]
@@ -238,15 +253,44 @@ class _Rows:
             del chunk
 
     def put(self, k: int, i: int, array: Any) -> None:
+        if self.threads > 1:
+            address = _address(array)
+            if address is not None:
+                r = self.layout.regions[k]
+                self.pending.append((address, r.row_bytes, r.offset + i * r.row_bytes))
+                self.held.append(array)
+                self.pending_bytes += r.row_bytes
+                if self.pending_bytes >= GROUP_BYTES:
+                    self.flush()
+                return
         dst = self.views[k][i]
         if isinstance(dst, np.ndarray):
             np.copyto(dst, array, casting="no")
         else:
             dst.copy_(array)
 
+    def flush(self) -> None:
+        """Copies the held arrays into their rows."""
+        if self.pending:
+            # The addresses are those of the arrays in self.held, alive for the call.
+            _native._gather(self.mem, self.pending, self.threads)
+        self.pending.clear()
+        self.held.clear()
+        self.pending_bytes = 0
+
     def copy_out(self, k: int, i: int) -> Any:
         row = self.views[k][i]
         return row.copy() if isinstance(row, np.ndarray) else row.clone()
+
+
+def _address(array: Any) -> int | None:
+    """Where a contiguous array's bytes start, or None (strided, lazily conjugated or
+    negated: copied by torch or numpy instead)."""
+    if isinstance(array, np.ndarray):
+        return int(array.ctypes.data) if array.flags.c_contiguous else None
+    if array.is_contiguous() and not array.is_conj() and not array.is_neg():
+        return int(array.data_ptr())
+    return None
 
 
 def _mark(sample: Any, i: int, layout: Layout, rows: _Rows) -> Any:
@@ -329,7 +373,7 @@ def owned(box: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
 
 
 def collate_streaming(
-    samples: Iterator[Any], layout: Layout, mem: memoryview
+    samples: Iterator[Any], layout: Layout, mem: memoryview, threads: int = 1
 ) -> tuple[Any, None] | tuple[None, list[Any]]:
     """Makes the batch's ``layout.count`` samples from ``samples``, streaming each one's big
     arrays into ``mem`` (at least ``layout.nbytes`` long) before the next is made, and
@@ -338,8 +382,9 @@ def collate_streaming(
     Returns ``(batch, None)``, a batch whose streamed arrays are ``Placed`` leaves, or, when a
     sample or the collation does not follow the layout, ``(None, samples)``: every sample,
     made the ordinary way (streamed arrays copied back out), for ordinary collation.
-    Exceptions from the dataset propagate; ``mem`` is then simply left unused."""
-    rows = _Rows(layout, mem)
+    Exceptions from the dataset propagate; ``mem`` is then simply left unused. With
+    ``threads > 1`` the arrays are copied in groups by that many copy threads."""
+    rows = _Rows(layout, mem, threads)
     marked: list[Any] = []
     try:
         for i in range(layout.count):
@@ -347,9 +392,11 @@ def collate_streaming(
             try:
                 marked.append(_mark(sample, i, layout, rows))
             except _Mismatch:
+                rows.flush()
                 made = [_unmark(m, rows) for m in marked]
                 return None, [*made, sample, *samples]
-            del sample  # so its arrays are freed before the next sample is made
+            del sample  # its arrays are freed (or held for a group copy) before the next
+        rows.flush()
         try:
             return _collate_marked(marked, layout), None
         except Exception:

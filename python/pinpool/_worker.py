@@ -297,7 +297,7 @@ def encode_streaming(
     box = [first]
     del first  # the samples are freed as they are streamed
     try:
-        batch, made = _stream.collate_streaming(_stream.owned(box, rest), layout, mem)
+        batch, made = _stream.collate_streaming(_stream.owned(box, rest), layout, mem, threads)
         if batch is None:
             if seg is not None:
                 seg.unclaim()
