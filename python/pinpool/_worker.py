@@ -6,7 +6,8 @@ torch's result queue carries only the marked batch tree, the leaf specs and the 
 name. The first time a segment is used, the handle also says where the main process can open
 it (``/proc/<worker pid>/fd/<fd>``, checked against a random nonce in the header). Segments
 too small for a batch are retired: the worker drops its mapping and the next handle tells
-the main process to drop its own.
+the main process to drop its own. :func:`encode_streaming` fills a segment (or a zero-copy
+slot) sample by sample (see ``_stream``).
 """
 
 from __future__ import annotations
@@ -301,6 +302,7 @@ def encode_streaming(
         if batch is None:
             if seg is not None:
                 seg.unclaim()
+            assert made is not None
             return made
         p = _codec.plan(batch, start=layout.nbytes)
         if p.nbytes > len(mem):  # the rest of the batch does not fit: move to a bigger segment
