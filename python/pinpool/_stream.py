@@ -168,20 +168,25 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
-def _walk(obj: Any, on_array: Callable[[Any], Any]) -> Any:
-    """``obj`` rebuilt with ``on_array`` applied to each tensor or numpy array it holds in
-    walked containers (in a fixed order: dict insertion order, then positions)."""
+def _is_array(obj: Any) -> bool:
+    return type(obj) is torch.Tensor or isinstance(obj, np.ndarray)
+
+
+def _walk(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] = _is_array) -> Any:
+    """``obj`` rebuilt with ``fn`` applied to each leaf (by default: each tensor or numpy
+    array) it holds in walked containers, in a fixed order: dict insertion order, then
+    positions."""
+    if is_leaf(obj):
+        return fn(obj)
     kind = type(obj)
-    if kind is torch.Tensor or isinstance(obj, np.ndarray):
-        return on_array(obj)
     if kind is dict:
-        return {key: _walk(value, on_array) for key, value in obj.items()}
+        return {key: _walk(value, fn, is_leaf) for key, value in obj.items()}
     if kind is list:
-        return [_walk(value, on_array) for value in obj]
+        return [_walk(value, fn, is_leaf) for value in obj]
     if kind is tuple:
-        return tuple(_walk(value, on_array) for value in obj)
+        return tuple(_walk(value, fn, is_leaf) for value in obj)
     if _is_namedtuple(obj):
-        return kind(*(_walk(value, on_array) for value in obj))
+        return kind(*(_walk(value, fn, is_leaf) for value in obj))
     return obj
 
 
@@ -320,25 +325,10 @@ def _mark(sample: Any, i: int, layout: Layout, rows: _Rows) -> Any:
 def _unmark(marked: Any, rows: _Rows) -> Any:
     """A marked sample with each marker replaced by a copy of its row."""
 
-    def on_row(obj: Any) -> Any:
-        return rows.copy_out(obj.region, obj.sample) if type(obj) is _Row else obj
+    def on_row(row: _Row) -> Any:
+        return rows.copy_out(row.region, row.sample)
 
-    return _walk_markers(marked, on_row)
-
-
-def _walk_markers(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    if type(obj) is _Row:
-        return fn(obj)
-    kind = type(obj)
-    if kind is dict:
-        return {key: _walk_markers(value, fn) for key, value in obj.items()}
-    if kind is list:
-        return [_walk_markers(value, fn) for value in obj]
-    if kind is tuple:
-        return tuple(_walk_markers(value, fn) for value in obj)
-    if _is_namedtuple(obj):
-        return kind(*(_walk_markers(value, fn) for value in obj))
-    return obj
+    return _walk(marked, on_row, lambda obj: type(obj) is _Row)
 
 
 def _collate_marked(marked: list[Any], layout: Layout) -> Any:
