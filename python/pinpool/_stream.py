@@ -39,6 +39,7 @@ import torch.utils.data
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _codec, _native
+from ._zerocopy import TaggedSamples
 
 #: Arrays smaller than this are left to ordinary collation.
 STREAM_MIN = 16 << 10
@@ -101,8 +102,6 @@ class StreamingDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         ticket = getattr(indices, "ticket", None)
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems:
-            from ._zerocopy import TaggedSamples
-
             return TaggedSamples(getitems(list(indices)), ticket)
         return LazySamples(self.dataset, list(indices), ticket)
 

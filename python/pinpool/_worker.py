@@ -22,7 +22,7 @@ from . import _codec, _stream
 from ._heap import keep_freed_memory
 from ._native import WorkerSegment
 from ._stream import LazySamples
-from ._zerocopy import SlotHandle, _arena
+from ._zerocopy import SlotHandle, arena_for
 
 #: Headroom when a segment is (re)made, so slowly growing batches do not retire every time.
 _GROWTH = 1.25
@@ -290,7 +290,7 @@ def encode_streaming(
     sid = -1
     whole: memoryview | None = None
     if ticket is not None and layout.nbytes <= ticket.nbytes:
-        whole = memoryview(_arena(ticket))
+        whole = memoryview(arena_for(ticket))
         mem = whole[ticket.offset : ticket.offset + ticket.nbytes]
     else:
         sid, seg = ring.acquire(layout.nbytes + _STREAM_SPARE)

@@ -87,7 +87,7 @@ _ARENAS: dict[tuple[int, int, int, int], mmap.mmap] = {}
 _ARENAS_LOCK = threading.Lock()
 
 
-def _arena(ticket: SlotTicket) -> mmap.mmap:
+def arena_for(ticket: SlotTicket) -> mmap.mmap:
     """This worker's mapping of the main process's arena."""
     key = (os.getpid(), ticket.arena_pid, ticket.arena_fd, ticket.arena_len)
     with _ARENAS_LOCK:
@@ -154,7 +154,7 @@ class SlotHandle:
 def write_into_slot(token: str, ticket: SlotTicket, p: _codec.Plan, threads: int = 1) -> SlotHandle:
     """Writes the planned batch into the ticket's slot of the shared arena (big arrays with
     ``threads`` copy threads)."""
-    arena = _arena(ticket)
+    arena = arena_for(ticket)
     whole = memoryview(arena)
     try:
         region = whole[ticket.offset : ticket.offset + ticket.nbytes]
