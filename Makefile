@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: demo test build lint rust-test py-test bench wheel clean
+.PHONY: demo test build lint rust-test py-test fuzz bench wheel clean
 
 demo: build
 	$(PY) -m pinpool.bench --out demo-results
@@ -38,6 +38,12 @@ py-test: build
 	$(PY) -m pytest -q --zero-copy tests/test_loader.py tests/test_loader_faults.py
 	$(PY) -m pytest -q --pin-thread tests/test_loader.py tests/test_loader_faults.py
 	$(PY) -m pytest -q --pin-thread --zero-copy tests/test_loader.py tests/test_loader_faults.py
+	# Once as an unprivileged user (`nobody`): no capability hides a permission failure.
+	VENV=$(VENV) tests/unprivileged.sh -q tests/test_loader.py tests/test_loader_faults.py tests/test_hardening.py
+
+# The fuzz tests at length (`make test` runs a bounded number of examples).
+fuzz: build
+	PINPOOL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/test_fuzz.py
 
 bench:
 	cargo bench --bench checkout

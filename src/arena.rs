@@ -13,6 +13,9 @@
 //!   was asked is explained in `notes()`.
 //! - Construction never panics: a missing driver, an absent device or a failed call is an
 //!   [`Error`], or (for `backend = auto`) a documented fallback to host memory.
+//! - Every byte of the arena is faulted in at start-up, so an arena larger than the memory
+//!   available (see [`available_memory`]) is refused before anything is mapped: faulting it
+//!   in would end in the kernel's out-of-memory killer, not in an error.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
@@ -109,6 +112,42 @@ pub struct Arena {
     timings: Vec<(&'static str, f64)>,
 }
 
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Bytes of memory this process could still fault in: the kernel's `MemAvailable`, and,
+/// inside a cgroup (v2) with a memory limit, no more than that limit minus what the cgroup
+/// already uses. `None` when neither can be read.
+pub fn available_memory() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
+        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+        kib.checked_mul(1024)
+    });
+    let cgroup = cgroup_headroom();
+    match (meminfo, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// `memory.max` minus the memory in use (`memory.current` less the reclaimable
+/// `inactive_file` page cache) of this process's cgroup (v2), if it has a limit.
+fn cgroup_headroom() -> Option<usize> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
+    let dir = format!("/sys/fs/cgroup{path}");
+    let read = |name: &str| std::fs::read_to_string(format!("{dir}/{name}")).ok();
+    let max: usize = read("memory.max")?.trim().parse().ok()?; // "max" (no limit) fails here
+    let current: usize = read("memory.current")?.trim().parse().ok()?;
+    let inactive_file: usize = read("memory.stat")
+        .and_then(|stat| {
+            let line = stat.lines().find(|l| l.starts_with("inactive_file "))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or(0);
+    Some(max.saturating_sub(current.saturating_sub(inactive_file)))
+}
+
 /// Runs `f`, appending its duration in seconds to `timings` under `name`.
 fn timed<T>(
     timings: &mut Vec<(&'static str, f64)>,
@@ -163,6 +202,16 @@ impl Arena {
     ) -> Result<Self> {
         if len == 0 {
             return Err(Error::Invalid("the arena needs at least one byte".into()));
+        }
+        if let Some(available) = available_memory() {
+            if len > available {
+                return Err(Error::Invalid(format!(
+                    "an arena of {len} bytes ({:.2} GiB) does not fit in the {available} bytes \
+                     ({:.2} GiB) of memory available; ask for fewer or smaller slots",
+                    len as f64 / GIB,
+                    available as f64 / GIB
+                )));
+            }
         }
         let mut notes = Vec::new();
         let mut timings = Vec::new();
@@ -352,6 +401,15 @@ fn lock(region: &Region) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_arena_larger_than_memory_is_refused_before_mapping() {
+        let available = super::available_memory().expect("/proc/meminfo is readable here");
+        let page = crate::shm::page_size();
+        let len = (available / page + 1) * page;
+        let err = super::Arena::new(len, page, None, Some(super::Backend::Host), 1).unwrap_err();
+        assert!(err.to_string().contains("does not fit"), "{err}");
+    }
+
     use super::*;
 
     #[test]

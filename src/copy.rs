@@ -29,6 +29,11 @@ const PARALLEL_MIN: usize = 1 << 20;
 /// No chunk handed to a thread is smaller than this.
 const CHUNK_MIN: usize = 256 << 10;
 
+/// The most copy threads one copier may have. A copy is bound by memory bandwidth long before
+/// this many threads help, and each thread costs a stack and a start-up: an unchecked number
+/// (a typo, `100000`) would take minutes to start, or exhaust the process's threads.
+pub const MAX_COPY_THREADS: usize = 64;
+
 /// A fixed pool of copy threads.
 pub struct Copier {
     pool: rayon::ThreadPool,
@@ -43,9 +48,13 @@ impl std::fmt::Debug for Copier {
 }
 
 impl Copier {
-    /// A copier with `threads` threads (at least one).
+    /// A copier with `threads` threads, from 1 to [`MAX_COPY_THREADS`].
     pub fn new(threads: usize) -> Result<Self> {
-        let threads = threads.max(1);
+        if !(1..=MAX_COPY_THREADS).contains(&threads) {
+            return Err(Error::Invalid(format!(
+                "copy_threads must be from 1 to {MAX_COPY_THREADS}, not {threads}"
+            )));
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("pinpool-copy-{i}"))
@@ -116,7 +125,7 @@ pub fn process_copier(threads: usize) -> Result<std::sync::Arc<Copier>> {
     use std::sync::{Arc, Mutex};
     type Slot = Option<(u32, Arc<Copier>)>;
     static COPIERS: Mutex<Vec<Slot>> = Mutex::new(Vec::new());
-    let threads = threads.clamp(1, 64);
+    let threads = threads.clamp(1, MAX_COPY_THREADS);
     let pid = std::process::id();
     let mut copiers = COPIERS.lock().unwrap_or_else(|e| e.into_inner());
     if copiers.len() <= threads {

@@ -18,6 +18,9 @@
 //! - A forked child (a DataLoader worker) may inherit and drop the last reference to its
 //!   parent's pool: there the drop does nothing but free plain memory. The threads the pool's
 //!   parts would stop and wait for, and the CUDA context they would call, live in the parent.
+//! - Only the process that made the pool checks slots out or copies into them. A forked child
+//!   holds a private copy of the slot table over the same shared arena: a slot it checked out
+//!   could be one the parent holds too, and the copy threads exist only in the parent.
 
 use std::mem::ManuallyDrop;
 use std::os::fd::OwnedFd;
@@ -26,7 +29,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::arena::{Arena, Backend, Residency};
-use crate::copy::{Copier, CopyRange};
+use crate::copy::{Copier, CopyRange, MAX_COPY_THREADS};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
@@ -176,12 +179,34 @@ impl Pool {
         Self::assemble(arena, slot_bytes, table, Some(fences), config.copy_threads)
     }
 
+    /// Checks everything in `config` that can be checked before memory is taken; returns the
+    /// slot size rounded up to a page.
     fn checked_slot_bytes(config: &PoolConfig) -> Result<usize> {
         if config.slot_bytes == 0 {
             return Err(Error::Invalid("slot_bytes must be positive".into()));
         }
+        if !(1..=MAX_COPY_THREADS).contains(&config.copy_threads) {
+            return Err(Error::Invalid(format!(
+                "copy_threads must be from 1 to {MAX_COPY_THREADS}, not {}",
+                config.copy_threads
+            )));
+        }
         round_up(config.slot_bytes, page_size())
             .ok_or_else(|| Error::Invalid("slot_bytes too large".into()))
+    }
+
+    /// Fails unless this is the process that made the pool (see the module's invariants).
+    fn check_owner(&self) -> Result<()> {
+        let me = std::process::id();
+        if me == self.owner {
+            return Ok(());
+        }
+        Err(Error::Invalid(format!(
+            "this pool belongs to process {}; process {me} (a forked child) cannot check out \
+             or fill its slots: its copy of the slot table is stale, so a slot it took could be \
+             one the owner is using",
+            self.owner
+        )))
     }
 
     fn assemble(
@@ -249,6 +274,7 @@ impl Pool {
 
     /// Takes a free slot without waiting.
     pub fn try_checkout(&self) -> Result<Option<Ticket>> {
+        self.check_owner()?;
         if self.table.is_closed() {
             return Err(Error::Closed);
         }
@@ -355,6 +381,7 @@ impl Pool {
     /// (offsets relative to the slot). Every range is checked first: a source range outside
     /// the mapping or a destination outside the slot is an error and nothing is copied.
     pub fn copy_in(&self, ticket: Ticket, src: &Mapping, ranges: &[CopyRange]) -> Result<usize> {
+        self.check_owner()?;
         validate_ranges(ranges, src.len(), self.slot_bytes)?;
         let dst = self.slot_ptr(ticket)?;
         // SAFETY: every range was checked against the mapping and the slot just above, and
@@ -379,6 +406,7 @@ impl Pool {
         dst_len: usize,
         ranges: &[CopyRange],
     ) -> Result<usize> {
+        self.check_owner()?;
         validate_ranges(ranges, src.len(), dst_len)?;
         // SAFETY: ranges validated against both sides; the caller vouches for `dst`.
         let n = unsafe { self.copier.copy(src.as_ptr(), dst, ranges) };

@@ -4,8 +4,10 @@
 //! - A [`Mapping`] owns exactly one `mmap` of `len > 0` bytes; dropping it `munmap`s that range
 //!   once. Nothing else unmaps it.
 //! - A mapping made from a received fd is never longer than the file behind it (checked with
-//!   `fstat` before `mmap`), so reading any byte of it cannot raise `SIGBUS` unless the sender
-//!   shrinks the file afterwards; memfds made here are sealed against shrinking and growing.
+//!   `fstat` before `mmap`), and the file must be a memfd sealed against shrinking
+//!   (`F_SEAL_SHRINK`, checked before `fstat`): nobody can truncate it under the mapping, so
+//!   reading any byte of it cannot raise `SIGBUS`. Memfds made here are sealed against
+//!   shrinking and growing.
 //! - Regions are created with `MFD_CLOEXEC` and no name in any filesystem: nothing appears in
 //!   `/dev/shm`, and only processes that are handed the fd can map them.
 
@@ -59,10 +61,22 @@ impl Mapping {
     }
 
     /// Maps `len` bytes of the file behind `fd` (taking ownership of `fd`), `MAP_SHARED`.
-    /// Fails if the file is shorter than `len`.
+    /// Fails if the file is not a memfd sealed against shrinking (a plain file, or a memfd
+    /// without `F_SEAL_SHRINK`, could be truncated under the mapping: a later read would
+    /// raise `SIGBUS`), or if it is shorter than `len`.
     pub fn from_fd(fd: OwnedFd, len: usize, writable: bool) -> Result<Self> {
         if len == 0 {
             return Err(Error::Invalid("cannot map an empty segment".into()));
+        }
+        // SAFETY: F_GET_SEALS on an open fd has no memory-safety preconditions; on a file
+        // that is not a memfd it fails with EINVAL.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(Error::Invalid(
+                "only a memfd sealed against shrinking (F_SEAL_SHRINK) can be mapped: any other \
+                 file could be truncated under the mapping, and reading it would crash"
+                    .into(),
+            ));
         }
         // SAFETY: `st` is plain old data, fully written by fstat on success.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -413,6 +427,24 @@ mod tests {
         let dup = m.fd().unwrap().try_clone_to_owned().unwrap();
         let err = Mapping::from_fd(dup, 2 * page_size(), false).unwrap_err();
         assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
+    }
+
+    #[test]
+    fn from_fd_refuses_files_that_could_shrink() {
+        // An unsealed memfd and a regular file: either could be truncated after mapping.
+        let name = CString::new("pinpool-test-unsealed").unwrap();
+        // SAFETY: memfd_create with a valid C string; the fd is owned just below.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: `raw` is a fresh fd that nothing else owns.
+        let unsealed = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate on a live fd.
+        assert_eq!(unsafe { libc::ftruncate(unsealed.as_raw_fd(), 8192) }, 0);
+        let err = Mapping::from_fd(unsealed, 4096, false).unwrap_err();
+        assert!(err.to_string().contains("sealed"), "{err}");
+        let file = std::fs::File::open("/proc/self/exe").unwrap();
+        let err = Mapping::from_fd(file.into(), 4096, false).unwrap_err();
+        assert!(err.to_string().contains("sealed"), "{err}");
     }
 
     #[test]

@@ -7,6 +7,7 @@ leak checks (open file descriptors, ``/dev/shm`` entries) and pools that are alw
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 from collections.abc import Callable, Iterator
@@ -27,6 +28,20 @@ def shm_entry_count() -> int:
         return len(os.listdir("/dev/shm"))
     except FileNotFoundError:
         return 0
+
+
+def make_memfd(data: bytes | int, name: str = "pinpool-test", seal: bool = True) -> int:
+    """A memfd holding ``data`` (or that many zero bytes), sealed against shrinking and growing
+    (only such a file can be mapped) unless ``seal`` is False; the caller closes it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    if isinstance(data, int):
+        os.ftruncate(fd, data)
+    else:
+        os.ftruncate(fd, len(data))
+        os.pwrite(fd, data, 0)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
 
 
 def cuda_unavailable_reason() -> str | None:

@@ -298,3 +298,28 @@ def assert_same(ref: Any, got: Any, path: str = "batch") -> None:
             assert_same(r, g, f"{path}[{i}]")
     else:
         assert got == ref, f"{path}: {got!r} != {ref!r}"
+
+
+class ReadyBatches(Dataset):
+    """A map-style dataset whose ``__getitems__`` returns a whole batch (torch passes whatever
+    it returns to collate unchanged): a dict of stacked tensors, or one tensor."""
+
+    def __init__(self, n: int, kind: str) -> None:
+        self.n = n
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        raise AssertionError("__getitems__ is used for every batch")
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        x = torch.stack([fill((64, 64), i) for i in indices])  # 16 KiB per sample
+        i = torch.tensor(indices)
+        return {"x": x, "i": i} if self.kind == "dict" else x
+
+
+def ready_batch(batch: Any) -> Any:
+    """A collate function that keeps what the dataset made (it is already a batch)."""
+    return batch

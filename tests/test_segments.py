@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import make_memfd
 
 import pinpool
 from pinpool import BatchTooLarge, InvalidArgument, OutOfBounds, PinPoolError, PoolClosed
@@ -19,17 +20,6 @@ from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
 
 PAGE = pinpool.page_size()
 MiB = 1 << 20
-
-
-def make_memfd(data: bytes | int, name: str = "pinpool-test") -> int:
-    """A memfd holding ``data`` (or that many zero bytes); the caller closes it."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    if isinstance(data, int):
-        os.ftruncate(fd, data)
-    else:
-        os.ftruncate(fd, len(data))
-        os.pwrite(fd, data, 0)
-    return fd
 
 
 def pattern(n: int, seed: int = 0) -> bytes:
@@ -458,7 +448,7 @@ def test_segment_cache_rejects_corrupt_input(make_pool, fd_count) -> None:
     pool = make_pool(PAGE, 1)
     cache = SegmentCache(pool)
     ws = WorkerSegment(2 * PAGE)
-    plain = make_memfd(3 * PAGE)
+    plain = make_memfd(3 * PAGE, seal=False)
     try:
         pool.flush()
         before = fd_count()
@@ -587,9 +577,8 @@ def test_munmap_happens_off_the_gil(make_pool) -> None:
     size = 512 * MiB
     if available_memory() < 3 * size:
         pytest.skip("not enough free memory for a 512 MiB segment")
-    fd = os.memfd_create("pinpool-big", os.MFD_CLOEXEC)
+    fd = make_memfd(size, name="pinpool-big")
     try:
-        os.ftruncate(fd, size)
         # Touch every page of the file so the pages exist.
         with mmap.mmap(fd, size) as m:
             np.frombuffer(m, dtype=np.uint8)[::PAGE] = 1

@@ -21,32 +21,13 @@ from torch.utils.data._utils import collate as torch_collate
 from . import _native
 from ._errors import OutOfBounds
 from ._tree import KEEP, map_leaves
+from ._views import PLAIN_TORCH_DTYPE_NAMES
 
 #: Every leaf starts on a multiple of this (a cache line; more than any element size).
 ALIGN = 64
 
-_TORCH_DTYPE_NAMES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e5m2",
-)
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in _TORCH_DTYPE_NAMES if hasattr(torch, name)
+    name: getattr(torch, name) for name in PLAIN_TORCH_DTYPE_NAMES if hasattr(torch, name)
 }
 _NUMPY_KINDS = frozenset("biufcmM")
 
@@ -96,7 +77,9 @@ def _plain_torch(t: torch.Tensor) -> bool:
 
 
 def _defer_stack(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
-    elem = batch[0]
+    # Only a list or tuple of samples is stacked (torch's stack refuses anything else, a whole
+    # tensor returned by a dataset's __getitems__ say: so does its collate, here too).
+    elem = batch[0] if isinstance(batch, (list, tuple)) else None
     if type(elem) is torch.Tensor and _plain_torch(elem):
         dtype, shape = elem.dtype, elem.shape
         # Mixed dtypes (torch promotes them) or shapes (torch raises): torch's own stack.

@@ -39,7 +39,7 @@ import torch.utils.data
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _codec, _native
-from ._zerocopy import TaggedSamples
+from ._zerocopy import TaggedBatch, TaggedSamples
 
 #: Arrays smaller than this are left to ordinary collation.
 STREAM_MIN = 16 << 10
@@ -102,7 +102,10 @@ class StreamingDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         ticket = getattr(indices, "ticket", None)
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems:
-            return TaggedSamples(getitems(list(indices)), ticket)
+            made = getitems(list(indices))
+            if type(made) is list:
+                return TaggedSamples(made, ticket)
+            return TaggedBatch(made, ticket)  # torch passes it on unchanged: so do we
         return LazySamples(self.dataset, list(indices), ticket)
 
     def __getitem__(self, index: Any) -> Any:

@@ -12,6 +12,31 @@ from ._errors import InvalidArgument, OutOfBounds
 
 _HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
+#: The torch dtypes whose elements are plain bytes in memory, one or more bytes each: the only
+#: ones a view of raw slot memory (or a batch leaf) may have. Quantized dtypes (``quint8``...)
+#: carry a quantizer that ``torch.frombuffer`` does not set (using such a view crashes the
+#: interpreter), and sub-byte and ``bits`` dtypes have no arithmetic.
+PLAIN_TORCH_DTYPE_NAMES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+
 
 def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -32,6 +57,28 @@ def _torch_dtype(torch: Any, dtype: Any) -> Any:
     found = getattr(torch, name, None)
     if not isinstance(found, torch.dtype):
         raise InvalidArgument(f"unknown dtype {dtype!r}")
+    return found
+
+
+def _plain_torch_dtype(torch: Any, dtype: Any) -> Any:
+    found = _torch_dtype(torch, dtype)
+    if str(found).removeprefix("torch.") not in PLAIN_TORCH_DTYPE_NAMES:
+        raise InvalidArgument(
+            f"a slot view cannot have dtype {found}: only plain numeric dtypes "
+            f"({', '.join(PLAIN_TORCH_DTYPE_NAMES)}), not quantized, sub-byte or bits dtypes"
+        )
+    return found
+
+
+def _plain_numpy_dtype(dtype: Any) -> Any:
+    import numpy as np
+
+    try:
+        found = np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument(f"unknown dtype {dtype!r}") from None
+    if found.hasobject or found.itemsize == 0:
+        raise InvalidArgument(f"a slot view cannot have dtype {found}: it holds no plain bytes")
     return found
 
 
@@ -56,7 +103,7 @@ def slot_view(owner: Any, dtype: Any, shape: int | Sequence[int], offset: int = 
     if _HAVE_TORCH:
         import torch
 
-        tdtype = _torch_dtype(torch, dtype)
+        tdtype = _plain_torch_dtype(torch, dtype)
         itemsize = tdtype.itemsize
         if offset % itemsize:
             raise InvalidArgument(f"offset {offset} is not a multiple of {tdtype}'s size")
@@ -66,7 +113,7 @@ def slot_view(owner: Any, dtype: Any, shape: int | Sequence[int], offset: int = 
         return torch.frombuffer(mem, dtype=tdtype, count=count).view(dims)
     import numpy as np
 
-    ndtype = np.dtype(dtype)
+    ndtype = _plain_numpy_dtype(dtype)
     if offset % ndtype.itemsize:
         raise InvalidArgument(f"offset {offset} is not a multiple of {ndtype}'s size")
     mem = bytes_view(owner, offset, count * ndtype.itemsize)

@@ -12,6 +12,7 @@ slot) sample by sample (see ``_stream``).
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import threading
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _codec, _stream
+from ._errors import PinPoolError
 from ._heap import keep_freed_memory
 from ._native import WorkerSegment
 from ._stream import LazySamples
@@ -171,16 +173,18 @@ class BatchHandle:
         self._error = None
         self._live = False
         # Unpickled in the main process: take hold of the segment now, while its worker is
-        # certainly alive and holding it. Errors surface when the batch is decoded.
+        # certainly alive and holding it. pinpool's own errors surface when the batch is
+        # decoded, in its turn; any other exception (torch's SIGCHLD handler raising that a
+        # worker died, an interrupt) goes on to torch at once, so torch can act on it.
         from .loader import lookup
 
         try:
             decoder = lookup(self.token)
             decoder.receive(self)
             self._live = True
-        except Exception as exc:
-            # Raised later, from pin_memory(); without its traceback, which would keep this
-            # frame (and torch's iterator above it) alive.
+        except PinPoolError as exc:
+            # Without its traceback, which would keep this frame (and torch's iterator above
+            # it) alive.
             exc.__traceback__ = exc.__context__ = exc.__cause__ = None
             self._error = exc
 
@@ -196,7 +200,10 @@ class BatchHandle:
         from .loader import lookup
 
         if self._error is not None:
-            raise self._error
+            # A copy: the traceback it gets refers to this frame, whose ``self`` must not
+            # refer back to it (that cycle would keep torch's iterator, and its workers,
+            # alive until the garbage collector runs).
+            raise copy.copy(self._error)
         return lookup(self.token).decode(self, ahead)
 
     def __del__(self) -> None:

@@ -50,12 +50,24 @@ class TaggedIndices(list):  # type: ignore[type-arg]
 
 
 class TaggedSamples(list):  # type: ignore[type-arg]
-    """A batch's samples, with the slot from their indices."""
+    """A batch's samples, as a dataset's own ``__getitems__`` made them, with the slot from
+    their indices."""
 
     ticket: SlotTicket | None
 
     def __init__(self, samples: Any, ticket: SlotTicket | None) -> None:
         super().__init__(samples)
+        self.ticket = ticket
+
+
+class TaggedBatch:
+    """Whatever else a dataset's own ``__getitems__`` returned (a whole batch: a dict, a
+    tensor; torch hands it to collate unchanged), with the slot from its indices."""
+
+    __slots__ = ("made", "ticket")
+
+    def __init__(self, made: Any, ticket: SlotTicket | None) -> None:
+        self.made = made
         self.ticket = ticket
 
 

@@ -47,12 +47,13 @@ from ._errors import (
     WorkerLost,
 )
 from ._heap import keep_freed_memory
-from ._native import SEGMENT_DATA_OFFSET, PinPool, SegmentCache, Slot
+from ._native import SEGMENT_DATA_OFFSET, PinPool, SegmentCache, Slot, available_memory
 from ._stream import LazySamples, StreamingDataset
 from ._worker import BatchHandle, encode_in_worker, encode_streaming
 from ._zerocopy import (
     SlotHandle,
     SlotTicket,
+    TaggedBatch,
     TaggedSamples,
     TicketSampler,
     write_into_slot,
@@ -68,6 +69,8 @@ _LATER = object()
 #: Slots get this much room over the first batch, rounded up to this granule.
 _HEADROOM = 1.25
 _GRANULE = 2 << 20
+#: An arena sized automatically may take at most this share of the memory available.
+_MEMORY_SHARE = 0.5
 
 
 def lookup_or_none(token: str) -> _Decoder | None:
@@ -186,9 +189,7 @@ class _Decoder:
                 full = self._batch_size
                 if count and full and 0 < count < full:
                     nbytes = nbytes * full // count
-                slot = self._slot_bytes or max(
-                    _GRANULE, -(-int(nbytes * _HEADROOM) // _GRANULE) * _GRANULE
-                )
+                slot = self._slot_bytes or self._automatic_slot_bytes(nbytes)
                 self.pool = PinPool(
                     slot,
                     self._num_slots,
@@ -198,6 +199,24 @@ class _Decoder:
             if self.cache is None:
                 self.cache = SegmentCache(self.pool)
             return self.pool, self.cache
+
+    def _automatic_slot_bytes(self, nbytes: int) -> int:
+        """Slots for batches of ``nbytes``: that plus headroom, rounded up; refused (rather
+        than faulted in until the kernel kills the process) when the arena would take more
+        than :data:`_MEMORY_SHARE` of the memory available."""
+        slot = max(_GRANULE, -(-int(nbytes * _HEADROOM) // _GRANULE) * _GRANULE)
+        arena = slot * self._num_slots
+        available = available_memory()
+        if available is not None and arena > available * _MEMORY_SHARE:
+            raise BatchTooLarge(
+                f"batches of {nbytes} bytes need an arena of {self._num_slots} slots of {slot} "
+                f"bytes ({arena / 2**30:.2f} GiB), more than {_MEMORY_SHARE:.0%} of the "
+                f"{available / 2**30:.2f} GiB of memory available; pass smaller num_slots= "
+                "or slot_bytes= (with oversize='copy') to pinpool.DataLoader",
+                nbytes,
+                slot,
+            )
+        return slot
 
     # -- segments from workers ----------------------------------------------------------
 
@@ -216,26 +235,37 @@ class _Decoder:
             and 0 <= segment < 1 << 32
             and SEGMENT_DATA_OFFSET < total_len
             and 0 <= nonce < 1 << 64
-            and nbytes >= 0
-            and (not handle.first or (pid > 0 and fd >= 0))
+            and 0 <= nbytes <= total_len - SEGMENT_DATA_OFFSET
+            and (count is None or 0 < count <= (self._batch_size or count))
+            and (not handle.first or (0 < pid < 1 << 31 and 0 <= fd < 1 << 31))
         ):
             raise OutOfBounds("corrupt batch handle: a field is out of range")
-        _, cache = self._ensure(nbytes, count)
         key = (worker, segment)
-        if handle.first:
-            try:
-                own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-            except OSError as exc:
-                if not _alive(pid):
-                    raise WorkerLost(
-                        f"DataLoader worker (pid {pid}) exited before the main process could "
-                        "take its batch"
-                    ) from None
-                raise OutOfBounds(f"corrupt batch handle: cannot open its segment: {exc}") from None
-            cache.insert(key, own, total_len, nonce)
-            self._worker_pids[worker] = pid
-        elif key not in cache:
-            raise PinPoolError(f"segment {key} was never received by this process")
+        if not handle.first:
+            # A segment mapped before: the pool exists, and copies are checked against the
+            # real mapping, whatever the handle claims.
+            if self.cache is None or key not in self.cache:
+                raise PinPoolError(f"segment {key} was never received by this process")
+            return
+        try:
+            own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            if not _alive(pid):
+                raise WorkerLost(
+                    f"DataLoader worker (pid {pid}) exited before the main process could "
+                    "take its batch"
+                ) from None
+            raise OutOfBounds(f"corrupt batch handle: cannot open its segment: {exc}") from None
+        try:
+            # The claimed sizes are checked against the real segment before they size the pool.
+            if os.fstat(own).st_size != total_len:
+                raise OutOfBounds("corrupt batch handle: its segment is not the size it claims")
+            _, cache = self._ensure(nbytes, count)
+        except BaseException:
+            os.close(own)
+            raise
+        cache.insert(key, own, total_len, nonce)  # owns the fd from here
+        self._worker_pids[worker] = pid
 
     def discard(self, handle: BatchHandle) -> None:
         """Hands the segment back to its worker and drops what the worker retired."""
@@ -493,7 +523,10 @@ class PinCollate:
         self.worker_copy_threads = worker_copy_threads
 
     def __call__(self, data: Any) -> Any:
-        ticket = getattr(data, "ticket", None)
+        # Only pinpool's own carriers have a ticket (a user's batch may have such an attribute).
+        ticket = (
+            data.ticket if isinstance(data, (LazySamples, TaggedSamples, TaggedBatch)) else None
+        )
         in_worker = torch.utils.data.get_worker_info() is not None
         if isinstance(data, LazySamples):
             if self.stream_samples and self.collate_fn is None and in_worker:
@@ -511,7 +544,11 @@ class PinCollate:
                 data = list(data)
         elif isinstance(data, TaggedSamples):
             data = list(data)  # collate functions get what torch would give them
-        count = len(data) if self.auto_collation else None
+        elif isinstance(data, TaggedBatch):
+            data = data.made
+        # Samples in the batch, when the data is a list of them (a dataset's own __getitems__
+        # may return a whole batch instead).
+        count = len(data) if self.auto_collation and isinstance(data, (list, tuple)) else None
         if self.collate_fn is not None:
             batch = self.collate_fn(data)
         elif self.auto_collation:
@@ -619,9 +656,20 @@ def _worker_copy_threads(asked: int | None, num_workers: int) -> int:
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
             asked = min(4, max(2, cores // max(1, num_workers)))
-    if not isinstance(asked, int) or isinstance(asked, bool) or not 1 <= asked <= 64:
-        raise InvalidArgument(f"worker_copy_threads must be an integer from 1 to 64, not {asked!r}")
+    _check_int("worker_copy_threads", asked, 1, _MAX_COPY_THREADS)
     return asked
+
+
+#: The most copy threads a pool or a worker may have (the Rust core's limit).
+_MAX_COPY_THREADS = 64
+
+
+def _check_int(name: str, value: Any, low: int, high: int, none_ok: bool = False) -> None:
+    """Raises InvalidArgument unless ``value`` is an int from ``low`` to ``high`` (or None)."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidArgument(f"{name} must be an integer from {low} to {high}, not {value!r}")
 
 
 def _alive(pid: int) -> bool:
@@ -722,6 +770,19 @@ class DataLoader(torch.utils.data.DataLoader):
             raise InvalidArgument(f"overflow must be 'copy' or 'wait', not {overflow!r}")
         if oversize not in ("copy", "error"):
             raise InvalidArgument(f"oversize must be 'copy' or 'error', not {oversize!r}")
+        # Checked now, not when the pool is made at the first batch: an error there would
+        # come out of the middle of an epoch.
+        _check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
+        _check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
+        _check_int("copy_threads", copy_threads, 1, _MAX_COPY_THREADS, none_ok=True)
+        if slot_timeout is not None and not (
+            isinstance(slot_timeout, (int, float))
+            and not isinstance(slot_timeout, bool)
+            and 0 <= slot_timeout < float("inf")
+        ):
+            raise InvalidArgument(
+                f"slot_timeout must be None or a non-negative number, not {slot_timeout!r}"
+            )
         out_device = _cuda_device(device)
         if pool is not None:
             pool_device = pool.device

@@ -127,6 +127,13 @@ fn cuda_available() -> bool {
     crate::cuda::device_count().map(|n| n > 0).unwrap_or(false)
 }
 
+/// Bytes of memory this process could still fault in (None if unknown): what an arena, which
+/// is faulted in whole at start-up, may take at most.
+#[pyfunction]
+fn available_memory() -> Option<usize> {
+    crate::arena::available_memory()
+}
+
 /// The system page size.
 #[pyfunction]
 fn page_size() -> usize {
@@ -143,6 +150,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
+    m.add_function(wrap_pyfunction!(available_memory, m)?)?;
     m.add_function(wrap_pyfunction!(gather::_gather, m)?)?;
     m.add("SEGMENT_DATA_OFFSET", crate::segment::DATA_OFFSET)?;
     Ok(())

@@ -11,7 +11,7 @@ use super::segment::PySegment;
 use super::slot::PySlot;
 use super::{guarded, to_py, IntoPy};
 use crate::arena::Backend;
-use crate::copy::CopyRange;
+use crate::copy::{CopyRange, MAX_COPY_THREADS};
 use crate::error::Error;
 use crate::pool::{Counters, Pool, PoolConfig, Stats};
 
@@ -68,13 +68,23 @@ pub(crate) fn parse_device(
     }
 }
 
-/// `copy_threads` when not given: `$PINPOOL_COPY_THREADS`, else the cores up to 8.
-fn default_copy_threads() -> usize {
-    std::env::var("PINPOOL_COPY_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get()).min(8))
+/// `copy_threads` when not given: `$PINPOOL_COPY_THREADS`, else the cores up to 8. A value
+/// in the environment that is not a number from 1 to [`MAX_COPY_THREADS`] is an error, not
+/// silently replaced.
+fn default_copy_threads() -> Result<usize, Error> {
+    match std::env::var("PINPOOL_COPY_THREADS") {
+        Ok(text) if !text.trim().is_empty() => text
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_COPY_THREADS).contains(n))
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                "PINPOOL_COPY_THREADS must be a number from 1 to {MAX_COPY_THREADS}, not {text:?}"
+            ))
+            }),
+        _ => Ok(std::thread::available_parallelism().map_or(4, |n| n.get()).min(8)),
+    }
 }
 
 impl PyPinPool {
@@ -137,7 +147,10 @@ impl PyPinPool {
                 num_slots,
                 device: parse_device(py, device)?,
                 backend: Backend::parse(backend).py(py)?,
-                copy_threads: copy_threads.unwrap_or_else(default_copy_threads),
+                copy_threads: match copy_threads {
+                    Some(n) => n,
+                    None => default_copy_threads().py(py)?,
+                },
             };
             let pool = py.detach(|| Pool::new(&config)).py(py)?;
             let notes = pool.arena().notes().to_vec();

@@ -1,0 +1,312 @@
+"""Hostile and careless input: each case here once crashed the interpreter, returned wrong data
+or stalled, and must now give a clear ``PinPoolError`` (or torch's own behaviour) and lose
+nothing.
+
+- views of slot memory with dtypes that have no plain bytes (quantized, sub-byte);
+- ``map_segment`` of a file that could shrink under the mapping (SIGBUS on the next read);
+- a dataset whose ``__getitems__`` returns a whole batch rather than a list of samples;
+- a forked child checking out slots of its parent's pool;
+- pinpool's own errors keeping torch's iterator (and its workers) alive in a reference cycle;
+- a handle whose claimed size sizes the pool before anything checks it;
+- unbounded thread counts.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_memfd
+from handles import HandleFactory
+from loader_datasets import Exiting, Indexed, ReadyBatches, ready_batch
+
+import pinpool
+from pinpool import InvalidArgument, OutOfBounds, WorkerLost
+from pinpool._worker import BatchHandle
+
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------- slot views
+
+
+def test_slot_views_refuse_dtypes_without_plain_bytes() -> None:
+    # Run in a child: on a build without the check, the first of these kills the interpreter.
+    code = textwrap.dedent(
+        """
+        import torch, pinpool
+        pool = pinpool.PinPool(4096, 1, device=None)
+        slot = pool.checkout()
+        refused = []
+        for name in ("quint8", "qint8", "qint32", "quint4x2", "bits8", "uint4", "int4"):
+            try:
+                slot.view(getattr(torch, name), (2,)).sum()
+            except pinpool.InvalidArgument as exc:
+                assert "dtype" in str(exc), exc
+                refused.append(name)
+        # Plain dtypes still work, numpy names included.
+        assert slot.view(torch.bfloat16, (4,)).dtype == torch.bfloat16
+        assert slot.view("float32", (4,)).dtype == torch.float32
+        print(",".join(refused))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"rc {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["quint8,qint8,qint32,quint4x2,bits8,uint4,int4"]
+
+
+# --------------------------------------------------------------------------- map_segment
+
+
+def test_map_segment_refuses_files_that_can_shrink(make_pool: Any, fd_count: Any) -> None:
+    pool = make_pool(4096, 1)
+    before = fd_count()
+    unsealed = make_memfd(8192, seal=False)
+    with tempfile.TemporaryFile() as f:
+        f.truncate(8192)
+        for fd in (unsealed, f.fileno()):
+            with pytest.raises(InvalidArgument, match="sealed"):
+                pool.map_segment(fd, 8192)
+    os.close(unsealed)
+    # A sealed memfd maps, and can no longer be truncated under the mapping.
+    sealed = make_memfd(8192)
+    with pool.map_segment(sealed, 8192) as seg, pool.checkout() as slot:
+        with pytest.raises(OSError):
+            os.ftruncate(sealed, 0)
+        assert pool.copy_into(slot, seg, [(0, 0, 8192 // 2)]) == 4096
+    os.close(sealed)
+    pool.flush()
+    assert fd_count() == before
+
+
+# --------------------------------------------------------------------------- __getitems__
+
+
+@pytest.mark.parametrize("kind", ["dict", "tensor"])
+def test_a_dataset_returning_whole_batches_gets_what_torch_gives(kind: str) -> None:
+    ds = ReadyBatches(8, kind)
+    kw: dict[str, Any] = {"batch_size": 4, "num_workers": 1}
+    want = list(torch.utils.data.DataLoader(ds, collate_fn=ready_batch, **kw))
+    for zero_copy in (False, True):
+        got = list(pinpool.DataLoader(ds, collate_fn=ready_batch, zero_copy=zero_copy, **kw))
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert type(a) is type(b)
+            if kind == "dict":
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            else:
+                assert torch.equal(a, b)
+    # With the default collation, torch's outcome too (for these, an error of the same kind).
+    outcomes = []
+    for make in (torch.utils.data.DataLoader, pinpool.DataLoader):
+        try:
+            outcomes.append(list(make(ds, **kw)))
+        except Exception as exc:
+            outcomes.append(type(exc))
+    if isinstance(outcomes[0], list):
+        assert all(torch.equal(a, b) for a, b in zip(outcomes[1], outcomes[0], strict=True))
+    else:
+        assert outcomes[1] is outcomes[0], outcomes
+
+
+# --------------------------------------------------------------------------- fork
+
+
+def test_a_forked_child_cannot_check_out_its_parents_slots(make_pool: Any) -> None:
+    pool = make_pool(4096, 2)
+    held = pool.checkout()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        status = 1
+        try:
+            refused = 0
+            for attempt in (pool.try_checkout, lambda: pool.checkout(timeout=0)):
+                try:
+                    attempt()
+                except InvalidArgument as exc:
+                    refused += "forked child" in str(exc)
+            status = 0 if refused == 2 else 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's slots are untouched: one held, one free, and both still usable here.
+    assert pool.stats()["slots_checked_out"] == 1
+    with pool.checkout(timeout=0) as other:
+        assert other.index != held.index
+    held.release()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        {"num_slots": 0},
+        {"num_slots": -3},
+        {"slot_bytes": 0},
+        {"copy_threads": 100_000},
+        {"copy_threads": 0},
+        {"worker_copy_threads": 100_000},
+        {"slot_timeout": -1.0},
+    ],
+)
+def test_bad_loader_settings_fail_at_construction(arg: dict[str, Any]) -> None:
+    # Not at the first batch, in the middle of an epoch (and from a worker's handle).
+    with pytest.raises(InvalidArgument, match=next(iter(arg))):
+        pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=1, **arg)
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+class Marker:
+    """Something a frame holds; dies by reference count unless a cycle keeps the frame."""
+
+
+def test_a_stored_error_is_raised_without_a_reference_cycle() -> None:
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, slot_bytes=MiB, num_slots=2)
+    make = HandleFactory(loader)
+    handle = make.make(origin=(_dead_pid(), make.segment.fd))
+    assert isinstance(handle._error, WorkerLost)
+    gc.disable()
+    try:
+
+        def consume(h: BatchHandle) -> weakref.ref[Marker]:
+            marker = Marker()  # stands for torch's iterator, up the stack
+            ref = weakref.ref(marker)
+            try:
+                h.decode()
+            except WorkerLost as exc:
+                assert "exited" in str(exc)
+            return ref
+
+        for _ in range(2):  # raised again, each time without a cycle
+            assert consume(handle)() is None, "the frame that raised is kept alive by a cycle"
+    finally:
+        gc.enable()
+    del handle, loader
+    gc.collect()
+
+
+def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's SIGCHLD handler raises RuntimeError in the main thread at any moment, also while
+    # a handle is unpickled: torch must see it (to mark the worker failed), not the batch.
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, slot_bytes=MiB, num_slots=2)
+    make = HandleFactory(loader)
+    good = make.make()
+    state = good.__getstate__()
+
+    def worker_died(self: Any, handle: Any) -> None:
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+
+    monkeypatch.setattr(type(loader._pin_decoder), "receive", worker_died)
+    h = BatchHandle.__new__(BatchHandle)
+    with pytest.raises(RuntimeError, match="killed by signal"):
+        h.__setstate__(state)
+    del good, h, loader
+    gc.collect()
+
+
+def test_a_lost_worker_leaves_nothing_alive_once_the_iterator_is_dropped() -> None:
+    # As a user writes it: catch the error, keep its text, drop the iterator. torch's iterator
+    # must die at once (no cycle), shutting its workers down, without the garbage collector.
+    pool = pinpool.PinPool(8 * MiB, 4, device=None)
+    sizes = [10, 10, 3 * MiB, 3 * MiB, 10, 10]
+    loader = pinpool.DataLoader(
+        Exiting(sizes, bad=4), batch_size=2, num_workers=1, timeout=10, pool=pool
+    )
+    it = iter(loader)
+    inner = weakref.ref(it._inner)
+    message = ""
+    gc.disable()
+    try:
+        try:
+            for batch in it:
+                del batch
+                time.sleep(0.3)
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        assert "DataLoader worker (pid" in message, message
+        del it
+        assert inner() is None, f"torch's iterator outlived `del` after {message!r}"
+    finally:
+        gc.enable()
+    del loader
+    gc.collect()
+    pool.flush()
+    s = pool.stats()
+    assert s["slots_free"] == pool.num_slots and s["segments_mapped"] == s["segments_unmapped"], s
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def test_a_handle_claiming_more_than_its_segment_sizes_nothing() -> None:
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2)  # the pool is made from batch 1
+    make = HandleFactory(loader)  # a 64 KiB segment
+    seg = make.segment
+    lies = {
+        "nbytes": {"nbytes": 512 * MiB},
+        "total_len": {"total_len": 512 * MiB + seg.total_len, "nbytes": 512 * MiB},
+        "count": {"count": 0},
+    }
+    for name, fields in lies.items():
+        h = make.make(**fields)
+        with pytest.raises(OutOfBounds):
+            h.decode()
+        assert loader.pool is None, f"a handle lying about {name} made a pool"
+        del h
+    # An honest handle still makes a pool sized from its batch.
+    assert make.make().decode()["a"].tolist() == list(range(10))
+    assert loader.pool is not None and loader.pool.slot_bytes <= 2 * MiB
+
+
+def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pinpool.loader
+
+    monkeypatch.setattr(pinpool.loader, "available_memory", lambda: 16 * MiB)
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
+    with pytest.raises(pinpool.BatchTooLarge, match="memory available") as info:
+        loader._pin_decoder._ensure(4 * MiB)
+    assert loader.pool is None
+    del info
+
+
+def test_a_pool_larger_than_memory_is_refused_before_it_is_touched() -> None:
+    available = pinpool._native.available_memory()
+    assert available is not None
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        pinpool.PinPool(available // 2 + MiB, 2, device=None)
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_thread_counts_are_bounded(make_pool: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    t0 = time.monotonic()
+    for n in (0, 65, 100_000):
+        with pytest.raises(InvalidArgument, match="copy_threads"):
+            make_pool(4096, 1, copy_threads=n)
+    for text in ("100000", "0", "many"):
+        monkeypatch.setenv("PINPOOL_COPY_THREADS", text)
+        with pytest.raises(InvalidArgument, match="PINPOOL_COPY_THREADS"):
+            make_pool(4096, 1)
+    monkeypatch.setenv("PINPOOL_COPY_THREADS", "3")
+    assert make_pool(4096, 1).copy_threads == 3
+    assert time.monotonic() - t0 < 30  # refused, not attempted
