@@ -40,7 +40,8 @@ unshare --mount --propagation private -- bash -c '
     mount --bind "$repo" "$mnt"
     cd "$mnt"
     exec setpriv --reuid=nobody --regid=nogroup --clear-groups --inh-caps=-all \
-        env HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$mnt/python:$mnt/$site" \
+        env HOME=/tmp HYPOTHESIS_STORAGE_DIRECTORY=/tmp/pinpool-unprivileged-hypothesis \
+        PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$mnt/python:$mnt/$site" \
         "$python" -c "import os, sys; assert os.geteuid() != 0; import pytest; sys.exit(pytest.main())" \
         -p no:cacheprovider "$@"
 ' unprivileged "$mnt" "$repo" "$site" "$python" "$@"
