@@ -355,6 +355,8 @@ mod tests {
     use super::*;
 
     #[test]
+    // Miri: maps memory with mmap (PROT_NONE reservations, MAP_SHARED memfds), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn host_arena_is_usable_and_reports_itself() {
         let a = Arena::new(1 << 20, 1 << 16, None, None, 2).unwrap();
         assert_eq!(a.backend(), Backend::Host);
@@ -366,6 +368,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: loads the CUDA driver with dlopen, a foreign call Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn cuda_backend_without_device_is_an_error_not_a_panic() {
         let err = Arena::new(4096, 4096, None, Some(Backend::CudaRegister), 1).unwrap_err();
         assert!(matches!(err, Error::Invalid(_)));

@@ -633,6 +633,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn slots_are_page_aligned_and_disjoint() {
         let pool = Pool::new(&PoolConfig::host(1000, 3)).unwrap();
         assert_eq!(pool.slot_bytes() % page_size(), 0);
@@ -646,6 +648,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn checkout_times_out_with_exhausted() {
         let pool = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
         let _held = pool.checkout(None).unwrap();
@@ -657,6 +661,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn close_wakes_waiters_and_refuses_checkouts() {
         let pool = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
         let held = pool.checkout(None).unwrap();
@@ -671,6 +677,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn fenced_release_is_retired_by_the_background_thread() {
         let fences = Arc::new(ManualFences::new());
         let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
@@ -688,6 +696,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn copy_in_validates_every_range() {
         let pool = Pool::new(&PoolConfig::host(8192, 1)).unwrap();
         let src = Mapping::memfd("pinpool-test", 4096).unwrap();

@@ -561,6 +561,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn worker_to_slot_round_trip() {
         let pool = Pool::new(&PoolConfig::host(1 << 16, 2)).unwrap();
         let cache = SegmentCache::new(Arc::clone(&pool));
@@ -587,6 +589,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn corrupt_requests_are_errors() {
         let pool = Pool::new(&PoolConfig::host(1 << 16, 1)).unwrap();
         let cache = SegmentCache::new(Arc::clone(&pool));
