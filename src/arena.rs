@@ -401,18 +401,22 @@ fn lock(region: &Region) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn an_arena_larger_than_memory_is_refused_before_mapping() {
-        let available = super::available_memory().expect("/proc/meminfo is readable here");
-        let page = crate::shm::page_size();
-        let len = (available / page + 1) * page;
-        let err = super::Arena::new(len, page, None, Some(super::Backend::Host), 1).unwrap_err();
-        assert!(err.to_string().contains("does not fit"), "{err}");
-    }
-
     use super::*;
 
     #[test]
+    // Miri: reads /proc/meminfo, which isolation forbids.
+    #[cfg_attr(miri, ignore)]
+    fn an_arena_larger_than_memory_is_refused_before_mapping() {
+        let available = available_memory().expect("/proc/meminfo is readable here");
+        let page = crate::shm::page_size();
+        let len = (available / page + 1) * page;
+        let err = Arena::new(len, page, None, Some(Backend::Host), 1).unwrap_err();
+        assert!(err.to_string().contains("does not fit"), "{err}");
+    }
+
+    #[test]
+    // Miri: maps memory with mmap (PROT_NONE reservations, MAP_SHARED memfds), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn host_arena_is_usable_and_reports_itself() {
         let a = Arena::new(1 << 20, 1 << 16, None, None, 2).unwrap();
         assert_eq!(a.backend(), Backend::Host);
@@ -424,6 +428,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: loads the CUDA driver with dlopen, a foreign call Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn cuda_backend_without_device_is_an_error_not_a_panic() {
         let err = Arena::new(4096, 4096, None, Some(Backend::CudaRegister), 1).unwrap_err();
         assert!(matches!(err, Error::Invalid(_)));

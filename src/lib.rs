@@ -32,3 +32,18 @@ mod python;
 pub use error::{Error, Result};
 pub use pool::{Pool, PoolConfig, Stats};
 pub use slots::Ticket;
+
+/// Proptest settings for the unit tests: `cases` cases; under Miri, which interprets every
+/// step, a handful, and no regression files (file access is refused under Miri's isolation).
+#[cfg(test)]
+pub(crate) fn proptest_config(cases: u32) -> proptest::test_runner::Config {
+    #[cfg(miri)]
+    let config = proptest::test_runner::Config {
+        cases: cases.min(16),
+        failure_persistence: None,
+        ..proptest::test_runner::Config::default()
+    };
+    #[cfg(not(miri))]
+    let config = proptest::test_runner::Config::with_cases(cases);
+    config
+}

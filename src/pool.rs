@@ -611,8 +611,58 @@ const DROP_FENCE_WAIT: Duration = Duration::from_secs(30);
 mod tests {
     use super::*;
     use crate::fence::ManualFences;
+    use proptest::prelude::*;
+
+    /// Offsets: mostly small (so that ranges meet the bounds exactly, and each other, often),
+    /// sometimes next to `usize::MAX`.
+    fn offset() -> impl Strategy<Value = usize> {
+        prop_oneof![10 => 0..48usize, 10 => 0..300usize, 1 => (usize::MAX - 600)..=usize::MAX]
+    }
+
+    /// Lengths: mostly short (so that lists fit and overlap often), sometimes huge.
+    fn length() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            10 => 0..8usize,
+            6 => 0..64usize,
+            3 => 0..600usize,
+            1 => (usize::MAX - 600)..=usize::MAX,
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(crate::proptest_config(1024))]
+
+        /// `validate_ranges` accepts exactly the lists a brute-force check accepts: every
+        /// source inside `src_len`, every destination inside `dst_len`, without overflow, and
+        /// no two non-empty destinations overlapping. It never panics.
+        #[test]
+        fn range_validation_matches_brute_force(
+            ranges in proptest::collection::vec((offset(), offset(), length()), 0..6),
+            src_len in prop_oneof![0..64usize, 256..1024usize],
+            dst_len in prop_oneof![0..64usize, 256..1024usize],
+        ) {
+            let ranges: Vec<CopyRange> =
+                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let inside = |off: usize, len: usize, size: usize| {
+                off.checked_add(len).is_some_and(|end| end <= size)
+            };
+            let in_bounds = ranges
+                .iter()
+                .all(|r| inside(r.src, r.len, src_len) && inside(r.dst, r.len, dst_len));
+            // Only asked once every range is in bounds, so the ends cannot overflow.
+            let disjoint = || ranges.iter().enumerate().all(|(i, a)| {
+                ranges[i + 1..].iter().all(|b| {
+                    a.len == 0 || b.len == 0 || a.dst + a.len <= b.dst || b.dst + b.len <= a.dst
+                })
+            });
+            let got = validate_ranges(&ranges, src_len, dst_len);
+            prop_assert_eq!(got.is_ok(), in_bounds && disjoint(), "{:?}: {:?}", ranges, got);
+        }
+    }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn slots_are_page_aligned_and_disjoint() {
         let pool = Pool::new(&PoolConfig::host(1000, 3)).unwrap();
         assert_eq!(pool.slot_bytes() % page_size(), 0);
@@ -626,6 +676,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn checkout_times_out_with_exhausted() {
         let pool = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
         let _held = pool.checkout(None).unwrap();
@@ -637,6 +689,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn close_wakes_waiters_and_refuses_checkouts() {
         let pool = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
         let held = pool.checkout(None).unwrap();
@@ -651,6 +705,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn fenced_release_is_retired_by_the_background_thread() {
         let fences = Arc::new(ManualFences::new());
         let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
@@ -668,6 +724,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn copy_in_validates_every_range() {
         let pool = Pool::new(&PoolConfig::host(8192, 1)).unwrap();
         let src = Mapping::memfd("pinpool-test", 4096).unwrap();

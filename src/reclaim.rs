@@ -131,6 +131,8 @@ mod tests {
     use super::*;
 
     #[test]
+    // Miri: memfd_create, fcntl seals and MAP_SHARED mappings are foreign calls Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn unmaps_on_its_own_thread() {
         let r = Reclaimer::start().unwrap();
         for _ in 0..5 {

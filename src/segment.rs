@@ -10,6 +10,9 @@
 //! | 8      | state, `u32`: 0 = free for the worker, 1 = in flight |
 //! | 16     | capacity, `u64`: bytes from `DATA_OFFSET`     |
 //! | 24     | nonce, `u64`: random, names this segment among all others |
+//! | 32     | zero up to [`HEADER_LEN`]                      |
+//!
+//! Integers are native-endian: both processes run on the same machine.
 //!
 //! Invariants:
 //! - A worker writes a segment's data only after winning `free -> in flight` on its state
@@ -17,7 +20,8 @@
 //!   copying the data out, so a worker never overwrites a batch still being read.
 //! - The main process trusts nothing in a segment: the mapping is never longer than the file,
 //!   the header's magic, capacity and nonce are checked when a segment is first mapped (so a
-//!   recycled fd number can never pass off another segment as this one), and every
+//!   recycled fd number can never pass off another segment as this one; [`check_header`], a
+//!   pure function of the header bytes, property-tested over arbitrary bytes), and every
 //!   range is checked against the capacity before a copy (see `pool.rs`).
 //! - The main process closes a segment's fd as soon as it is mapped; a mapping leaves the
 //!   cache only to the reclaimer thread, which unmaps it off the GIL.
@@ -35,22 +39,95 @@ use crate::slots::Ticket;
 
 /// Where batch data starts in a segment.
 pub const DATA_OFFSET: usize = 4096;
+/// Bytes of the header (the rest of the first page is unused).
+pub const HEADER_LEN: usize = 64;
 const MAGIC: [u8; 8] = *b"PINPSEG1";
+/// Where the state word lies in the header: the one field that changes after creation.
+const STATE_AT: usize = 8;
+const CAPACITY_AT: usize = 16;
+const NONCE_AT: usize = 24;
 const STATE_FREE: u32 = 0;
 const STATE_BUSY: u32 = 1;
+
+/// The header a worker writes at the start of a new segment of `capacity` data bytes (state
+/// free, unused bytes zero).
+pub fn encode_header(capacity: usize, nonce: u64) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..MAGIC.len()].copy_from_slice(&MAGIC);
+    h[STATE_AT..STATE_AT + 4].copy_from_slice(&STATE_FREE.to_ne_bytes());
+    h[CAPACITY_AT..CAPACITY_AT + 8].copy_from_slice(&(capacity as u64).to_ne_bytes());
+    h[NONCE_AT..NONCE_AT + 8].copy_from_slice(&nonce.to_ne_bytes());
+    h
+}
+
+/// Why [`check_header`] refused a header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadHeader {
+    /// Fewer than [`HEADER_LEN`] bytes.
+    Short { len: usize },
+    /// The segment claims `total_len <= DATA_OFFSET` bytes: no data area at all.
+    NoDataArea { total_len: usize },
+    /// Wrong magic, a capacity other than `total_len - DATA_OFFSET`, or the wrong nonce; the
+    /// capacity and nonce found, for the error message.
+    Mismatch { capacity: u64, nonce: u64 },
+}
+
+/// Checks the header bytes of a segment that its sender says is `total_len` bytes long
+/// (header page included) and carries `nonce`; returns the capacity (data bytes).
+///
+/// Accepted exactly when `header` is at least [`HEADER_LEN`] bytes, `total_len >
+/// DATA_OFFSET`, and the magic, capacity and nonce fields are those
+/// [`encode_header`]`(total_len - DATA_OFFSET, nonce)` writes. The state word and the unused
+/// bytes are not looked at (the state changes while the segment lives). Pure: it never reads
+/// beyond `header`, and never panics.
+pub fn check_header(
+    header: &[u8],
+    total_len: usize,
+    nonce: u64,
+) -> std::result::Result<usize, BadHeader> {
+    let Some(header) = header.get(..HEADER_LEN) else {
+        return Err(BadHeader::Short { len: header.len() });
+    };
+    let Some(expected) = total_len.checked_sub(DATA_OFFSET).filter(|&c| c > 0) else {
+        return Err(BadHeader::NoDataArea { total_len });
+    };
+    let field = |at: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&header[at..at + 8]);
+        u64::from_ne_bytes(b)
+    };
+    let (capacity, found) = (field(CAPACITY_AT), field(NONCE_AT));
+    if header[..MAGIC.len()] != MAGIC || capacity != expected as u64 || found != nonce {
+        return Err(BadHeader::Mismatch { capacity, nonce: found });
+    }
+    Ok(expected)
+}
 
 fn state_word(map: &Mapping) -> &AtomicU32 {
     // SAFETY: every segment mapping is at least DATA_OFFSET (> 12) bytes, offset 8 is 4-byte
     // aligned in a page-aligned mapping, and the word is only ever accessed atomically, by
     // every process that maps the segment.
-    unsafe { &*map.as_ptr().add(8).cast::<AtomicU32>() }
+    unsafe { &*map.as_ptr().add(STATE_AT).cast::<AtomicU32>() }
 }
 
-fn read_header_u64(map: &Mapping, offset: usize) -> u64 {
-    debug_assert!(offset + 8 <= 64);
-    // SAFETY: offset + 8 <= 64 lies inside the header page of a mapping of at least
-    // DATA_OFFSET bytes; an unaligned read tolerates any alignment.
-    unsafe { map.as_ptr().add(offset).cast::<u64>().read_unaligned() }
+/// A copy of the header of a mapped segment, for [`check_header`]. The state word is left
+/// zero, not read: the worker may change it (atomically) at any moment, and a plain read
+/// racing with that would be a data race. No one writes the other header bytes after
+/// creation.
+fn read_header(map: &Mapping) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    let base = map.as_ptr();
+    // SAFETY: both ranges lie inside the first HEADER_LEN bytes of a mapping of at least
+    // DATA_OFFSET (> HEADER_LEN) bytes, and `h` is a separate local buffer.
+    unsafe {
+        std::ptr::copy_nonoverlapping(base, h.as_mut_ptr(), STATE_AT);
+        std::ptr::copy_nonoverlapping(
+            base.add(STATE_AT + 4),
+            h.as_mut_ptr().add(STATE_AT + 4),
+            HEADER_LEN - STATE_AT - 4,
+        );
+    }
+    h
 }
 
 /// A random 64-bit number from the kernel.
@@ -100,12 +177,10 @@ impl WorkerSegment {
         let map = Mapping::memfd("pinpool-segment", total)?;
         map.populate(1)?;
         let nonce = random_u64()?;
-        // SAFETY: the header lies inside the fresh mapping, which no one else has seen yet.
-        unsafe {
-            std::ptr::copy_nonoverlapping(MAGIC.as_ptr(), map.as_ptr(), MAGIC.len());
-            map.as_ptr().add(16).cast::<u64>().write_unaligned(capacity as u64);
-            map.as_ptr().add(24).cast::<u64>().write_unaligned(nonce);
-        }
+        let header = encode_header(capacity, nonce);
+        // SAFETY: the header lies inside the fresh mapping (total > DATA_OFFSET > HEADER_LEN),
+        // which no one else has seen yet.
+        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), map.as_ptr(), HEADER_LEN) };
         Ok(WorkerSegment { map, capacity, nonce })
     }
 
@@ -215,16 +290,17 @@ impl SegmentCache {
         }
         let mut map = self.pool.map_segment(fd, total_len, true)?;
         map.close_fd();
-        // SAFETY: the mapping is at least DATA_OFFSET bytes long (checked above).
-        let magic = unsafe { std::slice::from_raw_parts(map.as_ptr(), MAGIC.len()) };
-        let capacity = read_header_u64(&map, 16);
-        let found = read_header_u64(&map, 24);
-        if magic != MAGIC || capacity != (total_len - DATA_OFFSET) as u64 || found != nonce {
+        // The mapping is at least DATA_OFFSET bytes long (checked above).
+        if let Err(bad) = check_header(&read_header(&map), total_len, nonce) {
             self.pool.retire_segment(map);
-            return Err(Error::Invalid(format!(
-                "segment {key:?} has a bad header (magic, capacity {capacity} for {total_len} \
-                 bytes, or nonce {found:#x} where {nonce:#x} was expected)"
-            )));
+            return Err(Error::Invalid(match bad {
+                BadHeader::Mismatch { capacity, nonce: found } => format!(
+                    "segment {key:?} has a bad header (magic, capacity {capacity} for \
+                     {total_len} bytes, or nonce {found:#x} where {nonce:#x} was expected)"
+                ),
+                // Unreachable here (the header is whole, total_len was checked above).
+                other => format!("segment {key:?} has a bad header ({other:?})"),
+            }));
         }
         let old = self.maps().insert(key, Arc::new(map));
         if let Some(old) = old {
@@ -325,16 +401,174 @@ impl Drop for SegmentCache {
 mod tests {
     use super::*;
     use crate::pool::PoolConfig;
+    use proptest::prelude::*;
 
     fn dup(seg: &WorkerSegment) -> OwnedFd {
         seg.fd().unwrap().try_clone_to_owned().unwrap()
     }
 
+    /// What `check_header` must answer, written independently of it: accepted exactly when the
+    /// header is whole, the segment has a data area, and the magic, capacity and nonce fields
+    /// are the bytes `encode_header` writes for that segment.
+    fn oracle(header: &[u8], total_len: usize, nonce: u64) -> Option<usize> {
+        let capacity = total_len.checked_sub(DATA_OFFSET).filter(|&c| c > 0)?;
+        let want = encode_header(capacity, nonce);
+        let fields = [0..8, CAPACITY_AT..CAPACITY_AT + 8, NONCE_AT..NONCE_AT + 8];
+        (header.len() >= HEADER_LEN && fields.iter().all(|f| header[f.clone()] == want[f.clone()]))
+            .then_some(capacity)
+    }
+
+    /// Checks one answer of `check_header`: against the oracle, and, on acceptance, that the
+    /// capacity it returns fits in the segment the header names.
+    fn check_against_oracle(
+        header: &[u8],
+        total_len: usize,
+        nonce: u64,
+    ) -> std::result::Result<(), TestCaseError> {
+        let got = check_header(header, total_len, nonce);
+        prop_assert_eq!(got.ok(), oracle(header, total_len, nonce));
+        if let Ok(capacity) = got {
+            prop_assert!(header.len() >= HEADER_LEN);
+            prop_assert!(capacity > 0);
+            prop_assert_eq!(capacity.checked_add(DATA_OFFSET), Some(total_len));
+        } else if header.len() < HEADER_LEN {
+            prop_assert_eq!(got, Err(BadHeader::Short { len: header.len() }));
+        }
+        Ok(())
+    }
+
+    /// Segment lengths: none or tiny, ordinary, and near the top of the address space.
+    fn total_len() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            0..=DATA_OFFSET + 1,
+            DATA_OFFSET..DATA_OFFSET + (1 << 20),
+            any::<usize>(),
+            (usize::MAX - 2 * DATA_OFFSET)..=usize::MAX,
+        ]
+    }
+
+    /// A claimed capacity relative to `total_len`: `kind` picks exact, off by `delta`, the
+    /// whole file (header included), a huge value, or anything.
+    fn claimed_capacity(total_len: usize, kind: u8, delta: i64, any: u64) -> u64 {
+        let exact = total_len.wrapping_sub(DATA_OFFSET) as u64;
+        match kind % 6 {
+            0 | 1 => exact,
+            2 => exact.wrapping_add_signed(delta),
+            3 => total_len as u64,
+            4 => u64::MAX - (any % 4096),
+            _ => any,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(crate::proptest_config(2048))]
+
+        /// Any bytes, any claimed length, any nonce: no panic, and nothing accepted that the
+        /// oracle refuses (random bytes are all but always refused).
+        #[test]
+        fn header_parser_takes_arbitrary_bytes(
+            bytes in proptest::collection::vec(any::<u8>(), 0..256),
+            total_len in total_len(),
+            nonce in any::<u64>(),
+        ) {
+            check_against_oracle(&bytes, total_len, nonce)?;
+            // The same bytes behind a valid magic: then mostly capacity and nonce decide.
+            let mut magic = bytes.clone();
+            let n = magic.len().min(MAGIC.len());
+            magic[..n].copy_from_slice(&MAGIC[..n]);
+            check_against_oracle(&magic, total_len, nonce)?;
+        }
+
+        /// Whole headers with arbitrary fields: a corrupted magic, any state, a capacity that
+        /// is exact, off by a little, huge or arbitrary, the right or a wrong nonce, any
+        /// padding, trailing bytes. Accepted exactly when the oracle says so.
+        #[test]
+        fn header_parser_checks_every_field(
+            total_len in total_len(),
+            (cap_kind, delta, cap_any) in (any::<u8>(), -8192i64..8192, any::<u64>()),
+            (magic_at, magic_xor) in (0..16usize, any::<u8>()),
+            state in any::<u32>(),
+            (nonce, nonce_xor) in (any::<u64>(), prop_oneof![Just(0u64), Just(1u64), any::<u64>()]),
+            padding in proptest::collection::vec(any::<u8>(), HEADER_LEN - 32),
+            tail in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut h = encode_header(0, nonce ^ nonce_xor).to_vec();
+            // magic_at >= 8: the magic stays intact.
+            if let Some(b) = h.get_mut(..MAGIC.len()).and_then(|m| m.get_mut(magic_at)) {
+                *b ^= magic_xor;
+            }
+            h[STATE_AT..STATE_AT + 4].copy_from_slice(&state.to_ne_bytes());
+            let capacity = claimed_capacity(total_len, cap_kind, delta, cap_any);
+            h[CAPACITY_AT..CAPACITY_AT + 8].copy_from_slice(&capacity.to_ne_bytes());
+            h[32..].copy_from_slice(&padding);
+            h.extend_from_slice(&tail);
+            check_against_oracle(&h, total_len, nonce)?;
+            // Any prefix shorter than a whole header is refused, never read past.
+            let cut = (cap_any as usize) % HEADER_LEN;
+            prop_assert_eq!(check_header(&h[..cut], total_len, nonce), Err(BadHeader::Short { len: cut }));
+        }
+
+        /// What a worker writes is what the main process accepts, for any capacity and nonce,
+        /// whatever the state word says; one flipped bit in a checked field, another nonce or
+        /// another length is refused.
+        #[test]
+        fn header_round_trip(
+            capacity in prop_oneof![1..(1usize << 40), 1..=usize::MAX - DATA_OFFSET],
+            nonce in any::<u64>(),
+            state in any::<u32>(),
+            bit in 0..(24 * 8usize),
+            wrong_nonce in 1..=u64::MAX,
+            wrong_len in prop_oneof![Just(0usize), 1..DATA_OFFSET + 1, any::<usize>()],
+        ) {
+            let total_len = capacity + DATA_OFFSET;
+            let mut h = encode_header(capacity, nonce);
+            prop_assert_eq!(check_header(&h, total_len, nonce), Ok(capacity));
+            h[STATE_AT..STATE_AT + 4].copy_from_slice(&state.to_ne_bytes());
+            prop_assert_eq!(check_header(&h, total_len, nonce), Ok(capacity));
+            prop_assert!(check_header(&h, total_len, nonce ^ wrong_nonce).is_err());
+            if wrong_len != total_len {
+                prop_assert!(check_header(&h, wrong_len, nonce).is_err());
+            }
+            // Bits of the magic (bytes 0..8), the capacity and the nonce (16..32).
+            let byte = if bit < 64 { bit / 8 } else { 16 + (bit - 64) / 8 };
+            h[byte] ^= 1 << (bit % 8);
+            prop_assert!(check_header(&h, total_len, nonce).is_err());
+        }
+    }
+
     #[test]
+    fn header_parser_edge_cases() {
+        let h = encode_header(4096, 7);
+        assert_eq!(check_header(&h, DATA_OFFSET + 4096, 7), Ok(4096));
+        assert_eq!(check_header(&[], usize::MAX, 0), Err(BadHeader::Short { len: 0 }));
+        assert_eq!(
+            check_header(&h[..63], DATA_OFFSET + 4096, 7),
+            Err(BadHeader::Short { len: 63 })
+        );
+        for total_len in [0, 1, DATA_OFFSET - 1, DATA_OFFSET] {
+            assert_eq!(check_header(&h, total_len, 7), Err(BadHeader::NoDataArea { total_len }));
+        }
+        // A capacity of zero never passes, even when it matches (no data area).
+        assert!(check_header(&encode_header(0, 7), DATA_OFFSET, 7).is_err());
+        // A header claiming the largest possible segment is accepted only for that length.
+        let max = usize::MAX - DATA_OFFSET;
+        assert_eq!(check_header(&encode_header(max, 1), usize::MAX, 1), Ok(max));
+        assert!(check_header(&encode_header(max, 1), usize::MAX - 1, 1).is_err());
+        assert!(matches!(
+            check_header(&encode_header(u64::MAX as usize, 1), DATA_OFFSET + 1, 1),
+            Err(BadHeader::Mismatch { capacity: u64::MAX, nonce: 1 })
+        ));
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn worker_to_slot_round_trip() {
         let pool = Pool::new(&PoolConfig::host(1 << 16, 2)).unwrap();
         let cache = SegmentCache::new(Arc::clone(&pool));
         let seg = WorkerSegment::create(10_000).unwrap();
+        assert_eq!(read_header(&seg.map), encode_header(seg.capacity(), seg.nonce()));
+        assert_eq!(check_header(&read_header(&seg.map), seg.total_len(), seg.nonce()), Ok(12_288));
         assert!(seg.try_claim());
         assert!(!seg.try_claim(), "a segment in flight cannot be claimed again");
         // SAFETY: test writes inside the segment's data area.
@@ -355,6 +589,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn corrupt_requests_are_errors() {
         let pool = Pool::new(&PoolConfig::host(1 << 16, 1)).unwrap();
         let cache = SegmentCache::new(Arc::clone(&pool));

@@ -407,6 +407,8 @@ mod tests {
     use super::*;
 
     #[test]
+    // Miri: memfd_create, fcntl seals and MAP_SHARED mappings are foreign calls Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn memfd_round_trip_and_seals() {
         let m = Mapping::memfd("pinpool-test", 3 * page_size()).unwrap();
         m.populate(2).unwrap();
@@ -422,6 +424,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: memfd_create, fcntl seals and MAP_SHARED mappings are foreign calls Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn from_fd_refuses_longer_than_file() {
         let m = Mapping::memfd("pinpool-test", page_size()).unwrap();
         let dup = m.fd().unwrap().try_clone_to_owned().unwrap();
@@ -430,6 +434,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: memfd_create and fcntl seals are foreign calls Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn from_fd_refuses_files_that_could_shrink() {
         // An unsealed memfd and a regular file: either could be truncated after mapping.
         let name = CString::new("pinpool-test-unsealed").unwrap();
@@ -448,6 +454,8 @@ mod tests {
     }
 
     #[test]
+    // Miri: maps memory with mmap (PROT_NONE reservations, MAP_SHARED memfds), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn region_parts_are_contiguous_and_shared() {
         let page = page_size();
         let r = Region::new("pinpool-test", 10 * page, 2 * page, 3).unwrap();

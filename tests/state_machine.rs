@@ -601,8 +601,19 @@ impl Harness {
     }
 }
 
+/// 256 cases; under Miri, which interprets every step, a handful, and no regression file
+/// (file access is refused under Miri's isolation).
+fn config() -> ProptestConfig {
+    #[cfg(miri)]
+    let config =
+        ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() };
+    #[cfg(not(miri))]
+    let config = ProptestConfig { cases: 256, ..ProptestConfig::default() };
+    config
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn slot_table_and_fences_follow_the_model(
