@@ -27,7 +27,7 @@
 //!   cache only to the reclaimer thread, which unmaps it off the GIL.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -131,6 +131,55 @@ fn read_header(map: &Mapping) -> [u8; HEADER_LEN] {
 }
 
 /// A random 64-bit number from the kernel.
+/// The error for a header [`check_header`] refused.
+fn bad_header(key: SegmentKey, total_len: usize, nonce: u64, bad: BadHeader) -> Error {
+    Error::Invalid(match bad {
+        BadHeader::Mismatch { capacity, nonce: found } => format!(
+            "segment {key:?} has a bad header (magic, capacity {capacity} for {total_len} \
+             bytes, or nonce {found:#x} where {nonce:#x} was expected)"
+        ),
+        other => format!("segment {key:?} has a bad header ({other:?})"),
+    })
+}
+
+/// Checks, without mapping it, that `fd` is a segment of `total_len` bytes carrying `nonce`:
+/// sealed against shrinking, that long, and with the header [`check_header`] accepts. Returns
+/// its capacity. For a receiver that must know a segment is real before it sizes anything
+/// from the segment's claims; [`SegmentCache::insert`] checks all of it again once mapped.
+pub fn check_segment_fd(
+    key: SegmentKey,
+    fd: BorrowedFd<'_>,
+    total_len: usize,
+    nonce: u64,
+) -> Result<usize> {
+    // SAFETY: F_GET_SEALS on an open fd has no memory-safety preconditions.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(Error::Invalid(format!("segment {key:?} is not a sealed memfd")));
+    }
+    // SAFETY: `st` is plain old data, fully written by fstat on success.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is open and `st` a valid out-pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(Error::last_os("fstat"));
+    }
+    let file_len = usize::try_from(st.st_size).unwrap_or(0);
+    if file_len != total_len {
+        return Err(Error::OutOfRange {
+            what: "segment file",
+            offset: 0,
+            len: total_len,
+            size: file_len,
+        });
+    }
+    let mut header = [0u8; HEADER_LEN];
+    // SAFETY: `header` is a valid buffer of HEADER_LEN bytes; pread writes at most that many.
+    let got = unsafe { libc::pread(fd.as_raw_fd(), header.as_mut_ptr().cast(), HEADER_LEN, 0) };
+    let got = usize::try_from(got).map_err(|_| Error::last_os("pread"))?;
+    check_header(&header[..got], total_len, nonce)
+        .map_err(|bad| bad_header(key, total_len, nonce, bad))
+}
+
 fn random_u64() -> Result<u64> {
     let mut buf = [0u8; 8];
     // SAFETY: `buf` is a valid writable buffer of 8 bytes.
@@ -279,28 +328,14 @@ impl SegmentCache {
         if total_len <= DATA_OFFSET {
             return Err(Error::Invalid(format!("segment of {total_len} bytes has no data area")));
         }
-        // A worker segment must be sealed against shrinking: otherwise its sender could
-        // truncate it under our mapping and turn a read into SIGBUS.
-        // SAFETY: F_GET_SEALS on a valid fd has no memory-safety preconditions.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(Error::Invalid(format!(
-                "segment {key:?} is not a sealed memfd (it could shrink under the mapping)"
-            )));
-        }
+        // Only a memfd sealed against shrinking is mapped (checked by `Mapping::from_fd`):
+        // otherwise its sender could truncate it under our mapping and turn a read into SIGBUS.
         let mut map = self.pool.map_segment(fd, total_len, true)?;
         map.close_fd();
         // The mapping is at least DATA_OFFSET bytes long (checked above).
         if let Err(bad) = check_header(&read_header(&map), total_len, nonce) {
             self.pool.retire_segment(map);
-            return Err(Error::Invalid(match bad {
-                BadHeader::Mismatch { capacity, nonce: found } => format!(
-                    "segment {key:?} has a bad header (magic, capacity {capacity} for \
-                     {total_len} bytes, or nonce {found:#x} where {nonce:#x} was expected)"
-                ),
-                // Unreachable here (the header is whole, total_len was checked above).
-                other => format!("segment {key:?} has a bad header ({other:?})"),
-            }));
+            return Err(bad_header(key, total_len, nonce, bad));
         }
         let old = self.maps().insert(key, Arc::new(map));
         if let Some(old) = old {

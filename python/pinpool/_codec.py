@@ -276,12 +276,22 @@ def _checked_spec(raw: Any, limit: int) -> LeafSpec:
         raise OutOfBounds(f"corrupt batch description: leaf kind {kind!r}")
     if any(d < 0 for d in shape) or offset < 0 or offset % ALIGN:
         raise OutOfBounds(f"corrupt batch description: leaf {raw!r}")
+    # An empty array still gets its shape (and strides) made: every extent must be one torch
+    # and numpy can hold, even where another dimension is 0.
+    if len(shape) > _MAX_DIMS or math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_EXTENT:
+        raise OutOfBounds(f"corrupt batch description: shape {shape} is too large")
     if nbytes != math.prod(shape) * itemsize or offset + nbytes > limit:
         raise OutOfBounds(
             f"corrupt batch description: leaf of {nbytes} bytes at {offset} "
             f"(shape {shape}) does not fit {limit} bytes"
         )
     return LeafSpec(offset, nbytes, kind, dtype, shape, sub)
+
+
+#: The most dimensions a leaf may have (numpy's own limit is 64).
+_MAX_DIMS = 32
+#: No leaf's extent (its shape with empty dimensions counted as 1, in bytes) reaches this.
+_MAX_EXTENT = 1 << 62
 
 
 def extent(specs: list[LeafSpec]) -> int:
@@ -315,9 +325,13 @@ def rebuild(tree: Any, views: list[Any]) -> Any:
 
     def leaf(obj: Any) -> Any:
         if isinstance(obj, Leaf):
-            if not 0 <= obj.index < len(views):
-                raise OutOfBounds(f"corrupt batch description: leaf {obj.index} does not exist")
-            return views[obj.index]
+            index = getattr(obj, "index", None)  # unpickled: anything may be missing
+            if type(index) is not int or not 0 <= index < len(views):
+                raise OutOfBounds(f"corrupt batch description: leaf {index!r} does not exist")
+            return views[index]
         return KEEP
 
-    return map_leaves(tree, leaf)
+    try:
+        return map_leaves(tree, leaf)
+    except RecursionError:
+        raise OutOfBounds("corrupt batch description: the batch is nested too deeply") from None

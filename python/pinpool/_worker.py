@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,10 +208,11 @@ class BatchHandle:
         return lookup(self.token).decode(self, ahead)
 
     def __del__(self) -> None:
-        if getattr(self, "_live", False):
-            from .loader import lookup_or_none
-
-            decoder = lookup_or_none(self.token)
+        # No import here: at interpreter exit the import machinery may be gone already. A
+        # handle can only be live where the loader module has made its decoder.
+        loader = sys.modules.get("pinpool.loader")
+        if getattr(self, "_live", False) and loader is not None:
+            decoder = loader.lookup_or_none(self.token)
             if decoder is not None:
                 decoder.discard(self)
 

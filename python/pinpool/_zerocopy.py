@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import sys
 import threading
 from typing import Any, NamedTuple
 
@@ -155,10 +156,11 @@ class SlotHandle:
         return lookup(self.token).decode_slot(self)
 
     def __del__(self) -> None:
-        if getattr(self, "_live", False):
-            from .loader import lookup_or_none
-
-            decoder = lookup_or_none(self.token)
+        # No import here: at interpreter exit the import machinery may be gone already. A
+        # handle can only be live where the loader module has made its decoder.
+        loader = sys.modules.get("pinpool.loader")
+        if getattr(self, "_live", False) and loader is not None:
+            decoder = loader.lookup_or_none(self.token)
             if decoder is not None:
                 decoder.unassign(self.key, self.nonce)
 

@@ -47,7 +47,14 @@ from ._errors import (
     WorkerLost,
 )
 from ._heap import keep_freed_memory
-from ._native import SEGMENT_DATA_OFFSET, PinPool, SegmentCache, Slot, available_memory
+from ._native import (
+    SEGMENT_DATA_OFFSET,
+    PinPool,
+    SegmentCache,
+    Slot,
+    available_memory,
+    check_segment,
+)
 from ._stream import LazySamples, StreamingDataset
 from ._worker import BatchHandle, encode_in_worker, encode_streaming
 from ._zerocopy import (
@@ -76,7 +83,7 @@ _MEMORY_SHARE = 0.5
 def lookup_or_none(token: str) -> _Decoder | None:
     """The loader side of ``token`` in this process (None in a forked child: objects it
     inherited, garbage collected there, must not touch the parent's pool)."""
-    decoder = _DECODERS.get(token)
+    decoder = _DECODERS.get(token) if isinstance(token, str) else None
     return decoder if decoder is not None and decoder.pid == os.getpid() else None
 
 
@@ -228,6 +235,8 @@ class _Decoder:
             nbytes = int(handle.nbytes)
             count = None if handle.count is None else int(handle.count)
             pid, fd = (int(x) for x in handle.origin) if handle.first else (0, 0)
+            retired = tuple(int(sid) for sid in handle.retired)
+            unused = None if handle.unused is None else tuple(int(x) for x in handle.unused)
         except (TypeError, ValueError, OverflowError) as exc:
             raise OutOfBounds(f"corrupt batch handle: {exc}") from None
         if not (
@@ -238,8 +247,17 @@ class _Decoder:
             and 0 <= nbytes <= total_len - SEGMENT_DATA_OFFSET
             and (count is None or 0 < count <= (self._batch_size or count))
             and (not handle.first or (0 < pid < 1 << 31 and 0 <= fd < 1 << 31))
+            and all(0 <= sid < 1 << 32 for sid in retired)
+            and (unused is None or (len(unused) == 3 and all(0 <= x < 1 << 64 for x in unused)))
         ):
             raise OutOfBounds("corrupt batch handle: a field is out of range")
+        # What the rest of the handle's life uses: checked values, not what was sent.
+        handle.worker, handle.segment, handle.retired, handle.unused = (
+            worker,
+            segment,
+            retired,
+            unused,
+        )
         key = (worker, segment)
         if not handle.first:
             # A segment mapped before: the pool exists, and copies are checked against the
@@ -257,9 +275,9 @@ class _Decoder:
                 ) from None
             raise OutOfBounds(f"corrupt batch handle: cannot open its segment: {exc}") from None
         try:
-            # The claimed sizes are checked against the real segment before they size the pool.
-            if os.fstat(own).st_size != total_len:
-                raise OutOfBounds("corrupt batch handle: its segment is not the size it claims")
+            # The segment is checked to be real (sealed, as long as claimed, its header intact)
+            # before its claims size the pool.
+            check_segment(key, own, total_len, nonce)
             _, cache = self._ensure(nbytes, count)
         except BaseException:
             os.close(own)
@@ -337,6 +355,8 @@ class _Decoder:
 
     def unassign(self, key: tuple[int, int], nonce: int) -> None:
         """Takes back a slot handed out for a batch that will not arrive in it."""
+        if not isinstance(key, tuple) or not all(type(x) is int for x in key):
+            return  # (a corrupt handle's key: never handed out)
         with self._lock:
             entry = self._assigned.get(key)
             if entry is not None and entry[1] == nonce:
@@ -352,13 +372,15 @@ class _Decoder:
     def decode_slot(self, handle: SlotHandle) -> Any:
         """A batch a worker wrote into the slot it was given: check it, view it."""
         handle._live = False
+        try:
+            key, nonce = (int(handle.index), int(handle.generation)), int(handle.nonce)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise OutOfBounds(f"corrupt batch handle: {exc}") from None
         with self._lock:
-            entry = self._assigned.get(handle.key)
-            if entry is None or entry[1] != handle.nonce:
-                raise PinPoolError(
-                    f"a batch claims slot {handle.key}, which was not handed out for it"
-                )
-            del self._assigned[handle.key]
+            entry = self._assigned.get(key)
+            if entry is None or entry[1] != nonce:
+                raise PinPoolError(f"a batch claims slot {key}, which was not handed out for it")
+            del self._assigned[key]
         slot = entry[0]
         specs = _codec.checked_specs(handle.specs, slot.nbytes)
         need = _codec.extent(specs)

@@ -152,6 +152,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
     m.add_function(wrap_pyfunction!(available_memory, m)?)?;
     m.add_function(wrap_pyfunction!(gather::_gather, m)?)?;
+    m.add_function(wrap_pyfunction!(segment::check_segment, m)?)?;
     m.add("SEGMENT_DATA_OFFSET", crate::segment::DATA_OFFSET)?;
     Ok(())
 }

@@ -6,7 +6,7 @@
 //! collecting any of these objects hands its mappings to the pool's reclaimer thread.
 
 use std::ffi::c_int;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use pyo3::buffer::PyBuffer;
@@ -22,6 +22,44 @@ use crate::error::Error;
 use crate::pool::Pool;
 use crate::segment::{SegmentCache, WorkerSegment};
 use crate::shm::Mapping;
+
+/// Converts a sender's claims about a segment; a value out of range is `OutOfBounds`.
+fn segment_claims(
+    py: Python<'_>,
+    key: &Bound<'_, PyAny>,
+    total_len: &Bound<'_, PyAny>,
+    nonce: &Bound<'_, PyAny>,
+) -> PyResult<((u64, u32), usize, u64)> {
+    let out_of_range =
+        |what: &'static str| to_py(py, Error::OutOfRange { what, offset: 0, len: 0, size: 0 });
+    let key = key.extract::<(u64, u32)>().map_err(|_| out_of_range("segment key"))?;
+    let total_len = total_len.extract::<usize>().map_err(|_| out_of_range("segment length"))?;
+    let nonce = nonce.extract::<u64>().map_err(|_| out_of_range("segment nonce"))?;
+    Ok((key, total_len, nonce))
+}
+
+/// Checks, without mapping it, that `fd` (borrowed) is a real worker segment of `total_len`
+/// bytes carrying `nonce` (sealed, that long, its header intact); returns its capacity. The
+/// DataLoader calls this before it sizes a pool from what the segment's sender claims.
+#[pyfunction]
+pub(crate) fn check_segment(
+    py: Python<'_>,
+    key: &Bound<'_, PyAny>,
+    fd: i32,
+    total_len: &Bound<'_, PyAny>,
+    nonce: &Bound<'_, PyAny>,
+) -> PyResult<usize> {
+    guarded(|| {
+        if fd < 0 {
+            return Err(to_py(py, Error::Invalid(format!("bad file descriptor {fd}"))));
+        }
+        let (key, total_len, nonce) = segment_claims(py, key, total_len, nonce)?;
+        // SAFETY: only borrowed for this call; the caller keeps `fd` open meanwhile (a closed
+        // or reused number fails the seal or header check, never touches memory).
+        let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+        crate::segment::check_segment_fd(key, borrowed, total_len, nonce).py(py)
+    })
+}
 
 /// A shared-memory segment mapped read-only by `PinPool.map_segment`.
 #[pyclass(name = "Segment", module = "pinpool._native", frozen)]
@@ -188,23 +226,24 @@ impl PySegmentCache {
         Ok(PySegmentCache { cache: SegmentCache::new(pool.get().get(py)?) })
     }
 
-    /// Maps the segment behind `fd` (taking ownership of the fd, which is closed at once) and
-    /// checks its header against `nonce`.
+    /// Maps the segment behind `fd` (taking ownership of the fd, which is closed at once, also
+    /// when an argument is refused) and checks its header against `nonce`.
     fn insert(
         &self,
         py: Python<'_>,
-        key: (u64, u32),
+        key: &Bound<'_, PyAny>,
         fd: i32,
-        total_len: usize,
-        nonce: u64,
+        total_len: &Bound<'_, PyAny>,
+        nonce: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         guarded(|| {
             if fd < 0 {
                 return Err(to_py(py, Error::Invalid(format!("bad file descriptor {fd}"))));
             }
             // SAFETY: the caller hands us ownership of `fd` (documented); it is closed exactly
-            // once, by this OwnedFd.
+            // once, by this OwnedFd, whatever happens below.
             let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+            let (key, total_len, nonce) = segment_claims(py, key, total_len, nonce)?;
             py.detach(|| self.cache.insert(key, owned, total_len, nonce)).py(py)
         })
     }
