@@ -680,6 +680,18 @@ def test_slot_handle_fields() -> None:
 # --------------------------------------------------------------------------- 2. raw handle bytes
 
 
+def announced(loader: pinpool.DataLoader, worker: Worker, first: bool) -> str:
+    """The loader's token, with the worker's segment already received once unless ``first``
+    (then the next handle is a later one); the segment refilled for the next handle."""
+    token = loader._pin_decoder.token
+    if not first:
+        worker.refill()
+        state = worker.handle(token, True).__getstate__()
+        check_batch_handle(loader, worker, lambda: received(state), False, worker.batch)
+    worker.refill()
+    return token
+
+
 @st.composite
 def damage(draw: Any, raw: bytes) -> bytes:
     """``raw`` with a few bytes changed (set, a bit flipped, one up or down), and now and
@@ -736,12 +748,7 @@ def test_batch_handle_bytes() -> None:
         ahead = data.draw(st.booleans(), label="pin thread first")
         with no_fd_left():  # once the loader is gone
             with loader_side() as loader:
-                token = loader._pin_decoder.token
-                if not first:
-                    worker.refill()
-                    state = worker.handle(token, True).__getstate__()
-                    check_batch_handle(loader, worker, lambda: received(state), False, worker.batch)
-                worker.refill()
+                token = announced(loader, worker, first)
                 raw = pickle.dumps(worker.handle(token, first), protocol)
                 bad = data.draw(damage(raw), label="bytes")
                 expect = worker.batch if bad == raw else None
@@ -922,12 +929,7 @@ def test_an_undamaged_handle_decodes(first: bool) -> None:
     through pickle as through ``__setstate__``."""
     worker = Worker()
     with loader_side() as loader:
-        token = loader._pin_decoder.token
-        if not first:
-            worker.refill()
-            state = worker.handle(token, True).__getstate__()
-            check_batch_handle(loader, worker, lambda: received(state), False, worker.batch)
-        worker.refill()
+        token = announced(loader, worker, first)
         raw = pickle.dumps(worker.handle(token, first))
         check_batch_handle(loader, worker, lambda: unpickled(raw), True, worker.batch)
         assert loader.stats()["batches"] == (1 if first else 2)
