@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: demo test build lint rust-test py-test fuzz bench wheel clean
+.PHONY: demo test build lint rust-test py-test fuzz bench wheel clean sanitize miri tsan
 
 demo: build
 	$(PY) -m pinpool.bench --out demo-results
@@ -47,6 +47,28 @@ fuzz: build
 
 bench:
 	cargo bench --bench checkout
+
+# Miri and ThreadSanitizer over the Rust core. Not part of `make test`: they need a nightly
+# toolchain with the miri and rust-src components (`rustup +nightly component add miri
+# rust-src`). Results and what is skipped why: benchmarks/results/sanitizers/README.md
+NIGHTLY     ?= +nightly
+TSAN_TARGET ?= x86_64-unknown-linux-gnu
+
+sanitize: miri tsan
+
+miri:
+	# Stacked Borrows (the default): everything Miri can run; mmap/memfd/dlopen tests are ignored.
+	cargo $(NIGHTLY) miri test --lib
+	# The copier's tests use rayon, whose crossbeam-epoch breaks Stacked Borrows but not Tree
+	# Borrows; its thread pools are never joined (by design), hence -Zmiri-ignore-leaks.
+	MIRIFLAGS="-Zmiri-tree-borrows -Zmiri-ignore-leaks" cargo $(NIGHTLY) miri test --lib -- \
+		--include-ignored copy::tests::process_copier copy::tests::gathers copy::tests::parallel_copy
+	cargo $(NIGHTLY) miri test --test state_machine
+	MIRIFLAGS="-Zmiri-many-seeds=0..4" cargo $(NIGHTLY) miri test --test stress
+
+tsan:
+	RUSTFLAGS="-Zsanitizer=thread" cargo $(NIGHTLY) test -Zbuild-std --target $(TSAN_TARGET) \
+		--lib --tests
 
 # An abi3 wheel (Python >= 3.11) for the GPU machine: dist/pinpool-*.whl
 wheel: $(STAMP)

@@ -11,7 +11,9 @@
 //! Invariants:
 //! - A ticket is in exactly one place from its fenced release until its slot is free: the
 //!   queue, then one in-flight fence's list. It leaves only through
-//!   [`SlotTable::complete_fence`], after that fence has completed.
+//!   [`SlotTable::complete_fence`], after that fence has completed. (A ticket whose fence
+//!   failed is held instead by the one retire that waits for the device for it, outside the
+//!   lock: [`FenceTracker::pending`] no longer counts it, though its slot is still fenced.)
 //! - A fence that cannot be recorded (or queried) does not free its slots early: the tracker
 //!   first waits for the whole device ([`Fences::wait_all`]), then frees them, and counts the
 //!   error.

@@ -601,12 +601,12 @@ impl Harness {
     }
 }
 
-/// 256 cases; under Miri, which interprets every step, a handful, and no regression file
-/// (file access is refused under Miri's isolation).
+/// 256 cases; under Miri, which interprets every step, 4 (about 45 s each for the model
+/// test), and no regression file (file access is refused under Miri's isolation).
 fn config() -> ProptestConfig {
     #[cfg(miri)]
     let config =
-        ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() };
+        ProptestConfig { cases: 4, failure_persistence: None, ..ProptestConfig::default() };
     #[cfg(not(miri))]
     let config = ProptestConfig { cases: 256, ..ProptestConfig::default() };
     config
