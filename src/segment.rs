@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use crate::copy::CopyRange;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
-use crate::shm::{page_size, round_up, Mapping};
+use crate::shm::{check_sealed, page_size, round_up, Mapping};
 use crate::slots::Ticket;
 
 /// Where batch data starts in a segment.
@@ -152,11 +152,7 @@ pub fn check_segment_fd(
     total_len: usize,
     nonce: u64,
 ) -> Result<usize> {
-    // SAFETY: F_GET_SEALS on an open fd has no memory-safety preconditions.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-        return Err(Error::Invalid(format!("segment {key:?} is not a sealed memfd")));
-    }
+    check_sealed(fd)?;
     // SAFETY: `st` is plain old data, fully written by fstat on success.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `fd` is open and `st` a valid out-pointer.

@@ -68,16 +68,7 @@ impl Mapping {
         if len == 0 {
             return Err(Error::Invalid("cannot map an empty segment".into()));
         }
-        // SAFETY: F_GET_SEALS on an open fd has no memory-safety preconditions; on a file
-        // that is not a memfd it fails with EINVAL.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(Error::Invalid(
-                "only a memfd sealed against shrinking (F_SEAL_SHRINK) can be mapped: any other \
-                 file could be truncated under the mapping, and reading it would crash"
-                    .into(),
-            ));
-        }
+        check_sealed(fd.as_fd())?;
         // SAFETY: `st` is plain old data, fully written by fstat on success.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: `fd` is a valid open descriptor and `st` a valid out-pointer.
@@ -392,6 +383,22 @@ impl Drop for Mapping {
         // SAFETY: `ptr`/`len` describe exactly the mapping created in `map`, unmapped only here.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
+}
+
+/// Fails unless `fd` is a memfd sealed against shrinking (`F_SEAL_SHRINK`): any other file
+/// could be truncated under a mapping of it, and the next read would raise `SIGBUS`.
+pub fn check_sealed(fd: BorrowedFd<'_>) -> Result<()> {
+    // SAFETY: F_GET_SEALS on an open fd has no memory-safety preconditions; on a file that is
+    // not a memfd it fails with EINVAL.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(Error::Invalid(
+            "only a memfd sealed against shrinking (F_SEAL_SHRINK) can be mapped: any other \
+             file could be truncated under the mapping, and reading it would crash"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks that `[offset, offset+len)` fits in `size` bytes, without overflow.
