@@ -10,6 +10,7 @@
 //! - [`copy`]: multi-threaded copies of byte ranges;
 //! - [`shm`], [`segment`], [`reclaim`]: shared memory from worker processes, and unmapping it
 //!   on a background thread;
+//! - [`release`]: the thread that frees a dropped pool's arena, so no caller waits for it;
 //! - [`cuda`]: the few driver calls we need, loaded at run time, never panicking.
 //!
 //! The PyO3 layer (`python`, behind the `python` feature) only translates types and errors and
@@ -22,6 +23,7 @@ pub mod error;
 pub mod fence;
 pub mod pool;
 pub mod reclaim;
+pub mod release;
 pub mod segment;
 pub mod shm;
 pub mod slots;

@@ -10,9 +10,11 @@
 //!   no driver call on the releasing thread); a background thread (and any checkout that finds
 //!   no free slot) records the fences and retires them as they complete. A slot with a pending
 //!   fence is never handed out.
-//! - The arena outlives every user: tickets are only usable through an `Arc<Pool>`, and
-//!   dropping the last one first waits for pending fences, then frees the arena (or, if a
-//!   fence has not completed after 30 s, leaks it rather than free memory the GPU may read).
+//! - The arena outlives every user: tickets are only usable through an `Arc<Pool>`. Dropping
+//!   the last one only closes the table and hands what the pool owns to the release thread
+//!   ([`crate::release`]), whatever thread drops it: there the pending fences are waited for,
+//!   then the threads stopped and the arena freed (or, if a fence has not completed after
+//!   30 s, the arena is leaked rather than free memory the GPU may read).
 //! - After [`Pool::close`] no checkout succeeds; slots already out may still be used and
 //!   released.
 //! - A forked child (a DataLoader worker) may inherit and drop the last reference to its
@@ -34,6 +36,7 @@ use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
 use crate::reclaim::Reclaimer;
+use crate::release;
 use crate::shm::{check_range, page_size, round_up, Mapping};
 use crate::slots::{Counts, SlotTable, Ticket};
 
@@ -128,7 +131,8 @@ pub struct Pool {
     /// Dropped by hand in `Drop`, and only once no GPU work can still read it.
     arena: ManuallyDrop<Arena>,
     slot_bytes: usize,
-    table: SlotTable,
+    /// Moved to the release thread with the arena (the fences are retired against it).
+    table: ManuallyDrop<SlotTable>,
     /// These three own threads (and CUDA events): dropped by hand, in the creating process only.
     fences: ManuallyDrop<Option<FenceTracker>>,
     copier: ManuallyDrop<Copier>,
@@ -220,7 +224,7 @@ impl Pool {
         let pool = Arc::new(Pool {
             arena: ManuallyDrop::new(arena),
             slot_bytes,
-            table,
+            table: ManuallyDrop::new(table),
             fences: ManuallyDrop::new(fences.map(FenceTracker::new)),
             copier: ManuallyDrop::new(Copier::new(copy_threads)?),
             reclaimer: ManuallyDrop::new(Reclaimer::start()?),
@@ -562,45 +566,88 @@ impl Drop for Pool {
         }
         self.stopping.store(true, Ordering::Release);
         self.table.close();
+        let lingering =
+            std::mem::take(&mut *self.lingering.lock().unwrap_or_else(|e| e.into_inner()));
+        // SAFETY: each field is taken exactly once, here, in the process that made it, and
+        // never touched again: this is the pool's drop, and `ManuallyDrop` fields are not
+        // dropped a second time.
+        let remains = unsafe {
+            Remains {
+                arena: ManuallyDrop::take(&mut self.arena),
+                table: ManuallyDrop::take(&mut self.table),
+                fences: ManuallyDrop::take(&mut self.fences),
+                copier: ManuallyDrop::take(&mut self.copier),
+                reclaimer: ManuallyDrop::take(&mut self.reclaimer),
+                lingering,
+                counters: Arc::clone(&self.counters),
+                dropped_on: release::thread_id(),
+            }
+        };
+        release::submit(Box::new(move || remains.free()));
+    }
+}
+
+/// What a dropped pool leaves for the release thread to free.
+struct Remains {
+    arena: Arena,
+    table: SlotTable,
+    fences: Option<FenceTracker>,
+    copier: Copier,
+    reclaimer: Reclaimer,
+    lingering: Vec<Arc<Mapping>>,
+    counters: Arc<Counters>,
+    dropped_on: u64,
+}
+
+impl Remains {
+    /// Waits for pending fences, stops the pool's threads, frees the arena.
+    fn free(self) {
+        let start = Instant::now();
+        let Remains { arena, table, fences, copier, reclaimer, lingering, counters, dropped_on } =
+            self;
         // GPU work may still read fenced slots: keep the arena until it has finished. A fence
         // that never completes (a hung stream) would make this wait forever; after a bound we
         // leak the arena instead, which is safe, where freeing it would not be.
         let deadline = Instant::now() + DROP_FENCE_WAIT;
         let mut fenced_forever = false;
-        if let Some(f) = self.fences.as_ref() {
+        if let Some(f) = fences.as_ref() {
             while f.pending() > 0 {
                 if Instant::now() > deadline {
                     fenced_forever = true;
                     break;
                 }
-                if f.retire_ready(&self.table) == 0 {
+                if f.retire_ready(&table) == 0 {
                     std::thread::sleep(Duration::from_micros(200));
                 }
             }
         }
-        for m in std::mem::take(&mut *self.lingering.lock().unwrap_or_else(|e| e.into_inner())) {
+        for m in lingering {
             // Nothing can borrow a segment once the pool itself is gone: a copy holds the pool.
             if let Ok(m) = Arc::try_unwrap(m) {
-                self.reclaimer.retire(m);
+                reclaimer.retire(m);
             }
         }
-        self.reclaimer.shutdown();
-        let c = &self.counters;
-        c.final_unmapped.store(self.reclaimer.unmapped(), Ordering::Relaxed);
-        c.final_fence_errors
-            .store(self.fences.as_ref().map_or(0, FenceTracker::errors), Ordering::Relaxed);
-        // SAFETY: each is dropped exactly once, here, in the process that made it; nothing
-        // uses them after this point (this is the pool's drop).
-        unsafe {
-            ManuallyDrop::drop(&mut self.fences);
-            ManuallyDrop::drop(&mut self.copier);
-            ManuallyDrop::drop(&mut self.reclaimer);
+        reclaimer.shutdown();
+        counters.final_unmapped.store(reclaimer.unmapped(), Ordering::Relaxed);
+        counters
+            .final_fence_errors
+            .store(fences.as_ref().map_or(0, FenceTracker::errors), Ordering::Relaxed);
+        drop(fences);
+        drop(copier);
+        drop(reclaimer);
+        let bytes = arena.len();
+        if fenced_forever {
+            std::mem::forget(arena);
+        } else {
+            drop(arena);
         }
-        if !fenced_forever {
-            // SAFETY: dropped exactly once, here; no fence is pending, and no ticket can be
-            // used any more (tickets are used through an `Arc<Pool>`, and this is its drop).
-            unsafe { ManuallyDrop::drop(&mut self.arena) };
-        }
+        drop(table);
+        release::record(release::Freed {
+            bytes: if fenced_forever { 0 } else { bytes },
+            dropped_on,
+            freed_on: release::thread_id(),
+            seconds: start.elapsed().as_secs_f64(),
+        });
     }
 }
 
@@ -721,6 +768,48 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(pool.try_checkout().unwrap().is_some());
+    }
+
+    /// The release record of the pool of `bytes` bytes dropped on this thread, once freed.
+    fn freed_record(bytes: usize) -> Option<release::Freed> {
+        let me = release::thread_id();
+        release::recent().into_iter().rev().find(|r| r.dropped_on == me && r.bytes == bytes)
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn the_last_reference_is_freed_on_the_release_thread() {
+        let bytes = 4096 * 37; // a size no other test uses, to find this pool's record
+        let pool = Pool::new(&PoolConfig::host(4096, 37)).unwrap();
+        let other = Arc::clone(&pool);
+        let holder = std::thread::spawn(move || other.num_slots());
+        assert_eq!(holder.join().unwrap(), 37);
+        drop(pool);
+        assert!(release::flush(Some(Duration::from_secs(30))));
+        let record = freed_record(bytes).expect("the arena was never freed");
+        assert_ne!(record.freed_on, release::thread_id(), "freed on the dropping thread");
+        let name = std::fs::read_to_string(format!("/proc/self/task/{}/comm", record.freed_on));
+        assert_eq!(name.unwrap().trim(), "pinpool-release");
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn dropping_with_a_pending_fence_returns_at_once_and_frees_after_the_fence() {
+        let bytes = 4096 * 3;
+        let fences = Arc::new(ManualFences::new());
+        let pool = Pool::with_fences(&PoolConfig::host(4096, 3), Box::new(fences.clone())).unwrap();
+        let t = pool.checkout(None).unwrap();
+        pool.release(t, Some(9)).unwrap();
+        let start = Instant::now();
+        drop(pool);
+        assert!(start.elapsed() < Duration::from_millis(100), "the drop waited for the fence");
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(freed_record(bytes).is_none(), "freed while a fence was pending");
+        fences.complete_stream(9);
+        assert!(release::flush(Some(Duration::from_secs(30))));
+        assert!(freed_record(bytes).is_some(), "never freed after its fence completed");
     }
 
     #[test]

@@ -7,9 +7,12 @@ leak checks (open file descriptors, ``/dev/shm`` entries) and pools that are alw
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -157,3 +160,28 @@ def _pin_thread(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: torch.device("cuda"))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+
+
+def late_wakeups(stop: threading.Event, out: list[float]) -> None:
+    """A stand-in for a training thread: how late each 1 ms sleep wakes up."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        time.sleep(0.001)
+        out.append(time.perf_counter() - t0 - 0.001)
+
+
+@contextlib.contextmanager
+def probe() -> Iterator[list[float]]:
+    """How late each 1 ms sleep of a thread woke during the block, in seconds: a thread that
+    holds the GIL (or blocks the others) for N ms shows up as a wake-up N ms late."""
+    out: list[float] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=late_wakeups, args=(stop, out), daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    try:
+        yield out
+    finally:
+        time.sleep(0.05)
+        stop.set()
+        thread.join()

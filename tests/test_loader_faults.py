@@ -17,7 +17,6 @@ import mmap
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import open_fd_count, shm_entry_count
+from conftest import open_fd_count, probe, shm_entry_count
 from loader_datasets import Exiting, Failing, Indexed, Killing, Sized, Sleepy
 
 import pinpool
@@ -532,29 +531,6 @@ def test_zero_copy_mode(pool: pinpool.PinPool, end: str) -> None:
 
 
 # --------------------------------------------------------------------------- unmapping
-
-
-def late_wakeups(stop: threading.Event, out: list[float]) -> None:
-    """A stand-in for a training thread: how late each 1 ms sleep wakes up."""
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        time.sleep(0.001)
-        out.append(time.perf_counter() - t0 - 0.001)
-
-
-@contextlib.contextmanager
-def probe() -> Iterator[list[float]]:
-    out: list[float] = []
-    stop = threading.Event()
-    thread = threading.Thread(target=late_wakeups, args=(stop, out), daemon=True)
-    thread.start()
-    time.sleep(0.05)
-    try:
-        yield out
-    finally:
-        time.sleep(0.05)
-        stop.set()
-        thread.join()
 
 
 def munmap_reference(nbytes: int) -> float:

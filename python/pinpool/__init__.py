@@ -24,7 +24,7 @@ from ._errors import (
     SlotReleased,
     WorkerLost,
 )
-from ._native import PinPool, Segment, Slot, cuda_available, page_size
+from ._native import PinPool, Segment, Slot, cuda_available, page_size, wait_for_releases
 
 if TYPE_CHECKING:
     from .loader import DataLoader
@@ -49,6 +49,7 @@ __all__ = [
     "WorkerLost",
     "cuda_available",
     "page_size",
+    "wait_for_releases",
 ]
 
 

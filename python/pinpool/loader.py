@@ -516,10 +516,10 @@ class _Decoder:
             _drop_undelivered(inner)
         self.drop_assignments()
         self.retire_segments()
-        if self.pool is not None and not self.pool.closed:  # the caller may have closed theirs
-            self.pool.flush()
-            if self._own_pool:
-                self.pool.close()
+        if self.pool is not None and self._own_pool:
+            # Returns at once: segments are unmapped, and the arena is freed, on background
+            # threads (see wait_for_releases).
+            self.pool.close()
 
 
 class PinCollate:

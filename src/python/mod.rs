@@ -9,6 +9,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -134,6 +135,48 @@ fn available_memory() -> Option<usize> {
     crate::arena::available_memory()
 }
 
+/// Waits (without the GIL) until every pool dropped so far has been freed by the release
+/// thread, at most `timeout` seconds (forever if None). Returns whether all have.
+#[pyfunction]
+#[pyo3(signature = (timeout = None))]
+fn wait_for_releases(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+    guarded(|| {
+        let timeout = timeout_arg(py, timeout)?;
+        Ok(py.detach(|| crate::release::flush(timeout)))
+    })
+}
+
+/// The most recent arena releases, oldest first: dicts with `bytes`, `dropped_on` and
+/// `freed_on` (kernel thread ids) and `seconds`.
+#[pyfunction]
+fn recent_releases(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
+    guarded(|| {
+        crate::release::recent()
+            .into_iter()
+            .map(|r| {
+                let d = pyo3::types::PyDict::new(py);
+                d.set_item("bytes", r.bytes)?;
+                d.set_item("dropped_on", r.dropped_on)?;
+                d.set_item("freed_on", r.freed_on)?;
+                d.set_item("seconds", r.seconds)?;
+                Ok(d)
+            })
+            .collect()
+    })
+}
+
+/// Converts a `timeout=` argument in seconds: None (no limit) or a non-negative number.
+pub(crate) fn timeout_arg(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        Some(t) if !(t >= 0.0 && t.is_finite()) => Err(to_py(
+            py,
+            Error::Invalid(format!("timeout must be a non-negative number, got {t}")),
+        )),
+        Some(t) => Ok(Some(Duration::from_secs_f64(t))),
+        None => Ok(None),
+    }
+}
+
 /// The system page size.
 #[pyfunction]
 fn page_size() -> usize {
@@ -151,6 +194,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
     m.add_function(wrap_pyfunction!(available_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_for_releases, m)?)?;
+    m.add_function(wrap_pyfunction!(recent_releases, m)?)?;
     m.add_function(wrap_pyfunction!(gather::_gather, m)?)?;
     m.add_function(wrap_pyfunction!(segment::check_segment, m)?)?;
     m.add("SEGMENT_DATA_OFFSET", crate::segment::DATA_OFFSET)?;

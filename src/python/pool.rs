@@ -2,14 +2,13 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::segment::PySegment;
 use super::slot::PySlot;
-use super::{guarded, to_py, IntoPy};
+use super::{guarded, timeout_arg, to_py, IntoPy};
 use crate::arena::Backend;
 use crate::copy::{CopyRange, MAX_COPY_THREADS};
 use crate::error::Error;
@@ -181,16 +180,7 @@ impl PyPinPool {
     #[pyo3(signature = (timeout = None))]
     fn checkout(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PySlot> {
         guarded(|| {
-            let timeout = match timeout {
-                Some(t) if !(t >= 0.0 && t.is_finite()) => {
-                    return Err(to_py(
-                        py,
-                        Error::Invalid(format!("timeout must be a non-negative number, got {t}")),
-                    ))
-                }
-                Some(t) => Some(Duration::from_secs_f64(t)),
-                None => None,
-            };
+            let timeout = timeout_arg(py, timeout)?;
             let pool = self.get(py)?;
             if let Some(t) = pool.try_checkout().py(py)? {
                 return Ok(self.wrap(pool, t));
@@ -271,14 +261,22 @@ impl PyPinPool {
     }
 
     /// Stops new checkouts and wakes waiters (they raise `PoolClosed`). Slots already out stay
-    /// valid; the arena is freed once the last of them is released or collected.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
+    /// valid; the arena is freed on the release thread once the last of them is released or
+    /// collected. With `wait=True`, returns only once retired segments are unmapped and, if
+    /// no slot is out, the arena is freed.
+    #[pyo3(signature = (wait = false))]
+    fn close(&self, py: Python<'_>, wait: bool) -> PyResult<()> {
         guarded(|| {
             let taken = self.pool.lock().unwrap_or_else(|e| e.into_inner()).take();
             if let Some(pool) = taken {
                 pool.close();
-                py.detach(|| pool.flush_unmaps());
-                py.detach(move || drop(pool));
+                if wait {
+                    py.detach(|| pool.flush_unmaps());
+                }
+                drop(pool); // cheap: the arena goes to the release thread
+            }
+            if wait {
+                py.detach(|| crate::release::flush(None));
             }
             Ok(())
         })
@@ -296,7 +294,7 @@ impl PyPinPool {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        self.close(py)?;
+        self.close(py, false)?;
         Ok(false)
     }
 

@@ -1,0 +1,235 @@
+//! The release thread: where a pool's memory is given back, so that no caller ever waits for
+//! it. The caller is often a Python thread holding the GIL (the last reference to a pool dies
+//! in a Python object's deallocation); unregistering and unmapping a large arena there would
+//! freeze every Python thread for hundreds of milliseconds.
+//!
+//! Invariants:
+//! - One thread per process, named `pinpool-release`, started by the first job. Jobs run one
+//!   at a time, in the order they were queued, each exactly once.
+//! - [`submit`] never blocks on a job: it queues and returns. Only when no thread can be
+//!   started at all (the process is out of resources) does the job run on the caller's thread:
+//!   a stall is better than a leak.
+//! - [`flush`] returns true once every job queued before the call has finished, or false when
+//!   its timeout passes first.
+//! - At process exit a C `atexit` hook waits (at most [`EXIT_WAIT`]) for the queue to drain.
+//!   It is registered when the thread starts, after the CUDA driver was loaded, so it runs
+//!   before the driver's own exit handlers: no arena is unregistered from a torn-down driver,
+//!   and a clean exit leaves no memfd or registration behind.
+//! - A forked child has no release thread (threads do not survive `fork`). The queue it
+//!   inherits holds its parent's jobs, which name the parent's CUDA context and threads: the
+//!   child forgets them (never runs them) and starts afresh with its own.
+//! - A job never calls into Python and holds no lock of this module while it runs, so a job
+//!   can neither deadlock against the interpreter nor delay [`submit`].
+
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Work handed to the release thread.
+pub type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// The longest the exit hook waits for queued releases before letting the process go (the
+/// kernel then takes back whatever is left).
+pub const EXIT_WAIT: Duration = Duration::from_secs(10);
+
+/// How many [`Freed`] records [`recent`] keeps.
+const KEEP_RECORDS: usize = 64;
+
+/// What one release did, for diagnostics and tests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Freed {
+    /// Bytes of memory given back.
+    pub bytes: usize,
+    /// The kernel thread id of the thread that dropped the last reference.
+    pub dropped_on: u64,
+    /// The kernel thread id of the thread that freed the memory.
+    pub freed_on: u64,
+    /// How long freeing took, in seconds.
+    pub seconds: f64,
+}
+
+struct Queue {
+    /// The process these jobs belong to (see the fork invariant).
+    pid: u32,
+    jobs: VecDeque<Job>,
+    queued: u64,
+    done: u64,
+    started: bool,
+    records: VecDeque<Freed>,
+}
+
+static QUEUE: Mutex<Queue> = Mutex::new(Queue {
+    pid: 0,
+    jobs: VecDeque::new(),
+    queued: 0,
+    done: 0,
+    started: false,
+    records: VecDeque::new(),
+});
+/// Signalled when a job is queued (the thread waits on it) and when one finishes (flushers).
+static CHANGED: Condvar = Condvar::new();
+
+/// The queue, as seen by this process: a forked child's inherited queue is reset first.
+fn queue() -> MutexGuard<'static, Queue> {
+    let mut q = QUEUE.lock().unwrap_or_else(|e| e.into_inner());
+    let me = std::process::id();
+    if q.pid != me {
+        // The parent's jobs must never run here; forgetting them leaks only this process's
+        // copy of memory that the parent still owns and frees.
+        std::mem::forget(std::mem::take(&mut q.jobs));
+        q.pid = me;
+        q.queued = 0;
+        q.done = 0;
+        q.started = false;
+    }
+    q
+}
+
+/// The calling thread's kernel thread id.
+pub fn thread_id() -> u64 {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    unsafe { libc::syscall(libc::SYS_gettid) as u64 }
+}
+
+/// Queues `job` for the release thread.
+pub fn submit(job: Job) {
+    let mut q = queue();
+    if !q.started {
+        let spawned = std::thread::Builder::new().name("pinpool-release".into()).spawn(run);
+        if spawned.is_err() {
+            drop(q);
+            job();
+            return;
+        }
+        q.started = true;
+        register_exit_hook();
+    }
+    q.jobs.push_back(job);
+    q.queued += 1;
+    drop(q);
+    CHANGED.notify_all();
+}
+
+/// Waits until every job queued so far has run, at most `timeout` (forever if `None`).
+/// Returns whether they all have.
+pub fn flush(timeout: Option<Duration>) -> bool {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let mut q = queue();
+    let target = q.queued;
+    while q.done < target {
+        q = match deadline {
+            None => CHANGED.wait(q).unwrap_or_else(|e| e.into_inner()),
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return false;
+                }
+                CHANGED.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0
+            }
+        };
+    }
+    true
+}
+
+/// Jobs queued but not yet finished.
+pub fn pending() -> u64 {
+    let q = queue();
+    q.queued - q.done
+}
+
+/// Notes what a job freed (kept for [`recent`]).
+pub fn record(freed: Freed) {
+    let mut q = queue();
+    if q.records.len() == KEEP_RECORDS {
+        q.records.pop_front();
+    }
+    q.records.push_back(freed);
+}
+
+/// The most recent releases, oldest first.
+pub fn recent() -> Vec<Freed> {
+    queue().records.iter().cloned().collect()
+}
+
+/// The release thread's loop: take a job, run it without the lock, count it done.
+fn run() {
+    loop {
+        let job = {
+            let mut q = queue();
+            loop {
+                if let Some(job) = q.jobs.pop_front() {
+                    break job;
+                }
+                q = CHANGED.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        // A panicking job must not take the thread (and every later release) with it.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+        queue().done += 1;
+        CHANGED.notify_all();
+    }
+}
+
+extern "C" fn drain_at_exit() {
+    flush(Some(EXIT_WAIT));
+}
+
+fn register_exit_hook() {
+    // SAFETY: `drain_at_exit` is a plain `extern "C" fn()` with no preconditions; atexit only
+    // stores the pointer. Failure (the table is full) just means no drain at exit.
+    unsafe { libc::atexit(drain_at_exit) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn jobs_run_in_order_on_the_release_thread() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let me = thread_id();
+        for i in 0..5 {
+            let seen = Arc::clone(&seen);
+            submit(Box::new(move || {
+                let name = std::thread::current().name().map(str::to_owned);
+                seen.lock().unwrap().push((i, thread_id(), name));
+            }));
+        }
+        assert!(flush(Some(Duration::from_secs(30))));
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.iter().map(|s| s.0).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+        for (_, tid, name) in seen.iter() {
+            assert_ne!(*tid, me, "a job ran on the submitting thread");
+            assert_eq!(name.as_deref(), Some("pinpool-release"));
+        }
+    }
+
+    #[test]
+    fn submit_does_not_wait_for_a_slow_job_and_flush_does() {
+        let done = Arc::new(AtomicU64::new(0));
+        let d = Arc::clone(&done);
+        let t = Instant::now();
+        submit(Box::new(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            d.store(1, Ordering::SeqCst);
+        }));
+        assert!(t.elapsed() < Duration::from_millis(150), "submit waited for the job");
+        assert!(!flush(Some(Duration::from_millis(1))) || done.load(Ordering::SeqCst) == 1);
+        assert!(flush(None));
+        assert_eq!(done.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_panicking_job_does_not_stop_later_ones() {
+        submit(Box::new(|| panic!("a job that fails")));
+        let ran = Arc::new(AtomicU64::new(0));
+        let r = Arc::clone(&ran);
+        submit(Box::new(move || {
+            r.store(1, Ordering::SeqCst);
+        }));
+        assert!(flush(Some(Duration::from_secs(30))));
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+    }
+}

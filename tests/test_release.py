@@ -1,0 +1,112 @@
+"""Arena memory is given back on the release thread, whichever object drops the pool last.
+
+Each test finds its pool's record in ``pinpool._native.recent_releases()`` by its arena size
+and the thread that dropped it, then checks that a different thread, the one named
+``pinpool-release``, freed it.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+from conftest import probe
+from loader_datasets import Sized
+
+import pinpool
+from pinpool import _native
+
+MiB = 1 << 20
+
+
+def freed_record(nbytes: int) -> dict[str, float] | None:
+    """The release record of an arena of ``nbytes`` dropped on this thread, if freed."""
+    me = threading.get_native_id()
+    for r in reversed(_native.recent_releases()):
+        if r["bytes"] == nbytes and r["dropped_on"] == me:
+            return r
+    return None
+
+
+def thread_name(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()
+
+
+def assert_freed_off_this_thread(nbytes: int) -> None:
+    assert pinpool.wait_for_releases(timeout=60), "the release thread did not finish"
+    record = freed_record(nbytes)
+    assert record is not None, f"no arena of {nbytes} bytes was freed: {_native.recent_releases()}"
+    assert record["freed_on"] != threading.get_native_id(), "freed on the dropping thread"
+    assert thread_name(int(record["freed_on"])) == "pinpool-release"
+
+
+def test_a_pool_dropped_without_close_is_freed_on_the_release_thread() -> None:
+    page = pinpool.page_size()
+    pool = pinpool.PinPool(5 * page, 7, device=None)
+    with pool.checkout() as slot:
+        slot.view("uint8", (page,)).fill_(1)
+    del slot
+    del pool  # never closed: the deallocation drops the last reference, holding the GIL
+    assert_freed_off_this_thread(35 * page)
+
+
+def test_a_pool_whose_last_slot_dies_last_is_freed_on_the_release_thread() -> None:
+    page = pinpool.page_size()
+    pool = pinpool.PinPool(3 * page, 11, device=None)
+    slot = pool.checkout()
+    pool.close()  # returns at once; the slot keeps the arena alive
+    del pool
+    gc.collect()
+    assert pinpool.wait_for_releases(timeout=60)
+    assert freed_record(33 * page) is None, "the arena was freed while a slot was still out"
+    slot.view("uint8", (page,)).fill_(3)  # still usable
+    del slot
+    assert_freed_off_this_thread(33 * page)
+
+
+def test_close_with_wait_returns_once_the_arena_is_freed() -> None:
+    page = pinpool.page_size()
+    pool = pinpool.PinPool(2 * page, 13, device=None)
+    pool.close(wait=True)
+    record = freed_record(26 * page)
+    assert record is not None and record["freed_on"] != threading.get_native_id()
+    pool.close(wait=True)  # a second close is harmless
+
+
+def test_wait_for_releases_refuses_a_bad_timeout() -> None:
+    with pytest.raises(pinpool.InvalidArgument):
+        pinpool.wait_for_releases(timeout=-1.0)
+    with pytest.raises(pinpool.InvalidArgument):
+        pinpool.wait_for_releases(timeout=float("nan"))
+
+
+@pytest.mark.slow
+def test_deleting_a_loader_with_a_1_gib_arena_does_not_stall_other_threads() -> None:
+    """The whole life of a loader with a 1 GiB arena: made at construction (slot_bytes given),
+    one epoch with two workers, then deleted while a thread sleeps 1 ms at a time. Freeing
+    1 GiB where the loader dies (holding the GIL) stalled that thread for about 650 ms on a
+    2-core machine."""
+    slot_bytes, num_slots = 128 * MiB, 8
+    loader = pinpool.DataLoader(
+        Sized([MiB] * 16), batch_size=2, num_workers=2, slot_bytes=slot_bytes, num_slots=num_slots
+    )
+    pool = loader.pool
+    assert pool is not None and pool.slot_bytes * pool.num_slots == 1 << 30
+    it = iter(loader)
+    for i, batch in enumerate(it):
+        assert batch.shape == (2, MiB) and int(batch[1, -1]) == (2 * i + 1) % 251
+    del batch, pool
+    gc.collect()  # unrelated garbage first: a full collection alone holds the GIL for a while
+    with probe() as lateness:
+        t0 = time.perf_counter()
+        del it, loader
+        dropped_in = time.perf_counter() - t0
+    worst = max(lateness)
+    assert worst < 0.050, (
+        f"a thread's 1 ms sleep woke {worst * 1e3:.1f} ms late while the loader was deleted "
+        f"(del took {dropped_in * 1e3:.0f} ms)"
+    )
+    assert_freed_off_this_thread(1 << 30)
