@@ -8,11 +8,14 @@ and the thread that dropped it, then checks that a different thread, the one nam
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from conftest import probe
+from conftest import probe, shm_entry_count
 from loader_datasets import Sized
 
 import pinpool
@@ -110,3 +113,39 @@ def test_deleting_a_loader_with_a_1_gib_arena_does_not_stall_other_threads() -> 
         f"(del took {dropped_in * 1e3:.0f} ms)"
     )
     assert_freed_off_this_thread(1 << 30)
+
+
+EXIT_SCRIPT = """
+import sys
+import pinpool
+sys.path.insert(0, {tests!r})
+from loader_datasets import Sized
+kept = pinpool.PinPool(64 << 20, 4, device=None)  # alive at exit
+dropped = pinpool.PinPool(64 << 20, 4, device=None)
+slot = dropped.checkout()
+del dropped  # the slot holds it: freed during interpreter teardown
+loader = pinpool.DataLoader(Sized([1 << 20] * 8), batch_size=2, num_workers=2,
+                            persistent_workers=True)
+for batch in loader:
+    pass
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_exiting_with_pools_and_a_loader_alive_neither_hangs_nor_fails() -> None:
+    before = shm_entry_count()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT.format(tests=tests)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    took = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "done" and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert took < 60, f"the process took {took:.1f} s to exit"
+    assert shm_entry_count() <= before
