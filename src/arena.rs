@@ -16,9 +16,14 @@
 //! - Every byte of the arena is faulted in at start-up, so an arena larger than the memory
 //!   available (see [`available_memory`]) is refused before anything is mapped: faulting it
 //!   in would end in the kernel's out-of-memory killer, not in an error.
+//! - Made with [`Arena::new_partial`], only the first part is faulted in (and pinned) before
+//!   the constructor returns; the others are made ready one by one, in order, by
+//!   [`Arena::prepare_next`], and [`Arena::ready_len`] bytes from the start are ready. Bytes
+//!   past that are mapped but must not be used: the pool hands out only slots inside it.
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::cuda::{self, Device};
 use crate::error::{Error, Result};
@@ -94,7 +99,7 @@ enum Storage {
     /// Each part of the region registered on its own (`registered` holds their offsets).
     Registered {
         region: Region,
-        registered: Vec<usize>,
+        registered: Mutex<Vec<usize>>,
         device: Arc<Device>,
     },
     Host {
@@ -105,6 +110,13 @@ enum Storage {
 /// One fixed block of host memory.
 pub struct Arena {
     storage: Storage,
+    /// How many parts of the region, from the first, are ready (all for `cuda-hostalloc`);
+    /// held while the next one is prepared.
+    prepared: Mutex<usize>,
+    /// Bytes from the start that are ready.
+    ready_len: AtomicUsize,
+    /// Whether each part is to be `mlock`ed once populated (host backend, within the limit).
+    lock_parts: bool,
     len: usize,
     backend: Backend,
     residency: Residency,
@@ -165,9 +177,12 @@ fn region(
     len: usize,
     align: usize,
     threads: usize,
+    first: Option<usize>,
     timings: &mut Vec<(&'static str, f64)>,
 ) -> Result<Region> {
-    let region = timed(timings, "map", || Region::new("pinpool-arena", len, align, threads))?;
+    let region = timed(timings, "map", || {
+        Region::with_first("pinpool-arena", len, align, first.unwrap_or(0), threads)
+    })?;
     region.advise_huge_pages();
     Ok(region)
 }
@@ -199,6 +214,32 @@ impl Arena {
         device: Option<usize>,
         backend: Option<Backend>,
         threads: usize,
+    ) -> Result<Self> {
+        Self::build(len, align, device, backend, threads, None)
+    }
+
+    /// As [`Arena::new`], but only the first `first` bytes (a multiple of `align`, rounded up
+    /// to one) are made ready before it returns; [`Arena::prepare_next`] does the rest.
+    /// `cuda-hostalloc` (one driver call) is always made ready whole.
+    pub fn new_partial(
+        len: usize,
+        align: usize,
+        device: Option<usize>,
+        backend: Option<Backend>,
+        threads: usize,
+        first: usize,
+    ) -> Result<Self> {
+        let first = first.div_ceil(align.max(1)).max(1).saturating_mul(align).min(len);
+        Self::build(len, align, device, backend, threads, Some(first))
+    }
+
+    fn build(
+        len: usize,
+        align: usize,
+        device: Option<usize>,
+        backend: Option<Backend>,
+        threads: usize,
+        first: Option<usize>,
     ) -> Result<Self> {
         if len == 0 {
             return Err(Error::Invalid("the arena needs at least one byte".into()));
@@ -248,6 +289,9 @@ impl Arena {
                 let ptr = timed(&mut timings, "cuMemHostAlloc", || device.host_alloc(len))?;
                 Ok(Arena {
                     storage: Storage::HostAlloc { ptr, device },
+                    prepared: Mutex::new(0),
+                    ready_len: AtomicUsize::new(len),
+                    lock_parts: false,
                     len,
                     backend,
                     residency: Residency::Pinned,
@@ -257,58 +301,127 @@ impl Arena {
             }
             Backend::CudaRegister => {
                 let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
-                let region = region(len, align, threads, &mut timings)?;
-                let registered = std::sync::Mutex::new(Vec::new());
-                let base = region.as_ptr() as usize;
-                // Each part is registered as soon as it is faulted in, while the others are.
-                let done = timed(&mut timings, "populate+cuMemHostRegister", || {
-                    region.populate_then(threads, |part| {
-                        // SAFETY: the part is mapped until the arena drops, where every
-                        // registered part is unregistered first.
-                        unsafe { device.host_register((base + part.offset) as *mut u8, part.len)? };
-                        registered.lock().unwrap_or_else(|e| e.into_inner()).push(part.offset);
-                        Ok(())
-                    })
-                });
-                let registered = registered.into_inner().unwrap_or_else(|e| e.into_inner());
-                if let Err(e) = done {
-                    for offset in registered {
-                        // SAFETY: registered above, and nothing has used the memory yet.
-                        let _ = unsafe { device.host_unregister((base + offset) as *mut u8) };
-                    }
-                    return Err(e);
-                }
-                Ok(Arena {
-                    storage: Storage::Registered { region, registered, device },
+                let region = region(len, align, threads, first, &mut timings)?;
+                let mut arena = Arena {
+                    storage: Storage::Registered {
+                        region,
+                        registered: Mutex::new(Vec::new()),
+                        device,
+                    },
+                    prepared: Mutex::new(0),
+                    ready_len: AtomicUsize::new(0),
+                    lock_parts: false,
                     len,
                     backend,
                     residency: Residency::Pinned,
                     notes,
                     timings,
-                })
+                };
+                // On failure the arena drops, unregistering what was registered.
+                arena.prepare_start(threads, first.is_some(), "populate+cuMemHostRegister")?;
+                Ok(arena)
             }
             Backend::Host => {
-                let region = region(len, align, threads, &mut timings)?;
-                timed(&mut timings, "populate", || region.populate_then(threads, |_| Ok(())))?;
-                let residency = match lock(&region) {
-                    Ok(()) => Residency::Locked,
-                    Err(e) => {
-                        notes.push(format!(
-                            "could not lock {len} bytes ({e}; see `ulimit -l`): \
-                             the arena is ordinary pageable memory"
-                        ));
-                        Residency::Pageable
-                    }
-                };
-                Ok(Arena {
+                let region = region(len, align, threads, first, &mut timings)?;
+                let lock_parts = lock_limit_allows(len);
+                if !lock_parts {
+                    notes.push(format!(
+                        "could not lock {len} bytes (over the limit; see `ulimit -l`): \
+                         the arena is ordinary pageable memory"
+                    ));
+                }
+                let mut arena = Arena {
                     storage: Storage::Host { region },
+                    prepared: Mutex::new(0),
+                    ready_len: AtomicUsize::new(0),
+                    lock_parts,
                     len,
                     backend,
-                    residency,
+                    residency: if lock_parts { Residency::Locked } else { Residency::Pageable },
                     notes,
                     timings,
-                })
+                };
+                if let Err(e) = arena.prepare_start(threads, first.is_some(), "populate") {
+                    if !matches!(e, Error::Os { call: "mlock", .. }) {
+                        return Err(e);
+                    }
+                    // Locking failed after all (a cgroup, say): plain memory, as before.
+                    arena.lock_parts = false;
+                    arena.residency = Residency::Pageable;
+                    arena.notes.push(format!(
+                        "could not lock {len} bytes ({e}; see `ulimit -l`): \
+                         the arena is ordinary pageable memory"
+                    ));
+                    arena.prepare_start(threads, first.is_some(), "populate")?;
+                }
+                Ok(arena)
             }
+        }
+    }
+
+    /// Makes the first part (`partial`) or every part ready, timing it as `what`.
+    fn prepare_start(&mut self, threads: usize, partial: bool, what: &'static str) -> Result<()> {
+        let start = std::time::Instant::now();
+        if partial {
+            self.prepare_next(threads)?;
+        } else {
+            self.prepare_all(threads)?;
+        }
+        self.timings.push((what, start.elapsed().as_secs_f64()));
+        Ok(())
+    }
+
+    /// Faults every part in, in parallel, finishing each (registering or locking it) on its
+    /// own thread as soon as it is populated, while the others still are.
+    fn prepare_all(&self, threads: usize) -> Result<()> {
+        let Some(region) = self.region() else { return Ok(()) };
+        let mut prepared = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
+        region.populate_then(threads, |part| self.finish_part(part.offset, part.len))?;
+        *prepared = region.parts().len();
+        self.ready_len.store(self.len, Ordering::Release);
+        Ok(())
+    }
+
+    /// Makes the next part that is not ready yet ready (faulted in with `threads` threads,
+    /// then registered or locked); returns its `(offset, len)`, or None when every part is.
+    pub fn prepare_next(&self, threads: usize) -> Result<Option<(usize, usize)>> {
+        let Some(region) = self.region() else { return Ok(None) };
+        let mut next = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
+        if *next >= region.parts().len() {
+            return Ok(None);
+        }
+        let part = region.populate_part_at(*next, threads)?;
+        let (offset, len) = (part.offset, part.len);
+        self.finish_part(offset, len)?;
+        *next += 1;
+        self.ready_len.store(offset + len, Ordering::Release);
+        Ok(Some((offset, len)))
+    }
+
+    /// Bytes from the start that are ready for use.
+    pub fn ready_len(&self) -> usize {
+        self.ready_len.load(Ordering::Acquire)
+    }
+
+    /// Registers (`cuda-register`) or locks (host, when asked) a part just faulted in.
+    fn finish_part(&self, offset: usize, len: usize) -> Result<()> {
+        match &self.storage {
+            Storage::Registered { region, registered, device } => {
+                // SAFETY: the part lies inside the region, mapped until the arena drops, where
+                // every registered part is unregistered first.
+                unsafe { device.host_register(region.as_ptr().add(offset), len)? };
+                registered.lock().unwrap_or_else(|e| e.into_inner()).push(offset);
+                Ok(())
+            }
+            Storage::Host { region } if self.lock_parts => lock(region, offset, len),
+            Storage::Host { .. } | Storage::HostAlloc { .. } => Ok(()),
+        }
+    }
+
+    fn region(&self) -> Option<&Region> {
+        match &self.storage {
+            Storage::Registered { region, .. } | Storage::Host { region } => Some(region),
+            Storage::HostAlloc { .. } => None,
         }
     }
 
@@ -379,7 +492,8 @@ impl Drop for Arena {
                 let _ = unsafe { device.free_host(*ptr) };
             }
             Storage::Registered { region, registered, device } => {
-                for &offset in registered {
+                let registered = registered.lock().unwrap_or_else(|e| e.into_inner());
+                for &offset in registered.iter() {
                     // SAFETY: registered in `new`; the region itself is unmapped afterwards,
                     // when it drops.
                     let _ = unsafe { device.host_unregister(region.as_ptr().add(offset)) };
@@ -390,10 +504,27 @@ impl Drop for Arena {
     }
 }
 
-/// `mlock`s the whole region.
-fn lock(region: &Region) -> Result<()> {
-    // SAFETY: the range is mapped (every part) and owned by `region`.
-    if unsafe { libc::mlock(region.as_ptr().cast(), region.len()) } != 0 {
+/// Whether `mlock` of `len` more bytes may succeed: no limit, or the soft limit is high
+/// enough (a process with `CAP_IPC_LOCK` may lock past it; then `mlock` itself decides).
+fn lock_limit_allows(len: usize) -> bool {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is a valid, writable rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0 {
+        return true;
+    }
+    // SAFETY: geteuid has no preconditions.
+    limit.rlim_cur == libc::RLIM_INFINITY
+        || len as u64 <= limit.rlim_cur
+        || unsafe { libc::geteuid() } == 0
+}
+
+/// `mlock`s `[offset, offset+len)` of `region`.
+fn lock(region: &Region, offset: usize, len: usize) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|end| end > region.len()) {
+        return Err(Error::Invalid(format!("cannot lock {len} bytes at {offset}")));
+    }
+    // SAFETY: the range lies inside the region (checked above), which is mapped and ours.
+    if unsafe { libc::mlock(region.as_ptr().add(offset).cast(), len) } != 0 {
         return Err(Error::last_os("mlock"));
     }
     Ok(())
@@ -402,6 +533,26 @@ fn lock(region: &Region) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    // Miri: the arena is a memfd mapping, which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_partial_arena_becomes_ready_part_by_part_in_order() {
+        let slot = 64 * 1024;
+        let arena = Arena::new_partial(slot * 10, slot, None, Some(Backend::Host), 4, 1).unwrap();
+        assert_eq!(arena.ready_len(), slot, "the first part is one slot, rounded up");
+        let mut end = slot;
+        while let Some((offset, len)) = arena.prepare_next(2).unwrap() {
+            assert_eq!(offset, end, "parts out of order");
+            assert!(len > 0 && len % slot == 0);
+            end += len;
+            assert_eq!(arena.ready_len(), end);
+        }
+        assert_eq!(end, arena.len());
+        // Every byte is usable once ready.
+        // SAFETY: the whole arena is mapped, writable and ready; nothing else uses it.
+        unsafe { std::ptr::write_bytes(arena.base(), 7, arena.len()) };
+    }
 
     #[test]
     // Miri: reads /proc/meminfo, which isolation forbids.

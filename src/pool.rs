@@ -53,12 +53,23 @@ pub struct PoolConfig {
     pub backend: Option<Backend>,
     /// Threads for copies.
     pub copy_threads: usize,
+    /// Make only the first slot ready before [`Pool::new`] returns, and the rest on a
+    /// background thread (checkouts wait for slots not ready yet). The arena then no longer
+    /// sits on the critical path of the first batch.
+    pub background: bool,
 }
 
 impl PoolConfig {
     /// A config with `num_slots` slots of `slot_bytes`, no CUDA, host backend.
     pub fn host(slot_bytes: usize, num_slots: usize) -> Self {
-        PoolConfig { slot_bytes, num_slots, device: None, backend: None, copy_threads: 4 }
+        PoolConfig {
+            slot_bytes,
+            num_slots,
+            device: None,
+            backend: None,
+            copy_threads: 4,
+            background: false,
+        }
     }
 }
 
@@ -84,7 +95,7 @@ impl Counters {
     pub fn final_stats(&self) -> Stats {
         let n = self.num_slots.load(Ordering::Relaxed) as usize;
         Stats {
-            slots: Counts { free: n, checked_out: 0, fenced: 0 },
+            slots: Counts { free: n, checked_out: 0, fenced: 0, preparing: 0 },
             checkouts: self.checkouts.load(Ordering::Relaxed),
             waits: self.waits.load(Ordering::Relaxed),
             wait_ns: self.wait_ns.load(Ordering::Relaxed),
@@ -146,6 +157,8 @@ pub struct Pool {
     stopping: AtomicBool,
     /// Retired segments still borrowed by a copy; handed to the reclaimer once free.
     lingering: Mutex<Vec<Arc<Mapping>>>,
+    /// Why the background preparation of the arena stopped short, if it did.
+    prepare_error: OnceLock<String>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -165,11 +178,30 @@ impl Pool {
         let arena_len = slot_bytes.checked_mul(config.num_slots).ok_or_else(|| {
             Error::Invalid("slot_bytes * num_slots overflows the address space".into())
         })?;
-        let table = SlotTable::new(config.num_slots)?;
-        let arena =
-            Arena::new(arena_len, slot_bytes, config.device, config.backend, fault_threads())?;
+        SlotTable::check_len(config.num_slots)?; // before any memory is taken
+        let arena = if config.background {
+            Arena::new_partial(
+                arena_len,
+                slot_bytes,
+                config.device,
+                config.backend,
+                fault_threads(),
+                slot_bytes,
+            )?
+        } else {
+            Arena::new(arena_len, slot_bytes, config.device, config.backend, fault_threads())?
+        };
+        let table = SlotTable::with_ready(config.num_slots, arena.ready_len() / slot_bytes)?;
         let fences = arena.device().map(|device| Box::new(CudaFences::new(device)) as _);
-        Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)
+        let pool = Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)?;
+        if pool.arena.ready_len() < pool.arena.len() {
+            let weak = Arc::downgrade(&pool);
+            std::thread::Builder::new()
+                .name("pinpool-prepare".into())
+                .spawn(move || prepare_loop(weak))
+                .map_err(|e| Error::Invalid(format!("cannot start the prepare thread: {e}")))?;
+        }
+        Ok(pool)
     }
 
     /// A host pool whose releases with a stream are fenced by `fences` (tests, benchmarks).
@@ -234,6 +266,7 @@ impl Pool {
             retirer_idle: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             lingering: Mutex::new(Vec::new()),
+            prepare_error: OnceLock::new(),
         });
         if pool.fences.is_some() {
             let weak = Arc::downgrade(&pool);
@@ -461,6 +494,12 @@ impl Pool {
         self.reclaimer.flush();
     }
 
+    /// Why the background preparation of the arena stopped short (those slots are never
+    /// handed out), if it did.
+    pub fn prepare_error(&self) -> Option<&str> {
+        self.prepare_error.get().map(String::as_str)
+    }
+
     /// Stops all further checkouts and wakes every waiter.
     pub fn close(&self) {
         self.table.close();
@@ -479,8 +518,12 @@ impl Pool {
     /// Counters and slot states.
     pub fn stats(&self) -> Stats {
         let c = &self.counters;
+        let mut slots = self.table.counts();
+        if self.prepare_error.get().is_some() {
+            slots.preparing = 0; // they never will be ready
+        }
         Stats {
-            slots: self.table.counts(),
+            slots,
             checkouts: c.checkouts.load(Ordering::Relaxed),
             waits: c.waits.load(Ordering::Relaxed),
             wait_ns: c.wait_ns.load(Ordering::Relaxed),
@@ -528,6 +571,32 @@ pub fn validate_ranges(ranges: &[CopyRange], src_len: usize, dst_len: usize) -> 
         )));
     }
     Ok(())
+}
+
+/// Makes the arena's parts ready one by one, admitting each part's slots as it is. Stops when
+/// every part is ready, the pool is closed or dropped, or a part fails (its error is kept:
+/// [`Pool::prepare_error`]; those slots are never handed out).
+fn prepare_loop(pool: Weak<Pool>) {
+    // Half the cores: the DataLoader's workers are starting at the same time.
+    let threads = fault_threads().div_ceil(2);
+    loop {
+        let Some(pool) = pool.upgrade() else { return };
+        if pool.stopping.load(Ordering::Acquire) || pool.table.is_closed() {
+            return;
+        }
+        match pool.arena.prepare_next(threads) {
+            Ok(Some((offset, len))) => {
+                for index in offset / pool.slot_bytes..(offset + len) / pool.slot_bytes {
+                    pool.table.admit(index);
+                }
+            }
+            Ok(None) => return,
+            Err(e) => {
+                let _ = pool.prepare_error.set(e.to_string());
+                return;
+            }
+        }
+    }
 }
 
 fn retire_loop(pool: Weak<Pool>) {
@@ -768,6 +837,35 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(pool.try_checkout().unwrap().is_some());
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_background_pool_hands_out_every_slot_once_ready() {
+        let n = 24;
+        let config = PoolConfig { background: true, ..PoolConfig::host(1 << 20, n) };
+        let pool = Pool::new(&config).unwrap();
+        let c = pool.stats().slots;
+        assert!(c.free >= 1, "the first slot is not ready: {c:?}");
+        assert_eq!(c.free + c.preparing, n);
+        let mut seen: Vec<u32> =
+            (0..n).map(|_| pool.checkout(Some(Duration::from_secs(30))).unwrap().index).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..n as u32).collect::<Vec<_>>());
+        assert_eq!(pool.stats().slots.preparing, 0);
+        assert_eq!(pool.arena().ready_len(), pool.arena().len());
+        assert!(pool.prepare_error().is_none());
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_background_pool_dropped_while_preparing_is_freed() {
+        let config = PoolConfig { background: true, ..PoolConfig::host(4 << 20, 29) };
+        drop(Pool::new(&config).unwrap());
+        assert!(release::flush(Some(Duration::from_secs(30))));
+        assert!(freed_record(29 * (4 << 20)).is_some());
     }
 
     /// The release record of the pool of `bytes` bytes dropped on this thread, once freed.

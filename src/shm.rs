@@ -197,13 +197,44 @@ impl Region {
     /// `len` bytes (a multiple of `part_align`, itself a multiple of the page size) in at most
     /// `max_parts` memfds.
     pub fn new(name: &str, len: usize, part_align: usize, max_parts: usize) -> Result<Self> {
-        if len == 0 || part_align == 0 || len % part_align != 0 || part_align % page_size() != 0 {
+        Self::with_first(name, len, part_align, 0, max_parts)
+    }
+
+    /// As [`Region::new`], but with a first part of exactly `first` bytes (a multiple of
+    /// `part_align`; 0 for none) before the others, so it can be made ready on its own.
+    pub fn with_first(
+        name: &str,
+        len: usize,
+        part_align: usize,
+        first: usize,
+        max_parts: usize,
+    ) -> Result<Self> {
+        if len == 0
+            || part_align == 0
+            || len % part_align != 0
+            || part_align % page_size() != 0
+            || first % part_align != 0
+            || first > len
+        {
             return Err(Error::Invalid(format!(
-                "a region of {len} bytes cannot be cut into parts of {part_align} bytes"
+                "a region of {len} bytes cannot be cut into parts of {part_align} bytes \
+                 (first part {first})"
             )));
         }
-        let units = len / part_align;
-        let per_part = units.div_ceil(max_parts.clamp(1, units)) * part_align;
+        let mut lens = Vec::new();
+        if first > 0 {
+            lens.push(first);
+        }
+        let rest = len - first;
+        if rest > 0 {
+            let units = rest / part_align;
+            let per_part = units.div_ceil(max_parts.clamp(1, units)) * part_align;
+            let mut offset = 0;
+            while offset < rest {
+                lens.push(per_part.min(rest - offset));
+                offset += per_part;
+            }
+        }
         // SAFETY: a fresh inaccessible reservation chosen by the kernel; it aliases nothing.
         let raw = unsafe {
             libc::mmap(
@@ -222,11 +253,10 @@ impl Region {
         // From here on, dropping `region` unmaps the whole reservation.
         let mut region = Region { base, len, parts: Vec::new() };
         let mut offset = 0;
-        while offset < len {
-            let part_len = per_part.min(len - offset);
+        for part_len in lens {
             let fd = sealed_memfd(name, part_len)?;
-            // SAFETY: `[base+offset, +part_len)` lies inside our reservation (offset +
-            // part_len <= len); MAP_FIXED replaces exactly that part of it with the memfd.
+            // SAFETY: `[base+offset, +part_len)` lies inside our reservation (the lengths sum
+            // to len); MAP_FIXED replaces exactly that part of it with the memfd.
             let at = unsafe {
                 libc::mmap(
                     base.as_ptr().add(offset).cast(),
@@ -285,9 +315,7 @@ impl Region {
         threads: usize,
         then: impl Fn(&Part) -> Result<()> + Sync,
     ) -> Result<()> {
-        let page = page_size();
         let per_part = threads.div_ceil(self.parts.len()).max(1);
-        let base = self.base.as_ptr() as usize;
         let results: Vec<Result<()>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .parts
@@ -295,24 +323,7 @@ impl Region {
                 .map(|part| {
                     let then = &then;
                     s.spawn(move || {
-                        let pages = part.len / page;
-                        let step = pages.div_ceil(per_part).max(1) * page;
-                        let faulted: std::result::Result<(), i32> = std::thread::scope(|inner| {
-                            let workers: Vec<_> = (0..part.len)
-                                .step_by(step)
-                                .map(|start| {
-                                    let len = step.min(part.len - start);
-                                    inner.spawn(move || {
-                                        populate_range(base + part.offset + start, len, page)
-                                    })
-                                })
-                                .collect();
-                            workers.into_iter().try_for_each(|w| w.join().unwrap_or(Err(0)))
-                        });
-                        faulted.map_err(|errno| Error::Os {
-                            call: "madvise(MADV_POPULATE_WRITE)",
-                            errno,
-                        })?;
+                        populate_part(self.base.as_ptr() as usize, part, per_part)?;
                         then(part)
                     })
                 })
@@ -324,6 +335,35 @@ impl Region {
         });
         results.into_iter().collect()
     }
+
+    /// Faults every page of part `index` in, with `threads` threads. Pages of a part not yet
+    /// handed out are zero, and populating keeps them so.
+    pub fn populate_part_at(&self, index: usize, threads: usize) -> Result<&Part> {
+        let part = self
+            .parts
+            .get(index)
+            .ok_or_else(|| Error::Invalid(format!("the region has no part {index}")))?;
+        populate_part(self.base.as_ptr() as usize, part, threads)?;
+        Ok(part)
+    }
+}
+
+/// Faults every page of `part` of the region at `base` in, with `threads` threads.
+fn populate_part(base: usize, part: &Part, threads: usize) -> Result<()> {
+    let page = page_size();
+    let pages = part.len / page;
+    let step = pages.div_ceil(threads.max(1)).max(1) * page;
+    let faulted: std::result::Result<(), i32> = std::thread::scope(|inner| {
+        let workers: Vec<_> = (0..part.len)
+            .step_by(step)
+            .map(|start| {
+                let len = step.min(part.len - start);
+                inner.spawn(move || populate_range(base + part.offset + start, len, page))
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| w.join().unwrap_or(Err(0)))
+    });
+    faulted.map_err(|errno| Error::Os { call: "madvise(MADV_POPULATE_WRITE)", errno })
 }
 
 impl Drop for Region {

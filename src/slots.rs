@@ -1,8 +1,11 @@
 //! The slot table: the state of every slot and the free list.
 //!
 //! Invariants:
-//! - Every slot is in exactly one state: `Free`, `CheckedOut` or `Fenced`, held in one atomic
-//!   word together with the slot's generation.
+//! - Every slot is in exactly one state: `Preparing`, `Free`, `CheckedOut` or `Fenced`, held
+//!   in one atomic word together with the slot's generation.
+//! - `Preparing` is where a slot starts when its memory is still being faulted in and pinned
+//!   in the background ([`SlotTable::with_ready`]); it leaves that state once, to `Free`,
+//!   through [`SlotTable::admit`], and never returns to it.
 //! - A slot's index is in the free queue exactly when the slot is `Free`; the queue has room
 //!   for every slot, so a push never fails.
 //! - A checkout moves `Free -> CheckedOut` and bumps the generation; the [`Ticket`] it returns
@@ -37,6 +40,8 @@ pub struct Ticket {
 /// A slot's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
+    /// Its memory is not ready yet: not in the free list, never handed out.
+    Preparing,
     /// In the free list, ready to be checked out.
     Free,
     /// Held by a user.
@@ -48,6 +53,7 @@ pub enum State {
 const FREE: u64 = 0;
 const OUT: u64 = 1;
 const FENCED: u64 = 2;
+const PREPARING: u64 = 3;
 
 fn word(generation: u32, state: u64) -> u64 {
     (u64::from(generation) << 2) | state
@@ -57,7 +63,8 @@ fn split(w: u64) -> (u32, State) {
     let state = match w & 3 {
         FREE => State::Free,
         OUT => State::CheckedOut,
-        _ => State::Fenced,
+        FENCED => State::Fenced,
+        _ => State::Preparing,
     };
     ((w >> 2) as u32, state)
 }
@@ -71,6 +78,8 @@ pub struct Counts {
     pub checked_out: usize,
     /// Waiting for their fence.
     pub fenced: usize,
+    /// Not ready yet (their memory is still being prepared).
+    pub preparing: usize,
 }
 
 static NEXT_TABLE_ID: AtomicU32 = AtomicU32::new(1);
@@ -95,23 +104,56 @@ impl std::fmt::Debug for SlotTable {
 impl SlotTable {
     /// `n` free slots (n > 0).
     pub fn new(n: usize) -> Result<Self> {
-        if n == 0 || n > u32::MAX as usize {
-            return Err(Error::Invalid(format!("num_slots must be in 1..=2^32-1, got {n}")));
-        }
+        Self::with_ready(n, n)
+    }
+
+    /// `n` slots (n > 0), of which the first `ready` are free and the rest `Preparing` until
+    /// [`SlotTable::admit`]ted.
+    pub fn with_ready(n: usize, ready: usize) -> Result<Self> {
+        Self::check_len(n)?;
+        let ready = ready.min(n);
         let free = ArrayQueue::new(n);
-        for i in 0..n {
+        for i in 0..ready {
             // Cannot fail: the queue has room for n entries.
             let _ = free.push(i as u32);
         }
         Ok(SlotTable {
             id: NEXT_TABLE_ID.fetch_add(1, Ordering::Relaxed),
-            words: (0..n).map(|_| AtomicU64::new(word(0, FREE))).collect(),
+            words: (0..n)
+                .map(|i| AtomicU64::new(word(0, if i < ready { FREE } else { PREPARING })))
+                .collect(),
             free,
             waiters: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
             closed: AtomicBool::new(false),
         })
+    }
+
+    /// Fails unless a table can have `n` slots.
+    pub fn check_len(n: usize) -> Result<()> {
+        if n == 0 || n > u32::MAX as usize {
+            return Err(Error::Invalid(format!("num_slots must be in 1..=2^32-1, got {n}")));
+        }
+        Ok(())
+    }
+
+    /// Makes a `Preparing` slot free (its memory is ready). Returns false, changing nothing,
+    /// if the slot does not exist or is not `Preparing`.
+    pub fn admit(&self, index: usize) -> bool {
+        let Some(cell) = self.words.get(index) else { return false };
+        let admitted = cell
+            .compare_exchange(
+                word(0, PREPARING),
+                word(0, FREE),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok();
+        if admitted {
+            self.push_free(index as u32);
+        }
+        admitted
     }
 
     /// Number of slots.
@@ -262,6 +304,7 @@ impl SlotTable {
                 State::Free => c.free += 1,
                 State::CheckedOut => c.checked_out += 1,
                 State::Fenced => c.fenced += 1,
+                State::Preparing => c.preparing += 1,
             }
         }
         c
@@ -271,6 +314,24 @@ impl SlotTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn preparing_slots_are_handed_out_only_once_admitted() {
+        let t = SlotTable::with_ready(3, 1).unwrap();
+        assert_eq!(t.counts(), Counts { free: 1, checked_out: 0, fenced: 0, preparing: 2 });
+        let a = t.try_checkout().unwrap();
+        assert_eq!(a.index, 0);
+        assert!(t.try_checkout().is_none(), "a preparing slot was handed out");
+        assert!(t.admit(2));
+        assert!(!t.admit(2), "admitted twice");
+        assert!(!t.admit(0), "a checked-out slot was admitted");
+        assert!(!t.admit(7), "a slot that does not exist was admitted");
+        assert_eq!(t.try_checkout().unwrap().index, 2);
+        assert!(t.try_checkout().is_none());
+        assert!(t.admit(1));
+        assert_eq!(t.try_checkout().unwrap().index, 1);
+        assert_eq!(t.counts(), Counts { free: 0, checked_out: 3, fenced: 0, preparing: 0 });
+    }
 
     #[test]
     fn checkout_release_cycle() {
@@ -287,7 +348,7 @@ mod tests {
         // The stale ticket cannot release the new checkout.
         assert!(t.release(a, false).is_err());
         assert!(t.is_live(c));
-        assert_eq!(t.counts(), Counts { free: 0, checked_out: 2, fenced: 0 });
+        assert_eq!(t.counts(), Counts { free: 0, checked_out: 2, fenced: 0, preparing: 0 });
     }
 
     #[test]

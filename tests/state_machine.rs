@@ -113,6 +113,8 @@ enum Op {
     FailRecord(bool),
     /// Make later fence queries fail (or stop failing).
     FailQuery(bool),
+    /// `table.admit(index)`: the memory of a slot (maybe not a preparing one) became ready.
+    Admit(usize),
 }
 
 fn pick() -> impl Strategy<Value = Pick> {
@@ -142,12 +144,14 @@ fn op() -> impl Strategy<Value = Op> {
         1 => pick().prop_map(Op::StrayUnfence),
         1 => any::<bool>().prop_map(Op::FailRecord),
         1 => any::<bool>().prop_map(Op::FailQuery),
+        2 => (0usize..7).prop_map(Op::Admit),
     ]
 }
 
 /// The model's view of one slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
+    Preparing,
     Free,
     Out,
     Fenced,
@@ -189,10 +193,10 @@ struct Model {
 }
 
 impl Model {
-    fn new(n: usize, table: u32) -> Self {
+    fn new(n: usize, ready: usize, table: u32) -> Self {
         Model {
             table,
-            slots: vec![Slot::Free; n],
+            slots: (0..n).map(|i| if i < ready { Slot::Free } else { Slot::Preparing }).collect(),
             generation: vec![0; n],
             issued: Vec::new(),
             last_released: None,
@@ -223,6 +227,7 @@ impl Model {
             free: count(Slot::Free),
             checked_out: count(Slot::Out),
             fenced: count(Slot::Fenced),
+            preparing: count(Slot::Preparing),
         }
     }
 
@@ -371,8 +376,13 @@ struct Harness {
 
 impl Harness {
     fn new(n: usize) -> Self {
+        Self::with_ready(n, n)
+    }
+
+    /// A table of `n` slots whose first `ready` are free, the rest preparing.
+    fn with_ready(n: usize, ready: usize) -> Self {
         let manual = Arc::new(ManualFences::new());
-        let table = Arc::new(SlotTable::new(n).unwrap());
+        let table = Arc::new(SlotTable::with_ready(n, ready).unwrap());
         let flaky = Arc::new(FlakyFences {
             manual: Arc::clone(&manual),
             fail_query: AtomicBool::new(false),
@@ -380,7 +390,7 @@ impl Harness {
             waits: Mutex::new(Vec::new()),
         });
         let tracker = FenceTracker::new(Box::new(Arc::clone(&flaky)));
-        let model = Model::new(n, table.id());
+        let model = Model::new(n, ready, table.id());
         Harness { table, tracker, manual, flaky, model, watched: Vec::new() }
     }
 
@@ -497,6 +507,13 @@ impl Harness {
                 self.manual.fail_records(on);
                 self.model.fail_record = on;
             }
+            Op::Admit(i) => {
+                let want = self.model.slots.get(i) == Some(&Slot::Preparing);
+                prop_assert_eq!(self.table.admit(i), want, "admit({})", i);
+                if want {
+                    self.model.slots[i] = Slot::Free;
+                }
+            }
             Op::FailQuery(on) => {
                 self.flaky.fail_query.store(on, Ordering::SeqCst);
                 self.model.fail_query = on;
@@ -519,6 +536,7 @@ impl Harness {
                 Slot::Free => State::Free,
                 Slot::Out => State::CheckedOut,
                 Slot::Fenced => State::Fenced,
+                Slot::Preparing => State::Preparing,
             };
             prop_assert_eq!(self.table.state(i), Some((want, m.generation[i])), "slot {}", i);
         }
@@ -617,10 +635,10 @@ proptest! {
 
     #[test]
     fn slot_table_and_fences_follow_the_model(
-        n in 1usize..6,
+        (n, ready) in (1usize..6).prop_flat_map(|n| (Just(n), 0..=n)),
         ops in proptest::collection::vec(op(), 1..120),
     ) {
-        let mut h = Harness::new(n);
+        let mut h = Harness::with_ready(n, ready);
         h.check()?;
         for op in &ops {
             h.step(op)?;
@@ -634,8 +652,11 @@ proptest! {
             prop_assert_eq!(h.table.release(t, false), Ok(()));
             h.model.slots[t.index as usize] = Slot::Free;
         }
+        for i in 0..n {
+            h.step(&Op::Admit(i))?;
+        }
         h.check()?;
-        prop_assert_eq!(h.table.counts(), Counts { free: n, checked_out: 0, fenced: 0 });
+        prop_assert_eq!(h.table.counts(), Counts { free: n, checked_out: 0, fenced: 0, preparing: 0 });
         // Every slot can be checked out once more, each exactly once.
         let mut seen: Vec<u32> = (0..n).map(|_| h.table.try_checkout().unwrap().index).collect();
         prop_assert!(h.table.try_checkout().is_none());

@@ -37,6 +37,7 @@ import pickle
 import resource
 import struct
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -355,6 +356,12 @@ def loader_side(**kwargs: Any) -> Iterator[pinpool.DataLoader]:
     the first batch unless ``slot_bytes`` is given); closed at the end."""
     kwargs.setdefault("num_slots", NUM_SLOTS)
     loader = pinpool.DataLoader(Indexed(4), batch_size=BATCH, copy_threads=1, **kwargs)
+    # A pool made now readies all but its first slot in the background: wait for them, so
+    # that every example starts from the same, whole pool.
+    deadline = time.monotonic() + 30
+    while loader.pool is not None and loader.pool.stats()["slots_preparing"]:
+        assert time.monotonic() < deadline, "the pool's slots never became ready"
+        time.sleep(0.001)
     try:
         yield loader
     finally:
@@ -474,7 +481,8 @@ def late_errors() -> Iterator[None]:
 
 @contextlib.contextmanager
 def no_fd_left(flush: Callable[[], None] = lambda: None, note: bool = False) -> Iterator[None]:
-    """Fails if the block leaves more fds open than it found (after ``flush()``). With
+    """Fails if the block leaves more fds open than it found (after ``flush()``, and after the
+    release thread has freed every pool dropped in the block, with its memfds). With
     ``note``, an exception escaping the block says if it left one too (without: what the
     exception's traceback still holds, a loader's pool say, may hold fds)."""
     before = open_fd_count()
@@ -482,10 +490,12 @@ def no_fd_left(flush: Callable[[], None] = lambda: None, note: bool = False) -> 
         yield
     except Exception as exc:
         flush()
+        pinpool.wait_for_releases(timeout=60)
         if note and open_fd_count() > before:
             exc.add_note(f"and {open_fd_count() - before} fd(s) were left open")
         raise
     flush()
+    pinpool.wait_for_releases(timeout=60)
     # (Fewer is fine: the garbage of an earlier example, collected meanwhile, held them.)
     assert open_fd_count() <= before, f"{open_fd_count() - before} fd(s) were left open"
 

@@ -35,6 +35,7 @@ STATS_KEYS = {
     "slots_free",
     "slots_checked_out",
     "slots_fenced",
+    "slots_preparing",
     "checkouts",
     "waits",
     "wait_seconds",

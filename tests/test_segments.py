@@ -217,13 +217,15 @@ def test_segment_close_hands_it_to_the_reclaimer(make_pool) -> None:
         os.close(fd)
 
 
-def test_pool_close_flushes_segments(make_pool) -> None:
+def test_pool_close_with_wait_flushes_segments(make_pool) -> None:
+    """``close()`` leaves unmapping to the background threads; ``close(wait=True)`` returns
+    once they are done."""
     fd = make_memfd(PAGE)
     pool = make_pool(PAGE, 1)
     try:
         seg = pool.map_segment(fd, PAGE)
         seg.close()
-        pool.close()
+        pool.close(wait=True)
         s = pool.stats()
         assert s["pending_unmaps"] == 0
         assert s["segments_unmapped"] == 1

@@ -197,11 +197,14 @@ class _Decoder:
                 if count and full and 0 < count < full:
                     nbytes = nbytes * full // count
                 slot = self._slot_bytes or self._automatic_slot_bytes(nbytes)
+                # Only the first slot is made ready here; the rest of the arena is faulted in
+                # (and pinned) on a background thread while the first batches flow.
                 self.pool = PinPool(
                     slot,
                     self._num_slots,
                     device=self._pool_device,
                     copy_threads=self._copy_threads,
+                    background=True,
                 )
             if self.cache is None:
                 self.cache = SegmentCache(self.pool)
@@ -431,7 +434,9 @@ class _Decoder:
                 if slot is not None:
                     return slot
                 continue  # another thread took it
-            fenced = stats["slots_fenced"]
+            # Fenced slots come back as the GPU finishes reading them, preparing ones as the
+            # background thread makes them ready: both are worth waiting for.
+            fenced = stats["slots_fenced"] + stats["slots_preparing"]
             left = None if deadline is None else deadline - time.monotonic()
             if ahead and (stats["slots_free"] + fenced <= keep or (left is not None and left <= 0)):
                 return _LATER

@@ -112,6 +112,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("slots_free", s.slots.free)?;
     d.set_item("slots_checked_out", s.slots.checked_out)?;
     d.set_item("slots_fenced", s.slots.fenced)?;
+    d.set_item("slots_preparing", s.slots.preparing)?;
     d.set_item("checkouts", s.checkouts)?;
     d.set_item("waits", s.waits)?;
     d.set_item("wait_seconds", s.wait_ns as f64 / 1e9)?;
@@ -129,8 +130,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 impl PyPinPool {
     #[new]
     #[pyo3(
-        signature = (slot_bytes, num_slots, device = Some(DeviceArg::Index(0)), backend = "auto", copy_threads = None),
-        text_signature = "(slot_bytes, num_slots, device=0, backend='auto', copy_threads=None)"
+        signature = (slot_bytes, num_slots, device = Some(DeviceArg::Index(0)), backend = "auto", copy_threads = None, background = false),
+        text_signature = "(slot_bytes, num_slots, device=0, backend='auto', copy_threads=None, background=False)"
     )]
     fn new(
         py: Python<'_>,
@@ -139,6 +140,7 @@ impl PyPinPool {
         device: Option<DeviceArg<'_>>,
         backend: &str,
         copy_threads: Option<usize>,
+        background: bool,
     ) -> PyResult<Self> {
         guarded(|| {
             let config = PoolConfig {
@@ -150,6 +152,7 @@ impl PyPinPool {
                     Some(n) => n,
                     None => default_copy_threads().py(py)?,
                 },
+                background,
             };
             let pool = py.detach(|| Pool::new(&config)).py(py)?;
             let notes = pool.arena().notes().to_vec();
@@ -370,7 +373,11 @@ impl PyPinPool {
     /// Why the pool differs from what was asked (e.g. no CUDA, memory not locked).
     #[getter]
     fn notes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, &self.notes)
+        let mut notes = self.notes.clone();
+        if let Some(e) = self.weak.upgrade().as_deref().and_then(Pool::prepare_error) {
+            notes.push(format!("preparing the rest of the arena failed ({e}): fewer slots"));
+        }
+        PyList::new(py, &notes)
     }
 
     fn __repr__(&self) -> String {
