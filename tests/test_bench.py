@@ -1,8 +1,9 @@
 """``python -m pinpool.bench --quick`` runs to the end and writes what it promises.
 
 Runs the benchmark as a user would, in a subprocess (on a machine without CUDA it measures
-the host-side path only), then checks the JSON's top-level keys and contents, the PNGs, and
-the table printed at the end.
+the host-side path only), then checks the JSON's top-level keys and contents (the stall
+scenario's phases, time to first batch, time inside next(), the tokens workload, what ran
+where), the PNGs, and the table printed at the end.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from pathlib import Path
 
 import pytest
 
+PHASES = ["construction", "first_batch", "epoch1", "epoch2", "del", "gc"]
+
 TOP_LEVEL = {
     "meta",
     "config",
     "baseline",
     "loaders",
+    "same_as_baseline",
     "skipped",
     "notes",
     "calibration",
@@ -50,22 +54,77 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
     runs = result["runs"]
     assert runs and not [r for r in runs if r.get("error")]
     for run in runs:
-        assert run["steps"] == len(run["step_ms"]) > 0
+        assert run["steps"] == len(run["step_ms"]) == len(run["wait_ms"]) > 0
         assert run["gb_per_s"] > 0 and run["cpu_ms_per_batch"] >= 0
         assert run["probe_samples"] > 0 and run["leaked_workers"] == 0
+        # The first batch comes after construction; next() is part of each step.
+        assert 0 < run["time_to_first_batch_s"] < 60
+        assert 0 <= run["next_ms_median"] <= run["next_ms_p99"] <= max(run["step_ms"])
+        assert run["us_per_batch"] == pytest.approx(run["wall_s"] / run["steps"] * 1e6)
+
+    # The stall scenario: every phase of every loader's life, on its own.
+    stall = [r for r in runs if r["scenario"] == "stall"]
+    assert {r["loader"] for r in stall} == set(result["loaders"])
+    for run in stall:
+        phases = run["phases"]
+        assert list(phases) == PHASES
+        for phase in phases.values():
+            assert phase["wall_ms"] >= 0 and phase["probe_samples"] >= 0
+            # A phase is never charged more lateness than its own wall time.
+            assert 0 <= phase["probe_max_ms"] <= phase["wall_ms"] + 1e-6
+        # Two whole epochs: the first batch plus the rest of epoch 1, then epoch 2.
+        epoch = result["scenarios"]["stall"]["warmup"] + run["steps"]
+        assert phases["epoch1"]["batches"] + 1 == phases["epoch2"]["batches"] == epoch
+        assert phases["epoch2"]["first_batch_ms"] > 0
+        ttfb_ms = phases["construction"]["wall_ms"] + phases["first_batch"]["wall_ms"]
+        assert run["time_to_first_batch_s"] * 1e3 == pytest.approx(ttfb_ms)
+
+    # The tokens workload: many small batches of 8193 int64 values per row.
+    tokens = result["scenarios"]["tokens/throughput"]
+    assert tokens["workload"] == "tokens" and tokens["shape"] == [8193]
+    token_runs = [r for r in runs if r["scenario"] == "tokens/throughput"]
+    assert {r["loader"] for r in token_runs} == set(result["loaders"])
+    for run in token_runs:
+        assert run["bytes"] == run["steps"] * tokens["batch_size"] * 8193 * 8
+        assert run["us_per_batch"] > 0
+
     for scenario in result["scenarios"]:
         by_loader = result["summary"][scenario]
         assert by_loader["torch-pinned"]["batches_per_s"]["ratio"] == pytest.approx(1.0)
         assert set(by_loader["pinpool"]["batches_per_s"]) >= {"median", "min", "max", "ratio"}
+        for name in result["loaders"]:
+            for key in ("time_to_first_batch_s", "next_ms_median", "next_ms_p99"):
+                assert by_loader[name][key]["median"] >= 0
+        assert by_loader["pinpool"]["time_to_first_batch_s"]["ratio"] > 0
+    for name in result["loaders"]:
+        for phase in PHASES:
+            assert result["summary"]["stall"][name][f"{phase}_probe_max_ms"]["median"] >= 0
     if result["meta"]["host_only"]:
         assert "compute" not in {s["mode"] for s in result["scenarios"].values()}
+        # torch and torch-pinned are the same loader without a GPU: no ratio between them.
+        assert result["same_as_baseline"] == ["torch"]
+        assert result["summary"]["stall"]["torch"]["gb_per_s"]["ratio"] is None
+
+    # What ran where: enough to tell a wheel's run from a checkout's.
+    meta = result["meta"]
+    assert meta["pinpool_version"] and meta["pinpool_native"].endswith(".so")
+    assert Path(meta["pinpool_native"]).is_file() and len(meta["pinpool_native_sha256"]) == 64
+    assert meta["git_commit"] is None or len(meta["git_commit"]) == 40
+    assert meta["hostname"] and meta["cpu_count"] > 0 and "device_name" in meta
 
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert "ratios.png" in pngs and any(p.startswith("steps-") for p in pngs)
+    assert "phases-stall.png" in pngs
     assert all((out / p).stat().st_size > 1000 for p in pngs)
 
     assert "pinpool bench:" in proc.stdout
     for scenario in result["scenarios"]:
         assert f"{scenario}: " in proc.stdout
     assert "GB/s" in proc.stdout and "x1.00" in proc.stdout
+    # The legend says what the terms mean and which way is better.
+    assert "probe late: how late a thread" in proc.stdout and "Lower is better" in proc.stdout
+    assert "time to first batch, ms" in proc.stdout and "next() ms, median" in proc.stdout
+    assert "whole life" in proc.stdout and "us per batch" in proc.stdout
+    if result["meta"]["host_only"]:
+        assert " x-" in proc.stdout
     assert (out / "table.txt").read_text().strip() in proc.stdout

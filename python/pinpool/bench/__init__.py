@@ -3,9 +3,16 @@ the GPU stops idling.
 
 It compares torch's DataLoader (plain, and with ``pin_memory=True``) with ``pinpool.DataLoader``
 (pinned CPU batches, and batches already on the GPU) on the same workloads, alternating the
-loaders over repeats, and reports throughput to the device, the GPU's idle share in a
-compute-bound loop, main-thread stalls, pinned host memory and CPU time, as a table, a JSON
-file and PNG plots. ``python -m pinpool.bench --help`` lists the options.
+loaders over repeats, and reports throughput to the device, time to the first batch, the time
+a step spends inside ``next()``, the GPU's idle share in a compute-bound loop, main-thread
+stalls, pinned host memory and CPU time, as a table (with a legend of its terms), a JSON file
+and PNG plots. ``python -m pinpool.bench --help`` lists the options.
+
+Scenarios: every workload (default: ``synthetic`` images and ``tokens``, small batches of
+int64 rows like a language model's) in ``throughput`` mode and, with CUDA, in ``compute``
+mode (images only); then ``stall``: big batches over a loader's whole life, with the worst
+main-thread stall of each phase reported on its own (construction, first batch, the rest of
+the first epoch, a second epoch, ``del``, ``gc.collect()``).
 
 Modules: :mod:`.cli` (arguments, presets), :mod:`.workloads` (datasets), :mod:`.loaders`
 (the loaders compared), :mod:`.measure` (one run and its metrics), :mod:`.runner` (the

@@ -3,6 +3,9 @@
 Every size is an argument. Arguments left out take a preset chosen for the machine: ``gpu``
 when torch sees CUDA, a small ``cpu`` preset otherwise (so ``make demo`` finishes on a 2-core
 box), and a tiny ``quick`` preset with ``--quick``. Explicit arguments always win.
+
+The ``tokens`` workload has its own batch size, workers and steps (``--token-*``, presets in
+:data:`TOKEN_PRESETS`): its batches are small, so it needs many more steps than the images.
 """
 
 from __future__ import annotations
@@ -42,8 +45,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "quick": _preset(32, (3, 64, 64), 2, 60, 3, 2, 16),
 }
 
+#: The tokens workload per preset: batch size, workers, steps. Rows are TOKEN_ROW int64 values,
+#: so a batch of 8 is 8 x 8193 x 8 bytes = 512 KiB.
+TOKEN_PRESETS: dict[str, dict[str, int]] = {
+    "gpu": {"token_batch_size": 8, "token_workers": 4, "token_steps": 2000},
+    "cpu": {"token_batch_size": 8, "token_workers": 4, "token_steps": 500},
+    "quick": {"token_batch_size": 8, "token_workers": 2, "token_steps": 100},
+}
+
 #: Items per batch in the stall scenario; each item is big_batch_mib / STALL_ITEMS.
 STALL_ITEMS = 8
+#: Workloads run when --workload is not given.
+DEFAULT_WORKLOADS = ["synthetic", "tokens"]
 
 
 @dataclass
@@ -68,6 +81,10 @@ class Config:
     stall_shape: tuple[int, ...]
     stall_steps: int
     stall_workers: int
+    token_batch_size: int
+    token_workers: int
+    token_steps: int
+    token_warmup: int
     data_dir: str
     out: str
 
@@ -91,7 +108,12 @@ def parser() -> argparse.ArgumentParser:
         "stop idling? Compares torch's DataLoader (plain and pinned) with pinpool's.",
     )
     add = p.add_argument
-    add("--workload", nargs="+", help=f"one or more of {', '.join(WORKLOADS)} (synthetic)")
+    add(
+        "--workload",
+        nargs="+",
+        help=f"one or more of {', '.join(WORKLOADS)} ({' '.join(DEFAULT_WORKLOADS)}); tokens "
+        "runs in throughput mode only",
+    )
     add("--modes", nargs="+", help=f"measurements to run: {', '.join(MODES)} (all)")
     add(
         "--loaders",
@@ -105,16 +127,37 @@ def parser() -> argparse.ArgumentParser:
             values = [",".join(map(str, v)) for v in values]
         return f"(gpu / cpu / --quick preset: {' / '.join(map(str, values))})"
 
+    def token_preset(key: str) -> str:
+        values = [TOKEN_PRESETS[p][key] for p in ("gpu", "cpu", "quick")]
+        return f"(gpu / cpu / --quick preset: {' / '.join(map(str, values))})"
+
     add("--batch-size", type=int, help=f"items per batch {preset('batch_size')}")
     add("--shape", help=f"image shape {preset('shape')}")
-    add("--workers", type=int, help=f"DataLoader workers {preset('workers')}")
-    add("--steps", type=int, help=f"batches per measured run {preset('steps')}")
+    add("--workers", type=int, help=f"DataLoader workers, image workloads {preset('workers')}")
+    add(
+        "--steps",
+        type=int,
+        help=f"batches per measured run, image workloads {preset('steps')}; the stall "
+        "scenario times a tenth of it (at least 4) in each of its two epochs",
+    )
     add(
         "--warmup",
         type=int,
-        help=f"batches before each timed window; default: the preset's {preset('warmup')} "
-        "or workers x (prefetch + 2) if more, so every buffer a loader cycles through is used",
+        help=f"batches before each timed window, the first included (at least 1); default: the "
+        f"preset's {preset('warmup')} or workers x (prefetch + 2) if more, so every buffer a "
+        "loader cycles through is used",
     )
+    add(
+        "--token-batch-size",
+        type=int,
+        help=f"rows per batch, tokens workload {token_preset('token_batch_size')}",
+    )
+    add(
+        "--token-workers",
+        type=int,
+        help=f"DataLoader workers, tokens workload {token_preset('token_workers')}",
+    )
+    add("--token-steps", type=int, help=f"batches per run, tokens {token_preset('token_steps')}")
     add("--prefetch-factor", type=int, default=2, help="batches in flight per worker (2)")
     add("--compute-ms", type=float, default=30.0, help="GPU work per step, compute loop (30)")
     add("--repeats", type=int, help=f"runs of each loader, alternating {preset('repeats')}")
@@ -136,12 +179,20 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         value = getattr(args, name)
         return base[name] if value is None else value
 
+    def pick_token(name: str) -> int:
+        value = getattr(args, name)
+        return int(TOKEN_PRESETS[preset][name] if value is None else value)
+
     shape = tuple(int(d) for d in args.shape.split(",")) if args.shape else base["shape"]
     workers = pick("workers")
     stall_workers = min(2, workers)
     cycle = args.prefetch_factor + 2  # buffers a worker cycles through, give or take
-    warmup = args.warmup if args.warmup is not None else max(base["warmup"], workers * cycle)
-    stall_warmup = args.warmup if args.warmup is not None else max(3, stall_workers * cycle)
+    # At least one warm-up batch: the first one, timed as time to first batch.
+    asked = None if args.warmup is None else max(1, args.warmup)
+    warmup = asked or max(base["warmup"], workers * cycle)
+    stall_warmup = asked or max(3, stall_workers * cycle)
+    token_workers = pick_token("token_workers")
+    token_warmup = asked or max(base["warmup"], token_workers * cycle)
     steps = pick("steps")
     big = pick("big_batch_mib")
     # Stall scenario: STALL_ITEMS images of shape (3, s, s) adding up to about big MiB.
@@ -153,7 +204,7 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
     return Config(
         preset=preset,
         device=args.device if cuda else None,
-        workloads=_names(args.workload, WORKLOADS, "workload") or ["synthetic"],
+        workloads=_names(args.workload, WORKLOADS, "workload") or list(DEFAULT_WORKLOADS),
         modes=_names(args.modes, MODES, "mode") or list(MODES),
         loaders=_names(args.loaders, tuple(s.name for s in LOADERS), "loader")
         or [s.name for s in LOADERS if s.in_default],
@@ -170,6 +221,10 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         stall_shape=(3, side, side),
         stall_steps=max(4, steps // 10),
         stall_workers=stall_workers,
+        token_batch_size=pick_token("token_batch_size"),
+        token_workers=token_workers,
+        token_steps=pick_token("token_steps"),
+        token_warmup=token_warmup,
         data_dir=args.data_dir or os.path.join(tempfile.gettempdir(), "pinpool-bench"),
         out=out,
     )

@@ -118,6 +118,23 @@ def check(spec: LoaderSpec, device: str | None) -> str | None:
     return None
 
 
+def same_here(a: LoaderSpec, b: LoaderSpec, device: str | None) -> bool:
+    """Whether ``a`` and ``b`` are the very same loader on this machine: without a device no
+    batch is moved (the transfer makes no difference) and torch ignores ``pin_memory``, so
+    there ``torch`` and ``torch-pinned`` run the same code."""
+
+    def effective(spec: LoaderSpec) -> tuple[Any, ...]:
+        kwargs = {k: (device if v == DEVICE else v) for k, v in spec.kwargs.items()}
+        how = spec.transfer
+        if device is None:
+            how = "none"
+            if spec.kind == "torch":
+                kwargs.pop("pin_memory", None)
+        return spec.kind, sorted(kwargs.items(), key=lambda kv: kv[0]), how
+
+    return effective(a) == effective(b)
+
+
 def transfer(spec: LoaderSpec, batch: Any, device: torch.device | None) -> Any:
     """The consumer's side: the batch on ``device`` (unchanged when there is no device)."""
     if device is None or spec.transfer == "none":

@@ -1,17 +1,22 @@
 """One measured run: make a loader, warm it up, then time a window of ``steps`` batches.
 
-What a run records (the timed window starts after ``warmup`` batches, with workers running):
+What a run records (the timed window starts after ``warmup`` batches, with workers running,
+and ends the epoch: the dataset holds ``warmup + steps`` batches):
 
+- ``time_to_first_batch_s``: from just before the loader is constructed to the moment the
+  first ``next()`` returns (construction, ``iter()``, workers starting, the first batch);
 - ``wall_s``: ``perf_counter`` from just before the first timed ``next()`` to the end of the
   last step, after ``torch.cuda.synchronize()``, so queued copies and kernels are inside it;
 - ``gb_per_s`` = bytes / wall / 1e9 (bytes: ``nbytes`` of every tensor of every timed batch,
-  strings count 0) and ``batches_per_s`` = steps / wall. With no CUDA there is no copy: this
-  is the rate at which batches reach the consumer;
+  strings count 0), ``batches_per_s`` = steps / wall and ``us_per_batch`` = wall / steps in
+  microseconds. With no CUDA there is no copy: this is the rate at which batches reach the
+  consumer;
 - compute loop only: per step the batch goes to the device, :meth:`ComputeWork.step` queues
   the work between two CUDA events, then ``loss.item()`` waits for it. ``busy_ms`` per step is
   the event interval; ``idle_share`` = 1 - sum(busy) / wall; ``steps_per_s`` = steps / wall;
 - ``step_ms``: wall time of each step (for the compute loop, up to after ``item()``), and
-  ``wait_ms``: the part of it spent in ``next()``;
+  ``wait_ms``: the part of it spent in ``next()``, summarised as ``next_ms_median`` and
+  ``next_ms_p99``;
 - ``probe_*_ms``: a thread sleeps 1 ms in a loop; its lateness (actual sleep - 1 ms) over the
   window, max and p99. A main process busy holding the GIL shows up here;
 - ``cpu_ms_per_batch``: ``getrusage(RUSAGE_SELF)`` user+sys over the window (every thread of
@@ -19,6 +24,15 @@ What a run records (the timed window starts after ``warmup`` batches, with worke
 - ``pinned_mib``: for torch loaders the peak of torch's pinned host allocator
   (``allocated_bytes.peak``; its cache is emptied and its peak reset before the loader is
   made); for pinpool loaders the pool's ``arena_bytes`` plus that peak.
+
+The stall scenario also follows the loader's whole life: the probe runs from before
+construction to the end, the loader goes through a second whole epoch after the first, then
+``del it, loader`` and ``gc.collect()`` are timed one by one. ``phases`` holds, for each of
+:data:`PHASES`, its wall time (``wall_ms``) and the worst probe lateness within it
+(``probe_max_ms``: a lateness that runs across a phase boundary is split there, so no phase is
+charged more than its own wall time; 0 when no wake-up was held up in it, ``probe_samples``
+says how many wake-ups fell in it). The per-step figures above still cover the timed window
+of the first epoch only (its probe figures clipped to the window the same way).
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,33 +55,79 @@ from .workloads import batch_nbytes, largest
 
 MIB = 1 << 20
 
+#: The phases of a loader's life that the stall scenario reports one by one, in order.
+PHASES = {
+    "construction": "building the loader object",
+    "first_batch": "iter() and the first next()",
+    "epoch1": "the rest of the first epoch (warm-up, the timed steps, the end of the epoch)",
+    "epoch2": "a second whole epoch over the same loader",
+    "del": "del it, loader",
+    "gc": "gc.collect() right after",
+}
+
 
 class StallProbe:
-    """A thread that sleeps ``interval`` seconds in a loop and records how late it wakes."""
+    """A thread that sleeps ``interval`` seconds in a loop and records how late it wakes.
+
+    Each wake-up is recorded with the time it was due (``perf_counter`` seconds), so the
+    lateness within any stretch of time can be read afterwards: :meth:`late_ms`.
+    """
 
     def __init__(self, interval: float = 0.001) -> None:
         self.interval = interval
-        self.lateness: list[float] = []
-        self.cpu_s = 0.0  # the probe thread's own CPU time, once stopped
+        self.due: list[float] = []  # when each wake-up was due
+        self.lateness: list[float] = []  # how late it came, in seconds
+        self._final_cpu: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-probe", daemon=True)
 
     def _loop(self) -> None:
-        clock, sleep, out, interval = time.perf_counter, time.sleep, self.lateness, self.interval
-        cpu0 = time.thread_time()
+        clock, sleep, interval = time.perf_counter, time.sleep, self.interval
+        due, late = self.due, self.lateness
         while not self._stop.is_set():
             t = clock()
             sleep(interval)
-            out.append(clock() - t - interval)
-        self.cpu_s = time.thread_time() - cpu0
+            woke = clock()
+            due.append(t + interval)
+            late.append(woke - t - interval)
+        self._final_cpu = time.thread_time()
 
-    def __enter__(self) -> StallProbe:
+    def start(self) -> StallProbe:
         self._thread.start()
         return self
 
-    def __exit__(self, *_exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+    def stop(self) -> None:
+        """Stops the thread (a no-op if it was never started or has stopped)."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    def cpu_s(self) -> float:
+        """The probe thread's CPU time so far (it may be read from another thread)."""
+        if self._final_cpu is not None:
+            return self._final_cpu
+        ident = self._thread.ident
+        if ident is None:
+            return 0.0
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+    def late_ms(self, start: float, end: float) -> np.ndarray:
+        """How long each wake-up was held up within ``[start, end)``, in ms: its lateness (the
+        stretch from when it was due to when it woke) clipped to that span, for every wake-up
+        whose lateness overlaps it. A stall that runs across a boundary is split there: a
+        ``gc.collect()`` right after a short ``del`` is charged to the collect."""
+        n = min(len(self.due), len(self.lateness))
+        due = np.asarray(self.due[:n])
+        woke = due + np.asarray(self.lateness[:n])
+        inside = ((due >= start) & (due < end)) | ((due < start) & (woke > start))
+        held = np.minimum(woke[inside], end) - np.maximum(due[inside], start)
+        return np.maximum(held, 0.0) * 1e3
+
+    def __enter__(self) -> StallProbe:
+        return self.start()
+
+    def __exit__(self, *_exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.stop()
 
 
 class ComputeWork:
@@ -172,10 +232,19 @@ def _pool_info(pool: Any) -> dict[str, Any] | None:
     return {name: getattr(pool, name) for name in names}
 
 
-def _step(
-    spec: LoaderSpec, it: Any, device: torch.device | None, work: ComputeWork | None
-) -> tuple[int, float, float, tuple[Any, Any] | None]:
-    """One step: (bytes, seconds in next(), seconds in all, CUDA events of the work)."""
+class Step(NamedTuple):
+    """One step's bytes, times (``perf_counter`` seconds) and the CUDA events of its work."""
+
+    nbytes: int
+    start: float  # before next()
+    got: float  # next() returned
+    end: float  # the step is over (compute loop: after loss.item())
+    events: tuple[Any, Any] | None
+
+
+def _step(spec: LoaderSpec, it: Any, device: torch.device | None, work: ComputeWork | None) -> Step:
+    """One step: ``next(it)``, the batch to the device, the work (if any). Lets next()'s
+    StopIteration through."""
     t0 = time.perf_counter()
     batch = next(it)
     t1 = time.perf_counter()
@@ -188,7 +257,18 @@ def _step(
         loss.item()  # the read-back: a main thread that stalls now leaves the GPU idle
         events = (start, end)
     del on_device
-    return nbytes, t1 - t0, time.perf_counter() - t0, events
+    return Step(nbytes, t0, t1, time.perf_counter(), events)
+
+
+def _phase(probe: StallProbe, start: float, end: float, **extra: Any) -> dict[str, Any]:
+    """One phase of a loader's life: its wall time and the worst probe lateness in it."""
+    late = probe.late_ms(start, end)
+    return {
+        "wall_ms": (end - start) * 1e3,
+        "probe_max_ms": float(late.max()) if len(late) else 0.0,
+        "probe_samples": len(late),
+        **extra,
+    }
 
 
 def run_once(
@@ -198,59 +278,113 @@ def run_once(
     device: torch.device | None,
     work: ComputeWork | None,
 ) -> dict[str, Any]:
-    """Makes a fresh loader for ``spec``, runs one repeat of ``plan``, returns the figures."""
+    """Makes a fresh loader for ``spec``, runs one repeat of ``plan``, returns the figures.
+
+    Every mode: construction, the first batch (``time_to_first_batch_s``), the rest of the
+    warm-up, then the timed window of ``plan.steps`` batches, which ends the epoch. The stall
+    scenario goes on for a whole second epoch over the same loader, then deletes the loader
+    and collects garbage; its probe runs from before construction to the end, and each of
+    :data:`PHASES` is reported on its own (``phases``).
+    """
+    life = plan.mode == "stall"  # the whole life, phase by phase
+    epoch = plan.warmup + plan.steps  # batches in the dataset
     reset_host_pinned()
-    loader = build(
-        spec,
-        dataset,
-        batch_size=plan.batch_size,
-        workers=plan.workers,
-        prefetch_factor=plan.prefetch_factor,
-        device=None if device is None else str(device),
-    )
-    it: Any = iter(loader)
+    probe = StallProbe()
+    if life:
+        probe.start()
+    loader: Any = None
+    it: Any = None
     try:
-        for _ in range(plan.warmup):
+        t_start = time.perf_counter()
+        loader = build(
+            spec,
+            dataset,
+            batch_size=plan.batch_size,
+            workers=plan.workers,
+            prefetch_factor=plan.prefetch_factor,
+            device=None if device is None else str(device),
+        )
+        t_built = time.perf_counter()
+        it = iter(loader)
+        first = _step(spec, it, device, work)  # the first batch opens the warm-up
+        for _ in range(plan.warmup - 1):
             _step(spec, it, device, work)
         _sync(device)
         nbytes, step_s, wait_s, events = 0, [], [], []
-        with StallProbe() as probe:
-            ru0 = resource.getrusage(resource.RUSAGE_SELF)
-            t0 = time.perf_counter()
-            for _ in range(plan.steps):
-                n, wait, total, ev = _step(spec, it, device, work)
-                nbytes += n
-                wait_s.append(wait)
-                step_s.append(total)
-                if ev is not None:
-                    events.append(ev)
+        if not life:
+            probe.start()
+        probe_cpu0 = probe.cpu_s()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        for _ in range(plan.steps):
+            st = _step(spec, it, device, work)
+            nbytes += st.nbytes
+            wait_s.append(st.got - st.start)
+            step_s.append(st.end - st.start)
+            if st.events is not None:
+                events.append(st.events)
+        _sync(device)
+        t1 = time.perf_counter()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        probe_cpu1 = probe.cpu_s()
+        if not life:
+            probe.stop()
+        if next(it, None) is not None:  # the dataset holds exactly warmup + steps batches
+            raise RuntimeError("the loader yielded more batches than the run asked for")
+        t_epoch1 = time.perf_counter()
+        if life:  # a second epoch over the same loader
+            it = iter(loader)
+            second = _step(spec, it, device, work)
+            batches = 1
+            while True:
+                try:
+                    _step(spec, it, device, work)
+                except StopIteration:
+                    break
+                batches += 1
             _sync(device)
-            wall = time.perf_counter() - t0
-            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+            t_epoch2 = time.perf_counter()
+            if batches != epoch:
+                raise RuntimeError(f"the second epoch had {batches} batches, not {epoch}")
         pinned = host_pinned()
         pool = _pool_info(getattr(loader, "pool", None))
         stats = loader.stats() if hasattr(loader, "stats") else None
-        if next(it, None) is not None:  # the dataset holds exactly warmup + steps batches
-            raise RuntimeError("the loader yielded more batches than the run asked for")
-    finally:
+        t_del = time.perf_counter()
         del it, loader
+        t_gc = time.perf_counter()
+        gc.collect()
+        t_end = time.perf_counter()
+        _sync(device)
+    except BaseException:
+        # A failed run: its loader and workers go now, not with the traceback that holds them.
+        it = loader = None  # noqa: F841
         gc.collect()
         _sync(device)
+        raise
+    finally:
+        probe.stop()
+    wall = t1 - t0
     # The main process's CPU, less the probe thread's own (it wakes 1000 times a second, so
     # its share would grow with the time a batch takes, not with the loader's work).
-    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime) - probe.cpu_s
-    late_ms = np.asarray(probe.lateness) * 1e3
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    cpu -= probe_cpu1 - probe_cpu0
+    late_ms = probe.late_ms(t0, t1)
     steps_ms = [s * 1e3 for s in step_s]
+    next_ms = [s * 1e3 for s in wait_s]
     rec: dict[str, Any] = {
         "steps": plan.steps,
         "bytes": nbytes,
         "wall_s": wall,
         "gb_per_s": nbytes / wall / 1e9,
         "batches_per_s": plan.steps / wall,
+        "us_per_batch": wall / plan.steps * 1e6,
+        "time_to_first_batch_s": first.got - t_start,
         "step_ms": steps_ms,
-        "wait_ms": [s * 1e3 for s in wait_s],
+        "wait_ms": next_ms,
         "step_ms_median": float(np.median(steps_ms)),
         "step_ms_max": max(steps_ms),
+        "next_ms_median": float(np.median(next_ms)),
+        "next_ms_p99": float(np.percentile(next_ms, 99)),
         "probe_samples": len(late_ms),
         "probe_max_ms": float(late_ms.max()) if len(late_ms) else None,
         "probe_p99_ms": float(np.percentile(late_ms, 99)) if len(late_ms) else None,
@@ -262,6 +396,21 @@ def run_once(
         "loader_stats": stats,
         "leaked_workers": len(multiprocessing.active_children()),
     }
+    if life:
+        rec["phases"] = {
+            "construction": _phase(probe, t_start, t_built),
+            "first_batch": _phase(probe, t_built, first.got),
+            "epoch1": _phase(probe, first.got, t_epoch1, batches=epoch - 1),
+            "epoch2": _phase(
+                probe,
+                t_epoch1,
+                t_epoch2,
+                batches=batches,
+                first_batch_ms=(second.got - t_epoch1) * 1e3,
+            ),
+            "del": _phase(probe, t_del, t_gc),
+            "gc": _phase(probe, t_gc, t_end),
+        }
     torch_peak = None if pinned is None else pinned["allocated_bytes_peak"]
     rec["pinned_mib"] = None if torch_peak is None else torch_peak / MIB
     if pool is not None:

@@ -2,7 +2,9 @@
 
 Each metric of a scenario (a workload and a mode, or the stall scenario) is summarised per
 loader as the median, min and max over its repeats (failed runs left out), and as
-``ratio`` = that median / the baseline loader's median in the same scenario.
+``ratio`` = that median / the baseline loader's median in the same scenario (None for a
+loader that is the baseline itself on this machine). The stall scenario's phases are
+summarised as ``<phase>_probe_max_ms`` and ``<phase>_wall_ms``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from .measure import PHASES
+
 #: Metric key -> label in the table and the plots.
 METRICS = {
     "gb_per_s": "GB/s",
     "batches_per_s": "batches/s",
+    "us_per_batch": "us per batch",
     "steps_per_s": "steps/s",
     "idle_share": "GPU idle share",
+    "next_ms_median": "next() ms, median",
+    "next_ms_p99": "next() ms, p99",
     "busy_ms_median": "GPU busy ms/step",
     "step_ms_median": "step ms, median",
     "step_ms_max": "step ms, max",
@@ -30,13 +37,44 @@ METRICS = {
     "probe_max_ms": "probe late ms, max",
     "cpu_ms_per_batch": "CPU ms/batch",
     "pinned_mib": "pinned MiB",
+    "time_to_first_batch_s": "time to first batch, ms",
 }
+#: Phase metric key -> (phase, key in the run's ``phases[phase]``).
+PHASE_METRICS = {
+    f"{phase}_{field}": (phase, field) for phase in PHASES for field in ("probe_max_ms", "wall_ms")
+}
+METRICS.update(
+    {
+        key: f"{phase}: {'probe late ms, max' if field == 'probe_max_ms' else 'wall ms'}"
+        for key, (phase, field) in PHASE_METRICS.items()
+    }
+)
+#: Shown multiplied by this (a share in percent, seconds in ms).
+SCALE = {"idle_share": 100.0, "time_to_first_batch_s": 1e3}
 _COMMON = ["step_ms_max", "probe_p99_ms", "probe_max_ms", "cpu_ms_per_batch", "pinned_mib"]
-#: The metrics shown for each mode, headline first.
+_NEXT = ["next_ms_median", "next_ms_p99"]
+#: The metrics shown for each mode, headline first (tokens: for its workload).
 SHOWN = {
-    "throughput": ["gb_per_s", "batches_per_s", *_COMMON],
-    "compute": ["steps_per_s", "idle_share", "busy_ms_median", "step_ms_median", *_COMMON],
-    "stall": ["probe_max_ms", "probe_p99_ms", "step_ms_max", "gb_per_s", "cpu_ms_per_batch"],
+    "throughput": ["gb_per_s", "batches_per_s", *_NEXT, "time_to_first_batch_s", *_COMMON],
+    "tokens": ["gb_per_s", "us_per_batch", *_NEXT, "time_to_first_batch_s", *_COMMON],
+    "compute": [
+        "steps_per_s",
+        "idle_share",
+        *_NEXT,
+        "busy_ms_median",
+        "step_ms_median",
+        "time_to_first_batch_s",
+        *_COMMON,
+    ],
+    "stall": [
+        "probe_max_ms",
+        "probe_p99_ms",
+        "step_ms_max",
+        *_NEXT,
+        "gb_per_s",
+        "cpu_ms_per_batch",
+        "time_to_first_batch_s",
+    ],
 }
 #: The ratio panels of ratios.png: (mode, metric).
 HEADLINES = [
@@ -45,46 +83,102 @@ HEADLINES = [
     ("compute", "idle_share"),
     ("stall", "probe_max_ms"),
     ("throughput", "cpu_ms_per_batch"),
+    ("throughput", "time_to_first_batch_s"),
+]
+
+#: What the table's terms mean, printed above it.
+LEGEND = [
+    "how to read it:",
+    "  probe late: how late a thread of the main process that sleeps 1 ms at a time woke up.",
+    "    It cannot run while the main thread holds the GIL (or the process is starved of CPU),",
+    "    so this is how long the training loop's process was blocked. Lower is better.",
+    "  next() ms: time the training loop waited inside next() per timed step. Lower is better.",
+    "  time to first batch: from constructing the loader to the first batch in hand (workers",
+    "    starting included). Lower is better.",
+    "  GB/s, batches/s, steps/s: higher is better. GPU idle share, step ms, us per batch, CPU",
+    "    ms/batch (main process only, workers excluded): lower is better.",
+    "  stall, whole life: the loader's phases one by one: construction, first_batch (iter() and",
+    "    the first next()), epoch1 (the rest of the first epoch), epoch2 (a second epoch), del",
+    "    (del it, loader), gc (gc.collect() after it): the worst probe lateness within the",
+    "    phase / the phase's wall time. gc.collect() walks the whole process's heap, torch's",
+    "    included: the loader's own share is what exceeds the others' there.",
 ]
 
 
-def summarize(runs: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
-    """``{scenario: {loader: {metric: {median, min, max, values, ratio}}}}``."""
+def _value(run: dict[str, Any], key: str) -> Any:
+    """A run's figure for a metric key (phase keys look inside ``phases``)."""
+    if key in PHASE_METRICS:
+        phase, field = PHASE_METRICS[key]
+        return (run.get("phases") or {}).get(phase, {}).get(field)
+    return run.get(key)
+
+
+def summarize(
+    runs: list[dict[str, Any]], baseline: str, no_ratio: list[str] | tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """``{scenario: {loader: {metric: {median, min, max, values, ratio}}}}``; the loaders in
+    ``no_ratio`` (the baseline itself on this machine) get ``ratio`` None."""
     out: dict[str, Any] = {}
     for run in runs:
         if run.get("error"):
             continue
         by_loader = out.setdefault(run["scenario"], {}).setdefault(run["loader"], {})
         for key in METRICS:
-            if run.get(key) is not None:
-                by_loader.setdefault(key, {"values": []})["values"].append(run[key])
+            value = _value(run, key)
+            if value is not None:
+                by_loader.setdefault(key, {"values": []})["values"].append(value)
     for by_loader in out.values():
         for metrics in by_loader.values():
             for m in metrics.values():
                 m.update(median=statistics.median(m["values"]), min=min(m["values"]))
                 m["max"] = max(m["values"])
         base = by_loader.get(baseline, {})
-        for metrics in by_loader.values():
+        for loader, metrics in by_loader.items():
             for key, m in metrics.items():
                 b = base.get(key, {}).get("median")
-                m["ratio"] = m["median"] / b if b else None
+                m["ratio"] = m["median"] / b if b and loader not in no_ratio else None
     return out
 
 
 def _num(v: float | None, key: str = "") -> str:
     if v is None:
         return "-"
-    v = v * 100 if key == "idle_share" else v  # a share, shown in percent
+    v = v * SCALE.get(key, 1.0)
     a = abs(v)
     return f"{v:.0f}" if a >= 100 else f"{v:.1f}" if a >= 10 else f"{v:.2f}"
 
 
-def _cell(m: dict[str, Any] | None, key: str) -> str:
+def _cell(m: dict[str, Any] | None, key: str, same: bool = False) -> str:
+    """``median [min..max] xR``; ``x-`` where the loader is the baseline itself here."""
     if m is None:
         return "-"
     pct = "%" if key == "idle_share" else ""
     text = f"{_num(m['median'], key)}{pct} [{_num(m['min'], key)}..{_num(m['max'], key)}]"
+    if same:
+        return f"{text} x-"
     return text if m["ratio"] is None else f"{text} x{m['ratio']:.2f}"
+
+
+def _phase_cell(metrics: dict[str, Any], phase: str) -> str:
+    """``late / wall`` (medians, ms) of one phase."""
+    late = metrics.get(f"{phase}_probe_max_ms")
+    wall = metrics.get(f"{phase}_wall_ms")
+    if late is None or wall is None:
+        return "-"
+    return f"{_num(late['median'])} / {_num(wall['median'])}"
+
+
+def source_line(meta: dict[str, Any]) -> str:
+    """Which pinpool ran, where: version, commit, extension file, host."""
+    commit = meta.get("git_commit")
+    where = f"commit {commit[:12]}" if commit else "no git commit (installed package?)"
+    if commit and meta.get("git_dirty"):
+        where += " + uncommitted changes"
+    return (
+        f"  pinpool {meta.get('pinpool_version')}, {where}, native "
+        f"{meta.get('pinpool_native')}; host {meta.get('hostname')}, "
+        f"{meta.get('cpus_usable')} CPUs, GPU {meta.get('device_name') or 'none'}"
+    )
 
 
 def _aligned(rows: list[list[str]]) -> list[str]:
@@ -96,9 +190,14 @@ def table(result: dict[str, Any]) -> str:
     """The plain-text results: a header, then one block per scenario (metrics x loaders)."""
     meta, summary = result["meta"], result["summary"]
     lines = [f"pinpool bench: {meta['path']}", f"  {meta['machine']}"]
-    lines.append(
-        f"  cells: median [min..max] over repeats, xR = median / {result['baseline']}'s median"
-    )
+    if "pinpool_version" in meta:
+        lines.append(source_line(meta))
+    same = set(result.get("same_as_baseline") or ())
+    cells = f"  cells: median [min..max] over repeats, xR = median / {result['baseline']}'s median"
+    if same:
+        cells += f" (x-: the same loader as {result['baseline']} here, no ratio)"
+    lines.append(cells)
+    lines += [f"  {line}" for line in LEGEND]
     for name, why in result["skipped"].items():
         lines.append(f"  skipped {name}: {why}")
     lines += [f"  note: {n}" for n in result["notes"]]
@@ -120,9 +219,18 @@ def table(result: dict[str, Any]) -> str:
             lines.append("  (no successful runs)")
             continue
         rows = [["", *loaders]]
-        for key in SHOWN[info["mode"]]:
+        shown = SHOWN["tokens" if info["workload"] == "tokens" else info["mode"]]
+        for key in shown:
             if any(key in by_loader[n] for n in loaders):
-                rows.append([METRICS[key], *(_cell(by_loader[n].get(key), key) for n in loaders)])
+                rows.append(
+                    [METRICS[key], *(_cell(by_loader[n].get(key), key, n in same) for n in loaders)]
+                )
+        if info["mode"] == "stall" and any(
+            k in by_loader[n] for n in loaders for k in PHASE_METRICS
+        ):
+            rows.append(["whole life: probe late max / wall ms", *([""] * len(loaders))])
+            for phase in PHASES:
+                rows.append([f"  {phase}", *(_phase_cell(by_loader[n], phase) for n in loaders)])
         lines += ["  " + row for row in _aligned(rows)]
     failed = [r for r in result["runs"] if r.get("error")]
     for r in failed:
@@ -149,9 +257,10 @@ def plot_steps(result: dict[str, Any], scenario: str, path: str) -> None:
     for ax, name in zip(axes, loaders, strict=True):
         title = name
         for r in (r for r in runs if r["loader"] == name):
-            ax.plot(r["step_ms"], lw=0.9, alpha=0.8, label=f"step, repeat {r['repeat']}")
+            ax.plot(r["step_ms"], lw=0.9, alpha=0.8, label=f"{name} #{r['repeat'] + 1}")
             if "busy_ms" in r:
                 ax.plot(r["busy_ms"], lw=0.7, ls="--", color="grey", alpha=0.7)
+        ax.legend(fontsize=7, loc="upper right", ncol=4)
         idle = result["summary"].get(scenario, {}).get(name, {}).get("idle_share")
         if idle is not None:
             title += f"  (GPU idle {idle['median'] * 100:.1f}%; dashed: GPU busy, dotted: target)"
@@ -160,8 +269,41 @@ def plot_steps(result: dict[str, Any], scenario: str, path: str) -> None:
         ax.set_title(title, fontsize=9, loc="left")
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("timed step")
-    fig.suptitle(f"{scenario}: wall time per step ({result['scenarios'][scenario]['mode']})")
+    mode = result["scenarios"][scenario]["mode"]
+    axes[-1].set_xlabel("timed step" + (" (first epoch)" if mode == "stall" else ""))
+    fig.suptitle(f"{scenario}: wall time per step ({mode})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_phases(result: dict[str, Any], scenario: str, path: str) -> None:
+    """The stall scenario's whole life: per phase, each loader's worst probe lateness and the
+    phase's wall time (medians over repeats, log scale)."""
+    by_loader = result["summary"].get(scenario, {})
+    loaders = [n for n in result["loaders"] if n in by_loader]
+    if not loaders or not any(k in by_loader[n] for n in loaders for k in PHASE_METRICS):
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / len(loaders)
+    panels = [("probe_max_ms", "worst probe lateness, ms (lower is better)"), ("wall_ms", "wall")]
+    for ax, (field, title) in zip(axes, panels, strict=True):
+        for j, name in enumerate(loaders):
+            ys = [
+                (by_loader[name].get(f"{phase}_{field}") or {}).get("median") or 0.0
+                for phase in PHASES
+            ]
+            xs = [i + j * width for i in range(len(PHASES))]
+            ax.bar(xs, [max(y, 1e-3) for y in ys], width, label=name)
+        ax.set_yscale("log")
+        ax.set_xticks([i + width * (len(loaders) - 1) / 2 for i in range(len(PHASES))])
+        ax.set_xticklabels(list(PHASES), fontsize=8)
+        ax.set_title(title if field == "probe_max_ms" else "phase wall time, ms", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"{scenario}: a loader's whole life, phase by phase (median over repeats; 0 drawn at 0.001)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -217,6 +359,10 @@ def write_all(result: dict[str, Any], out: str) -> list[str]:
         path = os.path.join(out, f"steps-{scenario.replace('/', '-')}.png")
         plot_steps(result, scenario, path)
         paths.append(path)
+        if result["scenarios"][scenario]["mode"] == "stall":
+            path = os.path.join(out, f"phases-{scenario.replace('/', '-')}.png")
+            plot_phases(result, scenario, path)
+            paths.append(path)
     paths.append(os.path.join(out, "ratios.png"))
     plot_ratios(result, paths[-1])
     return [p for p in paths if os.path.exists(p)]

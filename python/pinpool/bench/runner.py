@@ -1,9 +1,12 @@
 """Runs the whole benchmark: plans the scenarios, alternates the loaders, writes the report.
 
-Scenarios: each workload in ``throughput`` mode, then in ``compute`` mode (CUDA only), then
-the ``stall`` scenario (synthetic images, big batches). Within a scenario the loaders take
-turns: ``for repeat: for loader:``, each run with a freshly made loader, so slow drifts of
-the machine touch every loader alike. One progress bar covers every run.
+Scenarios: each workload in ``throughput`` mode, then in ``compute`` mode (CUDA only; not
+the ``tokens`` workload, whose batches take microseconds next to the compute step), then the
+``stall`` scenario (synthetic images, big batches, the loader's whole life: construction,
+first batch, two epochs, ``del`` and ``gc.collect()``, each phase's worst main-thread stall on
+its own). Within a scenario the loaders take turns: ``for repeat: for loader:``, each run with
+a freshly made loader, so slow drifts of the machine touch every loader alike. One progress
+bar covers every run.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import hashlib
 import multiprocessing
 import os
 import platform
 import shlex
 import socket
+import subprocess
 import sys
 import warnings
 from typing import Any
@@ -28,10 +33,49 @@ from tqdm import tqdm
 import pinpool
 
 from .cli import STALL_ITEMS, Config, cpu_count, resolve
-from .loaders import BASELINE, LoaderSpec, check, spec_named
+from .loaders import BASELINE, LoaderSpec, check, same_here, spec_named
 from .measure import ComputeWork, Scenario, h2d_ceiling, run_once
 from .report import summarize, table, write_all
-from .workloads import batch_nbytes, make_dataset
+from .workloads import TOKEN_ROW, batch_nbytes, largest, make_dataset
+
+
+def source() -> dict[str, Any]:
+    """Which pinpool ran: its version, its directory, the compiled extension file (with a
+    hash, so a wheel can be told apart) and, when the package is the tracked source of a git
+    checkout, the commit (None otherwise: an installed wheel, no git)."""
+    pkg = os.path.dirname(os.path.abspath(pinpool.__file__))
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=pkg, capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip()
+
+    commit = dirty = None
+    # Only a package git tracks: a wheel installed into a venv inside some checkout is not it.
+    if git("ls-files", "--error-unmatch", "__init__.py") is not None:
+        commit = git("rev-parse", "HEAD") or None
+        status = git("status", "--porcelain", "--untracked-files=no")
+        dirty = None if commit is None or status is None else bool(status)
+    native = getattr(pinpool._native, "__file__", None)
+    digest = None
+    if native:
+        try:
+            with open(native, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            pass
+    return {
+        "pinpool_version": pinpool.__version__,
+        "pinpool_dir": pkg,
+        "pinpool_native": native,
+        "pinpool_native_sha256": digest,
+        "git_commit": commit,
+        "git_dirty": dirty,
+    }
 
 
 def machine(cfg: Config, argv: list[str]) -> dict[str, Any]:
@@ -45,6 +89,7 @@ def machine(cfg: Config, argv: list[str]) -> dict[str, Any]:
         "compute loop is skipped; throughput = batches delivered to the consumer"
     )
     return {
+        **source(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, "-m", "pinpool.bench", *argv]),
         "cwd": os.getcwd(),
@@ -74,11 +119,19 @@ def plan_scenarios(cfg: Config) -> dict[str, Scenario]:
     out: dict[str, Scenario] = {}
     for workload in cfg.workloads:
         for mode in ("throughput", "compute"):
-            if mode in cfg.modes and (mode != "compute" or cfg.device is not None):
-                out[f"{workload}/{mode}"] = Scenario(
-                    workload, mode, cfg.batch_size, cfg.shape, cfg.workers,
-                    cfg.prefetch_factor, cfg.warmup, cfg.steps,
-                )  # fmt: skip
+            if mode not in cfg.modes or (mode == "compute" and cfg.device is None):
+                continue
+            if workload == "tokens":
+                if mode == "throughput":
+                    out[f"{workload}/{mode}"] = Scenario(
+                        workload, mode, cfg.token_batch_size, (TOKEN_ROW,), cfg.token_workers,
+                        cfg.prefetch_factor, cfg.token_warmup, cfg.token_steps,
+                    )  # fmt: skip
+                continue
+            out[f"{workload}/{mode}"] = Scenario(
+                workload, mode, cfg.batch_size, cfg.shape, cfg.workers,
+                cfg.prefetch_factor, cfg.warmup, cfg.steps,
+            )  # fmt: skip
     if "stall" in cfg.modes:
         out["stall"] = Scenario(
             "synthetic", "stall", STALL_ITEMS, cfg.stall_shape, cfg.stall_workers,
@@ -89,16 +142,22 @@ def plan_scenarios(cfg: Config) -> dict[str, Scenario]:
 
 def describe(sc: Scenario, dataset: Any, cfg: Config) -> str:
     """One line: the batch, the workers, the steps, what the consumer does."""
-    nbytes = batch_nbytes(dataset[0]) * sc.batch_size
+    item = dataset[0]
+    nbytes = batch_nbytes(item) * sc.batch_size
+    dtype = str(largest(item).dtype).removeprefix("torch.")
     what = {
         "throughput": "no compute",
         "compute": f"{cfg.compute_ms:g} ms GPU work + loss.item() per step",
-        "stall": "big batches: main-thread stalls",
+        "stall": "big batches, the loader's whole life: main-thread stalls per phase",
     }[sc.mode]
+    steps = f"{sc.steps} steps after {sc.warmup} warm-up"
+    if sc.mode == "stall":
+        steps = f"2 epochs of {sc.warmup + sc.steps} batches (timed steps: the last {sc.steps} "
+        steps += "of epoch 1)"
+    size = f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.0f} KB"
     return (
-        f"{sc.workload}, batch {sc.batch_size} x {'x'.join(map(str, sc.shape))} = "
-        f"{nbytes / 1e6:.1f} MB, {sc.workers} workers x prefetch {sc.prefetch_factor}, "
-        f"{sc.steps} steps after {sc.warmup} warm-up, "
+        f"{sc.workload}, batch {sc.batch_size} x {'x'.join(map(str, sc.shape))} {dtype} = "
+        f"{size}, {sc.workers} workers x prefetch {sc.prefetch_factor}, {steps}, "
         f"{f'then .to({cfg.device})' if cfg.device else 'no device copy'}, {what}"
     )
 
@@ -134,6 +193,8 @@ def run_all(cfg: Config, specs: list[LoaderSpec], result: dict[str, Any]) -> Non
                     except Exception as exc:
                         rec = {"error": f"{type(exc).__name__}: {exc}"}
                         bar.write(f"{name} {spec.name} #{repeat + 1} failed: {rec['error']}")
+                    if "error" in rec:
+                        gc.collect()  # the exception held the loader in a cycle: free it now
                     if rec.get("leaked_workers"):
                         bar.write(f"warning: {rec['leaked_workers']} worker(s) outlived the run")
                     result["runs"].append({**head, **rec})
@@ -182,18 +243,33 @@ def main(argv: list[str] | None = None) -> int:
         else:
             skipped[name] = why
     names = [s.name for s in specs]
+    baseline = BASELINE if BASELINE in names or not names else names[0]
+    # Loaders that are the baseline itself on this machine: no ratio between them.
+    twins = [
+        n
+        for n in names
+        if n != baseline and same_here(spec_named(n), spec_named(baseline), cfg.device)
+    ]
     notes = []
     if cfg.device is None:
         notes.append("torch ignores pin_memory=True without an accelerator: torch-pinned = torch")
         if "compute" in cfg.modes:
             notes.append("compute loop (GPU idle share) skipped: no CUDA device")
+    if twins:
+        notes.append(
+            f"{', '.join(twins)} = {baseline} on this machine (the same code runs): "
+            "no ratio shown for it (x-)"
+        )
+    if "tokens" in cfg.workloads and "compute" in cfg.modes and cfg.device is not None:
+        notes.append("tokens runs in throughput mode only: a compute step would hide its batches")
     if "memmap" in cfg.workloads:
         notes.append(f"memmap reads a file under {cfg.data_dir} (page cache once written)")
     result: dict[str, Any] = {
         "meta": machine(cfg, argv),
         "config": dataclasses.asdict(cfg),
-        "baseline": BASELINE if BASELINE in names or not names else names[0],
+        "baseline": baseline,
         "loaders": names,
+        "same_as_baseline": twins,
         "skipped": skipped,
         "notes": notes,
         "calibration": None,
@@ -205,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     run_all(cfg, specs, result)
     notes += loader_notes(result)
-    result["summary"] = summarize(result["runs"], result["baseline"])
+    result["summary"] = summarize(result["runs"], baseline, no_ratio=twins)
     paths = write_all(result, cfg.out)
     print(table(result))
     print(f"\nwrote {len(paths)} files to {cfg.out}: " + ", ".join(map(os.path.basename, paths)))

@@ -5,7 +5,11 @@
   ``--data-dir`` and reused by later runs (it is read from the page cache once written);
 - ``nested``: dict items: a uint8 image, float32 features, int64 tokens, string metadata;
 - ``ceiling``: items are views into one preloaded in-memory array, so a worker's only work
-  is the collate copy (the most a loader can deliver).
+  is the collate copy (the most a loader can deliver);
+- ``tokens``: small batches shaped like a language model's: each item is one row of
+  :data:`TOKEN_ROW` int64 token ids (a context of 8192 plus the next token), sliced from one
+  preallocated array, so a batch of 8 is 512 KiB and the loader's per-batch cost, not the
+  dataset, is what is measured. It has its own batch size, workers and steps (``--token-*``).
 
 Also the helpers that walk a batch: its tensors, its size in bytes, the move to a device.
 """
@@ -21,7 +25,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-WORKLOADS = ("synthetic", "memmap", "nested", "ceiling")
+WORKLOADS = ("synthetic", "memmap", "nested", "ceiling", "tokens")
+
+#: int64 values per item of the tokens workload.
+TOKEN_ROW = 8193
+#: The tokens workload slices its rows from this many preallocated int64 values (32 MiB).
+TOKEN_POOL = 1 << 22
 
 #: The memmap file holds at most this much; item indices wrap around beyond it.
 MEMMAP_MAX_BYTES = 8 << 30
@@ -72,6 +81,25 @@ class PreloadedImages(Dataset[Any]):
         return self.data[i % len(self.data)], i
 
 
+class TokenRows(Dataset[Any]):
+    """One row of ``row`` int64 token ids per item: a view into a preallocated ``arange``
+    (shared with forked workers, never written after start-up), starting ``row - 1`` values
+    after the previous item's start, as consecutive windows of one long text would."""
+
+    def __init__(self, length: int, row: int = TOKEN_ROW, pool: int = TOKEN_POOL) -> None:
+        self.length = length
+        self.row = row
+        self.data = torch.arange(max(pool, 2 * row), dtype=torch.int64)
+        self.starts = (len(self.data) - row) // (row - 1) + 1 if row > 1 else len(self.data)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Any:
+        start = (i % self.starts) * (self.row - 1)
+        return self.data[start : start + self.row]
+
+
 class MemmapImages(Dataset[Any]):
     """``(image, label)`` where the image views item ``i`` of a uint8 ``numpy.memmap``.
 
@@ -120,8 +148,10 @@ def ensure_memmap(data_dir: str, items: int, shape: tuple[int, ...]) -> str:
 
 
 def make_dataset(name: str, length: int, shape: tuple[int, ...], data_dir: str) -> Dataset[Any]:
-    """Workload ``name`` with ``length`` items of image ``shape``."""
+    """Workload ``name`` with ``length`` items of image ``shape`` (tokens: rows of ``shape``)."""
     item_bytes = math.prod(shape)
+    if name == "tokens":
+        return TokenRows(length, row=shape[0])
     if name == "synthetic":
         return SyntheticImages(length, shape)
     if name == "nested":
