@@ -118,14 +118,14 @@ def main() -> None:
         )
     w = np.asarray(waits) * 1e6
     head = (
-        f"{args.loader} {args.workload} batch {args.batch_size} x {args.shape} device={args.device}: "
+        f"{args.loader} {args.workload} batch {args.batch_size} x {args.shape} "
+        f"device={args.device}: "
         f"{args.steps} steps in {wall:.2f} s = {wall / args.steps * 1e6:.0f} us/batch; "
         f"next() median {np.median(w):.0f} us, p99 {np.percentile(w, 99):.0f} us"
     )
     print(head)
-    print(
-        f"  {'function':32s} {'thread':6s} {'calls':>7s} {'total ms':>9s} {'mean us':>8s} {'p99 us':>8s}"
-    )
+    cols = ("calls", "total ms", "mean us", "p99 us")
+    print(f"  {'function':32s} {'thread':6s} " + " ".join(f"{c:>8s}" for c in cols))
     for r in rows:
         print(
             f"  {r['function']:32s} {r['thread']:6s} {r['calls']:7d} {r['total_ms']:9.1f} "
