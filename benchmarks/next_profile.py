@@ -79,7 +79,17 @@ def main() -> None:
     )
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--pin-thread",
+        action="store_true",
+        help="without an accelerator, make torch start its pin thread anyway (as on a GPU box)",
+    )
     args = ap.parse_args()
+    if args.pin_thread and not torch.accelerator.is_available():
+        torch.accelerator.is_available = lambda: True
+        torch.accelerator.current_accelerator = lambda *a: torch.device("cuda")
+        torch.accelerator.current_device_index = lambda: 0
+        torch.accelerator.set_device_index = lambda index: None
     dataset = make_dataset(
         args.workload, (args.steps + 50) * args.batch_size, tuple(args.shape), "/tmp"
     )

@@ -53,8 +53,8 @@ pub struct PoolConfig {
     pub backend: Option<Backend>,
     /// Threads for copies.
     pub copy_threads: usize,
-    /// Make only the first slot ready before [`Pool::new`] returns, and the rest on a
-    /// background thread (checkouts wait for slots not ready yet). The arena then no longer
+    /// Make only the first slots (at least one, at least [`READY_FIRST`] bytes) ready before
+    /// [`Pool::new`] returns, and the rest on a background thread (checkouts wait for slots not ready yet). The arena then no longer
     /// sits on the critical path of the first batch.
     pub background: bool,
 }
@@ -186,7 +186,7 @@ impl Pool {
                 config.device,
                 config.backend,
                 fault_threads(),
-                slot_bytes,
+                slot_bytes.max(READY_FIRST),
             )?
         } else {
             Arena::new(arena_len, slot_bytes, config.device, config.backend, fault_threads())?
@@ -332,6 +332,11 @@ impl Pool {
             self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
         }
         Ok(ticket)
+    }
+
+    /// Slots free right now (a snapshot; O(1)).
+    pub fn free_slots(&self) -> usize {
+        self.table.free_len()
     }
 
     /// Takes a free slot, waiting up to `timeout` (forever with `None`).
@@ -720,6 +725,11 @@ impl Remains {
     }
 }
 
+/// A background pool makes at least this much of its arena (and at least one slot) ready
+/// before it returns: small arenas, which take a few milliseconds, are made whole, and a big
+/// one has a few slots for the first batches (torch itself pins each of them as it comes).
+const READY_FIRST: usize = 64 << 20;
+
 /// How long dropping a pool waits for pending fences before leaking the arena instead.
 const DROP_FENCE_WAIT: Duration = Duration::from_secs(30);
 
@@ -844,10 +854,10 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn a_background_pool_hands_out_every_slot_once_ready() {
         let n = 24;
-        let config = PoolConfig { background: true, ..PoolConfig::host(1 << 20, n) };
+        let config = PoolConfig { background: true, ..PoolConfig::host(8 << 20, n) };
         let pool = Pool::new(&config).unwrap();
         let c = pool.stats().slots;
-        assert!(c.free >= 1, "the first slot is not ready: {c:?}");
+        assert!(c.free >= READY_FIRST / (8 << 20), "the first slots are not ready: {c:?}");
         assert_eq!(c.free + c.preparing, n);
         let mut seen: Vec<u32> =
             (0..n).map(|_| pool.checkout(Some(Duration::from_secs(30))).unwrap().index).collect();

@@ -156,6 +156,11 @@ impl SlotTable {
         admitted
     }
 
+    /// How many slots are in the free queue (a snapshot; O(1)).
+    pub fn free_len(&self) -> usize {
+        self.free.len()
+    }
+
     /// Number of slots.
     pub fn len(&self) -> usize {
         self.words.len()

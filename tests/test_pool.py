@@ -885,3 +885,38 @@ def test_a_forked_child_can_drop_its_copy_of_the_pool(used: bool) -> None:
     del cache
     pool.flush()
     pool.close()
+
+
+def test_try_checkout_with_a_reserve_leaves_that_many_free(make_pool) -> None:
+    pool = make_pool(4096, 3)
+    a = pool.try_checkout(reserve=1)
+    b = pool.try_checkout(reserve=1)
+    assert a is not None and b is not None
+    assert pool.try_checkout(reserve=1) is None, "took the reserved slot"
+    c = pool.try_checkout()
+    assert c is not None and len({a.index, b.index, c.index}) == 3
+    for s in (a, b, c):
+        s.release()
+
+
+@pytest.mark.slow
+def test_a_background_pool_readies_its_slots_while_it_is_used() -> None:
+    """``background=True``: the constructor makes the first 64 MiB (at least one slot) ready
+    and returns; the other slots are ``preparing`` until the background thread has faulted
+    them in, and checkouts wait for them instead of failing."""
+    slot_bytes, n = 32 << 20, 32
+    pool = pinpool.PinPool(slot_bytes, n, device=None, background=True)
+    try:
+        s = pool.stats()
+        assert s["slots_free"] + s["slots_preparing"] == n
+        assert s["slots_free"] >= 2, s
+        slots = [pool.checkout(timeout=60) for _ in range(n)]
+        assert sorted(x.index for x in slots) == list(range(n))
+        assert pool.stats()["slots_preparing"] == 0
+        for i, x in enumerate(slots):
+            x.view("uint8", (slot_bytes,))[-1] = i % 251  # every slot's memory is usable
+        del x
+        for x in slots:
+            x.release()
+    finally:
+        pool.close(wait=True)

@@ -191,14 +191,18 @@ class _Decoder:
         """The pool and segment cache, made on first use. Without ``slot_bytes=``, slots hold
         this batch plus headroom, scaled up to a full batch when this one has fewer samples
         (the last batch of an epoch may well arrive first)."""
+        pool, cache = self.pool, self.cache
+        if pool is not None and cache is not None:
+            return pool, cache  # made already: no lock needed
         with self._lock:
             if self.pool is None:
                 full = self._batch_size
                 if count and full and 0 < count < full:
                     nbytes = nbytes * full // count
                 slot = self._slot_bytes or self._automatic_slot_bytes(nbytes)
-                # Only the first slot is made ready here; the rest of the arena is faulted in
-                # (and pinned) on a background thread while the first batches flow.
+                # Only the first slots (64 MiB, at least one) are made ready here; the rest of
+                # the arena is faulted in (and pinned) on a background thread while the first
+                # batches flow.
                 self.pool = PinPool(
                     slot,
                     self._num_slots,
@@ -341,9 +345,7 @@ class _Decoder:
         # Keep one slot free for batches that come through copy mode (the first ones, and any
         # too large for their slot): they need a slot when they arrive, and tickets must not
         # starve them.
-        if pool is not None and pool.stats()["slots_free"] <= 1:
-            pool = None
-        slot = pool.try_checkout() if pool is not None else None
+        slot = pool.try_checkout(reserve=1) if pool is not None else None
         where = pool.slot_memfd(slot.index) if pool is not None and slot is not None else None
         if slot is None or pool is None or where is None:
             self.zero_copy_fallbacks += 1
@@ -425,8 +427,11 @@ class _Decoder:
                 need,
                 pool.slot_bytes,
             )
-        deadline = None if self._slot_timeout is None else time.monotonic() + self._slot_timeout
         keep = 1 if ahead else 0
+        slot = pool.try_checkout(reserve=keep)  # the common case, without building stats
+        if slot is not None:
+            return slot
+        deadline = None if self._slot_timeout is None else time.monotonic() + self._slot_timeout
         while True:
             stats = pool.stats()
             if stats["slots_free"] > keep:

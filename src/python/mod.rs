@@ -5,7 +5,8 @@
 //! - Every entry point runs inside [`guarded`]: a panic anywhere below becomes
 //!   `pinpool.PinPoolError`, never `PanicException`.
 //! - Anything that can block (waiting for a slot, copying, joining threads) runs inside
-//!   `Python::detach`, with the GIL released.
+//!   `Python::detach`, with the GIL released; only copies under
+//!   [`crate::copy::KEEP_GIL_MAX`] bytes keep it (winning it back would cost more).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;

@@ -194,10 +194,15 @@ impl PyPinPool {
         })
     }
 
-    /// Takes a free slot, or returns None at once if there is none.
-    fn try_checkout(&self, py: Python<'_>) -> PyResult<Option<PySlot>> {
+    /// Takes a free slot, or returns None at once if there is none, or (with `reserve`) if
+    /// no more than `reserve` are free: those are kept for other callers.
+    #[pyo3(signature = (reserve = 0))]
+    fn try_checkout(&self, py: Python<'_>, reserve: usize) -> PyResult<Option<PySlot>> {
         guarded(|| {
             let pool = self.get(py)?;
+            if reserve > 0 && pool.free_slots() <= reserve {
+                return Ok(None);
+            }
             Ok(pool.try_checkout().py(py)?.map(|t| self.wrap(pool, t)))
         })
     }

@@ -272,6 +272,10 @@ impl PySegmentCache {
             let slot = slot.get();
             let _pin = slot.pin(py, self.cache.pool())?;
             let ticket = slot.ticket();
+            let total = ranges.iter().fold(0usize, |n, r| n.saturating_add(r.len));
+            if total < crate::copy::KEEP_GIL_MAX {
+                return self.cache.copy_to_slot(key, ticket, &ranges).py(py);
+            }
             py.detach(|| self.cache.copy_to_slot(key, ticket, &ranges)).py(py)
         })
     }
