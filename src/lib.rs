@@ -11,12 +11,14 @@
 //! - [`shm`], [`segment`], [`reclaim`]: shared memory from worker processes, and unmapping it
 //!   on a background thread;
 //! - [`release`]: the thread that frees a dropped pool's arena, so no caller waits for it;
+//! - [`background`]: pinpool's threads give way to the training thread;
 //! - [`cuda`]: the few driver calls we need, loaded at run time, never panicking.
 //!
 //! The PyO3 layer (`python`, behind the `python` feature) only translates types and errors and
 //! releases the GIL around anything that can block.
 
 pub mod arena;
+pub mod background;
 pub mod copy;
 pub mod cuda;
 pub mod error;

@@ -582,6 +582,7 @@ pub fn validate_ranges(ranges: &[CopyRange], src_len: usize, dst_len: usize) -> 
 /// every part is ready, the pool is closed or dropped, or a part fails (its error is kept:
 /// [`Pool::prepare_error`]; those slots are never handed out).
 fn prepare_loop(pool: Weak<Pool>) {
+    crate::background::lower_priority(crate::background::IDLE_NICE);
     // Half the cores: the DataLoader's workers are starting at the same time.
     let threads = fault_threads().div_ceil(2);
     loop {

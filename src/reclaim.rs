@@ -63,6 +63,7 @@ impl Reclaimer {
         let thread = std::thread::Builder::new()
             .name("pinpool-reclaim".into())
             .spawn(move || {
+                crate::background::lower_priority(crate::background::IDLE_NICE);
                 for mapping in rx {
                     worker.drop_one(mapping);
                 }

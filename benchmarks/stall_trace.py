@@ -1,0 +1,125 @@
+"""Which call stalled the main thread: runs a loader over big batches for two epochs while a
+thread sleeps 1 ms at a time, records when each wake-up came late, and the start and end of
+every call a batch passes through in the main process (the functions ``next_profile.py``
+times, plus worker start-up, shutdown and the copy to the GPU). Prints every wake-up later than
+``--late-ms`` with the calls that overlapped it, the innermost last.
+
+    python benchmarks/stall_trace.py --loader pinpool --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import multiprocessing.popen_fork
+import threading
+import time
+from typing import Any
+
+import next_profile
+import torch
+
+import pinpool
+from pinpool.bench.workloads import make_dataset, move
+
+_SPANS: list[tuple[float, float, str, str]] = []
+
+
+def _span(owner: Any, name: str, label: str) -> None:
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            who = "main" if threading.current_thread() is threading.main_thread() else "pin"
+            _SPANS.append((t0, time.perf_counter(), label, who))
+
+    setattr(owner, name, traced)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loader", default="pinpool", choices=["pinpool", "pinpool-zerocopy"])
+    ap.add_argument("--device", default=None, help="deliver batches on this device")
+    ap.add_argument("--shape", type=int, nargs="+", default=[3, 3344, 3344])
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batches", type=int, default=16, help="per epoch")
+    ap.add_argument("--late-ms", type=float, default=2.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dataset = make_dataset("synthetic", args.batches * args.batch_size, tuple(args.shape), "/tmp")
+    late: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def sleeper() -> None:
+        while not stop.is_set():
+            due = time.perf_counter() + 0.001
+            time.sleep(0.001)
+            now = time.perf_counter()
+            late.append((due, now - due))
+
+    # Spans: every function next_profile times, plus the ones that only run now and then.
+    next_profile._wrap = _span  # type: ignore[assignment]
+    next_profile.instrument()
+    _span(multiprocessing.popen_fork.Popen, "_launch", "fork a worker")
+    it_cls = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
+    _span(it_cls, "_shutdown_workers", "torch shutdown workers")
+    _span(it_cls, "__init__", "torch iterator start")
+    _span(torch.Tensor, "to", "Tensor.to")
+    _span(pinpool.loader._Decoder, "close", "decoder.close")
+    _span(gc, "collect", "gc.collect")
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    marks = []
+    t_start = time.perf_counter()
+    loader = pinpool.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        zero_copy=args.loader == "pinpool-zerocopy",
+    )
+    for epoch in range(2):
+        marks.append((time.perf_counter(), f"epoch {epoch + 1}"))
+        for batch in loader:
+            if args.device:
+                batch = move(batch, torch.device(args.device), True)
+            del batch
+    marks.append((time.perf_counter(), "del loader"))
+    del loader
+    marks.append((time.perf_counter(), "end"))
+    time.sleep(0.05)
+    stop.set()
+    thread.join()
+    print(f"{args.loader}, {args.batches} batches of {args.batch_size} x {args.shape}, 2 epochs")
+    out = []
+    for due, lateness in late:
+        if lateness * 1e3 < args.late_ms or due < t_start:
+            continue
+        phase = [m for t, m in marks if t <= due]
+        woke = due + lateness
+        spans = sorted(
+            (s for s in _SPANS if s[0] < woke and s[1] > due), key=lambda s: (s[0], -s[1])
+        )
+        where = "; ".join(
+            f"{label}[{who}] {1e3 * (b - a):.1f} ms from {1e3 * (a - due):+.1f}"
+            for a, b, label, who in spans
+        )
+        print(
+            f"  {1e3 * (due - t_start):9.1f} ms {phase[-1] if phase else 'start':10s} late "
+            f"{lateness * 1e3:6.1f} ms: {where or '(no traced call)'}"
+        )
+        out.append({"at_ms": 1e3 * (due - t_start), "late_ms": lateness * 1e3, "spans": where})
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps({"loader": args.loader, "device": args.device, "late": out}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

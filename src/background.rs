@@ -1,0 +1,64 @@
+//! Priorities of pinpool's own threads.
+//!
+//! A training process has one thread that matters most: the one that launches GPU work. When
+//! pinpool's threads (copies, faulting the arena in, unmapping, freeing) and the DataLoader's
+//! workers want more cores than the machine has, that thread must still get a core the moment
+//! it wakes up, or the GPU waits. So pinpool's threads run at a lower priority (a higher nice
+//! value) than the threads they serve: they take the cores that are idle and give way to the
+//! others.
+//!
+//! Invariants:
+//! - Only the calling thread's own priority changes, and only downwards, which needs no
+//!   privilege; a failure is ignored (the thread then runs at its normal priority).
+//! - Threads a lowered thread starts inherit its priority (Linux: nice is per thread and
+//!   copied at `clone`), so helpers spawned by background work are background work too.
+
+/// Copy threads: on the critical path of a batch, but never ahead of the training thread.
+pub const COPY_NICE: i32 = 5;
+
+/// Work nobody waits for: making the rest of an arena ready, unmapping, freeing.
+pub const IDLE_NICE: i32 = 10;
+
+/// Lowers the calling thread's priority to `nice` (never raises it).
+pub fn lower_priority(nice: i32) {
+    let tid = crate::release::thread_id();
+    // SAFETY: getpriority/setpriority with PRIO_PROCESS and a thread id of this process only
+    // read and set that thread's nice value; errno reports failures, which are ignored.
+    unsafe {
+        *libc::__errno_location() = 0;
+        let current = libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t);
+        if *libc::__errno_location() == 0 && current < nice {
+            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice);
+        }
+    }
+}
+
+/// The calling thread's nice value.
+pub fn current_nice() -> i32 {
+    let tid = crate::release::thread_id();
+    // SAFETY: reads this thread's own nice value.
+    unsafe { libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    // Miri: getpriority/setpriority are foreign calls Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn lowers_only_the_calling_thread_and_never_raises() {
+        let before = current_nice();
+        let seen = std::thread::spawn(|| {
+            lower_priority(IDLE_NICE);
+            let lowered = current_nice();
+            lower_priority(COPY_NICE); // a smaller nice would raise it: refused
+            let child = std::thread::spawn(current_nice).join().unwrap();
+            (lowered, current_nice(), child)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(seen, (IDLE_NICE.max(before), IDLE_NICE.max(before), IDLE_NICE.max(before)));
+        assert_eq!(current_nice(), before, "the spawning thread changed too");
+    }
+}
