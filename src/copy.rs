@@ -64,7 +64,6 @@ impl Copier {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("pinpool-copy-{i}"))
-            .start_handler(|_| crate::background::lower_priority(crate::background::COPY_NICE))
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start copy threads: {e}")))?;
         Ok(Copier { pool, threads, streaming: streaming_default() })

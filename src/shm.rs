@@ -358,10 +358,7 @@ fn populate_part(base: usize, part: &Part, threads: usize) -> Result<()> {
             .step_by(step)
             .map(|start| {
                 let len = step.min(part.len - start);
-                inner.spawn(move || {
-                    crate::background::lower_priority(crate::background::COPY_NICE);
-                    populate_range(base + part.offset + start, len, page)
-                })
+                inner.spawn(move || populate_range(base + part.offset + start, len, page))
             })
             .collect();
         workers.into_iter().try_for_each(|w| w.join().unwrap_or(Err(0)))
