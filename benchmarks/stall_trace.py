@@ -52,7 +52,20 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=16, help="per epoch")
     ap.add_argument("--late-ms", type=float, default=2.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--whole-arena",
+        action="store_true",
+        help="make the loader's arena whole at the first batch (no background preparation)",
+    )
     args = ap.parse_args()
+    if args.whole_arena:
+        made = pinpool.loader.PinPool
+
+        def whole(*a: Any, **kw: Any) -> Any:
+            kw["background"] = False
+            return made(*a, **kw)
+
+        pinpool.loader.PinPool = whole  # type: ignore[misc]
     dataset = make_dataset("synthetic", args.batches * args.batch_size, tuple(args.shape), "/tmp")
     late: list[tuple[float, float]] = []
     stop = threading.Event()
@@ -97,10 +110,13 @@ def main() -> None:
     time.sleep(0.05)
     stop.set()
     thread.join()
-    print(f"{args.loader}, {args.batches} batches of {args.batch_size} x {args.shape}, 2 epochs")
+    print(
+        f"{args.loader}, {args.batches} batches of {args.batch_size} x {args.shape}, 2 epochs"
+        f"{', whole arena at once' if args.whole_arena else ''}"
+    )
     out = []
     for due, lateness in late:
-        if lateness * 1e3 < args.late_ms or due < t_start:
+        if due < t_start or lateness < 2e-4:
             continue
         phase = [m for t, m in marks if t <= due]
         woke = due + lateness
@@ -111,11 +127,26 @@ def main() -> None:
             f"{label}[{who}] {1e3 * (b - a):.1f} ms from {1e3 * (a - due):+.1f}"
             for a, b, label, who in spans
         )
-        print(
-            f"  {1e3 * (due - t_start):9.1f} ms {phase[-1] if phase else 'start':10s} late "
-            f"{lateness * 1e3:6.1f} ms: {where or '(no traced call)'}"
+        if lateness * 1e3 >= args.late_ms:
+            print(
+                f"  {1e3 * (due - t_start):9.1f} ms {phase[-1] if phase else 'start':10s} late "
+                f"{lateness * 1e3:6.1f} ms: {where or '(no traced call)'}"
+            )
+        out.append(
+            {
+                "at_ms": 1e3 * (due - t_start),
+                "late_ms": lateness * 1e3,
+                "phase": phase[-1] if phase else "start",
+                "spans": where,
+            }
         )
-        out.append({"at_ms": 1e3 * (due - t_start), "late_ms": lateness * 1e3, "spans": where})
+    # Per phase: the worst wake-up, and the worst one that no worker start overlapped.
+    for _, name in marks[:-1]:
+        mine = [e for e in out if e["phase"] == name]
+        calm = [e for e in mine if "fork a worker" not in e["spans"]]
+        worst = max((e["late_ms"] for e in mine), default=0.0)
+        worst_calm = max((e["late_ms"] for e in calm), default=0.0)
+        print(f"  {name}: worst {worst:.1f} ms; worst outside worker start-up {worst_calm:.1f} ms")
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"loader": args.loader, "device": args.device, "late": out}) + "\n")

@@ -50,6 +50,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+import pinpool
+
 from .loaders import LoaderSpec, build, transfer
 from .workloads import batch_nbytes, largest
 
@@ -363,6 +365,11 @@ def run_once(
         raise
     finally:
         probe.stop()
+        # A deleted pinpool loader's arena is freed on a background thread. Wait for that
+        # here, outside every measurement, so it does not run into the next loader's.
+        t_release = time.perf_counter()
+        pinpool.wait_for_releases(timeout=120)
+        release_s = time.perf_counter() - t_release
     wall = t1 - t0
     # The main process's CPU, less the probe thread's own (it wakes 1000 times a second, so
     # its share would grow with the time a batch takes, not with the loader's work).
@@ -378,6 +385,7 @@ def run_once(
         "gb_per_s": nbytes / wall / 1e9,
         "batches_per_s": plan.steps / wall,
         "us_per_batch": wall / plan.steps * 1e6,
+        "background_release_s": release_s,
         "time_to_first_batch_s": first.got - t_start,
         "step_ms": steps_ms,
         "wait_ms": next_ms,
