@@ -54,6 +54,7 @@ from ._native import (
     Slot,
     available_memory,
     check_segment,
+    cuda_available,
 )
 from ._stream import LazySamples, StreamingDataset
 from ._worker import BatchHandle, encode_in_worker, encode_streaming
@@ -200,15 +201,12 @@ class _Decoder:
                 if count and full and 0 < count < full:
                     nbytes = nbytes * full // count
                 slot = self._slot_bytes or self._automatic_slot_bytes(nbytes)
-                # Only the first slots (64 MiB, at least one) are made ready here; the rest of
-                # the arena is faulted in (and pinned) on a background thread while the first
-                # batches flow.
                 self.pool = PinPool(
                     slot,
                     self._num_slots,
                     device=self._pool_device,
                     copy_threads=self._copy_threads,
-                    background=True,
+                    background=_background_arena(self._pool_device),
                 )
             if self.cache is None:
                 self.cache = SegmentCache(self.pool)
@@ -669,6 +667,19 @@ def _drop_undelivered(inner: Any) -> None:
     task_info = getattr(inner, "_task_info", None)
     if isinstance(task_info, dict):
         task_info.clear()
+
+
+def _background_arena(device: int | None) -> bool:
+    """Whether the loader's arena is made ready in the background (the first 64 MiB at once,
+    the rest while the first batches flow) or whole before the first batch is delivered.
+
+    Whole, wherever the arena is pinned through the CUDA driver: on the H200, registering the
+    rest while batches flowed stalled the main thread for 4 to 7 ms at a time (timed steps,
+    268 MB batches) and cut throughput from 15.5 to 10.3 GB/s, while the whole arena was ready
+    by the first batch anyway, in 0.83x torch's time to its first batch
+    (``benchmarks/results/h200-no-gil-stall``). In the background where there is no driver to
+    contend with (host memory): there it halves the time to the first batch."""
+    return device is None or not cuda_available()
 
 
 def _worker_copy_threads(asked: int | None, num_workers: int) -> int:
