@@ -12,8 +12,8 @@
 //! - A ticket is in exactly one place from its fenced release until its slot is free: the
 //!   queue, then one in-flight fence's list. It leaves only through
 //!   [`SlotTable::complete_fence`], after that fence has completed. (A ticket whose fence
-//!   failed is held instead by the one retire that waits for the device for it, outside the
-//!   lock: [`FenceTracker::pending`] no longer counts it, though its slot is still fenced.)
+//!   failed is held instead by the retire that waits for the device for it, and counted in
+//!   `moving` until its slot is free.)
 //! - A fence that cannot be recorded (or queried) does not free its slots early: the tracker
 //!   first waits for the whole device ([`Fences::wait_all`]), then frees them, and counts the
 //!   error.
@@ -23,8 +23,14 @@
 //!   releasing thread ([`FenceTracker::release_fenced_now`]).
 //! - The fence logic knows nothing of CUDA: [`CudaFences`] is one implementation, and tests use
 //!   [`ManualFences`], whose fences complete when the test says so.
+//! - No driver call is made under a lock that a releaser takes: releasers take `queued` (and,
+//!   for the per-thread default stream, `in_flight` and the event list) only to push or pop.
+//!   Retirers take turns through their own lock (`retiring`; a checkout does not wait for it,
+//!   it leaves the retiring to the holder) and record and query fences holding only that
+//!   one; the device-wide wait after a failed fence holds none. Tickets on their way from one list to
+//!   the other are counted in `moving`, so [`FenceTracker::pending`] never misses one.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::cuda::{Device, Event, StreamHandle};
@@ -67,7 +73,8 @@ impl<F: Fences + ?Sized> Fences for Arc<F> {
 /// CUDA events in the device's primary context, reused through a free list.
 pub struct CudaFences {
     device: Arc<Device>,
-    events: Mutex<Slab<Event>>,
+    /// Only to hand out and take back events: the driver is called after it is let go.
+    events: Mutex<Slab<Arc<Event>>>,
 }
 
 impl CudaFences {
@@ -75,24 +82,35 @@ impl CudaFences {
     pub fn new(device: &Arc<Device>) -> Self {
         CudaFences { device: Arc::clone(device), events: Mutex::new(Slab::default()) }
     }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slab<Arc<Event>>> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Fences for CudaFences {
     fn record(&self, stream: StreamHandle) -> Result<FenceId> {
-        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
-        let id = match events.take_free() {
-            Some(id) => id,
-            None => events.insert(self.device.new_event()?),
+        let free = {
+            let mut events = self.lock();
+            events.take_free().map(|id| (id, Arc::clone(events.get(id))))
         };
-        if let Err(e) = events.get(id).record(stream) {
-            events.release(id);
+        let (id, event) = match free {
+            Some(found) => found,
+            None => {
+                let event = Arc::new(self.device.new_event()?);
+                (self.lock().insert(Arc::clone(&event)), event)
+            }
+        };
+        if let Err(e) = event.record(stream) {
+            self.lock().release(id);
             return Err(e);
         }
         Ok(id)
     }
 
     fn is_complete(&self, id: FenceId) -> Result<bool> {
-        self.events.lock().unwrap_or_else(|e| e.into_inner()).get(id).is_complete()
+        let event = Arc::clone(self.lock().get(id));
+        event.is_complete()
     }
 
     fn recycle(&self, id: FenceId) {
@@ -218,6 +236,10 @@ pub struct FenceTracker {
     /// Released, fence not recorded yet. Its own lock, so a release never waits on the driver.
     queued: Mutex<Vec<(Ticket, StreamHandle)>>,
     in_flight: Mutex<Vec<InFlight>>,
+    /// Held by the one retirer at a time, through its driver calls (the others wait).
+    retiring: Mutex<()>,
+    /// Tickets a retirer holds between the lists, or while it waits for the device.
+    moving: AtomicUsize,
     errors: AtomicU64,
 }
 
@@ -228,6 +250,8 @@ impl FenceTracker {
             fences,
             queued: Mutex::new(Vec::new()),
             in_flight: Mutex::new(Vec::new()),
+            retiring: Mutex::new(()),
+            moving: AtomicUsize::new(0),
             errors: AtomicU64::new(0),
         }
     }
@@ -268,48 +292,90 @@ impl FenceTracker {
     }
 
     /// Records fences for what is queued, then frees every slot whose fence has completed;
-    /// returns how many slots it freed.
+    /// returns how many slots it freed. Waits for a retire running on another thread to finish
+    /// its fence calls first, so everything released before the call gets its fence.
     pub fn retire_ready(&self, table: &SlotTable) -> usize {
-        let mut freed = 0;
+        let turn = self.retiring.lock().unwrap_or_else(|e| e.into_inner());
+        self.retire_in_turn(turn, table)
+    }
+
+    /// As [`FenceTracker::retire_ready`], but returns 0 at once while another thread retires
+    /// (that one frees what is ready): for a checkout, which must not wait on driver calls.
+    pub fn try_retire_ready(&self, table: &SlotTable) -> usize {
+        match self.retiring.try_lock() {
+            Ok(turn) => self.retire_in_turn(turn, table),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.retire_in_turn(p.into_inner(), table),
+            Err(std::sync::TryLockError::WouldBlock) => 0,
+        }
+    }
+
+    fn retire_in_turn(&self, turn: std::sync::MutexGuard<'_, ()>, table: &SlotTable) -> usize {
         let mut failed = Vec::new();
         let mut failures = 0;
-        {
-            let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-            let queued =
-                std::mem::take(&mut *self.queued.lock().unwrap_or_else(|e| e.into_inner()));
-            for (stream, tickets) in group_by_stream(queued) {
-                match self.fences.record(stream) {
-                    Ok(fence) => in_flight.push(InFlight { fence, tickets }),
-                    Err(_) => {
-                        failures += 1;
-                        failed.extend(tickets);
-                    }
-                }
-            }
-            in_flight.retain(|f| match self.fences.is_complete(f.fence) {
-                Ok(false) => true,
-                Ok(true) => {
-                    for &t in &f.tickets {
-                        freed += usize::from(table.complete_fence(t));
-                    }
-                    self.fences.recycle(f.fence);
-                    false
-                }
+        // 1. Record one fence per stream for what is queued (driver calls: no list locked).
+        let queued = {
+            let mut queued = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+            self.moving.fetch_add(queued.len(), Ordering::SeqCst);
+            std::mem::take(&mut *queued)
+        };
+        let moved = queued.len();
+        let mut recorded = Vec::new();
+        for (stream, tickets) in group_by_stream(queued) {
+            match self.fences.record(stream) {
+                Ok(fence) => recorded.push(InFlight { fence, tickets }),
                 Err(_) => {
                     failures += 1;
-                    failed.extend_from_slice(&f.tickets);
-                    self.fences.recycle(f.fence);
-                    false
+                    failed.extend(tickets);
+                }
+            }
+        }
+        // 2. Which fences have completed (driver calls: no list locked). Only this retirer
+        // removes entries, so the ones seen here stay until step 3.
+        let known: Vec<FenceId> = {
+            let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            in_flight.extend(recorded);
+            in_flight.iter().map(|f| f.fence).collect()
+        };
+        self.moving.fetch_sub(moved - failed.len(), Ordering::SeqCst);
+        let verdicts: Vec<(FenceId, Result<bool>)> =
+            known.into_iter().map(|id| (id, self.fences.is_complete(id))).collect();
+        // 3. Free the slots behind completed fences; set aside those of failed ones.
+        let mut done = Vec::new();
+        {
+            let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            in_flight.retain_mut(|f| {
+                match verdicts.iter().find(|v| v.0 == f.fence).map(|v| &v.1) {
+                    None | Some(Ok(false)) => true,
+                    Some(Ok(true)) => {
+                        done.push((f.fence, std::mem::take(&mut f.tickets)));
+                        false
+                    }
+                    Some(Err(_)) => {
+                        failures += 1;
+                        self.moving.fetch_add(f.tickets.len(), Ordering::SeqCst);
+                        failed.append(&mut f.tickets);
+                        done.push((f.fence, Vec::new()));
+                        false
+                    }
                 }
             });
         }
+        let mut freed = 0;
+        for (fence, tickets) in done {
+            for t in tickets {
+                freed += usize::from(table.complete_fence(t));
+            }
+            self.fences.recycle(fence);
+        }
+        drop(turn);
         if failures > 0 {
-            // Outside the lock: a device-wide wait must not hold up other retires (and the
+            // Outside every lock: a device-wide wait must not hold up other retires (and the
             // checkouts that run them, which have timeouts to keep).
             self.errors.fetch_add(failures, Ordering::Relaxed);
             // If even the wait fails the context is dead: no GPU work can read the slots.
             let _ = self.fences.wait_all();
             freed += failed.iter().map(|&t| usize::from(table.complete_fence(t))).sum::<usize>();
+            self.moving.fetch_sub(failed.len(), Ordering::SeqCst);
         }
         freed
     }
@@ -317,6 +383,7 @@ impl FenceTracker {
     /// How many tickets wait on a fence (queued or in flight).
     pub fn pending(&self) -> usize {
         let queued = self.queued.lock().unwrap_or_else(|e| e.into_inner()).len();
+        let moving = self.moving.load(Ordering::SeqCst);
         let in_flight: usize = self
             .in_flight
             .lock()
@@ -324,7 +391,7 @@ impl FenceTracker {
             .iter()
             .map(|f| f.tickets.len())
             .sum();
-        queued + in_flight
+        queued + moving + in_flight
     }
 
     /// How many fences failed to record or query, each counted once (their slots were freed
@@ -353,6 +420,52 @@ mod tests {
         let manual = Arc::new(ManualFences::new());
         let tracker = FenceTracker::new(Box::new(Arc::clone(&manual)));
         (SlotTable::new(n).unwrap(), tracker, manual)
+    }
+
+    /// Fences whose driver calls take `delay`: a record or a query that hangs in the driver.
+    struct Slow {
+        manual: ManualFences,
+        delay: std::time::Duration,
+    }
+
+    impl Fences for Slow {
+        fn record(&self, stream: StreamHandle) -> Result<FenceId> {
+            std::thread::sleep(self.delay);
+            self.manual.record(stream)
+        }
+        fn is_complete(&self, id: FenceId) -> Result<bool> {
+            std::thread::sleep(self.delay);
+            self.manual.is_complete(id)
+        }
+        fn recycle(&self, id: FenceId) {
+            self.manual.recycle(id)
+        }
+        fn wait_all(&self) -> Result<()> {
+            self.manual.wait_all()
+        }
+    }
+
+    #[test]
+    fn releases_and_pending_do_not_wait_for_a_retire_in_the_driver() {
+        use std::time::{Duration, Instant};
+        let delay = Duration::from_millis(300);
+        let table = Arc::new(SlotTable::new(3).unwrap());
+        let slow = Slow { manual: ManualFences::new(), delay };
+        let tracker = Arc::new(FenceTracker::new(Box::new(slow)));
+        let (a, b) = (table.try_checkout().unwrap(), table.try_checkout().unwrap());
+        tracker.release_fenced(&table, a, 1).unwrap();
+        let retirer = {
+            let (table, tracker) = (Arc::clone(&table), Arc::clone(&tracker));
+            std::thread::spawn(move || tracker.retire_ready(&table))
+        };
+        std::thread::sleep(Duration::from_millis(50)); // the retirer is in `record` now
+        let t0 = Instant::now();
+        tracker.release_fenced(&table, b, 2).unwrap();
+        assert_eq!(tracker.pending(), 2, "a ticket on its way to a fence was not counted");
+        assert_eq!(tracker.try_retire_ready(&table), 0, "a second retirer did not step aside");
+        assert!(t0.elapsed() < delay / 2, "waited {:?} for the driver", t0.elapsed());
+        retirer.join().unwrap();
+        assert_eq!(tracker.pending(), 2);
     }
 
     #[test]

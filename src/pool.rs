@@ -318,7 +318,7 @@ impl Pool {
         let mut ticket = self.table.try_checkout();
         if ticket.is_none() {
             if let Some(f) = self.fences.as_ref() {
-                if f.retire_ready(&self.table) > 0 {
+                if f.try_retire_ready(&self.table) > 0 {
                     ticket = self.table.try_checkout();
                 }
             }
@@ -914,6 +914,12 @@ mod tests {
         let start = Instant::now();
         drop(pool);
         assert!(start.elapsed() < Duration::from_millis(100), "the drop waited for the fence");
+        // The release thread records the fence (it may first finish other tests' jobs).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while fences.recorded().is_empty() {
+            assert!(Instant::now() < deadline, "the fence was never recorded");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         std::thread::sleep(Duration::from_millis(20));
         assert!(freed_record(bytes).is_none(), "freed while a fence was pending");
         fences.complete_stream(9);
