@@ -110,22 +110,21 @@ fn state_word(map: &Mapping) -> &AtomicU32 {
     unsafe { &*map.as_ptr().add(STATE_AT).cast::<AtomicU32>() }
 }
 
-/// A copy of the header of a mapped segment, for [`check_header`]. The state word is left
-/// zero, not read: the worker may change it (atomically) at any moment, and a plain read
-/// racing with that would be a data race. No one writes the other header bytes after
-/// creation.
+/// A copy of the header of a mapped segment, for [`check_header`], read once, with volatile
+/// loads: the bytes live in memory a worker process can write at any moment (a buggy one even
+/// while we read), so they are copied out before they are looked at, and the compiler may
+/// neither re-read nor assume them. The state word is left zero, not read: the worker changes
+/// it (atomically) while the segment lives.
 fn read_header(map: &Mapping) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     let base = map.as_ptr();
-    // SAFETY: both ranges lie inside the first HEADER_LEN bytes of a mapping of at least
-    // DATA_OFFSET (> HEADER_LEN) bytes, and `h` is a separate local buffer.
-    unsafe {
-        std::ptr::copy_nonoverlapping(base, h.as_mut_ptr(), STATE_AT);
-        std::ptr::copy_nonoverlapping(
-            base.add(STATE_AT + 4),
-            h.as_mut_ptr().add(STATE_AT + 4),
-            HEADER_LEN - STATE_AT - 4,
-        );
+    for (i, byte) in h.iter_mut().enumerate() {
+        if (STATE_AT..STATE_AT + 4).contains(&i) {
+            continue;
+        }
+        // SAFETY: `i < HEADER_LEN`, inside a mapping of at least DATA_OFFSET (> HEADER_LEN)
+        // bytes that lives as long as `map`; a byte read has no alignment requirement.
+        *byte = unsafe { std::ptr::read_volatile(base.add(i)) };
     }
     h
 }

@@ -13,7 +13,6 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
 
 use crate::error::Error;
 
@@ -35,35 +34,33 @@ pub(crate) fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     }
 }
 
-/// Builds the Python exception for a core error (classes live in `pinpool._errors`).
-pub(crate) fn to_py(py: Python<'_>, err: Error) -> PyErr {
-    let msg = err.to_string();
-    let (class, args): (&str, Bound<'_, PyTuple>) = match &err {
-        Error::Exhausted { .. } => ("PoolExhausted", one(py, msg)),
-        Error::SlotReleased { .. } => ("SlotReleased", one(py, msg)),
-        Error::BatchTooLarge { needed, slot_bytes } => (
-            "BatchTooLarge",
-            (msg, *needed, *slot_bytes).into_pyobject(py).unwrap_or_else(|_| PyTuple::empty(py)),
-        ),
-        Error::Cuda { name, code, .. } => (
-            "CudaError",
-            (msg, name.clone(), *code).into_pyobject(py).unwrap_or_else(|_| PyTuple::empty(py)),
-        ),
-        Error::OutOfRange { .. } => ("OutOfBounds", one(py, msg)),
-        Error::Closed => ("PoolClosed", one(py, msg)),
-        Error::Os { .. } => ("PinPoolError", one(py, msg)),
-        Error::Invalid(_) => ("InvalidArgument", one(py, msg)),
-    };
-    let made =
-        py.import("pinpool._errors").and_then(|m| m.getattr(class)).and_then(|cls| cls.call1(args));
-    match made {
-        Ok(instance) => PyErr::from_value(instance),
-        Err(import_failed) => import_failed,
-    }
-}
+// The exception classes are defined once, in Python (`pinpool/_errors.py`, where they also
+// derive from the built-in exceptions users catch: `TimeoutError`, `ValueError`); these import
+// them, by type, when first raised.
+pyo3::import_exception!(pinpool._errors, PinPoolError);
+pyo3::import_exception!(pinpool._errors, PoolExhausted);
+pyo3::import_exception!(pinpool._errors, PoolClosed);
+pyo3::import_exception!(pinpool._errors, SlotReleased);
+pyo3::import_exception!(pinpool._errors, BatchTooLarge);
+pyo3::import_exception!(pinpool._errors, CudaError);
+pyo3::import_exception!(pinpool._errors, InvalidArgument);
+pyo3::import_exception!(pinpool._errors, OutOfBounds);
 
-fn one(py: Python<'_>, msg: String) -> Bound<'_, PyTuple> {
-    PyTuple::new(py, [msg]).unwrap_or_else(|_| PyTuple::empty(py))
+/// Builds the Python exception for a core error.
+pub(crate) fn to_py(_py: Python<'_>, err: Error) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        Error::Exhausted { .. } => PoolExhausted::new_err(msg),
+        Error::SlotReleased { .. } => SlotReleased::new_err(msg),
+        Error::BatchTooLarge { needed, slot_bytes } => {
+            BatchTooLarge::new_err((msg, needed, slot_bytes))
+        }
+        Error::Cuda { name, code, .. } => CudaError::new_err((msg, name, code)),
+        Error::OutOfRange { .. } => OutOfBounds::new_err(msg),
+        Error::Closed => PoolClosed::new_err(msg),
+        Error::Os { .. } => PinPoolError::new_err(msg),
+        Error::Invalid(_) => InvalidArgument::new_err(msg),
+    }
 }
 
 /// Extension trait: `result.py(py)?` converts a core error.
