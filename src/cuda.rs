@@ -215,13 +215,6 @@ impl Event {
             Err(e) => Err(e),
         }
     }
-
-    /// Blocks until the captured work has completed.
-    pub fn wait(&self) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: `raw` is a live event of this context.
-        guarded("cuEventSynchronize", || unsafe { result::event::synchronize(self.raw) })
-    }
 }
 
 impl Drop for Event {

@@ -378,11 +378,6 @@ impl Pool {
         }
     }
 
-    /// Whether `ticket` is a live checkout of this pool.
-    pub fn is_live(&self, ticket: Ticket) -> bool {
-        self.table.is_live(ticket)
-    }
-
     /// The first byte of the slot `ticket` holds, if the ticket is live.
     pub fn slot_ptr(&self, ticket: Ticket) -> Result<*mut u8> {
         if !self.table.is_live(ticket) {

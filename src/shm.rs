@@ -125,11 +125,6 @@ impl Mapping {
         self.fd = None;
     }
 
-    /// Checks that `[offset, offset+len)` lies inside the mapping.
-    pub fn check_range(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
-        check_range(what, offset, len, self.len)
-    }
-
     /// Faults every page in, writing (so pages are allocated, not just mapped to the zero
     /// page), with `threads` threads in parallel.
     pub fn populate(&self, threads: usize) -> Result<()> {

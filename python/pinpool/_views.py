@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,8 +117,3 @@ def slot_view(owner: Any, dtype: Any, shape: int | Sequence[int], offset: int = 
         raise InvalidArgument(f"offset {offset} is not a multiple of {ndtype}'s size")
     mem = bytes_view(owner, offset, count * ndtype.itemsize)
     return np.frombuffer(mem, dtype=ndtype, count=count).reshape(dims)
-
-
-def torch_loaded() -> bool:
-    """Whether torch has been imported by this process."""
-    return "torch" in sys.modules
