@@ -9,7 +9,12 @@
 //!   through the fence tracker, with fences that complete as soon as they are recorded: what
 //!   the queue, one fence per stream per retire, and the retire itself cost, without a GPU;
 //! - `checkout+release fenced`: a CUDA pool, released behind an event on stream 0 (needs a
-//!   CUDA device).
+//!   CUDA device);
+//! - `release with a queued fence`: the release alone (the slots are checked out before the
+//!   clock starts), behind a fence that is only queued: what a Python thread pays when a batch
+//!   dies;
+//! - `copy into a slot`: the copier's GB/s from a shared-memory segment into a slot, 64 MiB,
+//!   by thread count (a fresh pool for each count).
 //!
 //! Without a CUDA device the two CUDA groups are skipped with a note. Kept short: the whole
 //! run takes well under two minutes.
@@ -20,9 +25,11 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use pinpool::copy::CopyRange;
 use pinpool::cuda::{self, Device, StreamHandle};
-use pinpool::fence::{FenceId, Fences};
+use pinpool::fence::{FenceId, Fences, ManualFences};
+use pinpool::shm::Mapping;
 use pinpool::{Pool, PoolConfig, Result};
 
 const MIB: usize = 1 << 20;
@@ -174,6 +181,8 @@ fn fenced_instant(c: &mut Criterion) {
         let fences = Arc::new(InstantFences::default());
         let pool = Pool::with_fences(&PoolConfig::host(MIB, SLOTS), Box::new(Arc::clone(&fences)))
             .expect("host pool with fences");
+        // Streams from 10 up: 1 and 2 are the CUDA handles of the legacy and the per-thread
+        // default stream, whose fences are recorded at once, on the releasing thread.
         let mut k: StreamHandle = 0;
         let plural = if streams == 1 { "" } else { "s" };
         g.bench_function(format!("{SLOTS} slots, {streams} stream{plural}"), |b| {
@@ -183,7 +192,7 @@ fn fenced_instant(c: &mut Criterion) {
                 // everything queued and frees the slots behind it.
                 let t = pool.checkout(None).unwrap();
                 k = (k + 1) % streams;
-                pool.release(black_box(t), Some(k)).unwrap();
+                pool.release(black_box(t), Some(10 + k)).unwrap();
             })
         });
         let stats = pool.stats();
@@ -224,6 +233,51 @@ fn fenced_cuda(c: &mut Criterion) {
     g.finish();
 }
 
+fn release_queued(c: &mut Criterion) {
+    let mut g = c.benchmark_group("release with a queued fence");
+    g.bench_function("1 thread", |b| {
+        b.iter_custom(|iters| {
+            // A fresh pool per batch of iterations, with a slot for each, all checked out
+            // before the clock starts. Its fences complete only when told, after the clock
+            // stops, so every timed release just queues.
+            let n = usize::try_from(iters).unwrap_or(usize::MAX).max(1);
+            let fences = Arc::new(ManualFences::new());
+            let pool = Pool::with_fences(&PoolConfig::host(4096, n), Box::new(Arc::clone(&fences)))
+                .expect("host pool with fences");
+            let tickets: Vec<_> = (0..n).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+            let t0 = Instant::now();
+            for t in tickets {
+                pool.release(black_box(t), Some(10)).unwrap();
+            }
+            let took = t0.elapsed();
+            pool.retire_fences();
+            fences.complete_all();
+            took
+        })
+    });
+    g.finish();
+}
+
+fn copy_into_slot(c: &mut Criterion) {
+    const BYTES: usize = 64 * MIB;
+    let src = Mapping::memfd("pinpool-bench", BYTES).expect("a segment");
+    // SAFETY: the mapping is BYTES long, writable and ours alone.
+    unsafe { std::ptr::write_bytes(src.as_ptr(), 7, BYTES) };
+    let ranges = [CopyRange { src: 0, dst: 0, len: BYTES }];
+    let mut g = c.benchmark_group("copy into a slot, 64 MiB");
+    g.throughput(Throughput::Bytes(BYTES as u64));
+    for threads in [1, 2, 4, 8] {
+        let config = PoolConfig { copy_threads: threads, ..PoolConfig::host(BYTES, 1) };
+        let pool = Pool::new(&config).expect("host pool");
+        let t = pool.try_checkout().unwrap().expect("a free slot");
+        g.bench_with_input(BenchmarkId::new("threads", threads), &threads, |b, _| {
+            b.iter(|| pool.copy_in(t, black_box(&src), &ranges).unwrap())
+        });
+        pool.release(t, None).unwrap();
+    }
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -234,6 +288,7 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = uncontended, contended, malloc_free, pinned_alloc, fenced_instant, fenced_cuda
+    targets = uncontended, contended, malloc_free, pinned_alloc, fenced_instant, fenced_cuda,
+        release_queued, copy_into_slot
 }
 criterion_main!(benches);
