@@ -21,7 +21,9 @@ import pinpool
 
 
 def open_fd_count() -> int:
-    """How many file descriptors this process has open right now."""
+    """How many file descriptors this process has open, once the release thread has freed
+    every pool dropped so far (it closes their memfds in the background)."""
+    pinpool.wait_for_releases(timeout=60)
     return len(os.listdir("/proc/self/fd"))
 
 
