@@ -24,6 +24,7 @@ lint: build
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q --features python
 	$(VENV)/bin/ruff check python tests benchmarks
 	$(VENV)/bin/ruff format --check python tests benchmarks
 	$(PY) -m mypy.stubtest pinpool._native --allowlist stubtest-allowlist.txt

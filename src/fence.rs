@@ -1,6 +1,8 @@
 //! Fences: what keeps a released slot out of the free list until the GPU work that reads it
 //! has finished.
 //!
+//! (Steps 5 and 6 of "the life of a slot" in [`crate::pool`].)
+//!
 //! A release does not call the driver: it moves the slot to `Fenced` and queues
 //! `(ticket, stream)`. Whoever retires fences next (the pool's fence thread, or a checkout that
 //! found no free slot) records **one** fence per stream for everything queued on it, then polls

@@ -23,6 +23,41 @@
 //! - Only the process that made the pool checks slots out or copies into them. A forked child
 //!   holds a private copy of the slot table over the same shared arena: a slot it checked out
 //!   could be one the parent holds too, and the copy threads exist only in the parent.
+//!
+//! # Note: the life of a slot
+//!
+//! Other modules point here. One slot, from the arena's making to its reuse, in both of the
+//! DataLoader's modes (the Python halves are named after "Python:", in `loader.py`):
+//!
+//! 1. **Made.** [`Pool::new`] makes the arena ([`crate::arena`]) and the slot table
+//!    ([`crate::slots`]). A slot starts `Free`, or `Preparing` when the pool makes the rest of
+//!    its arena in the background; [`SlotTable::admit`] frees it once its part is faulted in
+//!    (and registered with the driver).
+//! 2. **Checked out.** `Free -> CheckedOut`, with a new generation; the [`Ticket`] (table,
+//!    index, generation) names this one checkout. Copy mode: the main process checks it out
+//!    when a worker's batch arrives (Python: `_Decoder._checkout`). Zero-copy: it is
+//!    checked out as torch dispatches a batch's indices (Python: `_Decoder.assign`), and its
+//!    place in the arena (memfd, offset, generation, a nonce) travels to the worker with them.
+//! 3. **Filled.** Copy mode: [`Pool::copy_in`] copies the batch from the worker's segment
+//!    ([`crate::segment`]), every range checked against the segment and the slot. Zero-copy:
+//!    the worker writes the batch into its own mapping of the slot; the main process accepts
+//!    it only for the slot handed out with those indices (index, generation, nonce) and only
+//!    if every array lies inside the slot (Python: `_Decoder.decode_slot`).
+//! 4. **Delivered.** Tensors viewing the slot (pinned CPU batches), or an asynchronous copy to
+//!    the GPU on pinpool's stream, after which the slot is released at once, fenced on that
+//!    stream (Python: `_Decoder._deliver`).
+//! 5. **Released.** When the last view of the batch dies (or on an explicit `release`), the
+//!    binding releases the ticket with torch's current stream: `CheckedOut -> Fenced`, and
+//!    `(ticket, stream)` is queued ([`crate::fence`]); without CUDA, straight to `Free`. No
+//!    driver call on the releasing thread, which may hold the GIL.
+//! 6. **Fenced.** The fence thread (or a checkout that finds nothing free) records one event
+//!    per stream for everything queued and polls the events; when a slot's event completes,
+//!    `Fenced -> Free`, and the slot is back in the free list. A fence that fails frees its
+//!    slots only after a wait for the whole device.
+//! 7. **Reused.** The next checkout bumps the generation again: every ticket of an earlier
+//!    checkout (a stale handle, a second release) is refused with `SlotReleased`.
+//! 8. **Freed.** When the last reference to the pool goes, the release thread
+//!    ([`crate::release`]) waits for the fences still pending, then frees the arena.
 
 use std::mem::ManuallyDrop;
 use std::os::fd::OwnedFd;
@@ -53,7 +88,7 @@ pub struct PoolConfig {
     pub backend: Option<Backend>,
     /// Threads for copies.
     pub copy_threads: usize,
-    /// Make only the first slots (at least one, at least [`READY_FIRST`] bytes) ready before
+    /// Make only the first slots (at least one, at least 64 MiB) ready before
     /// [`Pool::new`] returns, and the rest on a background thread (checkouts wait for slots not ready yet). The arena then no longer
     /// sits on the critical path of the first batch.
     pub background: bool,

@@ -3,6 +3,8 @@
 //! in a Python object's deallocation); unregistering and unmapping a large arena there would
 //! freeze every Python thread for hundreds of milliseconds.
 //!
+//! (Step 8 of "the life of a slot" in [`crate::pool`].)
+//!
 //! Invariants:
 //! - One thread per process, named `pinpool-release`, started by the first job. Jobs run one
 //!   at a time, in the order they were queued, each exactly once.

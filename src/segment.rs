@@ -1,6 +1,8 @@
 //! Batch segments: the shared memory a worker process collates a batch into, reused across
 //! batches, and the main process's cache of their mappings.
 //!
+//! (Step 3 of "the life of a slot" in [`crate::pool`], copy mode: where a batch comes from.)
+//!
 //! Layout of a segment (one sealed memfd): a 64-byte header at offset 0, then the batch data
 //! from [`DATA_OFFSET`] (one page) to the end.
 //!

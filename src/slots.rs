@@ -1,5 +1,7 @@
 //! The slot table: the state of every slot and the free list.
 //!
+//! (See "the life of a slot" in [`crate::pool`] for where each transition is made.)
+//!
 //! Invariants:
 //! - Every slot is in exactly one state: `Preparing`, `Free`, `CheckedOut` or `Fenced`, held
 //!   in one atomic word together with the slot's generation.
