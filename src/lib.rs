@@ -34,7 +34,7 @@ pub mod slots;
 mod python;
 
 pub use error::{Error, Result};
-pub use pool::{Pool, PoolConfig, Stats};
+pub use pool::{Claim, ClaimRules, Pool, PoolConfig, Stats};
 pub use slots::Ticket;
 
 /// Proptest settings for the unit tests: `cases` cases; under Miri, which interprets every

@@ -145,6 +145,33 @@ impl Counters {
     }
 }
 
+/// How [`Pool::claim`] may take a slot.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClaimRules {
+    /// Slots to leave free for other claims: only a claim that finds more than this many free
+    /// takes one at once.
+    pub reserve: usize,
+    /// How long to wait for a slot on its way; `None` waits as long as one is coming.
+    pub timeout: Option<Duration>,
+    /// Advise [`Claim::Overflow`] when no slot is free and none is on its way (every slot is
+    /// held by a batch the consumer keeps alive: waiting could wait forever).
+    pub overflow: bool,
+    /// Never wait for what only the consumer can give back: answer [`Claim::Later`] when the
+    /// free and coming slots are no more than the reserve, or the timeout has passed.
+    pub defer: bool,
+}
+
+/// What [`Pool::claim`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// A slot, checked out.
+    Slot(Ticket),
+    /// Come back later (only with [`ClaimRules::defer`]).
+    Later,
+    /// Put this batch in ordinary memory (only with [`ClaimRules::overflow`]).
+    Overflow,
+}
+
 /// A snapshot of the pool's state and counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -369,6 +396,53 @@ impl Pool {
         Ok(ticket)
     }
 
+    /// Takes a slot by the DataLoader's rules (see [`Claim`] and [`ClaimRules`]), waiting
+    /// on the slot table's condition variable (not polling) while a slot is on its way.
+    pub fn claim(&self, rules: &ClaimRules) -> Result<Claim> {
+        let start = Instant::now();
+        loop {
+            if self.table.free_len() > rules.reserve {
+                if let Some(t) = self.try_checkout()? {
+                    return Ok(Claim::Slot(t));
+                }
+            } else if let Some(f) = self.fences.as_ref() {
+                f.try_retire_ready(&self.table);
+            }
+            let c = self.slot_counts();
+            // Fenced slots come back as the GPU finishes reading them, preparing ones as the
+            // background thread makes them ready: both are worth waiting for.
+            let coming = c.fenced + c.preparing;
+            let left = rules.timeout.map(|t| t.saturating_sub(start.elapsed()));
+            let expired = left.is_some_and(|l| l.is_zero());
+            if rules.defer && (c.free + coming <= rules.reserve || expired) {
+                return Ok(Claim::Later);
+            }
+            if c.free > rules.reserve {
+                continue; // freed meanwhile
+            }
+            if coming == 0 && rules.overflow {
+                return Ok(Claim::Overflow);
+            }
+            if expired {
+                return Err(Error::Exhausted {
+                    waited_ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
+                    num_slots: self.num_slots(),
+                });
+            }
+            if c.free > 0 {
+                // Only the reserve is free, and more than it is on its way: taking one of
+                // them leaves enough for the others once those arrive.
+                if let Some(t) = self.try_checkout()? {
+                    return Ok(Claim::Slot(t));
+                }
+            }
+            // Fences are polled by the fence thread every few hundred microseconds at most;
+            // a release or a completed fence wakes this wait at once.
+            let nap = Duration::from_millis(if coming > 0 { 1 } else { 50 });
+            self.table.wait(left.map_or(nap, |l| l.min(nap)));
+        }
+    }
+
     /// Slots free right now (a snapshot; O(1)).
     pub fn free_slots(&self) -> usize {
         self.table.free_len()
@@ -550,15 +624,20 @@ impl Pool {
         Arc::clone(&self.counters)
     }
 
-    /// Counters and slot states.
-    pub fn stats(&self) -> Stats {
-        let c = &self.counters;
+    /// Slots by state.
+    pub fn slot_counts(&self) -> Counts {
         let mut slots = self.table.counts();
         if self.prepare_error.get().is_some() {
             slots.preparing = 0; // they never will be ready
         }
+        slots
+    }
+
+    /// Counters and slot states.
+    pub fn stats(&self) -> Stats {
+        let c = &self.counters;
         Stats {
-            slots,
+            slots: self.slot_counts(),
             checkouts: c.checkouts.load(Ordering::Relaxed),
             waits: c.waits.load(Ordering::Relaxed),
             wait_ns: c.wait_ns.load(Ordering::Relaxed),
@@ -907,6 +986,44 @@ mod tests {
         drop(Pool::new(&config).unwrap());
         assert!(release::flush(Some(Duration::from_secs(30))));
         assert!(freed_record(29 * (4 << 20)).is_some());
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn claims_follow_the_loaders_rules() {
+        let fences = Arc::new(ManualFences::new());
+        let pool = Pool::with_fences(&PoolConfig::host(4096, 2), Box::new(fences.clone())).unwrap();
+        let quick = Some(Duration::from_millis(30));
+        let ahead = ClaimRules { reserve: 1, timeout: quick, overflow: false, defer: true };
+        let own = ClaimRules { reserve: 0, timeout: quick, overflow: true, defer: false };
+        let strict = ClaimRules { reserve: 0, timeout: quick, overflow: false, defer: false };
+        // Two free: ahead takes one, then leaves the last one to the consumer.
+        let Claim::Slot(a) = pool.claim(&ahead).unwrap() else { panic!("no slot") };
+        assert_eq!(pool.claim(&ahead).unwrap(), Claim::Later);
+        let Claim::Slot(b) = pool.claim(&own).unwrap() else { panic!("no slot") };
+        // Every slot held by the consumer, none on its way: later, overflow, or a timeout.
+        assert_eq!(pool.claim(&ahead).unwrap(), Claim::Later);
+        assert_eq!(pool.claim(&own).unwrap(), Claim::Overflow);
+        assert!(matches!(pool.claim(&strict), Err(Error::Exhausted { .. })));
+        // A slot on its way behind a fence: waited for, not overflowed, and a completed
+        // fence wakes the waiter.
+        pool.release(a, Some(11)).unwrap();
+        let waiter = {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || {
+                let rules = ClaimRules { timeout: Some(Duration::from_secs(30)), ..own };
+                pool.claim(&rules)
+            })
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!waiter.is_finished(), "did not wait for the fenced slot");
+        pool.retire_fences();
+        fences.complete_stream(11);
+        let Ok(Claim::Slot(c)) = waiter.join().unwrap() else { panic!("no slot after the fence") };
+        assert_eq!(c.index, a.index);
+        pool.release(b, None).unwrap();
+        pool.release(c, None).unwrap();
     }
 
     /// The release record of the pool of `bytes` bytes dropped on this thread, once freed.

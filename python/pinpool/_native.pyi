@@ -2,7 +2,7 @@
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, final
+from typing import Any, Literal, final
 
 __all__ = [
     "SEGMENT_DATA_OFFSET",
@@ -44,6 +44,13 @@ class PinPool:
     ) -> PinPool: ...
     def checkout(self, timeout: float | None = None) -> Slot: ...
     def try_checkout(self, reserve: int = 0) -> Slot | None: ...
+    def claim(
+        self,
+        reserve: int = 0,
+        timeout: float | None = None,
+        overflow: bool = False,
+        defer: bool = False,
+    ) -> Slot | Literal["later", "overflow"]: ...
     def copy_into(
         self, slot: Slot, segment: Segment, ranges: Sequence[tuple[int, int, int]]
     ) -> int: ...

@@ -27,7 +27,6 @@ import os
 import queue
 import random
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -407,7 +406,8 @@ class _Decoder:
     # -- shared -------------------------------------------------------------------------
 
     def _checkout(self, pool: PinPool, need: int, ahead: bool = False) -> Any:
-        """A slot for ``need`` bytes, or (by the overflow rules) an ordinary buffer.
+        """A slot for ``need`` bytes, or (by the overflow rules) an ordinary buffer. The rules
+        are applied in Rust (``PinPool.claim``), which waits without the GIL.
 
         With ``ahead`` (torch's pin thread, decoding a batch the consumer may not want yet),
         the slot must not be the last one free (that one is kept for the batch the consumer
@@ -425,40 +425,26 @@ class _Decoder:
                 need,
                 pool.slot_bytes,
             )
-        keep = 1 if ahead else 0
-        slot = pool.try_checkout(reserve=keep)  # the common case, without building stats
-        if slot is not None:
-            return slot
-        deadline = None if self._slot_timeout is None else time.monotonic() + self._slot_timeout
-        while True:
-            stats = pool.stats()
-            if stats["slots_free"] > keep:
-                slot = pool.try_checkout()
-                if slot is not None:
-                    return slot
-                continue  # another thread took it
-            # Fenced slots come back as the GPU finishes reading them, preparing ones as the
-            # background thread makes them ready: both are worth waiting for.
-            fenced = stats["slots_fenced"] + stats["slots_preparing"]
-            left = None if deadline is None else deadline - time.monotonic()
-            if ahead and (stats["slots_free"] + fenced <= keep or (left is not None and left <= 0)):
-                return _LATER
-            if fenced == 0 and self._overflow == "copy":
-                # Every slot is held by a batch the consumer keeps alive: waiting could wait
-                # forever (list(loader) does this). Use ordinary memory for this one.
-                return self._overflow_buffer(need)
-            if left is not None and left <= 0:
-                raise PoolExhausted(
-                    f"no free slot after {self._slot_timeout} s: all {pool.num_slots} slots "
-                    "are held by batches that are still alive; keep fewer batches, or pass "
-                    "num_slots= to pinpool.DataLoader"
-                )
-            try:
-                # Fenced slots come back as the GPU finishes reading them (ahead: with more
-                # than ``keep`` on their way, taking the first leaves enough for the others).
-                return pool.checkout(timeout=0.01 if left is None else min(0.01, left))
-            except PoolExhausted:
-                continue
+        try:
+            got = pool.claim(
+                reserve=1 if ahead else 0,
+                timeout=self._slot_timeout,
+                overflow=self._overflow == "copy" and not ahead,
+                defer=ahead,
+            )
+        except PoolExhausted:
+            raise PoolExhausted(
+                f"no free slot after {self._slot_timeout} s: all {pool.num_slots} slots "
+                "are held by batches that are still alive; keep fewer batches, or pass "
+                "num_slots= to pinpool.DataLoader"
+            ) from None
+        if got == "later":
+            return _LATER
+        if got == "overflow":
+            # Every slot is held by a batch the consumer keeps alive: waiting could wait
+            # forever (list(loader) does this). Use ordinary memory for this one.
+            return self._overflow_buffer(need)
+        return got
 
     def _overflow_buffer(self, need: int) -> torch.Tensor:
         self.overflow_batches += 1

@@ -12,7 +12,7 @@ use super::{guarded, timeout_arg, to_py, IntoPy};
 use crate::arena::Backend;
 use crate::copy::{CopyRange, MAX_COPY_THREADS};
 use crate::error::Error;
-use crate::pool::{Counters, Pool, PoolConfig, Stats};
+use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig, Stats};
 
 /// A fixed arena of (pinned) host memory cut into equal slots.
 #[pyclass(name = "PinPool", module = "pinpool._native", frozen)]
@@ -191,6 +191,31 @@ impl PyPinPool {
             let p = Arc::clone(&pool);
             let ticket = py.detach(move || p.checkout(timeout)).py(py)?;
             Ok(self.wrap(pool, ticket))
+        })
+    }
+
+    /// Takes a slot by a loader's rules, waiting without the GIL while one is on its way:
+    /// a `Slot`, or `"later"` (with `defer`: free and coming slots are no more than
+    /// `reserve`, or `timeout` passed), or `"overflow"` (with `overflow`: nothing free and
+    /// nothing coming). Without `defer`, a timeout raises `PoolExhausted`.
+    #[pyo3(signature = (reserve = 0, timeout = None, overflow = false, defer = false))]
+    fn claim<'py>(
+        &self,
+        py: Python<'py>,
+        reserve: usize,
+        timeout: Option<f64>,
+        overflow: bool,
+        defer: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        guarded(|| {
+            let rules = ClaimRules { reserve, timeout: timeout_arg(py, timeout)?, overflow, defer };
+            let pool = self.get(py)?;
+            let p = Arc::clone(&pool);
+            Ok(match py.detach(move || p.claim(&rules)).py(py)? {
+                Claim::Slot(t) => Bound::new(py, self.wrap(pool, t))?.into_any(),
+                Claim::Later => "later".into_pyobject(py)?.into_any(),
+                Claim::Overflow => "overflow".into_pyobject(py)?.into_any(),
+            })
         })
     }
 
