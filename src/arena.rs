@@ -126,6 +126,9 @@ pub struct Arena {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// About how big the parts of an arena made ready in the background are (whole slots).
+const BACKGROUND_PART: usize = 128 << 20;
+
 /// Bytes of memory this process could still fault in: the kernel's `MemAvailable`, and,
 /// inside a cgroup (v2) with a memory limit, no more than that limit minus what the cgroup
 /// already uses. `None` when neither can be read.
@@ -180,8 +183,14 @@ fn region(
     first: Option<usize>,
     timings: &mut Vec<(&'static str, f64)>,
 ) -> Result<Region> {
+    // Made ready in the background, part by part: small parts, so that what is ready grows
+    // steadily and the work can stop soon after the pool is no longer wanted.
+    let parts = match first {
+        Some(_) => threads.max(len.div_ceil(BACKGROUND_PART)),
+        None => threads,
+    };
     let region = timed(timings, "map", || {
-        Region::with_first("pinpool-arena", len, align, first.unwrap_or(0), threads)
+        Region::with_first("pinpool-arena", len, align, first.unwrap_or(0), parts)
     })?;
     region.advise_huge_pages();
     Ok(region)

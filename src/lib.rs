@@ -7,6 +7,7 @@
 //! - [`slots`]: the slot state machine and free list;
 //! - [`fence`]: what keeps a released slot out of circulation until the GPU is done with it;
 //! - [`pool`]: arena + slots + fences + copies, the object users hold;
+//! - [`lease`]: one checked-out slot held by one owner: pins and deferred release;
 //! - [`copy`]: multi-threaded copies of byte ranges;
 //! - [`shm`], [`segment`], [`reclaim`]: shared memory from worker processes, and unmapping it
 //!   on a background thread;
@@ -23,6 +24,7 @@ pub mod copy;
 pub mod cuda;
 pub mod error;
 pub mod fence;
+pub mod lease;
 pub mod pool;
 pub mod reclaim;
 pub mod release;

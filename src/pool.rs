@@ -695,8 +695,15 @@ fn prepare_loop(pool: Weak<Pool>) {
     // Half the cores: the DataLoader's workers are starting at the same time.
     let threads = fault_threads().div_ceil(2);
     loop {
+        // Declared first, dropped last: if this thread drops the pool's last reference, the
+        // release is queued before a flush may stop waiting for it.
+        let _hold = release::hold();
         let Some(pool) = pool.upgrade() else { return };
-        if pool.stopping.load(Ordering::Acquire) || pool.table.is_closed() {
+        // Nobody else holds the pool any more: stop, and let it go now.
+        if pool.stopping.load(Ordering::Acquire)
+            || pool.table.is_closed()
+            || Arc::strong_count(&pool) == 1
+        {
             return;
         }
         match pool.arena.prepare_next(threads) {

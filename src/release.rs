@@ -11,8 +11,9 @@
 //! - [`submit`] never blocks on a job: it queues and returns. Only when no thread can be
 //!   started at all (the process is out of resources) does the job run on the caller's thread:
 //!   a stall is better than a leak.
-//! - [`flush`] returns true once every job queued before the call has finished, or false when
-//!   its timeout passes first.
+//! - [`flush`] returns true once every job queued before the call has finished and no
+//!   [`Hold`] is held (background work that may still drop the last reference to a pool, such
+//!   as making an arena ready), or false when its timeout passes first.
 //! - At process exit a C `atexit` hook waits (at most [`EXIT_WAIT`]) for the queue to drain.
 //!   It is registered when the thread starts, after the CUDA driver was loaded, so it runs
 //!   before the driver's own exit handlers: no arena is unregistered from a torn-down driver,
@@ -57,6 +58,8 @@ struct Queue {
     queued: u64,
     done: u64,
     started: bool,
+    /// Live [`Hold`]s.
+    held: usize,
     records: VecDeque<Freed>,
 }
 
@@ -66,6 +69,7 @@ static QUEUE: Mutex<Queue> = Mutex::new(Queue {
     queued: 0,
     done: 0,
     started: false,
+    held: 0,
     records: VecDeque::new(),
 });
 /// Signalled when a job is queued (the thread waits on it) and when one finishes (flushers).
@@ -83,6 +87,7 @@ fn queue() -> MutexGuard<'static, Queue> {
         q.queued = 0;
         q.done = 0;
         q.started = false;
+        q.held = 0;
     }
     q
 }
@@ -112,13 +117,32 @@ pub fn submit(job: Job) {
     CHANGED.notify_all();
 }
 
-/// Waits until every job queued so far has run, at most `timeout` (forever if `None`).
-/// Returns whether they all have.
+/// Held by background work that may drop the last reference to a pool (and so queue its
+/// release): [`flush`] waits for it to end.
+#[derive(Debug)]
+pub struct Hold(());
+
+/// Takes a [`Hold`] until the value is dropped.
+pub fn hold() -> Hold {
+    queue().held += 1;
+    Hold(())
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let mut q = queue();
+        q.held = q.held.saturating_sub(1);
+        drop(q);
+        CHANGED.notify_all();
+    }
+}
+
+/// Waits until no [`Hold`] is held and every job queued by then has run, at most `timeout`
+/// (forever if `None`). Returns whether that happened.
 pub fn flush(timeout: Option<Duration>) -> bool {
     let deadline = timeout.map(|t| Instant::now() + t);
     let mut q = queue();
-    let target = q.queued;
-    while q.done < target {
+    while q.held > 0 || q.done < q.queued {
         q = match deadline {
             None => CHANGED.wait(q).unwrap_or_else(|e| e.into_inner()),
             Some(d) => {
@@ -222,6 +246,14 @@ mod tests {
         assert!(!flush(Some(Duration::from_millis(1))) || done.load(Ordering::SeqCst) == 1);
         assert!(flush(None));
         assert_eq!(done.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn flush_waits_for_every_hold() {
+        let h = hold();
+        assert!(!flush(Some(Duration::from_millis(20))), "flushed past a hold");
+        drop(h);
+        assert!(flush(Some(Duration::from_secs(30))));
     }
 
     #[test]

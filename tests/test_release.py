@@ -24,11 +24,12 @@ from pinpool import _native
 MiB = 1 << 20
 
 
-def freed_record(nbytes: int) -> dict[str, float] | None:
-    """The release record of an arena of ``nbytes`` dropped on this thread, if freed."""
+def freed_record(nbytes: int, anywhere: bool = False) -> dict[str, float] | None:
+    """The release record of an arena of ``nbytes`` dropped on this thread (with
+    ``anywhere``: on any thread, such as a pool's own prepare thread), if freed."""
     me = threading.get_native_id()
     for r in reversed(_native.recent_releases()):
-        if r["bytes"] == nbytes and r["dropped_on"] == me:
+        if r["bytes"] == nbytes and (anywhere or r["dropped_on"] == me):
             return r
     return None
 
@@ -38,9 +39,9 @@ def thread_name(tid: int) -> str:
         return f.read().strip()
 
 
-def assert_freed_off_this_thread(nbytes: int) -> None:
+def assert_freed_off_this_thread(nbytes: int, anywhere: bool = False) -> None:
     assert pinpool.wait_for_releases(timeout=60), "the release thread did not finish"
-    record = freed_record(nbytes)
+    record = freed_record(nbytes, anywhere)
     assert record is not None, f"no arena of {nbytes} bytes was freed: {_native.recent_releases()}"
     assert record["freed_on"] != threading.get_native_id(), "freed on the dropping thread"
     assert thread_name(int(record["freed_on"])) == "pinpool-release"
@@ -112,7 +113,9 @@ def test_deleting_a_loader_with_a_1_gib_arena_does_not_stall_other_threads() -> 
         f"a thread's 1 ms sleep woke {worst * 1e3:.1f} ms late while the loader was deleted "
         f"(del took {dropped_in * 1e3:.0f} ms)"
     )
-    assert_freed_off_this_thread(1 << 30)
+    # (The last reference may go on the pool's prepare thread, if it was still making the
+    # arena ready in the background: host memory here.)
+    assert_freed_off_this_thread(1 << 30, anywhere=True)
 
 
 EXIT_SCRIPT = """

@@ -1,0 +1,235 @@
+//! A lease: one checked-out slot held by one owner (the Python `Slot`), with the rules for
+//! giving it back while views of its memory may still be alive.
+//!
+//! (Step 5 of "the life of a slot" in [`crate::pool`]: how a release is made.)
+//!
+//! Invariants:
+//! - A leased slot returns to its pool exactly once: through [`Lease::release`] or, when the
+//!   owner dies without releasing, [`Lease::finish`].
+//! - While a pin is held (a buffer export or a copy into the slot), a release is deferred
+//!   until the last pin goes: the slot never re-enters the pool under a live view or copy.
+//! - A release whose fence cannot be recorded waits for the whole device instead, then frees
+//!   the slot unfenced: a slot is never reused under a pending GPU read.
+//! - Every way in refuses a released lease (`SlotReleased`) and a pin for another pool.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::cuda::StreamHandle;
+use crate::error::{Error, Result};
+use crate::pool::Pool;
+use crate::slots::Ticket;
+
+#[derive(Debug, Default)]
+struct Use {
+    released: bool,
+    pins: usize,
+    /// A release waiting for the last pin: the stream to fence it on.
+    deferred: Option<Option<StreamHandle>>,
+}
+
+/// One checked-out slot of a pool.
+#[derive(Debug)]
+pub struct Lease {
+    pool: Arc<Pool>,
+    ticket: Ticket,
+    state: Mutex<Use>,
+}
+
+/// Keeps a lease's slot out of the pool while it lives (see [`Lease::pin`]).
+#[derive(Debug)]
+pub struct LeasePin<'a>(&'a Lease);
+
+impl Drop for LeasePin<'_> {
+    fn drop(&mut self) {
+        self.0.unpin();
+    }
+}
+
+impl Lease {
+    /// Holds `ticket`, a live checkout of `pool`.
+    pub fn new(pool: Arc<Pool>, ticket: Ticket) -> Self {
+        Lease { pool, ticket, state: Mutex::new(Use::default()) }
+    }
+
+    /// The pool the slot belongs to.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// The checkout this lease holds.
+    pub fn ticket(&self) -> Ticket {
+        self.ticket
+    }
+
+    fn state(&self) -> MutexGuard<'_, Use> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn released_error(&self) -> Error {
+        Error::SlotReleased { index: self.ticket.index as usize }
+    }
+
+    /// Whether the slot was released (or waits for its last pin to go).
+    pub fn is_released(&self) -> bool {
+        self.state().released
+    }
+
+    /// The slot's first byte; fails once the lease is released.
+    pub fn address(&self) -> Result<*mut u8> {
+        if self.is_released() {
+            return Err(self.released_error());
+        }
+        self.pool.slot_ptr(self.ticket)
+    }
+
+    /// Pins the slot for as long as the guard lives (a copy into it). It must belong to
+    /// `pool` and not be released.
+    pub fn pin(&self, pool: &Arc<Pool>) -> Result<LeasePin<'_>> {
+        if !Arc::ptr_eq(&self.pool, pool) {
+            return Err(Error::Invalid("this slot belongs to another pool".into()));
+        }
+        self.pin_held()?;
+        Ok(LeasePin(self))
+    }
+
+    /// Pins the slot until a matching [`Lease::unpin`] (a buffer export, whose end the
+    /// owner is told of separately). Returns the slot's first byte.
+    pub fn pin_held(&self) -> Result<*mut u8> {
+        let mut s = self.state();
+        if s.released {
+            return Err(self.released_error());
+        }
+        let ptr = self.pool.slot_ptr(self.ticket)?;
+        s.pins += 1;
+        Ok(ptr)
+    }
+
+    /// Ends one pin; the last one carries out a release deferred meanwhile.
+    pub fn unpin(&self) {
+        let deferred = {
+            let mut s = self.state();
+            s.pins = s.pins.saturating_sub(1);
+            if s.pins == 0 {
+                s.deferred.take()
+            } else {
+                None
+            }
+        };
+        if let Some(stream) = deferred {
+            self.give_back(stream);
+        }
+    }
+
+    /// Releases the slot, fenced on `stream` (none: at once); with pins held, once the last
+    /// one goes. A second release is refused.
+    pub fn release(&self, stream: Option<StreamHandle>) -> Result<()> {
+        let mut s = self.state();
+        if s.released {
+            return Err(self.released_error());
+        }
+        if s.pins > 0 {
+            s.released = true;
+            s.deferred = Some(stream);
+            return Ok(());
+        }
+        self.pool.release(self.ticket, stream)?;
+        s.released = true;
+        Ok(())
+    }
+
+    /// The owner is going: carries out a deferred release, or releases the slot fenced on
+    /// the stream `stream()` names (`Err`: it could not say, so wait for the whole device).
+    /// Does nothing for a lease already given back.
+    pub fn finish(&self, stream: impl FnOnce() -> std::result::Result<Option<StreamHandle>, ()>) {
+        let s = std::mem::take(&mut *self.state());
+        if s.released {
+            if let Some(stream) = s.deferred {
+                self.give_back(stream);
+            }
+            return;
+        }
+        match stream() {
+            Ok(stream) => self.give_back(stream),
+            Err(()) => self.give_back_after_device_sync(),
+        }
+    }
+
+    /// Returns the slot; if its fence cannot be recorded, waits for the device instead.
+    fn give_back(&self, stream: Option<StreamHandle>) {
+        if self.pool.release(self.ticket, stream).is_err() {
+            self.give_back_after_device_sync();
+        }
+    }
+
+    /// Returns the slot unfenced once every queued GPU operation has finished.
+    fn give_back_after_device_sync(&self) {
+        if let Some(device) = self.pool.arena().device() {
+            let _ = device.synchronize();
+        }
+        let _ = self.pool.release(self.ticket, None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fence::ManualFences;
+    use crate::pool::PoolConfig;
+
+    fn lease(n: usize) -> (Arc<Pool>, Lease) {
+        let pool = Pool::new(&PoolConfig::host(4096, n)).unwrap();
+        let t = pool.try_checkout().unwrap().unwrap();
+        (Arc::clone(&pool), Lease::new(pool, t))
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_release_waits_for_the_last_pin() {
+        let (pool, l) = lease(1);
+        let copy = l.pin(&pool).unwrap();
+        l.pin_held().unwrap(); // a buffer export
+        l.release(None).unwrap();
+        assert!(l.is_released());
+        assert_eq!(pool.stats().slots.checked_out, 1, "returned under a live pin");
+        drop(copy);
+        assert_eq!(pool.stats().slots.checked_out, 1, "returned under a live export");
+        l.unpin();
+        assert_eq!(pool.stats().slots.free, 1);
+        assert_eq!(l.release(None), Err(Error::SlotReleased { index: 0 }));
+        assert!(l.pin_held().is_err() && l.address().is_err());
+        l.finish(|| panic!("a released lease asked for a stream"));
+        assert_eq!(pool.stats().releases, 1, "given back twice");
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn an_owner_that_dies_gives_the_slot_back_once() {
+        let (pool, l) = lease(2);
+        assert!(!l.address().unwrap().is_null());
+        l.finish(|| Ok(None));
+        assert_eq!(pool.stats().slots.free, 2);
+        let (other, l2) = lease(1);
+        assert!(l2.pin(&pool).is_err(), "pinned for another pool");
+        l2.finish(|| Err(())); // no stream known: a device wait (none here), then unfenced
+        assert_eq!(other.stats().slots.free, 1);
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_deferred_release_is_fenced_on_its_stream() {
+        let fences = Arc::new(ManualFences::new());
+        let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
+        let l = Lease::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap());
+        l.pin_held().unwrap();
+        l.release(Some(12)).unwrap();
+        l.unpin();
+        assert_eq!(pool.stats().slots.fenced, 1);
+        pool.retire_fences();
+        fences.complete_stream(12);
+        pool.retire_fences();
+        assert_eq!(pool.stats().slots.free, 1);
+    }
+}
