@@ -72,8 +72,12 @@ tsan:
 		--lib --tests
 
 # An abi3 wheel (Python >= 3.11) for the GPU machine: dist/pinpool-*.whl
+# One abi3 wheel for manylinux_2_28 (the glibc floor torch's own wheels target), linked with
+# zig so that this machine's newer glibc does not raise the floor.
 wheel: $(STAMP)
-	$(VENV)/bin/maturin build --release -q -o dist
+	$(PY) -m pip install -q ziglang
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin build --release -q --zig \
+		--compatibility manylinux_2_28 -o dist
 
 clean:
 	rm -rf $(VENV) target dist

@@ -10,6 +10,7 @@ See README.md for the DataLoader and the benchmarks.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from . import _native, _streams
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from .loader import DataLoader
 
 _native._set_stream_hook(_streams.current_stream)
+
+# A library's logger: silent unless the application configures logging.
+logging.getLogger("pinpool").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
@@ -56,6 +60,13 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The DataLoader needs torch; importing pinpool alone must not.
     if name == "DataLoader":
+        try:
+            import torch  # noqa: F401
+        except ModuleNotFoundError as exc:
+            raise ImportError(
+                "pinpool.DataLoader needs PyTorch: pip install pinpool[torch] (the pool "
+                "itself, pinpool.PinPool, works without it)"
+            ) from exc
         from .loader import DataLoader
 
         return DataLoader

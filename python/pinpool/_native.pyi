@@ -38,7 +38,7 @@ class PinPool:
         slot_bytes: int,
         num_slots: int,
         device: int | str | Any | None = 0,
-        backend: str = "auto",
+        backend: Literal["auto", "cuda-register", "cuda-hostalloc", "host"] = "auto",
         copy_threads: int | None = None,
         background: bool = False,
     ) -> PinPool: ...
@@ -89,6 +89,10 @@ class PinPool:
 
 @final
 class Slot:
+    # The buffer protocol (memoryview(slot), numpy.frombuffer, torch.frombuffer): declared so
+    # that type checkers accept a Slot where a Buffer is expected.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
     @property
     def index(self) -> int: ...
     @property

@@ -30,7 +30,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.utils.data
@@ -67,6 +67,8 @@ from ._zerocopy import (
 )
 
 __all__ = ["DataLoader", "PinCollate"]
+
+_T_co = TypeVar("_T_co", covariant=True)
 
 _DECODERS: weakref.WeakValueDictionary[str, _Decoder] = weakref.WeakValueDictionary()
 
@@ -206,6 +208,16 @@ class _Decoder:
                     device=self._pool_device,
                     copy_threads=self._copy_threads,
                     background=_background_arena(self._pool_device),
+                )
+                logging.getLogger("pinpool").info(
+                    "made the loader's pool at its first batch (%d bytes): %d slots of %d "
+                    "bytes, %s memory (%s), %d copy threads",
+                    nbytes,
+                    self.pool.num_slots,
+                    self.pool.slot_bytes,
+                    self.pool.memory,
+                    self.pool.backend,
+                    self.pool.copy_threads,
                 )
             if self.cache is None:
                 self.cache = SegmentCache(self.pool)
@@ -683,10 +695,23 @@ def _worker_copy_threads(asked: int | None, num_workers: int) -> int:
                     f"PINPOOL_WORKER_COPY_THREADS must be an integer, not {env!r}"
                 ) from None
         else:
+            # Under torchrun (or Lightning, accelerate), LOCAL_WORLD_SIZE ranks share the
+            # host's cores, each with its own workers.
+            ranks = local_world_size()
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-            asked = min(4, max(2, cores // max(1, num_workers)))
+            floor = 2 if ranks == 1 else 1
+            asked = min(4, max(floor, cores // ranks // max(1, num_workers)))
     _check_int("worker_copy_threads", asked, 1, _MAX_COPY_THREADS)
     return asked
+
+
+def local_world_size() -> int:
+    """How many data-parallel ranks share this host: ``$LOCAL_WORLD_SIZE`` (set by torchrun,
+    and by Lightning and accelerate on top of it), else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 #: The most copy threads a pool or a worker may have (the Rust core's limit).
@@ -723,7 +748,7 @@ def _cuda_device(device: Any) -> torch.device | None:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose batches land in pinned arena slots.
 
     Takes torch's arguments (``pin_memory`` is implied and ignored), plus:
@@ -787,8 +812,8 @@ class DataLoader(torch.utils.data.DataLoader):
         device: Any = None,
         copy_threads: int | None = None,
         slot_timeout: float | None = 60.0,
-        overflow: str = "copy",
-        oversize: str = "error",
+        overflow: Literal["copy", "wait"] = "copy",
+        oversize: Literal["error", "copy"] = "error",
         zero_copy: bool = False,
         keep_worker_memory: bool = True,
         worker_copy_threads: int | None = None,

@@ -82,8 +82,32 @@ fn default_copy_threads() -> Result<usize, Error> {
                 "PINPOOL_COPY_THREADS must be a number from 1 to {MAX_COPY_THREADS}, not {text:?}"
             ))
             }),
-        _ => Ok(std::thread::available_parallelism().map_or(4, |n| n.get()).min(8)),
+        // Under torchrun (or Lightning, accelerate), LOCAL_WORLD_SIZE ranks share the cores.
+        _ => {
+            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+            let ranks = std::env::var("LOCAL_WORLD_SIZE")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or(1);
+            Ok((cores / ranks).clamp(1, 8))
+        }
     }
+}
+
+/// Whether `note` is logged for the first time in this process: a note that every pool of a
+/// machine gets (no CUDA device, memory not locked) is said once, not once per pool. Every
+/// pool still lists its notes in `pool.notes`.
+fn first_time(note: &str) -> bool {
+    static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    // Notes that name sizes or errors differ only in details: the first words say which.
+    let kind: String = note.split_whitespace().take(4).collect::<Vec<_>>().join(" ");
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if seen.contains(&kind) {
+        return false;
+    }
+    seen.push(kind);
+    true
 }
 
 impl PyPinPool {
@@ -156,12 +180,21 @@ impl PyPinPool {
             };
             let pool = py.detach(|| Pool::new(&config)).py(py)?;
             let notes = pool.arena().notes().to_vec();
-            if !notes.is_empty() {
-                let logger = py.import("logging")?.call_method1("getLogger", ("pinpool",))?;
-                for note in &notes {
-                    logger.call_method1("warning", (note.as_str(),))?;
-                }
+            let logger = py.import("logging")?.call_method1("getLogger", ("pinpool",))?;
+            for note in notes.iter().filter(|n| first_time(n)) {
+                logger.call_method1("warning", (note.as_str(),))?;
             }
+            logger.call_method1(
+                "debug",
+                (format!(
+                    "pool of {} slots of {} bytes: {} ({}), ready in {:.3} s",
+                    pool.num_slots(),
+                    pool.slot_bytes(),
+                    pool.backend().name(),
+                    pool.residency().name(),
+                    pool.arena().timings().iter().map(|t| t.1).sum::<f64>()
+                ),),
+            )?;
             Ok(PyPinPool {
                 device: pool.arena().device().map(|d| d.ordinal()),
                 backend: pool.backend().name(),

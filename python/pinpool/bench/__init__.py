@@ -19,6 +19,17 @@ Modules: :mod:`.cli` (arguments, presets), :mod:`.workloads` (datasets), :mod:`.
 whole run), :mod:`.report` (table, JSON, plots).
 """
 
-from .runner import main
+import importlib.util
+
+# What the benchmark needs beyond pinpool itself: say how to get it, not just what is missing.
+_NEEDS = ("torch", "tqdm", "matplotlib")
+_MISSING = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
+if _MISSING:
+    raise ModuleNotFoundError(
+        f"python -m pinpool.bench needs {', '.join(_MISSING)}: pip install 'pinpool[bench]'",
+        name=_MISSING[0],
+    )
+
+from .runner import main  # noqa: E402
 
 __all__ = ["main"]

@@ -1,0 +1,122 @@
+"""How pinpool behaves as a library among others: its logger, its messages when something it
+needs is missing, and its defaults when several data-parallel ranks share a host."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pinpool
+from pinpool.loader import _worker_copy_threads, local_world_size
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **env},
+    )
+
+
+def test_the_pinpool_logger_is_silent_unless_configured() -> None:
+    logger = logging.getLogger("pinpool")
+    assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
+
+
+NOTES_ONCE = """
+import logging
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("pinpool").addHandler(Keep())
+logging.getLogger("pinpool").setLevel(logging.DEBUG)
+import pinpool
+pools = [pinpool.PinPool(4096, 2) for _ in range(3)]  # device 0, which is hidden
+assert all(p.memory != "pinned" and p.notes for p in pools), [p.notes for p in pools]
+warnings = [m for m in records if "CUDA" in m]
+debug = [m for m in records if m.startswith("pool of 2 slots")]
+print(len(warnings), len(debug))
+"""
+
+
+def test_a_note_every_pool_gets_is_logged_once_per_process() -> None:
+    proc = run_python(NOTES_ONCE, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "3"], proc.stdout  # one warning; a debug line per pool
+
+
+def test_the_dataloader_without_torch_says_what_to_install() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import pinpool\n"
+        "pool = pinpool.PinPool(4096, 1, device=None)  # the pool needs no torch\n"
+        "try:\n"
+        "    pinpool.DataLoader\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "pip install pinpool[torch]" in proc.stdout
+
+
+def test_the_bench_without_its_extras_says_what_to_install() -> None:
+    proc = run_python("import sys; sys.modules['tqdm'] = None\nimport pinpool.bench")
+    assert proc.returncode != 0
+    assert "pip install 'pinpool[bench]'" in proc.stderr and "tqdm" in proc.stderr
+
+
+def test_defaults_share_the_cores_among_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("PINPOOL_COPY_THREADS", raising=False)
+    monkeypatch.delenv("PINPOOL_WORKER_COPY_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert local_world_size() == 1
+    with pinpool.PinPool(4096, 1, device=None) as alone:
+        assert alone.copy_threads == min(8, cores)
+    assert _worker_copy_threads(None, 1) == min(4, max(2, cores))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
+    assert local_world_size() == 1000
+    with pinpool.PinPool(4096, 1, device=None) as crowded:
+        assert crowded.copy_threads == 1
+    assert _worker_copy_threads(None, 4) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert local_world_size() == 1
+
+
+def test_the_dataloader_is_generic_like_torchs() -> None:
+    alias = pinpool.DataLoader[int]
+    assert alias.__origin__ is pinpool.DataLoader
+
+
+TYPED = """
+import pinpool
+pool = pinpool.PinPool(4096, 1, device=None)
+slot = pool.checkout()
+view: memoryview = memoryview(slot)
+"""
+
+
+@pytest.mark.slow
+def test_the_stubs_declare_the_buffer_protocol_and_literal_choices(tmp_path: object) -> None:
+    """``memoryview(slot)`` type-checks (the stub declares ``__buffer__``); a backend name that
+    does not exist does not."""
+    from pathlib import Path
+
+    good = Path(str(tmp_path)) / "good.py"
+    good.write_text(TYPED)
+    bad = Path(str(tmp_path)) / "bad.py"
+    bad.write_text(TYPED + 'other = pinpool.PinPool(4096, 1, backend="bogus")\n')
+    mypy = [sys.executable, "-m", "mypy", "--python-version", "3.12", "--no-incremental"]
+    ok = subprocess.run([*mypy, str(good)], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stdout
+    refused = subprocess.run([*mypy, str(bad)], capture_output=True, text=True, check=False)
+    assert refused.returncode == 1 and "bogus" in refused.stdout, refused.stdout
