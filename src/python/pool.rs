@@ -100,8 +100,10 @@ fn default_copy_threads() -> Result<usize, Error> {
 /// pool still lists its notes in `pool.notes`.
 fn first_time(note: &str) -> bool {
     static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    // Notes that name sizes or errors differ only in details: the first words say which.
-    let kind: String = note.split_whitespace().take(4).collect::<Vec<_>>().join(" ");
+    // Notes that name sizes or errors differ only in those: the words before the first number
+    // or parenthesis say which kind a note is.
+    let kind: String =
+        note.split(|c: char| c.is_ascii_digit() || c == '(').next().unwrap_or(note).to_owned();
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
     if seen.contains(&kind) {
         return false;
