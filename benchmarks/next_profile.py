@@ -17,6 +17,7 @@ import json
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,17 @@ _TOTALS: dict[tuple[str, str], list[float]] = defaultdict(list)
 _LOCK = threading.Lock()
 
 
-def _wrap(owner: Any, name: str, label: str) -> None:
+Recorder = Callable[[str, str, float, float], None]
+
+
+def _add_to_totals(label: str, who: str, start: float, end: float) -> None:
+    with _LOCK:
+        _TOTALS[(label, who)].append(end - start)
+
+
+def wrap(owner: Any, name: str, label: str, record: Recorder = _add_to_totals) -> None:
+    """Replaces ``owner.name`` with a function that calls it and hands ``record`` the label,
+    the thread ("main" or "pin", torch's pin-memory thread), and the call's start and end."""
     fn = getattr(owner, name)
 
     @functools.wraps(fn)
@@ -40,15 +51,18 @@ def _wrap(owner: Any, name: str, label: str) -> None:
         try:
             return fn(*args, **kwargs)
         finally:
-            dt = time.perf_counter() - t0
             who = "main" if threading.current_thread() is threading.main_thread() else "pin"
-            with _LOCK:
-                _TOTALS[(label, who)].append(dt)
+            record(label, who, t0, time.perf_counter())
 
     setattr(owner, name, timed)
 
 
-def instrument() -> None:
+def instrument(record: Recorder = _add_to_totals) -> None:
+    """Wraps every function a batch passes through in the main process."""
+
+    def _wrap(owner: Any, name: str, label: str) -> None:
+        wrap(owner, name, label, record)
+
     it_cls = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
     for name in ("_next_data", "_get_data", "_try_get_data", "_process_data"):
         _wrap(it_cls, name, f"torch iter.{name}")

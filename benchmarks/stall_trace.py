@@ -10,7 +10,6 @@ times, plus worker start-up, shutdown and the copy to the GPU). Prints every wak
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import multiprocessing.popen_fork
@@ -27,19 +26,12 @@ from pinpool.bench.workloads import make_dataset, move
 _SPANS: list[tuple[float, float, str, str]] = []
 
 
+def _keep_span(label: str, who: str, start: float, end: float) -> None:
+    _SPANS.append((start, end, label, who))
+
+
 def _span(owner: Any, name: str, label: str) -> None:
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            who = "main" if threading.current_thread() is threading.main_thread() else "pin"
-            _SPANS.append((t0, time.perf_counter(), label, who))
-
-    setattr(owner, name, traced)
+    next_profile.wrap(owner, name, label, _keep_span)
 
 
 def main() -> None:
@@ -78,8 +70,7 @@ def main() -> None:
             late.append((due, now - due))
 
     # Spans: every function next_profile times, plus the ones that only run now and then.
-    next_profile._wrap = _span  # type: ignore[assignment]
-    next_profile.instrument()
+    next_profile.instrument(_keep_span)
     _span(multiprocessing.popen_fork.Popen, "_launch", "fork a worker")
     it_cls = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
     _span(it_cls, "_shutdown_workers", "torch shutdown workers")

@@ -19,9 +19,15 @@
 /// Work nobody waits for: making the rest of an arena ready, unmapping, freeing.
 pub const IDLE_NICE: i32 = 10;
 
+/// The calling thread's kernel thread id.
+pub fn thread_id() -> u64 {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    unsafe { libc::syscall(libc::SYS_gettid) as u64 }
+}
+
 /// Lowers the calling thread's priority to `nice` (never raises it).
 pub fn lower_priority(nice: i32) {
-    let tid = crate::release::thread_id();
+    let tid = thread_id();
     // SAFETY: getpriority/setpriority with PRIO_PROCESS and a thread id of this process only
     // read and set that thread's nice value; errno reports failures, which are ignored.
     unsafe {
@@ -35,7 +41,7 @@ pub fn lower_priority(nice: i32) {
 
 /// The calling thread's nice value.
 pub fn current_nice() -> i32 {
-    let tid = crate::release::thread_id();
+    let tid = thread_id();
     // SAFETY: reads this thread's own nice value.
     unsafe { libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t) }
 }

@@ -771,7 +771,7 @@ impl Drop for Pool {
                 reclaimer: ManuallyDrop::take(&mut self.reclaimer),
                 lingering,
                 counters: Arc::clone(&self.counters),
-                dropped_on: release::thread_id(),
+                dropped_on: crate::background::thread_id(),
             }
         };
         release::submit(Box::new(move || remains.free()));
@@ -836,7 +836,7 @@ impl Remains {
         release::record(release::Freed {
             bytes: if fenced_forever { 0 } else { bytes },
             dropped_on,
-            freed_on: release::thread_id(),
+            freed_on: crate::background::thread_id(),
             seconds: start.elapsed().as_secs_f64(),
         });
     }
@@ -1035,7 +1035,7 @@ mod tests {
 
     /// The release record of the pool of `bytes` bytes dropped on this thread, once freed.
     fn freed_record(bytes: usize) -> Option<release::Freed> {
-        let me = release::thread_id();
+        let me = crate::background::thread_id();
         release::recent().into_iter().rev().find(|r| r.dropped_on == me && r.bytes == bytes)
     }
 
@@ -1051,7 +1051,7 @@ mod tests {
         drop(pool);
         assert!(release::flush(Some(Duration::from_secs(30))));
         let record = freed_record(bytes).expect("the arena was never freed");
-        assert_ne!(record.freed_on, release::thread_id(), "freed on the dropping thread");
+        assert_ne!(record.freed_on, crate::background::thread_id(), "freed on the dropping thread");
         let name = std::fs::read_to_string(format!("/proc/self/task/{}/comm", record.freed_on));
         assert_eq!(name.unwrap().trim(), "pinpool-release");
     }

@@ -92,12 +92,6 @@ fn queue() -> MutexGuard<'static, Queue> {
     q
 }
 
-/// The calling thread's kernel thread id.
-pub fn thread_id() -> u64 {
-    // SAFETY: gettid takes no arguments and cannot fail.
-    unsafe { libc::syscall(libc::SYS_gettid) as u64 }
-}
-
 /// Queues `job` for the release thread.
 pub fn submit(job: Job) {
     let mut q = queue();
@@ -210,6 +204,7 @@ fn register_exit_hook() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::background::thread_id;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
 
