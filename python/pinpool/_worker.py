@@ -15,12 +15,11 @@ from __future__ import annotations
 import copy
 import os
 import random
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _codec, _stream
+from . import _codec, _registry, _stream
 from ._errors import PinPoolError
 from ._heap import keep_freed_memory
 from ._native import WorkerSegment
@@ -177,10 +176,8 @@ class BatchHandle:
         # certainly alive and holding it. pinpool's own errors surface when the batch is
         # decoded, in its turn; any other exception (torch's SIGCHLD handler raising that a
         # worker died, an interrupt) goes on to torch at once, so torch can act on it.
-        from .loader import lookup
-
         try:
-            decoder = lookup(self.token)
+            decoder = _registry.lookup(self.token)
             decoder.receive(self)
             self._live = True
         except PinPoolError as exc:
@@ -198,21 +195,17 @@ class BatchHandle:
         return self.decode(ahead=True)
 
     def decode(self, ahead: bool = False) -> Any:
-        from .loader import lookup
-
         if self._error is not None:
             # A copy: the traceback it gets refers to this frame, whose ``self`` must not
             # refer back to it (that cycle would keep torch's iterator, and its workers,
             # alive until the garbage collector runs).
             raise copy.copy(self._error)
-        return lookup(self.token).decode(self, ahead)
+        return _registry.lookup(self.token).decode(self, ahead)
 
     def __del__(self) -> None:
-        # No import here: at interpreter exit the import machinery may be gone already. A
-        # handle can only be live where the loader module has made its decoder.
-        loader = sys.modules.get("pinpool.loader")
-        if getattr(self, "_live", False) and loader is not None:
-            decoder = loader.lookup_or_none(self.token)
+        # (At interpreter exit a module's globals may already be gone.)
+        if getattr(self, "_live", False) and _registry is not None:
+            decoder = _registry.lookup_or_none(self.token)
             if decoder is not None:
                 decoder.discard(self)
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import sys
 import threading
 from typing import Any, NamedTuple
 
-from . import _codec
+from . import _codec, _registry
 
 
 class SlotTicket(NamedTuple):
@@ -151,16 +150,12 @@ class SlotHandle:
         return (self.index, self.generation)
 
     def pin_memory(self) -> Any:
-        from .loader import lookup
-
-        return lookup(self.token).decode_slot(self)
+        return _registry.lookup(self.token).decode_slot(self)
 
     def __del__(self) -> None:
-        # No import here: at interpreter exit the import machinery may be gone already. A
-        # handle can only be live where the loader module has made its decoder.
-        loader = sys.modules.get("pinpool.loader")
-        if getattr(self, "_live", False) and loader is not None:
-            decoder = loader.lookup_or_none(self.token)
+        # (At interpreter exit a module's globals may already be gone.)
+        if getattr(self, "_live", False) and _registry is not None:
+            decoder = _registry.lookup_or_none(self.token)
             if decoder is not None:
                 decoder.unassign(self.key, self.nonce)
 

@@ -55,6 +55,7 @@ from ._native import (
     check_segment,
     cuda_available,
 )
+from ._registry import lookup, register
 from ._stream import LazySamples, StreamingDataset
 from ._worker import BatchHandle, encode_in_worker, encode_streaming
 from ._zerocopy import (
@@ -70,8 +71,6 @@ __all__ = ["DataLoader", "PinCollate"]
 
 _T_co = TypeVar("_T_co", covariant=True)
 
-_DECODERS: weakref.WeakValueDictionary[str, _Decoder] = weakref.WeakValueDictionary()
-
 #: What ``_Decoder._checkout`` returns to the pin thread for a batch to decode in its turn.
 _LATER = object()
 
@@ -80,20 +79,6 @@ _HEADROOM = 1.25
 _GRANULE = 2 << 20
 #: An arena sized automatically may take at most this share of the memory available.
 _MEMORY_SHARE = 0.5
-
-
-def lookup_or_none(token: str) -> _Decoder | None:
-    """The loader side of ``token`` in this process (None in a forked child: objects it
-    inherited, garbage collected there, must not touch the parent's pool)."""
-    decoder = _DECODERS.get(token) if isinstance(token, str) else None
-    return decoder if decoder is not None and decoder.pid == os.getpid() else None
-
-
-def lookup(token: str) -> _Decoder:
-    decoder = lookup_or_none(token)
-    if decoder is None:
-        raise PinPoolError("this batch belongs to a pinpool.DataLoader that no longer exists")
-    return decoder
 
 
 class _OnDevice:
@@ -902,7 +887,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             in_order=in_order,
         )
         self._pin_decoder = decoder
-        _DECODERS[token] = decoder
+        register(token, decoder)
         if slot_bytes is not None or pool is not None:
             decoder._ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
         weakref.finalize(self, decoder.close)

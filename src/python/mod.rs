@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 use crate::error::Error;
 
 mod gather;
+mod mapped;
 mod pool;
 mod segment;
 mod slot;
@@ -185,7 +186,7 @@ fn page_size() -> usize {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyPinPool>()?;
     m.add_class::<slot::PySlot>()?;
-    m.add_class::<segment::PySegment>()?;
+    m.add_class::<mapped::PySegment>()?;
     m.add_class::<segment::PyWorkerSegment>()?;
     m.add_class::<segment::PySegmentCache>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::segment::PySegment;
+use super::mapped::PySegment;
 use super::slot::PySlot;
 use super::{guarded, timeout_arg, to_py, IntoPy};
 use crate::arena::Backend;

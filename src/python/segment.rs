@@ -1,13 +1,11 @@
-//! Shared-memory segments from Python: a mapped segment (`Segment`), a worker's reusable
-//! segment (`WorkerSegment`), and the main process's cache of worker segments
-//! (`SegmentCache`).
+//! Worker segments from Python: a worker's reusable segment (`WorkerSegment`), and the main
+//! process's cache of worker segments (`SegmentCache`).
 //!
 //! Invariant: no mapping made here is ever unmapped on a thread that holds the GIL; closing or
 //! collecting any of these objects hands its mappings to the pool's reclaimer thread.
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
@@ -19,9 +17,7 @@ use super::slot::PySlot;
 use super::{guarded, to_py, IntoPy};
 use crate::copy::CopyRange;
 use crate::error::Error;
-use crate::pool::Pool;
 use crate::segment::{SegmentCache, WorkerSegment};
-use crate::shm::Mapping;
 
 /// Converts a sender's claims about a segment; a value out of range is `OutOfBounds`.
 fn segment_claims(
@@ -59,71 +55,6 @@ pub(crate) fn check_segment(
         let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
         crate::segment::check_segment_fd(key, borrowed, total_len, nonce).py(py)
     })
-}
-
-/// A shared-memory segment mapped read-only by `PinPool.map_segment`.
-#[pyclass(name = "Segment", module = "pinpool._native", frozen)]
-pub struct PySegment {
-    pool: Arc<Pool>,
-    map: Mutex<Option<Arc<Mapping>>>,
-    nbytes: usize,
-}
-
-impl PySegment {
-    pub(crate) fn new(pool: Arc<Pool>, map: Mapping) -> Self {
-        let nbytes = map.len();
-        PySegment { pool, map: Mutex::new(Some(Arc::new(map))), nbytes }
-    }
-
-    pub(crate) fn mapping(&self, py: Python<'_>) -> PyResult<Arc<Mapping>> {
-        self.map
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(|| to_py(py, Error::Invalid("this segment was closed".into())))
-    }
-
-    fn take(&self) {
-        if let Some(map) = self.map.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            self.pool.retire_shared_segment(map);
-        }
-    }
-}
-
-#[pymethods]
-impl PySegment {
-    /// Bytes mapped.
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.nbytes
-    }
-
-    /// Whether `close()` was called.
-    #[getter]
-    fn closed(&self) -> bool {
-        self.map.lock().unwrap_or_else(|e| e.into_inner()).is_none()
-    }
-
-    /// Hands the mapping to the background thread, which unmaps it and closes its fd.
-    fn close(&self) {
-        self.take();
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.take();
-        false
-    }
-}
-
-impl Drop for PySegment {
-    fn drop(&mut self) {
-        self.take();
-    }
 }
 
 /// A worker process's reusable batch segment (a sealed memfd with a small header).

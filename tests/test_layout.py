@@ -1,0 +1,56 @@
+"""The package's modules import each other without a circle (one may not be needed to load
+another that needs it), counting imports made inside functions too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "python" / "pinpool"
+
+
+def imports_of(path: Path) -> set[str]:
+    """The pinpool modules ``path`` imports (relative imports, at any depth in the file)."""
+    package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = package[: len(package) - (node.level - 1)]
+            if node.module:
+                found.add(".".join((*base, *node.module.split("."))))
+            else:
+                found.update(".".join((*base, alias.name)) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("pinpool."))
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circle_in_the_package() -> None:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {
+        name: {m for m in imports_of(p) if m in files and m != name} for name, p in files.items()
+    }
+    circles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                circles.append([*stack[stack.index(m) :], m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
