@@ -111,6 +111,7 @@ def test_the_stubs_declare_the_buffer_protocol_and_literal_choices(tmp_path: obj
     does not exist does not."""
     from pathlib import Path
 
+    pytest.importorskip("mypy")
     good = Path(str(tmp_path)) / "good.py"
     good.write_text(TYPED)
     bad = Path(str(tmp_path)) / "bad.py"
