@@ -9,8 +9,9 @@
 //! - [`pool`]: arena + slots + fences + copies, the object users hold;
 //! - [`lease`]: one checked-out slot held by one owner: pins and deferred release;
 //! - [`copy`]: multi-threaded copies of byte ranges;
-//! - [`shm`], [`segment`], [`reclaim`]: shared memory from worker processes, and unmapping it
-//!   on a background thread;
+//! - [`shm`]: sealed shared-memory files and their mappings (the arena's parts, segments);
+//! - [`transport`]: batches from worker processes in shared-memory segments, and unmapping
+//!   them on a background thread;
 //! - [`release`]: the thread that frees a dropped pool's arena, so no caller waits for it;
 //! - [`background`]: pinpool's threads give way to the training thread;
 //! - [`cuda`]: the few driver calls we need, loaded at run time, never panicking.
@@ -26,11 +27,10 @@ pub mod error;
 pub mod fence;
 pub mod lease;
 pub mod pool;
-pub mod reclaim;
 pub mod release;
-pub mod segment;
 pub mod shm;
 pub mod slots;
+pub mod transport;
 
 #[cfg(feature = "python")]
 mod python;

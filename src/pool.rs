@@ -39,7 +39,7 @@
 //!    checked out as torch dispatches a batch's indices (Python: `_Decoder.assign`), and its
 //!    place in the arena (memfd, offset, generation, a nonce) travels to the worker with them.
 //! 3. **Filled.** Copy mode: [`Pool::copy_in`] copies the batch from the worker's segment
-//!    ([`crate::segment`]), every range checked against the segment and the slot. Zero-copy:
+//!    ([`crate::transport::segment`]), every range checked against the segment and the slot. Zero-copy:
 //!    the worker writes the batch into its own mapping of the slot; the main process accepts
 //!    it only for the slot handed out with those indices (index, generation, nonce) and only
 //!    if every array lies inside the slot (Python: `_Decoder.decode_slot`).
@@ -70,10 +70,10 @@ use crate::copy::{Copier, CopyRange, MAX_COPY_THREADS};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
-use crate::reclaim::Reclaimer;
 use crate::release;
 use crate::shm::{check_range, page_size, round_up, Mapping};
 use crate::slots::{Counts, SlotTable, Ticket};
+use crate::transport::reclaim::Reclaimer;
 
 /// What to build.
 #[derive(Debug, Clone)]

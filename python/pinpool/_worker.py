@@ -1,6 +1,6 @@
 """The worker side: collate into a reused shared-memory segment and send a small handle.
 
-Each worker process keeps a small ring of segments (sealed memfds, see ``src/segment.rs``).
+Each worker process keeps a small ring of segments (sealed memfds, see ``src/transport/segment.rs``).
 A batch goes into a segment the main process has finished with; the handle sent through
 torch's result queue carries only the marked batch tree, the leaf specs and the segment's
 name. The first time a segment is used, the handle also says where the main process can open

@@ -197,6 +197,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(recent_releases, m)?)?;
     m.add_function(wrap_pyfunction!(gather::_gather, m)?)?;
     m.add_function(wrap_pyfunction!(segment::check_segment, m)?)?;
-    m.add("SEGMENT_DATA_OFFSET", crate::segment::DATA_OFFSET)?;
+    m.add("SEGMENT_DATA_OFFSET", crate::transport::segment::DATA_OFFSET)?;
     Ok(())
 }

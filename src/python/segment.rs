@@ -17,7 +17,7 @@ use super::slot::PySlot;
 use super::{guarded, to_py, IntoPy};
 use crate::copy::CopyRange;
 use crate::error::Error;
-use crate::segment::{SegmentCache, WorkerSegment};
+use crate::transport::segment::{SegmentCache, WorkerSegment};
 
 /// Converts a sender's claims about a segment; a value out of range is `OutOfBounds`.
 fn segment_claims(
@@ -53,7 +53,7 @@ pub(crate) fn check_segment(
         // SAFETY: only borrowed for this call; the caller keeps `fd` open meanwhile (a closed
         // or reused number fails the seal or header check, never touches memory).
         let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
-        crate::segment::check_segment_fd(key, borrowed, total_len, nonce).py(py)
+        crate::transport::segment::check_segment_fd(key, borrowed, total_len, nonce).py(py)
     })
 }
 
