@@ -1,13 +1,13 @@
 """The worker side: collate into a reused shared-memory segment and send a small handle.
 
-Each worker process keeps a small ring of segments (sealed memfds, see ``src/transport/segment.rs``).
-A batch goes into a segment the main process has finished with; the handle sent through
-torch's result queue carries only the marked batch tree, the leaf specs and the segment's
-name. The first time a segment is used, the handle also says where the main process can open
-it (``/proc/<worker pid>/fd/<fd>``, checked against a random nonce in the header). Segments
-too small for a batch are retired: the worker drops its mapping and the next handle tells
-the main process to drop its own. :func:`encode_streaming` fills a segment (or a zero-copy
-slot) sample by sample (see ``_stream``).
+Each worker process keeps a small ring of segments (sealed memfds, see
+``src/transport/segment.rs``). A batch goes into a segment the main process has finished with;
+the handle sent through torch's result queue carries only the marked batch tree, the leaf specs
+and the segment's name. The first time a segment is used, the handle also says where the main
+process can open it (``/proc/<worker pid>/fd/<fd>``, checked against a random nonce in the
+header). Segments too small for a batch are retired: the worker drops its mapping and the next
+handle tells the main process to drop its own. :func:`encode_streaming` fills a segment (or a
+zero-copy slot) sample by sample (see ``_stream``).
 """
 
 from __future__ import annotations
