@@ -245,6 +245,13 @@ impl PyPinPool {
         guarded(|| {
             let rules = ClaimRules { reserve, timeout: timeout_arg(py, timeout)?, overflow, defer };
             let pool = self.get(py)?;
+            // The common case, a slot free beyond the reserve, keeps the GIL: handing it back
+            // and forth would cost more than the checkout.
+            if pool.free_slots() > rules.reserve {
+                if let Some(t) = pool.try_checkout().py(py)? {
+                    return Ok(Bound::new(py, self.wrap(pool, t))?.into_any());
+                }
+            }
             let p = Arc::clone(&pool);
             Ok(match py.detach(move || p.claim(&rules)).py(py)? {
                 Claim::Slot(t) => Bound::new(py, self.wrap(pool, t))?.into_any(),
