@@ -25,7 +25,8 @@ import torch
 
 import pinpool
 import pinpool.loader
-from pinpool import _codec, _worker, _zerocopy
+from pinpool._main import delivery, receiver
+from pinpool._wire import codec, handle
 from pinpool.bench.workloads import make_dataset
 
 _TOTALS: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -68,17 +69,17 @@ def instrument(record: Recorder = _add_to_totals) -> None:
         _wrap(it_cls, name, f"torch iter.{name}")
     pm = torch.utils.data._utils.pin_memory
     _wrap(pm, "pin_memory", "torch pin_memory()")
-    _wrap(pinpool.loader, "_finish", "pinpool _finish")
-    dec = pinpool.loader._Decoder
-    for name in ("receive", "decode", "decode_slot", "_checkout", "_deliver", "discard", "assign"):
-        _wrap(dec, name, f"decoder.{name}")
-    _wrap(pinpool.loader._OnDevice, "wait", "_OnDevice.wait")
-    for cls, label in ((_worker.BatchHandle, "BatchHandle"), (_zerocopy.SlotHandle, "SlotHandle")):
-        for name in ("pin_memory", "decode", "__setstate__"):
-            if hasattr(cls, name):
-                _wrap(cls, name, f"{label}.{name}")
+    _wrap(pinpool.loader, "finish", "pinpool finish")
+    rec = receiver.Receiver
+    for name in ("take", "_receive", "_adopt", "_copy_in", "_claim", "drop"):
+        _wrap(rec, name, f"receiver.{name}")
+    _wrap(delivery.Delivery, "__call__", "delivery")
+    _wrap(receiver.Tickets, "assign", "tickets.assign")
+    _wrap(delivery.OnDevice, "wait", "OnDevice.wait")
+    for name in ("pin_memory", "take", "__setstate__"):
+        _wrap(handle.BatchHandle, name, f"BatchHandle.{name}")
     for name in ("rebuild", "views_for"):
-        _wrap(_codec, name, f"codec.{name}")
+        _wrap(codec, name, f"codec.{name}")
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import next_profile
 import torch
 
 import pinpool
+import pinpool._main.receiver
 from pinpool.bench.workloads import make_dataset, move
 
 _SPANS: list[tuple[float, float, str, str]] = []
@@ -51,13 +52,13 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.whole_arena:
-        made = pinpool.loader.PinPool
+        made = pinpool._main.receiver.PinPool
 
         def whole(*a: Any, **kw: Any) -> Any:
             kw["background"] = False
             return made(*a, **kw)
 
-        pinpool.loader.PinPool = whole  # type: ignore[misc]
+        pinpool._main.receiver.PinPool = whole  # type: ignore[misc]
     dataset = make_dataset("synthetic", args.batches * args.batch_size, tuple(args.shape), "/tmp")
     late: list[tuple[float, float]] = []
     stop = threading.Event()
@@ -76,7 +77,7 @@ def main() -> None:
     _span(it_cls, "_shutdown_workers", "torch shutdown workers")
     _span(it_cls, "__init__", "torch iterator start")
     _span(torch.Tensor, "to", "Tensor.to")
-    _span(pinpool.loader._Decoder, "close", "decoder.close")
+    _span(pinpool._main.receiver.Receiver, "close", "receiver.close")
     _span(gc, "collect", "gc.collect")
     thread = threading.Thread(target=sleeper, daemon=True)
     thread.start()

@@ -1,5 +1,10 @@
 //! The pool: an arena cut into fixed-size, page-aligned slots, handed out and taken back.
 //!
+//! Why one long module: [`Pool`] is the one object every user holds, and everything here
+//! (checkout and claim, release, copy-in, closing, the hand-over to the release thread) keeps
+//! the same invariants over the same table, arena and fences; about 80 of its lines are the
+//! note below that other modules point to, and about 250 are its tests.
+//!
 //! Invariants:
 //! - Slot `i` is the bytes `[i * slot_bytes, (i+1) * slot_bytes)` of the arena; `slot_bytes`
 //!   is a multiple of the page size, so every slot is page-aligned.
@@ -27,25 +32,27 @@
 //! # Note: the life of a slot
 //!
 //! Other modules point here. One slot, from the arena's making to its reuse, in both of the
-//! DataLoader's modes (the Python halves are named after "Python:", in `loader.py`):
+//! DataLoader's modes (the Python halves are named after "Python:", in `python/pinpool/`):
 //!
 //! 1. **Made.** [`Pool::new`] makes the arena ([`crate::arena`]) and the slot table
 //!    ([`crate::slots`]). A slot starts `Free`, or `Preparing` when the pool makes the rest of
 //!    its arena in the background; [`SlotTable::admit`] frees it once its part is faulted in
 //!    (and registered with the driver).
 //! 2. **Checked out.** `Free -> CheckedOut`, with a new generation; the [`Ticket`] (table,
-//!    index, generation) names this one checkout. Copy mode: the main process checks it out
-//!    when a worker's batch arrives (Python: `_Decoder._checkout`). Zero-copy: it is
-//!    checked out as torch dispatches a batch's indices (Python: `_Decoder.assign`), and its
-//!    place in the arena (memfd, offset, generation, a nonce) travels to the worker with them.
+//!    index, generation) names this one checkout. Copy mode: the main process checks it
+//!    out when a worker's batch arrives (Python: `Receiver._claim` in `_main/receiver.py`).
+//!    Zero-copy: it is checked out as torch dispatches a batch's indices (Python:
+//!    `_main/tickets.py`), and its place in the arena (memfd, offset, generation, a nonce)
+//!    travels to the worker with them.
 //! 3. **Filled.** Copy mode: [`Pool::copy_in`] copies the batch from the worker's segment
 //!    ([`crate::transport::segment`]), every range checked against the segment and the slot. Zero-copy:
 //!    the worker writes the batch into its own mapping of the slot; the main process accepts
 //!    it only for the slot handed out with those indices (index, generation, nonce) and only
-//!    if every array lies inside the slot (Python: `_Decoder.decode_slot`).
+//!    if every array lies inside the slot (Python: `Receiver._adopt`; the worker's side is
+//!    `_worker/places.py`).
 //! 4. **Delivered.** Tensors viewing the slot (pinned CPU batches), or an asynchronous copy to
 //!    the GPU on pinpool's stream, after which the slot is released at once, fenced on that
-//!    stream (Python: `_Decoder._deliver`).
+//!    stream (Python: `_main/delivery.py`).
 //! 5. **Released.** When the last view of the batch dies (or on an explicit `release`), the
 //!    binding releases the ticket with torch's current stream: `CheckedOut -> Fenced`, and
 //!    `(ticket, stream)` is queued ([`crate::fence`]); without CUDA, straight to `Free`. No

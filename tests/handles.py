@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 import pinpool
-from pinpool import _codec
 from pinpool._native import WorkerSegment
-from pinpool._worker import BatchHandle
+from pinpool._wire import codec as _codec
+from pinpool._wire.handle import BatchHandle
 
 
 class HandleFactory:
@@ -19,7 +19,7 @@ class HandleFactory:
     for a live loader, over a real segment made here, in this process."""
 
     def __init__(self, loader: pinpool.DataLoader) -> None:
-        self.token = loader._pin_decoder.token
+        self.token = loader._pin_receiver.token
         self.batch = {"a": torch.arange(10.0), "b": [torch.ones(3, 3, dtype=torch.int16), "s"]}
         self.plan = _codec.plan(self.batch)
         self.segment = WorkerSegment(1 << 16)
@@ -39,17 +39,15 @@ class HandleFactory:
         origin = (os.getpid(), seg.fd) if announce else None
         h = BatchHandle(
             self.token,
-            self.worker() if worker is None else worker,
-            0,
-            origin,
-            seg.total_len,
-            seg.nonce,
-            (),
             self.plan,
+            worker=self.worker() if worker is None else worker,
+            segment=0,
+            origin=origin,
+            total_len=seg.total_len,
+            nonce=seg.nonce,
         )
         for name, value in override.items():
             setattr(h, name, value)
         received = BatchHandle.__new__(BatchHandle)
         received.__setstate__(h.__getstate__())
-        h._live = False
         return received

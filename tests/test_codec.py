@@ -31,8 +31,9 @@ from loader_datasets import (
 from torch.utils.data import default_collate
 
 import pinpool
-from pinpool import OutOfBounds, PinPoolError, _codec
-from pinpool._codec import ALIGN, Leaf, LeafSpec
+from pinpool import OutOfBounds, PinPoolError
+from pinpool._wire import codec as _codec
+from pinpool._wire.codec import ALIGN, Leaf, LeafSpec
 
 # --------------------------------------------------------------------------- generated batches
 
@@ -412,7 +413,6 @@ def assert_all_free(loader: pinpool.DataLoader) -> None:
 def test_a_good_hand_made_handle_decodes(live_loader: Any) -> None:
     make = HandleFactory(live_loader)
     h = make.make(worker=7)
-    assert h._error is None
     assert_same(make.batch, h.pin_memory())
     assert_all_free(live_loader)
     # The segment was handed back: the same key can carry the next batch.
@@ -459,7 +459,7 @@ def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
         make.segment.unclaim()
         make.write()
         with pytest.raises(PinPoolError) as info:
-            build().decode()  # on the consumer's thread: every rule applies
+            build().take()  # on the consumer's thread: every rule applies
         del info
         gc.collect()
         assert open_fd_count() == fds, f"{name}: fd leaked"
@@ -482,7 +482,7 @@ def test_the_pin_thread_leaves_an_oversized_batch_to_the_consumer(live_loader: A
     handle = corrupt_handles(make)["bigger-than-a-slot"]()
     assert handle.pin_memory() is handle
     with pytest.raises(pinpool.BatchTooLarge):
-        handle.decode()
+        handle.take()
     del handle
     gc.collect()
     assert_all_free(live_loader)

@@ -1,19 +1,19 @@
 """Fuzzing what crosses the process boundary into the main process: the handles workers send
-(``BatchHandle``, and ``SlotHandle`` in zero-copy mode), as state tuples and as raw pickle
+(``BatchHandle``, naming a segment or, in zero-copy mode, a slot), as state tuples and as raw pickle
 bytes, and the 64-byte header of the shared-memory segments they name.
 
 No input may crash the process, hang, read outside the segment it names, or allocate more
 than that segment justifies. Every handle goes to a real loader side (a ``pinpool.DataLoader``
 made in this process, its pool made at the first batch, as by default), over a real worker
-segment written here with a real batch, the way ``_worker`` writes it. What may come out: the
-batch, when the handle happens to be valid, or a :class:`~pinpool.PinPoolError`. Any other
-exception propagates, so that hypothesis reports each kind (and place) separately; a Rust
-panic (``PanicException``, not an ``Exception``) fails the test; so does an exception in a
+segment written here with a real batch, the way ``pinpool._worker`` writes it. What may
+come out: the batch, when the handle happens to be valid, or a :class:`~pinpool.PinPoolError`.
+Any other exception propagates, so that hypothesis reports each kind (and place) separately;
+a Rust panic (``PanicException``, not an ``Exception``) fails the test; so does an exception in a
 handle's ``__del__``, a slot or an fd not given back, or a hang (see :func:`no_hang`).
 
 The loader allocates memory for a handle in two places: the pool it sizes at the first batch
-(``PinPool`` in ``pinpool.loader``) and the ordinary buffer of a batch larger than a slot
-(``_Decoder._overflow_buffer``). :func:`watch_allocations` wraps both: a request beyond what
+(``PinPool`` in ``pinpool._main.receiver``) and the ordinary buffer of a batch larger than a
+slot (``Receiver._overflow_buffer``). :func:`watch_allocations` wraps both: a request beyond what
 the real segment justifies is recorded and refused before anything is allocated, so that the
 fuzzer finds such a bug without taking the machine's memory with it.
 
@@ -51,13 +51,15 @@ from hypothesis import strategies as st
 from loader_datasets import Indexed, Pair, assert_same
 
 import pinpool
-import pinpool.loader
-from pinpool import PinPoolError, _codec, _zerocopy
-from pinpool._codec import ALIGN, Leaf
+import pinpool._main.receiver
+from pinpool import PinPoolError
+from pinpool._main.receiver import Receiver
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
-from pinpool._tree import KEEP, map_leaves
-from pinpool._worker import BatchHandle
-from pinpool._zerocopy import SlotHandle, write_into_slot
+from pinpool._wire import codec as _codec
+from pinpool._wire.codec import ALIGN, Leaf
+from pinpool._wire.handle import BatchHandle
+from pinpool._wire.tree import KEEP, map_leaves
+from pinpool._worker import places
 
 PAGE = pinpool.page_size()
 
@@ -284,30 +286,41 @@ def corrupt_batch_field(name: str, valid: Any, fds: list[int]) -> st.SearchStrat
         )
     if name == "count":
         return st.one_of(st.none(), st.integers(-2, 4), ANY)
+    if name == "slot":  # a handle naming a segment names no slot
+        return st.one_of(st.tuples(U64, U64, U64), st.lists(ANY, max_size=4).map(tuple), ANY)
     raise AssertionError(name)
 
 
+#: The fields of a handle naming a zero-copy slot that the slot fuzz corrupts.
+SLOT_FIELDS = ("token", "tree", "specs", "slot", "worker")
+
+
 def corrupt_slot_field(name: str, valid: Any) -> st.SearchStrategy[Any]:
-    """What field ``name`` (of ``SlotHandle._STATE``) may become."""
+    """What field ``name`` (of ``SLOT_FIELDS``) of a handle naming a slot may become."""
     if name == "token":
         return st.one_of(st.text(max_size=33), st.just(valid[:-1] + "x"), ANY)
     if name == "tree":
         return trees()
     if name == "specs":
         return spec_lists(valid)
-    return st.one_of(near(valid), st.just(float(valid)), st.just(str(valid)), ANY)
+    if name == "slot":  # (index, generation, nonce)
+        each = [st.one_of(near(v), st.just(float(v)), st.just(str(v)), ANY) for v in valid]
+        return st.one_of(st.tuples(*each), st.lists(ANY, max_size=4).map(tuple), st.none(), ANY)
+    if name == "worker":  # a slot handle names no segment
+        return st.one_of(st.integers(0, 2**48), ANY)
+    raise AssertionError(name)
 
 
 def corrupted(
     data: Any, state: tuple[Any, ...], names: tuple[str, ...], fuzz: Callable[..., Any]
 ) -> tuple[tuple[Any, ...], bool]:
-    """``state`` with up to three fields replaced by what ``fuzz(name, valid)`` draws; and
-    whether any field was."""
+    """``state`` (a ``BatchHandle``'s) with up to three of the fields ``names`` replaced by
+    what ``fuzz(name, valid)`` draws; and whether any field was."""
     chosen = data.draw(st.sets(st.sampled_from(names), max_size=3), label="fields corrupted")
     out = list(state)
     for name in names:  # in a stable order, for the shrinker
         if name in chosen:
-            i = names.index(name)
+            i = BatchHandle._STATE.index(name)
             out[i] = data.draw(fuzz(name, state[i]), label=name)
     return tuple(out), bool(chosen)
 
@@ -344,9 +357,15 @@ class Worker:
         """The handle a worker sends for the batch (``first``: the segment's first use, so
         the handle says where to open it)."""
         seg = self.segment
-        origin = (os.getpid(), seg.fd) if first else None
         return BatchHandle(
-            token, self.key, 0, origin, seg.total_len, seg.nonce, (), self.plan, None, BATCH
+            token,
+            self.plan,
+            BATCH,
+            worker=self.key,
+            segment=0,
+            origin=(os.getpid(), seg.fd) if first else None,
+            total_len=seg.total_len,
+            nonce=seg.nonce,
         )
 
 
@@ -365,7 +384,7 @@ def loader_side(**kwargs: Any) -> Iterator[pinpool.DataLoader]:
     try:
         yield loader
     finally:
-        loader._pin_decoder.close()
+        loader._pin_receiver.close()
 
 
 def received(state: tuple[Any, ...], cls: type = BatchHandle) -> Any:
@@ -376,22 +395,20 @@ def received(state: tuple[Any, ...], cls: type = BatchHandle) -> Any:
 
 
 def decoded(handle: Any, ahead: bool) -> Any:
-    """What torch's loop and ``_finish`` do with a handle: the pin thread's ``pin_memory()``
+    """What torch's loop and ``finish`` do with a handle: the pin thread's ``pin_memory()``
     first when ``ahead`` (it may hand the handle back, for the consumer), then the consumer's
-    ``decode()``. None for anything that is not a handle."""
-    if not isinstance(handle, (BatchHandle, SlotHandle)):
+    ``take()``. None for anything that is not a handle."""
+    if not isinstance(handle, BatchHandle):
         return None
     try:
-        if isinstance(handle, SlotHandle):
-            return handle.pin_memory()
-        got = handle.pin_memory() if ahead else handle.decode()
-        return handle.decode() if got is handle else got
+        got = handle.pin_memory() if ahead else handle.take()
+        return handle.take() if got is handle else got
     except PinPoolError:
         raise
     except BaseException:
         # This failure is reported as it is: the handle's finalizer, which runs when the
         # traceback goes (in a later test, say), must not add to it.
-        handle._live = False
+        handle._state = 0
         raise
 
 
@@ -432,11 +449,11 @@ def watch_allocations(capacity: int, batch: int = BATCH) -> Iterator[Allocations
     bytes justifies (the pool it would make for a batch of that size, scaled to ``batch``
     samples when the batch says it has fewer), and an overflow buffer no larger than the
     segment. Anything larger is recorded and refused (:class:`Overallocation`)."""
-    granule, headroom = pinpool.loader._GRANULE, pinpool.loader._HEADROOM
+    granule, headroom = _codec.GRANULE, _codec.HEADROOM
     slot = max(granule, -(-int(capacity * batch * headroom) // granule) * granule)
     seen = Allocations(pool_limit=slot * NUM_SLOTS, buffer_limit=capacity)
-    real_pool = pinpool.loader.PinPool
-    real_buffer = pinpool.loader._Decoder._overflow_buffer
+    real_pool = pinpool._main.receiver.PinPool
+    real_buffer = Receiver._overflow_buffer
 
     def make_pool(slot_bytes: int, num_slots: int, **kwargs: Any) -> Any:
         if slot_bytes * num_slots > seen.pool_limit:
@@ -453,13 +470,13 @@ def watch_allocations(capacity: int, batch: int = BATCH) -> Iterator[Allocations
             raise Overallocation(seen.refused[-1])
         return real_buffer(self, need)
 
-    pinpool.loader.PinPool = make_pool  # type: ignore[assignment]
-    pinpool.loader._Decoder._overflow_buffer = overflow_buffer  # type: ignore[method-assign]
+    pinpool._main.receiver.PinPool = make_pool  # type: ignore[assignment]
+    Receiver._overflow_buffer = overflow_buffer  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        pinpool.loader.PinPool = real_pool  # type: ignore[misc]
-        pinpool.loader._Decoder._overflow_buffer = real_buffer  # type: ignore[method-assign]
+        pinpool._main.receiver.PinPool = real_pool  # type: ignore[misc]
+        Receiver._overflow_buffer = real_buffer  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -603,7 +620,7 @@ def test_batch_handle_fields(decoy: int) -> None:
     names = BatchHandle._STATE
     with loader_side() as warm:  # torch and the pool open what they keep open
         worker.refill()
-        state = worker.handle(warm._pin_decoder.token, True).__getstate__()
+        state = worker.handle(warm._pin_receiver.token, True).__getstate__()
         check_batch_handle(warm, worker, lambda: received(state), False, worker.batch)
 
     @FUZZ
@@ -616,7 +633,7 @@ def test_batch_handle_fields(decoy: int) -> None:
         extra = {} if lazy else {"slot_bytes": 2 << 20}
         with no_fd_left():  # once the loader is gone
             with loader_side(oversize=oversize, **extra) as loader:
-                token = loader._pin_decoder.token
+                token = loader._pin_receiver.token
                 if not first:  # an earlier batch announced the segment
                     worker.refill()
                     state = worker.handle(token, True).__getstate__()
@@ -644,22 +661,21 @@ def test_batch_handle_fields(decoy: int) -> None:
 def forget_arena_mappings() -> None:
     """Drops the worker side's mappings of arenas (a worker process's, normally: here each
     example's loader has its own arena, and an fd number reused would find a stale one)."""
-    for key in [k for k in _zerocopy._ARENAS if k[0] == os.getpid()]:
-        _zerocopy._ARENAS.pop(key).close()
+    for key in [k for k in places._ARENAS if k[0] == os.getpid()]:
+        places._ARENAS.pop(key).close()
 
 
 def one_slot_handle(data: Any, worker: Worker) -> None:
     with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3) as loader:
-        decoder = loader._pin_decoder
-        ticket = decoder.assign(1)
+        receiver = loader._pin_receiver
+        ticket = receiver.tickets.assign(receiver.pool, 1)
         assert ticket is not None
         try:
-            sent = write_into_slot(decoder.token, ticket, worker.plan)
-            state, changed = corrupted(
-                data, sent.__getstate__(), SlotHandle._STATE, corrupt_slot_field
-            )
+            sent = places.write(receiver.token, 4, worker.plan, ticket, None)
+            assert sent.slot == ticket.claim, "the worker's path did not use the slot"
+            state, changed = corrupted(data, sent.__getstate__(), SLOT_FIELDS, corrupt_slot_field)
             with no_hang(), late_errors():
-                got = accepted(lambda: decoded(received(state, SlotHandle), False))
+                got = accepted(lambda: decoded(received(state), False))
                 if got is not None:
                     assert_inside(got, CAPACITY)
                 if not changed:
@@ -668,14 +684,15 @@ def one_slot_handle(data: Any, worker: Worker) -> None:
                 del got
         finally:
             # The loader takes back a slot whose batch never came (the iterator's end).
-            decoder.unassign((ticket.index, ticket.generation), ticket.nonce)
+            receiver.tickets.unassign(ticket.claim)
             forget_arena_mappings()
         assert_slots_back(loader)
 
 
 def test_slot_handle_fields() -> None:
-    """Zero-copy: a SlotHandle's state with up to three fields replaced by anything, for a
-    slot really handed out, written through the worker's own path (``write_into_slot``)."""
+    """Zero-copy: the state of a handle naming a slot, with up to three fields replaced by
+    anything, for a slot really handed out, written through the worker's own path
+    (``places.write``)."""
     worker = Worker()
 
     @FUZZ
@@ -693,7 +710,7 @@ def test_slot_handle_fields() -> None:
 def announced(loader: pinpool.DataLoader, worker: Worker, first: bool) -> str:
     """The loader's token, with the worker's segment already received once unless ``first``
     (then the next handle is a later one); the segment refilled for the next handle."""
-    token = loader._pin_decoder.token
+    token = loader._pin_receiver.token
     if not first:
         worker.refill()
         state = worker.handle(token, True).__getstate__()
@@ -729,7 +746,7 @@ PINPOOL_DIR = os.path.dirname(pinpool.__file__)
 def unpickled(raw: bytes) -> Any:
     """``pickle.loads(raw)``, or None when pickle refuses the bytes: any error is pickle's
     right, and a state that does not fit (``__setstate__``'s own), but not one raised
-    deeper in pinpool: a BatchHandle that comes out is received there and then."""
+    deeper in pinpool (unpickling a BatchHandle only sets its fields)."""
     with address_space_cap(1 << 30):
         try:
             return pickle.loads(raw)

@@ -3,7 +3,8 @@ or stalled, and must now give a clear ``PinPoolError`` (or torch's own behaviour
 nothing.
 
 - views of slot memory with dtypes that have no plain bytes (quantized, sub-byte);
-- ``map_segment`` of a file that could shrink under the mapping (SIGBUS on the next read);
+- ``SegmentCache.insert`` of a file that could shrink under the mapping (SIGBUS on the next
+  read);
 - a dataset whose ``__getitems__`` returns a whole batch rather than a list of samples;
 - a forked child checking out slots of its parent's pool;
 - pinpool's own errors keeping torch's iterator (and its workers) alive in a reference cycle;
@@ -31,8 +32,8 @@ from handles import HandleFactory
 from loader_datasets import Exiting, Indexed, ReadyBatches, ready_batch
 
 import pinpool
-from pinpool import InvalidArgument, OutOfBounds, WorkerLost
-from pinpool._worker import BatchHandle
+from pinpool import InvalidArgument, OutOfBounds, PinPoolError, WorkerLost
+from pinpool._wire.handle import BatchHandle
 
 MiB = 1 << 20
 
@@ -65,26 +66,32 @@ def test_slot_views_refuse_dtypes_without_plain_bytes() -> None:
     assert done.stdout.split() == ["quint8,qint8,qint32,quint4x2,bits8,uint4,int4"]
 
 
-# --------------------------------------------------------------------------- map_segment
+# --------------------------------------------------------------------------- segment seals
 
 
-def test_map_segment_refuses_files_that_can_shrink(make_pool: Any, fd_count: Any) -> None:
+def test_segments_that_can_shrink_are_refused(make_pool: Any, fd_count: Any) -> None:
     pool = make_pool(4096, 1)
+    cache = pinpool.SegmentCache(pool)
+    ws = pinpool.WorkerSegment(4096)
+    header = os.pread(ws.fd, pinpool.SEGMENT_DATA_OFFSET, 0)
     before = fd_count()
-    unsealed = make_memfd(8192, seal=False)
+    unsealed = make_memfd(ws.total_len, seal=False)
     with tempfile.TemporaryFile() as f:
-        f.truncate(8192)
+        f.truncate(ws.total_len)
         for fd in (unsealed, f.fileno()):
+            os.pwrite(fd, header, 0)  # a valid header, so only the missing seal is wrong
             with pytest.raises(InvalidArgument, match="sealed"):
-                pool.map_segment(fd, 8192)
+                pinpool.check_segment((1, 0), fd, ws.total_len, ws.nonce)
+            with pytest.raises(InvalidArgument, match="sealed"):
+                cache.insert((1, 0), os.dup(fd), ws.total_len, ws.nonce)
     os.close(unsealed)
-    # A sealed memfd maps, and can no longer be truncated under the mapping.
-    sealed = make_memfd(8192)
-    with pool.map_segment(sealed, 8192) as seg, pool.checkout() as slot:
+    # A worker's segment maps, and can no longer be truncated under the mapping.
+    cache.insert((1, 0), os.dup(ws.fd), ws.total_len, ws.nonce)
+    with pool.checkout() as slot:
         with pytest.raises(OSError):
-            os.ftruncate(sealed, 0)
-        assert pool.copy_into(slot, seg, [(0, 0, 8192 // 2)]) == 4096
-    os.close(sealed)
+            os.ftruncate(ws.fd, 0)
+        assert cache.copy_to_slot((1, 0), slot, [(0, 0, 4096 // 2)]) == 2048
+    cache.retire((1, 0))
     pool.flush()
     assert fd_count() == before
 
@@ -183,25 +190,27 @@ class Marker:
     """Something a frame holds; dies by reference count unless a cycle keeps the frame."""
 
 
-def test_a_stored_error_is_raised_without_a_reference_cycle() -> None:
+def test_an_error_taking_a_batch_is_raised_without_a_reference_cycle() -> None:
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, slot_bytes=MiB, num_slots=2)
     make = HandleFactory(loader)
     handle = make.make(origin=(_dead_pid(), make.segment.fd))
-    assert isinstance(handle._error, WorkerLost)
     gc.disable()
     try:
 
-        def consume(h: BatchHandle) -> weakref.ref[Marker]:
+        def consume(h: BatchHandle, error: type[BaseException], text: str) -> weakref.ref[Marker]:
             marker = Marker()  # stands for torch's iterator, up the stack
             ref = weakref.ref(marker)
             try:
-                h.decode()
-            except WorkerLost as exc:
-                assert "exited" in str(exc)
+                h.take()
+            except error as exc:
+                assert text in str(exc)
             return ref
 
-        for _ in range(2):  # raised again, each time without a cycle
-            assert consume(handle)() is None, "the frame that raised is kept alive by a cycle"
+        # The worker is gone; then the handle, dropped, cannot be taken again. Each error is
+        # raised without a cycle.
+        for error, text in ((WorkerLost, "exited"), (PinPoolError, "taken or dropped")):
+            ref = consume(handle, error, text)
+            assert ref() is None, "the frame that raised is kept alive by a cycle"
     finally:
         gc.enable()
     del handle, loader
@@ -210,19 +219,26 @@ def test_a_stored_error_is_raised_without_a_reference_cycle() -> None:
 
 def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch's SIGCHLD handler raises RuntimeError in the main thread at any moment, also while
-    # a handle is unpickled: torch must see it (to mark the worker failed), not the batch.
+    # a batch is taken: torch must see it (to mark the worker failed), not a pinpool error.
+    # Unpickling a handle does nothing at all (it touches no segment and no pool).
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, slot_bytes=MiB, num_slots=2)
     make = HandleFactory(loader)
     good = make.make()
     state = good.__getstate__()
+    calls = []
 
     def worker_died(self: Any, handle: Any) -> None:
+        calls.append(handle)
         raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
 
-    monkeypatch.setattr(type(loader._pin_decoder), "receive", worker_died)
+    monkeypatch.setattr(type(loader._pin_receiver), "_receive", worker_died)
     h = BatchHandle.__new__(BatchHandle)
+    h.__setstate__(state)
+    assert not calls, "unpickling a handle acted on it"
     with pytest.raises(RuntimeError, match="killed by signal"):
-        h.__setstate__(state)
+        h.take()
+    assert calls
+    calls.clear()
     del good, h, loader
     gc.collect()
 
@@ -273,21 +289,21 @@ def test_a_handle_claiming_more_than_its_segment_sizes_nothing() -> None:
     for name, fields in lies.items():
         h = make.make(**fields)
         with pytest.raises(OutOfBounds):
-            h.decode()
+            h.take()
         assert loader.pool is None, f"a handle lying about {name} made a pool"
         del h
     # An honest handle still makes a pool sized from its batch.
-    assert make.make().decode()["a"].tolist() == list(range(10))
+    assert make.make().take()["a"].tolist() == list(range(10))
     assert loader.pool is not None and loader.pool.slot_bytes <= 2 * MiB
 
 
 def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pinpool.loader
+    import pinpool._main.receiver
 
-    monkeypatch.setattr(pinpool.loader, "available_memory", lambda: 16 * MiB)
+    monkeypatch.setattr(pinpool._main.receiver, "available_memory", lambda: 16 * MiB)
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     with pytest.raises(pinpool.BatchTooLarge, match="memory available") as info:
-        loader._pin_decoder._ensure(4 * MiB)
+        loader._pin_receiver.ensure(4 * MiB)
     assert loader.pool is None
     del info
 

@@ -1,4 +1,4 @@
-"""Workers keep freed item memory for the next batch (``pinpool._heap``): measured by the
+"""Workers keep freed item memory for the next batch (``pinpool._worker.heap``): measured by the
 page faults a second batch of fresh items takes, in a fresh process each time."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pinpool import _heap
+from pinpool._worker import heap as _heap
 
 ITEMS, ITEM_BYTES = 64, 150_528  # one 9.6 MB batch of 150 KB items
 

@@ -818,7 +818,7 @@ def test_streaming_frees_each_sample_before_the_next_is_made(stream_samples: boo
 def test_streaming_with_copy_threads_holds_a_bounded_group() -> None:
     # 64 KiB samples, 40 to a batch: copied in groups of GROUP_BYTES (16 samples), so no
     # more than 15 earlier samples are ever alive, where torch's way keeps up to 39.
-    from pinpool._stream import GROUP_BYTES
+    from pinpool._worker.streaming import GROUP_BYTES
 
     group = GROUP_BYTES // (64 << 10)
     pin = pinpool.DataLoader(Tracked(80), batch_size=40, num_workers=2, worker_copy_threads=2)

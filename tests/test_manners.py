@@ -11,7 +11,8 @@ import sys
 import pytest
 
 import pinpool
-from pinpool.loader import _worker_copy_threads, local_world_size
+from pinpool._main.settings import local_world_size
+from pinpool._main.settings import worker_copy_threads as _worker_copy_threads
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:

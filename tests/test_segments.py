@@ -1,12 +1,25 @@
-"""Shared-memory segments: ``PinPool.map_segment`` + ``copy_into``, the worker side
-(``WorkerSegment``) and the main process's ``SegmentCache``, the background reclaimer, and
-that unmapping never blocks other Python threads."""
+"""Shared-memory segments, the public low-level transport: the producer's ``WorkerSegment``,
+the consumer's ``SegmentCache`` and ``check_segment``, the background reclaimer, and that
+unmapping never blocks other Python threads.
+
+``PinPool.map_segment``, ``PinPool.copy_into`` and ``pinpool.Segment`` were removed; their
+checks moved here onto ``SegmentCache``/``WorkerSegment``/``check_segment`` (and, for the seal
+check, into ``tests/test_hardening.py``). Dropped, as covered elsewhere:
+- a ``Segment`` closed by ``close()``, ``with`` or garbage collection goes to the reclaimer:
+  ``test_segment_cache_round_trip`` (retire, and replacement by a second ``insert``),
+  ``test_segment_cache_retire_all`` and ``test_segment_cache_dropping_retires_everything``;
+- no mapping after ``pool.close()``: ``test_segment_cache_needs_an_open_pool``;
+- a foreign pool's slot, and the wrong length: ``test_segment_cache_rejects_corrupt_input``.
+The "shorter mapping than the file" case has no counterpart: ``insert`` maps exactly
+``total_len`` bytes, which the header must match.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
+import tempfile
 import threading
 import time
 
@@ -15,8 +28,17 @@ import pytest
 from conftest import make_memfd
 
 import pinpool
-from pinpool import BatchTooLarge, InvalidArgument, OutOfBounds, PinPoolError, PoolClosed
-from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
+from pinpool import (
+    SEGMENT_DATA_OFFSET,
+    BatchTooLarge,
+    InvalidArgument,
+    OutOfBounds,
+    PinPoolError,
+    PoolClosed,
+    SegmentCache,
+    WorkerSegment,
+    check_segment,
+)
 
 PAGE = pinpool.page_size()
 MiB = 1 << 20
@@ -33,230 +55,262 @@ def insert(cache: SegmentCache, key: tuple[int, int], ws: WorkerSegment, **kw: i
     cache.insert(key, fd, kw.get("total_len", ws.total_len), kw.get("nonce", ws.nonce))
 
 
-# --------------------------------------------------------------------------- map_segment
+def filled(nbytes: int, seed: int = 0) -> tuple[WorkerSegment, bytes]:
+    """A claimed worker segment of at least ``nbytes`` whose first ``nbytes`` hold a pattern."""
+    ws = WorkerSegment(nbytes)
+    data = pattern(nbytes, seed)
+    assert ws.try_claim()
+    with memoryview(ws) as mv:
+        mv[:nbytes] = data
+    return ws, data
 
 
-def test_map_and_copy_ranges(make_pool) -> None:
-    data = pattern(5 * PAGE + 123)
-    fd = make_memfd(data)
+def test_public_names() -> None:
+    for name in ("WorkerSegment", "SegmentCache", "check_segment", "SEGMENT_DATA_OFFSET"):
+        assert name in pinpool.__all__
+    for gone in ("Segment", "map_segment", "copy_into"):
+        assert gone not in pinpool.__all__
+        assert not hasattr(pinpool.PinPool, gone)
+    assert not hasattr(pinpool._native, "Segment")
+    assert SEGMENT_DATA_OFFSET == 4096
+
+
+# --------------------------------------------------------------------------- copies
+
+
+def test_segment_cache_copies_ranges_exactly(make_pool) -> None:
+    ws, data = filled(5 * PAGE + 123)
+    assert ws.capacity == 6 * PAGE
     pool = make_pool(8 * PAGE, 2)
-    try:
-        seg = pool.map_segment(fd, len(data))
-        assert seg.nbytes == len(data)
-        assert not seg.closed
-        slot = pool.checkout()
-        raw = np.frombuffer(slot, dtype=np.uint8)
-        raw[:] = 0xEE
-        ranges = [(0, 0, 100), (1000, 4096, 3000), (len(data) - 10, 8 * PAGE - 10, 10), (7, 50, 0)]
-        n = pool.copy_into(slot, seg, ranges)
-        assert n == 3110
-        for src, dst, length in ranges:
-            assert raw[dst : dst + length].tobytes() == data[src : src + length]
-        # Bytes outside the destination ranges are untouched.
-        assert np.all(raw[100:4096] == 0xEE)
-        assert np.all(raw[7096 : 8 * PAGE - 10] == 0xEE)
-        s = pool.stats()
-        assert s["bytes_copied"] == 3110
-        assert s["copies"] == 1
-        assert s["segments_mapped"] == 1
-        # A large copy (parallel path) is byte-exact too.
-        big = pattern(3 * MiB + 17, seed=1)
-        fd2 = make_memfd(big)
-        pool2 = make_pool(4 * MiB, 1, copy_threads=4)
-        with pool2.map_segment(fd2, len(big)) as seg2, pool2.checkout() as slot2:
-            assert pool2.copy_into(slot2, seg2, [(0, 5, len(big))]) == len(big)
-            with memoryview(slot2) as mv:
-                assert mv[5 : 5 + len(big)] == big
-        os.close(fd2)
-        del raw
-        slot.release()
-        seg.close()
-    finally:
-        os.close(fd)
+    cache = SegmentCache(pool)
+    insert(cache, (1, 0), ws)
+    slot = pool.checkout()
+    raw = np.frombuffer(slot, dtype=np.uint8)
+    raw[:] = 0xEE
+    ranges = [(0, 0, 100), (1000, 4096, 3000), (len(data) - 10, 8 * PAGE - 10, 10), (7, 50, 0)]
+    assert cache.copy_to_slot((1, 0), slot, ranges) == 3110
+    for src, dst, length in ranges:
+        assert raw[dst : dst + length].tobytes() == data[src : src + length]
+    # Bytes outside the destination ranges are untouched.
+    assert np.all(raw[100:4096] == 0xEE)
+    assert np.all(raw[7096 : 8 * PAGE - 10] == 0xEE)
+    s = pool.stats()
+    assert s["bytes_copied"] == 3110
+    assert s["copies"] == 1
+    assert s["segments_mapped"] == 1
+    del raw
+    slot.release()
+    # A large copy (the parallel path, without the GIL) is byte-exact too.
+    big_ws, big = filled(3 * MiB + 17, seed=1)
+    pool2 = make_pool(4 * MiB, 1, copy_threads=4)
+    cache2 = SegmentCache(pool2)
+    insert(cache2, (2, 0), big_ws)
+    with pool2.checkout() as slot2:
+        assert cache2.copy_to_slot((2, 0), slot2, [(0, 5, len(big))]) == len(big)
+        with memoryview(slot2) as mv:
+            assert mv[5 : 5 + len(big)] == big
+    target = bytearray(len(big) + 5)
+    assert cache2.copy_to_buffer((2, 0), target, [(0, 5, len(big))]) == len(big)
+    assert target[5:] == big
 
 
-def test_map_segment_sees_later_writes_and_keeps_its_own_fd(make_pool, fd_count) -> None:
-    fd = make_memfd(2 * PAGE)
+def test_segment_cache_sees_later_writes_and_outlives_the_worker_object(
+    make_pool, fd_count
+) -> None:
+    """The mapping is shared: writes after ``insert`` are seen. It is the cache's own: the
+    worker's object (its fd and mapping) may go away before the cache retires the segment."""
     pool = make_pool(2 * PAGE, 1)
-    seg = pool.map_segment(fd, 2 * PAGE)
-    # The caller's fd stays the caller's: closing it does not affect the segment.
-    os.pwrite(fd, b"late data", 100)
-    os.close(fd)
+    pool.flush()
+    before = fd_count()
+    cache = SegmentCache(pool)
+    ws = WorkerSegment(2 * PAGE)
+    insert(cache, (1, 0), ws)
+    with memoryview(ws) as mv:
+        mv[100:109] = b"late data"
+    os.pwrite(ws.fd, b"via the fd", SEGMENT_DATA_OFFSET + 200)
+    del ws  # unmaps the worker's mapping and closes its fd
     with pool.checkout() as slot:
-        pool.copy_into(slot, seg, [(100, 0, 9)])
+        assert cache.copy_to_slot((1, 0), slot, [(100, 0, 9), (200, 9, 10)]) == 19
         with memoryview(slot) as mv:
-            assert bytes(mv[:9]) == b"late data"
-    seg.close()
+            assert bytes(mv[:19]) == b"late datavia the fd"
+    assert cache.retire((1, 0))
+    pool.flush()
+    assert fd_count() == before
 
 
-def test_copy_into_rejects_bad_ranges(make_pool) -> None:
-    n = 4 * PAGE
-    fd = make_memfd(pattern(n))
+def test_segment_cache_rejects_bad_ranges(make_pool) -> None:
+    ws, _ = filled(4 * PAGE)
+    n = ws.capacity
     pool = make_pool(2 * PAGE, 1)
-    try:
-        seg = pool.map_segment(fd, n)
-        slot = pool.checkout()
-        raw = np.frombuffer(slot, dtype=np.uint8)
-        raw[:] = 1
-        bad_src = [
-            [(n - 1, 0, 2)],
-            [(n, 0, 1)],
-            [(0, 0, 10), (n - 5, 100, 10)],
-            [(2**64 - 1, 0, 2)],  # offset + len overflows
-        ]
-        for ranges in bad_src:
-            with pytest.raises(OutOfBounds) as info:
-                pool.copy_into(slot, seg, ranges)
-            assert isinstance(info.value, ValueError)
-        bad_dst = [
-            [(0, 2 * PAGE - 10, 11)],
-            [(0, 2 * PAGE, 1)],
-            [(0, 0, 10), (0, 2 * PAGE - 1, 2)],
-            [(0, 2**64 - 1, 2)],
-        ]
-        for ranges in bad_dst:
-            with pytest.raises(BatchTooLarge) as info:
-                pool.copy_into(slot, seg, ranges)
-            assert info.value.slot_bytes == 2 * PAGE
-            assert info.value.needed > 2 * PAGE
-            assert "slot" in str(info.value)
-        overlapping = [
-            [(0, 0, 100), (200, 50, 100)],
-            [(0, 10, 10), (0, 19, 1)],
-            [(0, 0, PAGE), (0, 100, 1), (0, 3000, 5)],
-        ]
-        for ranges in overlapping:
-            with pytest.raises(InvalidArgument, match="overlap"):
-                pool.copy_into(slot, seg, ranges)
-        # Adjacent (touching) destinations and zero-length ranges are fine.
-        assert pool.copy_into(slot, seg, [(0, 0, 10), (0, 10, 10), (5, 5, 0)]) == 20
-        # Nothing was copied by the refused calls (the accepted one wrote [0, 20) only).
-        assert np.all(raw[20:] == 1)
-        s = pool.stats()
-        assert s["copies"] == 1 and s["bytes_copied"] == 20
-        del raw
-        slot.release()
-        seg.close()
-    finally:
-        os.close(fd)
+    cache = SegmentCache(pool)
+    insert(cache, (1, 0), ws)
+    slot = pool.checkout()
+    raw = np.frombuffer(slot, dtype=np.uint8)
+    raw[:] = 1
+    bad_src = [
+        [(n - 1, 0, 2)],
+        [(n, 0, 1)],
+        [(0, 0, 10), (n - 5, 100, 10)],
+        [(2**64 - 1, 0, 2)],  # offset + len overflows
+        [(2**64 - SEGMENT_DATA_OFFSET, 0, 1)],  # offset + header overflows
+    ]
+    for ranges in bad_src:
+        with pytest.raises(OutOfBounds) as info:
+            cache.copy_to_slot((1, 0), slot, ranges)
+        assert isinstance(info.value, ValueError)
+    bad_dst = [
+        [(0, 2 * PAGE - 10, 11)],
+        [(0, 2 * PAGE, 1)],
+        [(0, 0, 10), (0, 2 * PAGE - 1, 2)],
+        [(0, 2**64 - 1, 2)],
+    ]
+    for ranges in bad_dst:
+        with pytest.raises(BatchTooLarge) as info:
+            cache.copy_to_slot((1, 0), slot, ranges)
+        assert info.value.slot_bytes == 2 * PAGE
+        assert info.value.needed > 2 * PAGE
+        assert "slot" in str(info.value)
+    overlapping = [
+        [(0, 0, 100), (200, 50, 100)],
+        [(0, 10, 10), (0, 19, 1)],
+        [(0, 0, PAGE), (0, 100, 1), (0, 3000, 5)],
+    ]
+    for ranges in overlapping:
+        with pytest.raises(InvalidArgument, match="overlap"):
+            cache.copy_to_slot((1, 0), slot, ranges)
+        with pytest.raises(InvalidArgument, match="overlap"):
+            cache.copy_to_buffer((1, 0), raw, ranges)
+    # Negative numbers are not offsets.
+    with pytest.raises(OverflowError):
+        cache.copy_to_slot((1, 0), slot, [(-1, 0, 1)])
+    # Adjacent (touching) destinations and zero-length ranges are fine.
+    assert cache.copy_to_slot((1, 0), slot, [(0, 0, 10), (0, 10, 10), (5, 5, 0)]) == 20
+    # Nothing was copied by the refused calls (the accepted one wrote [0, 20) only).
+    assert np.all(raw[20:] == 1)
+    s = pool.stats()
+    assert s["copies"] == 1 and s["bytes_copied"] == 20
+    del raw
+    slot.release()
 
 
-def test_map_segment_rejects_bad_requests(make_pool) -> None:
-    fd = make_memfd(3 * PAGE)
-    pool = make_pool(PAGE, 1)
-    try:
-        with pytest.raises(OutOfBounds, match="segment file"):
-            pool.map_segment(fd, 3 * PAGE + 1)
-        with pytest.raises(OutOfBounds):
-            pool.map_segment(fd, 100 * PAGE)
-        with pytest.raises(InvalidArgument):
-            pool.map_segment(fd, 0)
-        with pytest.raises(InvalidArgument):
-            pool.map_segment(-1, PAGE)
-        # A descriptor that is not open: an OS error, reported as a PinPoolError.
-        spare = os.dup(fd)
-        os.close(spare)
-        with pytest.raises(PinPoolError):
-            pool.map_segment(spare, PAGE)
-        # A shorter mapping than the file is fine.
-        with pool.map_segment(fd, PAGE) as seg:
-            assert seg.nbytes == PAGE
-        assert pool.stats()["segments_mapped"] == 1
-    finally:
-        os.close(fd)
-
-
-def test_copy_into_closed_segment_or_released_slot(make_pool) -> None:
-    fd = make_memfd(PAGE)
+def test_segment_cache_copy_into_released_slot_or_retired_segment(make_pool) -> None:
     pool = make_pool(PAGE, 2)
-    other = make_pool(PAGE, 1)
-    try:
-        seg = pool.map_segment(fd, PAGE)
-        slot = pool.checkout()
-        foreign = other.checkout()
-        with pytest.raises(InvalidArgument, match="another pool"):
-            pool.copy_into(foreign, seg, [(0, 0, 1)])
-        slot.release()
-        with pytest.raises(pinpool.SlotReleased):
-            pool.copy_into(slot, seg, [(0, 0, 1)])
-        live = pool.checkout()
-        seg.close()
-        assert seg.closed
-        seg.close()  # idempotent
-        with pytest.raises(InvalidArgument, match="closed"):
-            pool.copy_into(live, seg, [(0, 0, 1)])
-        live.release()
-        foreign.release()
-    finally:
-        os.close(fd)
+    cache = SegmentCache(pool)
+    ws = WorkerSegment(PAGE)
+    insert(cache, (1, 0), ws)
+    slot = pool.checkout()
+    slot.release()
+    with pytest.raises(pinpool.SlotReleased):
+        cache.copy_to_slot((1, 0), slot, [(0, 0, 1)])
+    live = pool.checkout()
+    assert cache.retire((1, 0))
+    with pytest.raises(InvalidArgument, match="unknown"):
+        cache.copy_to_slot((1, 0), live, [(0, 0, 1)])
+    with pytest.raises(InvalidArgument, match="unknown"):
+        cache.copy_to_buffer((1, 0), bytearray(1), [(0, 0, 1)])
+    live.release()
+    assert pool.stats()["copies"] == 0
 
 
-def test_segment_close_hands_it_to_the_reclaimer(make_pool) -> None:
-    fd = make_memfd(pattern(2 * PAGE))
+# --------------------------------------------------------------------------- what is mapped
+
+
+def test_only_sealed_memfds_of_the_claimed_length_are_accepted(make_pool, fd_count) -> None:
+    """``check_segment`` (borrows the fd) and ``insert`` (owns it) refuse anything a sender
+    could shrink under the mapping, and lengths that do not match the file."""
     pool = make_pool(PAGE, 1)
-    try:
-        before = pool.stats()["segments_unmapped"]
-        seg = pool.map_segment(fd, 2 * PAGE)
-        seg.close()
-        pool.flush()
-        s = pool.stats()
-        assert s["segments_mapped"] == 1
-        assert s["segments_unmapped"] == before + 1
-        assert s["pending_unmaps"] == 0
-        # Closing through the context manager and through garbage collection work too.
-        with pool.map_segment(fd, PAGE):
-            pass
-        seg = pool.map_segment(fd, PAGE)
-        del seg
-        pool.flush()
-        s = pool.stats()
-        assert s["segments_mapped"] == 3
-        assert s["segments_unmapped"] == before + 3
-        assert s["pending_unmaps"] == 0
-    finally:
-        os.close(fd)
+    cache = SegmentCache(pool)
+    ws = WorkerSegment(2 * PAGE)
+    pool.flush()
+    before = fd_count()
+    unsealed = make_memfd(ws.total_len, seal=False)
+    os.pwrite(unsealed, os.pread(ws.fd, SEGMENT_DATA_OFFSET, 0), 0)  # a valid header
+    with tempfile.TemporaryFile() as f:
+        f.truncate(ws.total_len)
+        os.pwrite(f.fileno(), os.pread(ws.fd, SEGMENT_DATA_OFFSET, 0), 0)
+        for fd in (unsealed, f.fileno()):
+            with pytest.raises(InvalidArgument, match="sealed"):
+                check_segment((1, 0), fd, ws.total_len, ws.nonce)
+            with pytest.raises(InvalidArgument, match="sealed"):
+                insert(cache, (1, 0), ws, fd=os.dup(fd))
+            os.fstat(fd)  # check_segment only borrowed it
+    os.close(unsealed)
+    # The real segment passes both, and its file cannot be shrunk or grown.
+    assert check_segment((1, 0), ws.fd, ws.total_len, ws.nonce) == ws.capacity
+    for size in (0, ws.total_len - 1, ws.total_len + PAGE):
+        with pytest.raises(OSError):
+            os.ftruncate(ws.fd, size)
+    # check_segment wants the exact length; insert maps that many bytes of a file at least as
+    # long, whose header must name the same capacity.
+    for total_len in (ws.total_len - PAGE, ws.total_len + PAGE):
+        with pytest.raises((InvalidArgument, OutOfBounds)):
+            check_segment((1, 0), ws.fd, total_len, ws.nonce)
+    with pytest.raises(OutOfBounds, match="segment file"):
+        check_segment((1, 0), ws.fd, ws.total_len + PAGE, ws.nonce)
+    with pytest.raises(OutOfBounds, match="segment file"):
+        insert(cache, (1, 0), ws, total_len=ws.total_len + PAGE)
+    with pytest.raises(OutOfBounds):
+        insert(cache, (1, 0), ws, total_len=100 * ws.total_len)
+    with pytest.raises(InvalidArgument, match="no data area"):
+        insert(cache, (1, 0), ws, total_len=0)
+    with pytest.raises(InvalidArgument, match="nonce"):
+        check_segment((1, 0), ws.fd, ws.total_len, ws.nonce ^ 1)
+    with pytest.raises(InvalidArgument):
+        check_segment((1, 0), -1, ws.total_len, ws.nonce)
+    with pytest.raises(OutOfBounds):
+        check_segment((1, 0), ws.fd, -1, ws.nonce)
+    # A descriptor that is not open is refused, not trusted.
+    spare = os.dup(ws.fd)
+    os.close(spare)
+    with pytest.raises(PinPoolError):
+        check_segment((1, 0), spare, ws.total_len, ws.nonce)
+    insert(cache, (1, 0), ws)
+    assert len(cache) == 1
+    assert pool.stats()["segments_mapped"] == 1
+    assert cache.retire((1, 0))
+    pool.flush()
+    assert fd_count() == before
+
+
+# --------------------------------------------------------------------------- fds and the reclaimer
 
 
 def test_pool_close_with_wait_flushes_segments(make_pool) -> None:
     """``close()`` leaves unmapping to the background threads; ``close(wait=True)`` returns
     once they are done."""
-    fd = make_memfd(PAGE)
     pool = make_pool(PAGE, 1)
-    try:
-        seg = pool.map_segment(fd, PAGE)
-        seg.close()
-        pool.close(wait=True)
-        s = pool.stats()
-        assert s["pending_unmaps"] == 0
-        assert s["segments_unmapped"] == 1
-        with pytest.raises(PoolClosed):
-            pool.map_segment(fd, PAGE)
-    finally:
-        os.close(fd)
+    cache = SegmentCache(pool)
+    insert(cache, (1, 0), WorkerSegment(PAGE))
+    assert cache.retire((1, 0))
+    pool.close(wait=True)
+    s = pool.stats()
+    assert s["pending_unmaps"] == 0
+    assert s["segments_unmapped"] == 1
 
 
-def test_no_fd_leak_over_map_close_cycles(make_pool, fd_count, shm_count) -> None:
-    data = pattern(4 * PAGE)
+def test_no_fd_leak_over_insert_retire_cycles(make_pool, fd_count, shm_count) -> None:
     pool = make_pool(4 * PAGE, 1)
+    cache = SegmentCache(pool)
     shm_before = shm_count()
     # Warm up (threads, lazily opened files) before counting.
-    fd = make_memfd(data)
-    pool.map_segment(fd, len(data)).close()
-    os.close(fd)
+    insert(cache, (0, 0), WorkerSegment(4 * PAGE))
+    cache.retire((0, 0))
     pool.flush()
     before = fd_count()
     with pool.checkout() as slot:
         for i in range(50):
-            fd = make_memfd(data)
-            seg = pool.map_segment(fd, len(data))
-            os.close(fd)
-            pool.copy_into(slot, seg, [(0, 0, len(data))])
-            if i % 2:
-                seg.close()
-            else:
-                del seg
+            ws, data = filled(4 * PAGE, seed=i)
+            insert(cache, (1, i % 3), ws)  # every third one replaces an older one
+            assert cache.copy_to_slot((1, i % 3), slot, [(0, 0, len(data))]) == len(data)
+            with memoryview(slot) as mv:
+                assert mv == data
+            cache.release((1, i % 3))
+            del ws
+            if i % 5 == 0:
+                cache.retire((1, i % 3))
+    cache.retire_all()
     pool.flush()
-    assert fd_count() == before, "map_segment/close leaked file descriptors"
+    assert fd_count() == before, "insert/retire leaked file descriptors"
     s = pool.stats()
     assert s["segments_mapped"] == s["segments_unmapped"] == 51
     assert s["pending_unmaps"] == 0
@@ -264,19 +318,25 @@ def test_no_fd_leak_over_map_close_cycles(make_pool, fd_count, shm_count) -> Non
     assert shm_count() == shm_before
 
 
-def test_failed_maps_do_not_leak_fds(make_pool, fd_count) -> None:
+def test_failed_inserts_do_not_leak_fds(make_pool, fd_count) -> None:
     pool = make_pool(PAGE, 1)
-    fd = make_memfd(PAGE)
-    try:
-        pool.flush()
-        before = fd_count()
-        for _ in range(20):
-            with pytest.raises(OutOfBounds):
-                pool.map_segment(fd, 2 * PAGE)
-        pool.flush()
-        assert fd_count() == before
-    finally:
-        os.close(fd)
+    cache = SegmentCache(pool)
+    ws = WorkerSegment(PAGE)
+    pool.flush()
+    before = fd_count()
+    for _ in range(20):
+        with pytest.raises(OutOfBounds):
+            insert(cache, (1, 0), ws, total_len=2 * ws.total_len)
+        with pytest.raises(InvalidArgument):
+            insert(cache, (1, 0), ws, nonce=ws.nonce + 1)
+        with pytest.raises(OutOfBounds):
+            insert(cache, (1, 0), ws, nonce=-1)
+        with pytest.raises(InvalidArgument):
+            check_segment((1, 0), ws.fd, ws.total_len, ws.nonce + 1)
+    pool.flush()
+    assert len(cache) == 0
+    assert fd_count() == before
+    assert pool.stats()["pending_unmaps"] == 0
 
 
 # --------------------------------------------------------------------------- worker segments
@@ -579,54 +639,51 @@ def test_munmap_happens_off_the_gil(make_pool) -> None:
     size = 512 * MiB
     if available_memory() < 3 * size:
         pytest.skip("not enough free memory for a 512 MiB segment")
-    fd = make_memfd(size, name="pinpool-big")
-    try:
-        # Touch every page of the file so the pages exist.
-        with mmap.mmap(fd, size) as m:
-            np.frombuffer(m, dtype=np.uint8)[::PAGE] = 1
+    # The worker's segment: every page of its memfd exists (created faulted in).
+    ws = WorkerSegment(size)
+    total = ws.total_len
 
-        # Baseline: the same unmap done while holding the GIL. Python's own
-        # `mmap.close()` releases the GIL around munmap, so it cannot serve as the
-        # GIL-holding reference; a libc call through ctypes.PyDLL does hold it.
-        libc = gil_holding_libc()
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-        view = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(addr))
-        assert int(view[::PAGE].sum()) == size // PAGE  # read every page: page tables filled
-        del view
-        gil_took, gil_late = probe_while(lambda: libc.munmap(addr, size))
-        if gil_late < 0.006:
-            pytest.skip(f"munmap of {size} bytes is too fast here ({gil_late * 1e3:.1f} ms)")
+    # Baseline: the same unmap done while holding the GIL. Python's own `mmap.close()`
+    # releases the GIL around munmap, so it cannot serve as the GIL-holding reference; a libc
+    # call through ctypes.PyDLL does hold it.
+    libc = gil_holding_libc()
+    addr = libc.mmap(None, total, mmap.PROT_READ, mmap.MAP_SHARED, ws.fd, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    view = np.ctypeslib.as_array((ctypes.c_ubyte * total).from_address(addr))
+    assert int(view[SEGMENT_DATA_OFFSET::PAGE].sum()) == 0  # read every page: page tables filled
+    del view
+    gil_took, gil_late = probe_while(lambda: libc.munmap(addr, total))
+    if gil_late < 0.006:
+        pytest.skip(f"munmap of {size} bytes is too fast here ({gil_late * 1e3:.1f} ms)")
 
-        pool = make_pool(64 * MiB, 1)
-        best = float("inf")
-        attempts = []
-        for _ in range(3):  # retries only absorb unrelated scheduling noise
-            seg = pool.map_segment(fd, size)
-            with pool.checkout() as slot:
-                for off in range(0, size, 64 * MiB):
-                    # Reading the segment fills its page tables, making munmap expensive.
-                    pool.copy_into(slot, seg, [(off, 0, 64 * MiB)])
+    pool = make_pool(64 * MiB, 1)
+    cache = SegmentCache(pool)
+    best = float("inf")
+    attempts = []
+    for attempt in range(3):  # retries only absorb unrelated scheduling noise
+        key = (1, attempt)
+        insert(cache, key, ws)
+        with pool.checkout() as slot:
+            for off in range(0, size, 64 * MiB):
+                # Reading the segment fills its page tables, making munmap expensive.
+                cache.copy_to_slot(key, slot, [(off, 0, 64 * MiB)])
 
-            def close_and_flush(seg=seg) -> None:
-                seg.close()
-                pool.flush()
+        def retire_and_flush(key=key) -> None:
+            assert cache.retire(key)
+            pool.flush()
 
-            took, late = probe_while(close_and_flush)
-            del seg
-            attempts.append((took, late))
-            best = min(best, late)
-            if best < gil_late / 3 and best < 0.020:
-                break
-        s = pool.stats()
-        assert s["pending_unmaps"] == 0
-        assert s["segments_unmapped"] == s["segments_mapped"]
-        print(
-            f"GIL-holding munmap: {gil_took * 1e3:.1f} ms, probe late {gil_late * 1e3:.1f} ms; "
-            f"pinpool close+flush attempts (took, late) ms: "
-            + ", ".join(f"({t * 1e3:.1f}, {lt * 1e3:.1f})" for t, lt in attempts)
-        )
-        assert best < gil_late / 3, (best, gil_late, attempts)
-        assert best < 0.020, (best, attempts)
-    finally:
-        os.close(fd)
+        took, late = probe_while(retire_and_flush)
+        attempts.append((took, late))
+        best = min(best, late)
+        if best < gil_late / 3 and best < 0.020:
+            break
+    s = pool.stats()
+    assert s["pending_unmaps"] == 0
+    assert s["segments_unmapped"] == s["segments_mapped"]
+    print(
+        f"GIL-holding munmap: {gil_took * 1e3:.1f} ms, probe late {gil_late * 1e3:.1f} ms; "
+        f"pinpool retire+flush attempts (took, late) ms: "
+        + ", ".join(f"({t * 1e3:.1f}, {lt * 1e3:.1f})" for t, lt in attempts)
+    )
+    assert best < gil_late / 3, (best, gil_late, attempts)
+    assert best < 0.020, (best, attempts)

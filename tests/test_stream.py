@@ -1,7 +1,7 @@
-"""Streaming collation (``pinpool._stream``): samples' big arrays are written into the batch's
-buffer as each sample is made, and the batch that comes out is ``default_collate``'s, bit for
-bit; samples that do not follow the first one's layout fall back to ordinary collation, with
-torch's own results and errors."""
+"""Streaming collation (``pinpool._worker.streaming``): samples' big arrays are written into
+the batch's buffer as each sample is made, and the batch that comes out is
+``default_collate``'s, bit for bit; samples that do not follow the first one's layout fall
+back to ordinary collation, with torch's own results and errors."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from loader_datasets import NUMPY_DTYPES, TORCH_DTYPES, Pair, Record, Tracked, a
 from loader_datasets import make_array as make_leaf
 from torch.utils.data import default_collate
 
-from pinpool import _codec, _stream
+from pinpool._wire import codec as _codec
+from pinpool._worker import streaming as _stream
 
 KiB = 1 << 10
 
@@ -298,5 +299,5 @@ def test_a_dataset_with_its_own_getitems_makes_its_samples() -> None:
         def __len__(self) -> int:
             return 4
 
-    got = _stream.StreamingDataset(Batched()).__getitems__([1, 3])
+    got = _stream.StreamingDataset(Batched()).__getitems__([1, 3]).made
     assert isinstance(got, list) and len(got) == 2

@@ -5,6 +5,10 @@
 >>> with pool.checkout() as slot:
 ...     slot.view("uint8", (16,)).fill_(7)
 
+The low-level transport the DataLoader is built on is public too: ``WorkerSegment`` (a
+producer writes a batch into it), ``SegmentCache`` (the consumer maps producers' segments and
+copies from them into slots), ``check_segment`` and ``SEGMENT_DATA_OFFSET``.
+
 See README.md for the DataLoader and the benchmarks.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from . import _native, _streams
+from . import _cuda_stream, _native
 from ._errors import (
     BatchTooLarge,
     CudaError,
@@ -25,12 +29,22 @@ from ._errors import (
     SlotReleased,
     WorkerLost,
 )
-from ._native import PinPool, Segment, Slot, cuda_available, page_size, wait_for_releases
+from ._native import (
+    SEGMENT_DATA_OFFSET,
+    PinPool,
+    SegmentCache,
+    Slot,
+    WorkerSegment,
+    check_segment,
+    cuda_available,
+    page_size,
+    wait_for_releases,
+)
 
 if TYPE_CHECKING:
     from .loader import DataLoader
 
-_native._set_stream_hook(_streams.current_stream)
+_native._set_stream_hook(_cuda_stream.current_stream)
 
 # A library's logger: silent unless the application configures logging.
 logging.getLogger("pinpool").addHandler(logging.NullHandler())
@@ -38,6 +52,7 @@ logging.getLogger("pinpool").addHandler(logging.NullHandler())
 __version__ = "0.1.0"
 
 __all__ = [
+    "SEGMENT_DATA_OFFSET",
     "BatchTooLarge",
     "CudaError",
     "DataLoader",
@@ -47,10 +62,12 @@ __all__ = [
     "PinPoolError",
     "PoolClosed",
     "PoolExhausted",
-    "Segment",
+    "SegmentCache",
     "Slot",
     "SlotReleased",
     "WorkerLost",
+    "WorkerSegment",
+    "check_segment",
     "cuda_available",
     "page_size",
     "wait_for_releases",

@@ -7,7 +7,6 @@ from typing import Any, Literal, final
 __all__ = [
     "SEGMENT_DATA_OFFSET",
     "PinPool",
-    "Segment",
     "SegmentCache",
     "Slot",
     "WorkerSegment",
@@ -21,11 +20,21 @@ __all__ = [
     "wait_for_releases",
 ]
 SEGMENT_DATA_OFFSET: int
+"""Bytes of a segment's header page: where its data area starts in the memfd."""
 
 def _gather(target: Any, items: Sequence[tuple[int, int, int]], threads: int) -> int: ...
 def _set_stream_hook(hook: Callable[[int], int | None]) -> bool: ...
 def available_memory() -> int | None: ...
-def check_segment(key: tuple[int, int], fd: int, total_len: int, nonce: int) -> int: ...
+def check_segment(key: tuple[int, int], fd: int, total_len: int, nonce: int) -> int:
+    """Checks, without mapping it, that ``fd`` is a real worker segment: a memfd sealed against
+    shrinking, exactly ``total_len`` bytes long, whose header carries ``nonce`` and the capacity
+    ``total_len - SEGMENT_DATA_OFFSET``; returns that capacity.
+
+    ``fd`` is only borrowed (the caller closes it); ``key`` only names the segment in errors.
+    ``SegmentCache.insert`` checks all of this again. Raises ``InvalidArgument`` (not sealed,
+    bad header or nonce, ``fd < 0``) or ``OutOfBounds`` (wrong length, argument out of range).
+    """
+
 def cuda_available() -> bool: ...
 def page_size() -> int: ...
 def recent_releases() -> list[dict[str, Any]]: ...
@@ -51,10 +60,6 @@ class PinPool:
         overflow: bool = False,
         defer: bool = False,
     ) -> Slot | Literal["later", "overflow"]: ...
-    def copy_into(
-        self, slot: Slot, segment: Segment, ranges: Sequence[tuple[int, int, int]]
-    ) -> int: ...
-    def map_segment(self, fd: int, nbytes: int) -> Segment: ...
     def stats(self) -> dict[str, Any]: ...
     def flush(self) -> None: ...
     def close(self, wait: bool = False) -> None: ...
@@ -114,48 +119,92 @@ class Slot:
     ) -> bool: ...
 
 @final
-class Segment:
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def closed(self) -> bool: ...
-    def close(self) -> None: ...
-    def __enter__(self) -> Segment: ...
-    def __exit__(
-        self,
-        *_args: type[BaseException] | BaseException | TracebackType | None,
-    ) -> bool: ...
-
-@final
 class WorkerSegment:
+    """The producer's side of the segment transport: a reusable shared-memory buffer that one
+    process writes batches into and another copies them out of.
+
+    ``WorkerSegment(capacity)`` creates a memfd sealed against shrinking and growing: a header
+    page (``SEGMENT_DATA_OFFSET`` bytes: magic, state word, capacity, a random ``nonce``), then
+    ``capacity`` data bytes rounded up to whole pages (at least one). The data area is exposed
+    through the buffer protocol (writable, ``capacity`` bytes; a view keeps the object alive).
+
+    Per batch: ``try_claim()`` (False while the consumer still holds the last batch), write the
+    data, send ``(fd, total_len, nonce)`` to the consumer, which copies and then calls
+    ``SegmentCache.release``; ``unclaim()`` abandons an unsent claim. The consumer needs its own
+    descriptor: ``os.dup(seg.fd)`` in the same process, ``/proc/<pid>/fd/<fd>`` from another.
+    The producer validates nothing; the consumer checks seals, length and nonce. Collecting the
+    object unmaps the segment and closes ``fd``.
+    """
+
     def __new__(cls, capacity: int) -> WorkerSegment: ...
+    # The buffer protocol (memoryview(seg), numpy.frombuffer): declared for type checkers.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
     @property
-    def capacity(self) -> int: ...
+    def capacity(self) -> int:
+        """Data bytes available (the buffer's length), a whole number of pages."""
     @property
-    def total_len(self) -> int: ...
+    def total_len(self) -> int:
+        """Length of the memfd, header included: ``capacity + SEGMENT_DATA_OFFSET``."""
     @property
-    def nonce(self) -> int: ...
+    def nonce(self) -> int:
+        """The random number in the header, sent with the fd for the consumer to check."""
     @property
-    def fd(self) -> int: ...
+    def fd(self) -> int:
+        """The memfd, owned by this object: never close it; hand the consumer a duplicate."""
     @property
-    def address(self) -> int: ...
+    def address(self) -> int:
+        """Address of the first data byte (page-aligned), in this process."""
     @property
-    def in_flight(self) -> bool: ...
-    def try_claim(self) -> bool: ...
-    def unclaim(self) -> None: ...
+    def in_flight(self) -> bool:
+        """Whether the segment is claimed: being written, or sent and not yet released."""
+    def try_claim(self) -> bool:
+        """Claims the segment for a new batch (atomically); False while the consumer still
+        holds the last one, when the data must not be written. Never blocks."""
+    def unclaim(self) -> None:
+        """Sets the segment free without sending it (an abandoned, unsent claim)."""
 
 @final
 class SegmentCache:
+    """The consumer's side of the segment transport: producers' segments mapped in this
+    process, keyed by ``(producer, segment)`` (64- and 32-bit unsigned ints), and copies from
+    them into ``pool``'s slots or any writable buffer.
+
+    Use it in the process that owns ``pool``. Per batch: ``insert`` a segment the first time it
+    arrives, ``copy_to_slot``/``copy_to_buffer``, then ``release`` it to its producer;
+    ``retire``/``retire_all`` forget segments. Any thread may call any method; copies of 1 MiB
+    and more run without the GIL. Retired, replaced or collected segments are unmapped on the
+    pool's reclaimer thread (``pool.flush()`` waits for it). Raises ``PoolClosed`` if ``pool``
+    is closed.
+    """
+
     def __new__(cls, pool: PinPool) -> SegmentCache: ...
-    def insert(self, key: tuple[int, int], fd: int, total_len: int, nonce: int) -> None: ...
-    def __contains__(self, key: tuple[int, int], /) -> bool: ...
-    def __len__(self) -> int: ...
+    def insert(self, key: tuple[int, int], fd: int, total_len: int, nonce: int) -> None:
+        """Maps the segment behind ``fd`` under ``key`` after checking it: a memfd sealed against
+        shrinking, at least ``total_len`` bytes, the header ``nonce`` names, capacity
+        ``total_len - SEGMENT_DATA_OFFSET``. Takes ownership of ``fd``: it is closed before this
+        returns, accepted or refused (pass ``os.dup(...)`` or a ``/proc/<pid>/fd/<fd>`` open).
+        A segment already under ``key`` is replaced and retired. Runs without the GIL."""
+    def __contains__(self, key: tuple[int, int], /) -> bool:
+        """Whether a segment is mapped under ``key``."""
+    def __len__(self) -> int:
+        """Segments mapped."""
     def copy_to_slot(
         self, key: tuple[int, int], slot: Slot, ranges: Sequence[tuple[int, int, int]]
-    ) -> int: ...
+    ) -> int:
+        """Copies ``(src_offset, dst_offset, nbytes)`` ranges from the data area of ``key``
+        into ``slot``; returns the bytes copied. All ranges are checked first: sources within
+        the capacity (``OutOfBounds``), destinations within the slot (``BatchTooLarge``) and
+        disjoint (``InvalidArgument``). The slot must be this pool's and unreleased; it is
+        pinned for the copy. The segment stays claimed until ``release(key)``."""
     def copy_to_buffer(
         self, key: tuple[int, int], buffer: Any, ranges: Sequence[tuple[int, int, int]]
-    ) -> int: ...
-    def release(self, key: tuple[int, int]) -> None: ...
-    def retire(self, key: tuple[int, int]) -> bool: ...
-    def retire_all(self, worker: int | None = None) -> int: ...
+    ) -> int:
+        """As ``copy_to_slot``, into any writable C-contiguous buffer, without the GIL."""
+    def release(self, key: tuple[int, int]) -> None:
+        """Marks segment ``key`` free for its producer's next ``try_claim()``; only once the
+        last copy of the batch has returned. It stays mapped. Unknown keys raise."""
+    def retire(self, key: tuple[int, int]) -> bool:
+        """Forgets ``key`` (unmapped on the reclaimer thread); False if unknown."""
+    def retire_all(self, worker: int | None = None) -> int:
+        """Retires every segment of producer ``worker`` (of all with None); returns how many."""

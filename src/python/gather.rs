@@ -4,8 +4,8 @@
 //! Invariants: every destination range is checked against the target buffer and against the
 //! others (no overlap) before anything is copied; the copy runs without the GIL on this
 //! process's own copy threads (`copy::process_copier`). The sources are raw addresses, which
-//! nothing can check: this is a private function for `pinpool._codec`, which passes the data
-//! pointers of live, contiguous CPU tensors it holds for the whole call.
+//! nothing can check: this is a private function for `pinpool._wire.codec`, which passes the
+//! data pointers of live, contiguous CPU tensors it holds for the whole call.
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;

@@ -17,7 +17,6 @@ use pyo3::prelude::*;
 use crate::error::Error;
 
 mod gather;
-mod mapped;
 mod pool;
 mod segment;
 mod slot;
@@ -186,7 +185,6 @@ fn page_size() -> usize {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyPinPool>()?;
     m.add_class::<slot::PySlot>()?;
-    m.add_class::<mapped::PySegment>()?;
     m.add_class::<segment::PyWorkerSegment>()?;
     m.add_class::<segment::PySegmentCache>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;

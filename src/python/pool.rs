@@ -1,16 +1,15 @@
 //! `pinpool.PinPool`: the Python face of [`crate::pool::Pool`].
 
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::mapped::PySegment;
 use super::slot::PySlot;
 use super::{guarded, timeout_arg, to_py, IntoPy};
 use crate::arena::Backend;
-use crate::copy::{CopyRange, MAX_COPY_THREADS};
+use crate::copy::MAX_COPY_THREADS;
 use crate::error::Error;
 use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig, Stats};
 
@@ -271,47 +270,6 @@ impl PyPinPool {
                 return Ok(None);
             }
             Ok(pool.try_checkout().py(py)?.map(|t| self.wrap(pool, t)))
-        })
-    }
-
-    /// Copies `(src_offset, dst_offset, nbytes)` ranges from `segment` into `slot`, with the
-    /// pool's copy threads and without the GIL. Returns the bytes copied.
-    fn copy_into(
-        &self,
-        py: Python<'_>,
-        slot: &Bound<'_, PySlot>,
-        segment: &Bound<'_, PySegment>,
-        ranges: Vec<(usize, usize, usize)>,
-    ) -> PyResult<usize> {
-        guarded(|| {
-            let pool = self.get(py)?;
-            let ranges: Vec<CopyRange> =
-                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
-            let slot = slot.get();
-            let _pin = slot.pin(py, &pool)?;
-            let ticket = slot.ticket();
-            let map = segment.get().mapping(py)?;
-            py.detach(|| pool.copy_in(ticket, &map, &ranges)).py(py)
-        })
-    }
-
-    /// Maps `nbytes` of the shared-memory file behind `fd` (the fd is duplicated; yours stays
-    /// yours). Closing the returned segment unmaps it on a background thread.
-    fn map_segment(&self, py: Python<'_>, fd: i32, nbytes: usize) -> PyResult<PySegment> {
-        guarded(|| {
-            let pool = self.get(py)?;
-            if fd < 0 {
-                return Err(to_py(py, Error::Invalid(format!("bad file descriptor {fd}"))));
-            }
-            // SAFETY: `fd` is only borrowed for the duplication below; `try_clone_to_owned`
-            // fails cleanly (EBADF) if it is not an open descriptor.
-            let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
-            let owned: OwnedFd = borrowed.try_clone_to_owned().map_err(|e| {
-                to_py(py, Error::Os { call: "dup", errno: e.raw_os_error().unwrap_or(0) })
-            })?;
-            let p = Arc::clone(&pool);
-            let map = py.detach(move || p.map_segment(owned, nbytes, false)).py(py)?;
-            Ok(PySegment::new(pool, map))
         })
     }
 

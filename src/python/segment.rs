@@ -1,8 +1,14 @@
-//! Worker segments from Python: a worker's reusable segment (`WorkerSegment`), and the main
-//! process's cache of worker segments (`SegmentCache`).
+//! Worker segments from Python, the public low-level transport the DataLoader is built on: a
+//! producer's reusable segment (`WorkerSegment`), the consumer's cache of producers' segments
+//! (`SegmentCache`), and `check_segment`.
 //!
-//! Invariant: no mapping made here is ever unmapped on a thread that holds the GIL; closing or
-//! collecting any of these objects hands its mappings to the pool's reclaimer thread.
+//! Invariants:
+//! - Nothing the consumer is told about a segment (fd, length, nonce, ranges) is trusted: the
+//!   file must be a memfd sealed against shrinking, as long as claimed, with the header the
+//!   nonce names, and every copy range is checked against the data area and the target.
+//! - No mapping a `SegmentCache` made is ever unmapped on a thread that holds the GIL;
+//!   retiring, replacing or collecting hands it to the pool's reclaimer thread. (A
+//!   `WorkerSegment` is the producer's own memory: it is unmapped when the object dies.)
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -34,9 +40,17 @@ fn segment_claims(
     Ok((key, total_len, nonce))
 }
 
-/// Checks, without mapping it, that `fd` (borrowed) is a real worker segment of `total_len`
-/// bytes carrying `nonce` (sealed, that long, its header intact); returns its capacity. The
-/// DataLoader calls this before it sizes a pool from what the segment's sender claims.
+/// Checks, without mapping it, that `fd` is a real worker segment: a memfd sealed against
+/// shrinking, exactly `total_len` bytes long, whose header carries `nonce` and the capacity
+/// `total_len - SEGMENT_DATA_OFFSET`. Returns that capacity (data bytes).
+///
+/// For a consumer that must know a segment is genuine before it trusts the sender's claims,
+/// for instance to size a pool from them (the DataLoader does). `fd` is only borrowed: the
+/// caller keeps it and closes it. `key` only names the segment in error messages.
+/// `SegmentCache.insert` checks all of this again, so the call is optional.
+///
+/// Raises `InvalidArgument` (not sealed, bad header, wrong nonce, `fd < 0`) or `OutOfBounds`
+/// (the file's length differs from `total_len`, or an argument out of range).
 #[pyfunction]
 pub(crate) fn check_segment(
     py: Python<'_>,
@@ -57,7 +71,28 @@ pub(crate) fn check_segment(
     })
 }
 
-/// A worker process's reusable batch segment (a sealed memfd with a small header).
+/// The producer's side of the segment transport: a reusable shared-memory buffer that one
+/// process writes batches into and another copies them out of.
+///
+/// `WorkerSegment(capacity)` creates a memfd sealed against shrinking and growing: a header
+/// page (`SEGMENT_DATA_OFFSET` bytes: magic, state word, capacity, a random `nonce`) followed
+/// by `capacity` data bytes, rounded up to whole pages (at least one), faulted in without the
+/// GIL. Only the producer writes the data area, through the buffer protocol
+/// (`memoryview(seg)`, `numpy.frombuffer(seg, ...)`: writable, `capacity` bytes, the header
+/// is not exposed; a view keeps the object alive).
+///
+/// Protocol, per batch: `try_claim()` (False while the consumer still holds the last batch:
+/// do not write then), write the data, send `(fd, total_len, nonce)` and the byte counts to
+/// the consumer, which copies from the segment and calls `SegmentCache.release`, setting it
+/// free for the next `try_claim()`; `unclaim()` abandons a claim that was not sent. The state
+/// word is atomic and shared, so claims and releases may come from either process, any
+/// thread.
+///
+/// The consumer needs its own descriptor for `fd`: `os.dup(seg.fd)` in the same process,
+/// `/proc/<producer pid>/fd/<fd>` from another (same user), or `SCM_RIGHTS`. The producer
+/// validates nothing; the consumer checks the seals, length and nonce (`check_segment`,
+/// `SegmentCache.insert`). Collecting the object unmaps the segment and closes `fd`, on the
+/// calling thread; a consumer's mapping stays valid until it retires it.
 #[pyclass(name = "WorkerSegment", module = "pinpool._native", frozen)]
 pub struct PyWorkerSegment {
     seg: WorkerSegment,
@@ -72,47 +107,54 @@ impl PyWorkerSegment {
         })
     }
 
-    /// Data bytes available.
+    /// Data bytes available (the buffer's length): the requested capacity rounded up to whole
+    /// pages.
     #[getter]
     fn capacity(&self) -> usize {
         self.seg.capacity()
     }
 
-    /// Length of the memfd, header included (what the receiver maps).
+    /// Length of the memfd, header included: `capacity + SEGMENT_DATA_OFFSET`, what the
+    /// consumer passes to `SegmentCache.insert`.
     #[getter]
     fn total_len(&self) -> usize {
         self.seg.total_len()
     }
 
-    /// The random number in the header that the receiver checks.
+    /// The random number in the header, sent along with the fd: the consumer's check that a
+    /// descriptor (a recycled fd number, say) really is this segment.
     #[getter]
     fn nonce(&self) -> u64 {
         self.seg.nonce()
     }
 
-    /// The memfd (owned by this object).
+    /// The memfd, owned by this object (closed when it dies): never close it, and hand the
+    /// consumer a duplicate or a `/proc/<pid>/fd/<fd>` path, not this number.
     #[getter]
     fn fd(&self) -> i32 {
         self.seg.fd().map_or(-1, |fd| fd.as_raw_fd())
     }
 
-    /// Address of the first data byte.
+    /// Address of the first data byte (page-aligned), in this process.
     #[getter]
     fn address(&self) -> usize {
         self.seg.data_ptr() as usize
     }
 
-    /// Claims the segment for a new batch; False while the receiver still reads the last one.
+    /// Claims the segment for a new batch (atomically, free -> in flight). False while the
+    /// consumer still holds the last batch (not yet `SegmentCache.release`d): the data must
+    /// not be written then. Never blocks.
     fn try_claim(&self) -> bool {
         self.seg.try_claim()
     }
 
-    /// Gives up a claim without sending the batch.
+    /// Sets the segment free without sending it: a claimed batch was abandoned. Only for a
+    /// claim the consumer never saw; a sent batch is freed by the consumer's `release`.
     fn unclaim(&self) {
         self.seg.unclaim()
     }
 
-    /// Whether the receiver still holds the last batch.
+    /// Whether the segment is claimed: being written, or sent and not yet released.
     #[getter]
     fn in_flight(&self) -> bool {
         self.seg.in_flight()
@@ -144,7 +186,20 @@ impl PyWorkerSegment {
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }
 
-/// The main process's mappings of worker segments, keyed by `(worker_key, segment_id)`.
+/// The consumer's side of the segment transport: the producers' segments this process has
+/// mapped, keyed by `(producer, segment)` (a 64-bit and a 32-bit unsigned int, chosen by the
+/// caller), and copies from them into `pool`'s slots or any writable buffer.
+///
+/// Use it in the process that owns `pool` (a forked child's copies are refused). Per batch:
+/// `insert` a segment the first time it arrives (it stays mapped for later batches),
+/// `copy_to_slot` / `copy_to_buffer` what the producer wrote, then `release` it so the
+/// producer can claim it again; `retire` / `retire_all` forget segments (a producer gone, a
+/// segment replaced). Every method may be called from any thread; copies of 1 MiB and more
+/// run without the GIL on the pool's copy threads. A retired, replaced or collected
+/// segment is unmapped on the pool's reclaimer thread (`pool.flush()` waits for it), never
+/// on the caller's; one still being copied from is unmapped once that copy ends.
+///
+/// Raises `PoolClosed` if `pool` is closed. The cache keeps the pool's memory alive.
 #[pyclass(name = "SegmentCache", module = "pinpool._native", frozen)]
 pub struct PySegmentCache {
     cache: SegmentCache,
@@ -157,8 +212,17 @@ impl PySegmentCache {
         Ok(PySegmentCache { cache: SegmentCache::new(pool.get().get(py)?) })
     }
 
-    /// Maps the segment behind `fd` (taking ownership of the fd, which is closed at once, also
-    /// when an argument is refused) and checks its header against `nonce`.
+    /// Maps the segment behind `fd` under `key`, after checking that it is a memfd sealed
+    /// against shrinking (so it can never be truncated under the mapping, which would crash
+    /// the next read), at least `total_len` bytes long, with the header `nonce` names and a
+    /// capacity of `total_len - SEGMENT_DATA_OFFSET`. Runs without the GIL.
+    ///
+    /// Takes ownership of `fd`: it is closed before this returns, whether the segment is
+    /// accepted or refused, so pass a descriptor of your own (`os.dup`, or one opened from
+    /// `/proc/<pid>/fd/<fd>`), and never close it yourself. A segment already under `key` is
+    /// replaced and retired. Raises `InvalidArgument` (not sealed, bad header or nonce, no
+    /// data area, `fd < 0`) or `OutOfBounds` (the file is shorter than `total_len`, or an
+    /// argument out of range).
     fn insert(
         &self,
         py: Python<'_>,
@@ -179,17 +243,26 @@ impl PySegmentCache {
         })
     }
 
-    /// Whether the segment `key` is mapped here.
+    /// Whether a segment is mapped under `key`.
     fn __contains__(&self, key: (u64, u32)) -> bool {
         self.cache.contains(key)
     }
 
+    /// Segments mapped.
     fn __len__(&self) -> usize {
         self.cache.len()
     }
 
-    /// Copies `(src_offset, dst_offset, nbytes)` ranges (source offsets within the segment's
-    /// data area) into `slot`, validating each, without the GIL.
+    /// Copies `(src_offset, dst_offset, nbytes)` ranges from the data area of segment `key`
+    /// (offset 0 is its first data byte) into `slot`; returns the bytes copied.
+    ///
+    /// Every range is checked before anything is copied: sources must lie within the
+    /// segment's capacity (`OutOfBounds`), destinations within the slot (`BatchTooLarge`)
+    /// and not overlap each other (`InvalidArgument`). The slot must be one of this cache's
+    /// pool, unreleased (`SlotReleased`); it is pinned for the copy, so a concurrent
+    /// `release()` waits for its end. An unknown `key` is `InvalidArgument`. Copies of 1 MiB
+    /// or more release the GIL and use the pool's copy threads. The segment stays claimed:
+    /// call `release(key)` once no more copies of this batch are needed.
     fn copy_to_slot(
         &self,
         py: Python<'_>,
@@ -211,8 +284,11 @@ impl PySegmentCache {
         })
     }
 
-    /// Copies `(src_offset, dst_offset, nbytes)` ranges into any writable, C-contiguous
-    /// buffer (a bytearray, a CPU tensor's memory ...), validating each, without the GIL.
+    /// As `copy_to_slot`, into any writable, C-contiguous buffer instead (a `bytearray`, a
+    /// numpy array, a CPU tensor's numpy view), always without the GIL; returns the bytes
+    /// copied. Destinations are checked against the buffer's length (`BatchTooLarge`); a
+    /// read-only or non-contiguous buffer is `InvalidArgument`. Nothing else may use the
+    /// buffer during the call.
     fn copy_to_buffer(
         &self,
         py: Python<'_>,
@@ -241,17 +317,23 @@ impl PySegmentCache {
         })
     }
 
-    /// Returns the segment to its worker for reuse.
+    /// Hands segment `key` back to its producer: marks it free (with release ordering), so
+    /// the producer's next `try_claim()` succeeds and it may overwrite the data. Call it only
+    /// after the last copy of this batch has returned. The segment stays mapped for the next
+    /// batch. Releasing a free segment does nothing; an unknown `key` is `InvalidArgument`.
     fn release(&self, py: Python<'_>, key: (u64, u32)) -> PyResult<()> {
         guarded(|| self.cache.release(key).py(py))
     }
 
-    /// Forgets the segment; it is unmapped on the reclaimer thread. False if unknown.
+    /// Forgets segment `key`, unmapping it on the pool's reclaimer thread (after any copy
+    /// still reading it). Returns False if `key` is unknown. Does not mark it free: do that
+    /// with `release` first if the producer is to reuse it.
     fn retire(&self, key: (u64, u32)) -> bool {
         self.cache.retire(key)
     }
 
-    /// Retires every segment of one worker (all with None); returns how many.
+    /// Retires every segment of producer `worker` (of all producers with None), as `retire`
+    /// does; returns how many.
     #[pyo3(signature = (worker = None))]
     fn retire_all(&self, worker: Option<u64>) -> usize {
         self.cache.retire_all(worker)

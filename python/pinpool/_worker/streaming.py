@@ -29,7 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,36 +38,15 @@ import torch
 import torch.utils.data
 from torch.utils.data._utils import collate as torch_collate
 
-from . import _codec, _native
-from ._zerocopy import TaggedBatch, TaggedSamples
+from .. import _native
+from .._wire import codec
+from .._wire.handle import Made
+from .._wire.tree import KEEP, map_leaves
 
 #: Arrays smaller than this are left to ordinary collation.
 STREAM_MIN = 16 << 10
 #: With copy threads, contiguous arrays are copied in groups of at least this many bytes.
 GROUP_BYTES = 1 << 20
-
-#: numpy dtypes (native byte order) whose arrays ``default_collate`` turns into these
-#: torch dtypes.
-_NUMPY_TO_TORCH: dict[np.dtype[Any], str] = {
-    np.dtype(name): name
-    for name in (
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "uint16",
-        "int32",
-        "uint32",
-        "int64",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    )
-    if name in _codec.TORCH_DTYPES
-}
 
 
 class LazySamples:
@@ -102,10 +81,7 @@ class StreamingDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         ticket = getattr(indices, "ticket", None)
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems:
-            made = getitems(list(indices))
-            if type(made) is list:
-                return TaggedSamples(made, ticket)
-            return TaggedBatch(made, ticket)  # torch passes it on unchanged: so do we
+            return Made(getitems(list(indices)), ticket)
         return LazySamples(self.dataset, list(indices), ticket)
 
     def __getitem__(self, index: Any) -> Any:
@@ -135,7 +111,7 @@ class _Region(NamedTuple):
     offset: int
     shape: tuple[int, ...]  # of one sample's array
     row_bytes: int
-    torch_dtype: str  # a key of _codec.TORCH_DTYPES: the batch's dtype
+    torch_dtype: str  # a key of codec.TORCH_DTYPES: the batch's dtype
     numpy_dtype: np.dtype[Any] | None  # the samples' dtype, if they are numpy arrays
 
 
@@ -159,53 +135,30 @@ class Layout:
     count: int  # samples in the batch
     nbytes: int  # bytes the regions take, from 0
 
-    def spec(self, k: int) -> _codec.LeafSpec:
+    def spec(self, k: int) -> codec.LeafSpec:
         r = self.regions[k]
         shape = (self.count, *r.shape)
         nbytes = r.row_bytes * self.count
-        return _codec.LeafSpec(r.offset, nbytes, "torch", r.torch_dtype, shape, None)
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
-def _is_array(obj: Any) -> bool:
-    return type(obj) is torch.Tensor or isinstance(obj, np.ndarray)
-
-
-def _walk(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] = _is_array) -> Any:
-    """``obj`` rebuilt with ``fn`` applied to each leaf (by default: each tensor or numpy
-    array) it holds in walked containers, in a fixed order: dict insertion order, then
-    positions."""
-    if is_leaf(obj):
-        return fn(obj)
-    kind = type(obj)
-    if kind is dict:
-        return {key: _walk(value, fn, is_leaf) for key, value in obj.items()}
-    if kind is list:
-        return [_walk(value, fn, is_leaf) for value in obj]
-    if kind is tuple:
-        return tuple(_walk(value, fn, is_leaf) for value in obj)
-    if _is_namedtuple(obj):
-        return kind(*(_walk(value, fn, is_leaf) for value in obj))
-    return obj
+        return codec.LeafSpec(r.offset, nbytes, "torch", r.torch_dtype, shape, None)
 
 
 def _region_of(array: Any) -> tuple[tuple[int, ...], int, str, np.dtype[Any] | None] | None:
-    """(shape, bytes, batch dtype, numpy dtype) of a sample's array worth streaming."""
-    if type(array) is torch.Tensor:
-        if not _codec._plain_torch(array) or array.nbytes < STREAM_MIN:
-            return None
-        return tuple(array.shape), array.nbytes, str(array.dtype).removeprefix("torch."), None
-    if type(array) in (np.ndarray, np.memmap):
-        dt = array.dtype
-        name = _NUMPY_TO_TORCH.get(dt) if dt.isnative else None
-        # torch refuses negative strides: such arrays are left to torch, to raise.
-        if name is None or array.nbytes < STREAM_MIN or min(array.strides, default=0) < 0:
-            return None
-        return tuple(array.shape), array.nbytes, name, dt
-    return None
+    """(shape, bytes, batch dtype, numpy dtype) of a sample's array worth streaming: a plain
+    tensor (not a subclass) or numeric numpy array of at least :data:`STREAM_MIN` bytes."""
+    kind = type(array)
+    if kind is not torch.Tensor and kind not in (np.ndarray, np.memmap):
+        return None
+    found = codec.describe(array)
+    if found is None or array.nbytes < STREAM_MIN:
+        return None
+    if kind is torch.Tensor:
+        return found.shape, array.nbytes, found.dtype, None
+    dt = array.dtype
+    name = codec.NUMPY_TO_TORCH.get(dt) if dt.isnative else None
+    # torch refuses negative strides: such arrays are left to torch, to raise.
+    if name is None or min(array.strides, default=0) < 0:
+        return None
+    return found.shape, array.nbytes, name, dt
 
 
 def plan_layout(first: Any, count: int) -> Layout | None:
@@ -221,18 +174,18 @@ def plan_layout(first: Any, count: int) -> Layout | None:
         found = _region_of(array)
         if found is not None:
             shape, row_bytes, name, np_dtype = found
-            offset = _codec.align(end)
+            offset = codec.align(end)
             end = offset + row_bytes * count
             regions.append(_Region(offset, shape, row_bytes, name, np_dtype))
-        return array
+        return KEEP
 
     try:
-        _walk(first, on_array)
+        map_leaves(first, on_array, exact=True)
     except Exception:  # a namedtuple that cannot be rebuilt from its values, say
         return None
     if not regions:
         return None
-    return Layout(regions, count, _codec.align(end))
+    return Layout(regions, count, codec.align(end))
 
 
 class _Rows:
@@ -255,13 +208,13 @@ class _Rows:
             if r.numpy_dtype is not None:
                 view: Any = np.frombuffer(chunk, dtype=r.numpy_dtype)
             else:
-                view = torch.frombuffer(chunk, dtype=_codec.TORCH_DTYPES[r.torch_dtype])
+                view = torch.frombuffer(chunk, dtype=codec.TORCH_DTYPES[r.torch_dtype])
             self.views.append(view.reshape((layout.count, *r.shape)))
             del chunk
 
     def put(self, k: int, i: int, array: Any) -> None:
         if self.threads > 1:
-            address = _address(array)
+            address = codec.address(array)
             if address is not None:
                 r = self.layout.regions[k]
                 self.pending.append((address, r.row_bytes, r.offset + i * r.row_bytes))
@@ -290,16 +243,6 @@ class _Rows:
         return row.copy() if isinstance(row, np.ndarray) else row.clone()
 
 
-def _address(array: Any) -> int | None:
-    """Where a contiguous array's bytes start, or None (strided, lazily conjugated or
-    negated: copied by torch or numpy instead)."""
-    if isinstance(array, np.ndarray):
-        return int(array.ctypes.data) if array.flags.c_contiguous else None
-    if array.is_contiguous() and not array.is_conj() and not array.is_neg():
-        return int(array.data_ptr())
-    return None
-
-
 def _mark(sample: Any, i: int, layout: Layout, rows: _Rows) -> Any:
     """``sample`` with its big arrays copied into row ``i`` and replaced by markers."""
     k = 0
@@ -308,7 +251,7 @@ def _mark(sample: Any, i: int, layout: Layout, rows: _Rows) -> Any:
         nonlocal k
         found = _region_of(array)
         if found is None:
-            return array
+            return KEEP
         if k >= len(layout.regions):
             raise _Mismatch
         r = layout.regions[k]
@@ -318,7 +261,7 @@ def _mark(sample: Any, i: int, layout: Layout, rows: _Rows) -> Any:
         k += 1
         return _Row(k - 1, i)
 
-    marked = _walk(sample, on_array)
+    marked = map_leaves(sample, on_array, exact=True)
     if k != len(layout.regions):
         raise _Mismatch
     return marked
@@ -327,15 +270,15 @@ def _mark(sample: Any, i: int, layout: Layout, rows: _Rows) -> Any:
 def _unmark(marked: Any, rows: _Rows) -> Any:
     """A marked sample with each marker replaced by a copy of its row."""
 
-    def on_row(row: _Row) -> Any:
-        return rows.copy_out(row.region, row.sample)
+    def on_row(obj: Any) -> Any:
+        return rows.copy_out(obj.region, obj.sample) if type(obj) is _Row else KEEP
 
-    return _walk(marked, on_row, lambda obj: type(obj) is _Row)
+    return map_leaves(marked, on_row, exact=True)
 
 
 def _collate_marked(marked: list[Any], layout: Layout) -> Any:
     """torch's default collation (stacks deferred) over marked samples; each region's
-    markers become one :class:`~pinpool._codec.Placed` leaf."""
+    markers become one :class:`~pinpool.codec.Placed` leaf."""
     used = [False] * len(layout.regions)
 
     def rows_to_leaf(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
@@ -347,9 +290,9 @@ def _collate_marked(marked: list[Any], layout: Layout) -> Any:
         if not ok:
             raise _Mismatch
         used[k] = True
-        return _codec.Placed(layout.spec(k))
+        return codec.Placed(layout.spec(k))
 
-    table = dict(_codec.DEFERRING_MAP)
+    table = dict(codec.DEFERRING_MAP)
     table[_Row] = rows_to_leaf
     batch = torch_collate.collate(marked, collate_fn_map=table)
     if not all(used):

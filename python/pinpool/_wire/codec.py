@@ -1,5 +1,8 @@
 """Batches as flat bytes: where each array goes, how to write it, how to view it again.
 
+Both sides use this module: workers plan and write batches, the main process checks the leaf
+specs it receives and views them.
+
 A *plan* replaces every array leaf of a batch (torch tensor, numpy array, or a stack that
 collation has not run yet) with a :class:`Leaf` marker and gives it an aligned place in one
 flat buffer. The marked tree and the leaf specs are all that travel between processes; the
@@ -18,10 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data._utils import collate as torch_collate
 
-from . import _native
-from ._errors import OutOfBounds
-from ._tree import KEEP, map_leaves
-from ._views import PLAIN_TORCH_DTYPE_NAMES
+from .. import _native
+from .._errors import OutOfBounds
+from .._views import PLAIN_TORCH_DTYPE_NAMES
+from .tree import KEEP, map_leaves
 
 #: Every leaf starts on a multiple of this (a cache line; more than any element size).
 ALIGN = 64
@@ -30,6 +33,33 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in PLAIN_TORCH_DTYPE_NAMES if hasattr(torch, name)
 }
 _NUMPY_KINDS = frozenset("biufcmM")
+
+
+def _numpy_to_torch() -> dict[np.dtype[Any], str]:
+    out = {}
+    for name in TORCH_DTYPES:
+        try:
+            dt = np.dtype(name)
+        except TypeError:  # bfloat16, complex32, float8: numpy has no such dtype
+            continue
+        if dt.kind in "biufc" and dt.name == name:  # (not one an extension registered)
+            out[dt] = name
+    return out
+
+
+#: numpy dtypes (native byte order) whose arrays ``default_collate`` turns into these torch
+#: dtypes.
+NUMPY_TO_TORCH = _numpy_to_torch()
+
+#: Buffers for a batch (a worker's segment, an automatically sized slot) get this much room
+#: over it, rounded up to this granule, so slowly growing batches still fit.
+HEADROOM = 1.25
+GRANULE = 2 << 20
+
+
+def room_for(nbytes: int) -> int:
+    """The size of a buffer made for a batch of ``nbytes``: headroom, rounded up."""
+    return max(GRANULE, -(-int(nbytes * HEADROOM) // GRANULE) * GRANULE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +96,8 @@ class Stack:
         self.tensors = tensors
 
 
-def _plain_torch(t: torch.Tensor) -> bool:
+def plain_torch(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense CPU tensor of a plain dtype, without autograd history."""
     return (
         t.layout == torch.strided
         and not t.is_nested
@@ -80,11 +111,11 @@ def _defer_stack(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
     # Only a list or tuple of samples is stacked (torch's stack refuses anything else, a whole
     # tensor returned by a dataset's __getitems__ say: so does its collate, here too).
     elem = batch[0] if isinstance(batch, (list, tuple)) else None
-    if type(elem) is torch.Tensor and _plain_torch(elem):
+    if type(elem) is torch.Tensor and plain_torch(elem):
         dtype, shape = elem.dtype, elem.shape
         # Mixed dtypes (torch promotes them) or shapes (torch raises): torch's own stack.
         if all(
-            type(t) is torch.Tensor and t.dtype == dtype and t.shape == shape and _plain_torch(t)
+            type(t) is torch.Tensor and t.dtype == dtype and t.shape == shape and plain_torch(t)
             for t in batch
         ):
             return Stack(list(batch))
@@ -106,24 +137,50 @@ def default_collate_deferred(samples: Any) -> Any:
     return torch_collate.collate(samples, collate_fn_map=DEFERRING_MAP)
 
 
-def _describe(obj: Any) -> tuple[str, str, tuple[int, ...], int, type | None] | None:
-    """(kind, dtype, shape, itemsize, subclass) of an array leaf, or None if not one."""
+class Described(NamedTuple):
+    """What an array leaf is: enough to give it a place and view it again."""
+
+    kind: str  # "torch" or "numpy"
+    dtype: str  # a key of TORCH_DTYPES, or a numpy dtype string such as "<f4"
+    shape: tuple[int, ...]
+    itemsize: int
+    subclass: type | None  # a torch.Tensor subclass, if any
+
+
+def describe(obj: Any) -> Described | None:
+    """The array leaf ``obj`` described, or None if it is not one pinpool can carry as bytes
+    (the one classifier of arrays: streaming collation uses it too)."""
     if isinstance(obj, Stack):
         first = obj.tensors[0]
         name = str(first.dtype).removeprefix("torch.")
         shape = (len(obj.tensors), *first.shape)
-        return "torch", name, shape, first.dtype.itemsize, None
+        return Described("torch", name, shape, first.dtype.itemsize, None)
     if isinstance(obj, torch.Tensor):
-        if not _plain_torch(obj):
+        if not plain_torch(obj):
             return None
         name = str(obj.dtype).removeprefix("torch.")
         sub = None if type(obj) is torch.Tensor else type(obj)
-        return "torch", name, tuple(obj.shape), obj.dtype.itemsize, sub
+        return Described("torch", name, tuple(obj.shape), obj.dtype.itemsize, sub)
     if isinstance(obj, np.ndarray):
         dt = obj.dtype
         if dt.kind not in _NUMPY_KINDS or dt.hasobject or dt.fields is not None:
             return None
-        return "numpy", dt.str, tuple(obj.shape), dt.itemsize, None
+        return Described("numpy", dt.str, tuple(obj.shape), dt.itemsize, None)
+    return None
+
+
+def address(array: Any) -> int | None:
+    """Where a contiguous CPU array's bytes start, or None (strided, lazily conjugated or
+    negated, not on the CPU: such arrays are copied by torch or numpy instead)."""
+    if isinstance(array, np.ndarray):
+        return int(array.ctypes.data) if array.flags.c_contiguous else None
+    if (
+        array.device.type == "cpu"
+        and array.is_contiguous()
+        and not array.is_conj()
+        and not array.is_neg()
+    ):
+        return int(array.data_ptr())
     return None
 
 
@@ -154,7 +211,7 @@ def plan(batch: Any, start: int = 0) -> Plan:
             specs.append(obj.spec)
             sources.append(None)
             return Leaf(len(specs) - 1)
-        described = _describe(obj)
+        described = describe(obj)
         if described is None:
             return KEEP
         kind, dtype, shape, itemsize, sub = described
@@ -184,22 +241,14 @@ def _gather_items(src: Any, spec: LeafSpec) -> list[tuple[int, int, int]] | None
             return None
         items = []
         for i, t in enumerate(src.tensors):
-            if not (
-                t.dtype == first.dtype
-                and t.shape == first.shape
-                and t.device.type == "cpu"
-                and t.is_contiguous()
-                and not t.is_conj()
-                and not t.is_neg()
-            ):
+            start = address(t)
+            if start is None or t.dtype != first.dtype or t.shape != first.shape:
                 return None
-            items.append((t.data_ptr(), each, i * each))
+            items.append((start, each, i * each))
         return items
-    if isinstance(src, torch.Tensor):
-        ok = src.is_contiguous() and not src.is_conj() and not src.is_neg()
-        return [(src.data_ptr(), spec.nbytes, 0)] if ok and src.nbytes == spec.nbytes else None
-    if isinstance(src, np.ndarray) and src.flags.c_contiguous and src.nbytes == spec.nbytes:
-        return [(src.ctypes.data, spec.nbytes, 0)]
+    if isinstance(src, (torch.Tensor, np.ndarray)) and src.nbytes == spec.nbytes:
+        start = address(src)
+        return None if start is None else [(start, spec.nbytes, 0)]
     return None
 
 

@@ -1,0 +1,416 @@
+"""The main process's side of one loader: where each batch handle from a worker is taken.
+
+One path for every batch (:meth:`Receiver.take`):
+
+1. **Its memory.** A batch written into a zero-copy slot adopts that slot
+   (``tickets.Tickets.adopt``); a batch in a worker's segment gets a slot checked out
+   (``PinPool.claim``: the rules in Rust, waiting without the GIL) and is copied in by the
+   segment cache's copy threads, without the GIL. The first time a segment is seen it is
+   opened through ``/proc/<worker pid>/fd`` and checked to be real (sealed, as long as
+   claimed, its header intact) before its claims size the pool.
+2. **Its delivery** (``delivery.Delivery``): CPU views into the slot, or a copy on the device.
+
+The segment is then handed back to its worker; nothing is unmapped per batch (retired
+segments are unmapped on the Rust reclaimer thread).
+
+Invariants: every field of a handle is checked before it is used; a handle is taken or
+dropped at most once (its ``_state`` goes to 0), and a taken or dropped handle's segment is
+handed back and its unused slot taken back, whatever fails on the way; the pool is made once,
+at the first batch (or at once when its sizes are known).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+from .._errors import BatchTooLarge, OutOfBounds, PinPoolError, PoolExhausted, WorkerLost
+from .._native import (
+    SEGMENT_DATA_OFFSET,
+    PinPool,
+    SegmentCache,
+    Slot,
+    available_memory,
+    check_segment,
+    cuda_available,
+)
+from .._wire import codec, peer
+from .._wire.handle import ARRIVED, HELD, BatchHandle
+from .delivery import Delivery, Local
+from .tickets import Tickets
+
+#: An arena sized automatically may take at most this share of the memory available.
+MEMORY_SHARE = 0.5
+
+_log = logging.getLogger("pinpool")
+
+
+class _Later:
+    """What the pin thread gets instead of a slot: decode this batch in the consumer's turn."""
+
+
+_LATER = _Later()
+
+
+class Receiver:
+    """The pool, the segment cache, the zero-copy tickets and the delivery of one loader."""
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        pool: PinPool | None,
+        slot_bytes: int | None,
+        num_slots: int,
+        pool_device: int | None,
+        device: torch.device | None,
+        copy_threads: int | None,
+        slot_timeout: float | None,
+        overflow: str,
+        oversize: str,
+        batch_size: int | None,
+    ) -> None:
+        self.token = token
+        self.pid = os.getpid()  # finalizers run in a forked child do nothing
+        self._batch_size = batch_size
+        self._overflow = overflow
+        self._oversize = oversize
+        self.overflow_batches = 0
+        self.zero_copy_batches = 0
+        self.tickets = Tickets()
+        self.deliver = Delivery(device)
+        # Worker key -> pid, for the workers whose segments are mapped here.
+        self._worker_pids: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._own_pool = pool is None
+        self.pool = pool
+        self.cache: SegmentCache | None = None
+        self._slot_bytes = slot_bytes
+        self._num_slots = num_slots
+        self._pool_device = pool_device
+        self._copy_threads = copy_threads
+        self._slot_timeout = slot_timeout
+        #: The loader's current torch iterator (a weak reference), set and used by the loader.
+        self.iterator: Any = None
+
+    # -- the pool ---------------------------------------------------------------------------
+
+    def ensure(self, nbytes: int, count: int | None = None) -> tuple[PinPool, SegmentCache]:
+        """The pool and segment cache, made on first use. Without ``slot_bytes=``, slots hold
+        this batch plus headroom, scaled up to a full batch when this one has fewer samples
+        (the last batch of an epoch may well arrive first)."""
+        pool, cache = self.pool, self.cache
+        if pool is not None and cache is not None:
+            return pool, cache  # made already: no lock needed
+        with self._lock:
+            if self.pool is None:
+                full = self._batch_size
+                if count and full and 0 < count < full:
+                    nbytes = nbytes * full // count
+                slot = self._slot_bytes or self._automatic_slot_bytes(nbytes)
+                self.pool = PinPool(
+                    slot,
+                    self._num_slots,
+                    device=self._pool_device,
+                    copy_threads=self._copy_threads,
+                    background=background_arena(self._pool_device),
+                )
+                _log.info(
+                    "made the loader's pool at its first batch (%d bytes): %d slots of %d "
+                    "bytes, %s memory (%s), %d copy threads",
+                    nbytes,
+                    self.pool.num_slots,
+                    self.pool.slot_bytes,
+                    self.pool.memory,
+                    self.pool.backend,
+                    self.pool.copy_threads,
+                )
+            if self.cache is None:
+                self.cache = SegmentCache(self.pool)
+            return self.pool, self.cache
+
+    def _automatic_slot_bytes(self, nbytes: int) -> int:
+        """Slots for batches of ``nbytes``: that plus headroom, rounded up; refused (rather
+        than faulted in until the kernel kills the process) when the arena would take more
+        than :data:`MEMORY_SHARE` of the memory available."""
+        slot = codec.room_for(nbytes)
+        arena = slot * self._num_slots
+        available = available_memory()
+        if available is not None and arena > available * MEMORY_SHARE:
+            raise BatchTooLarge(
+                f"batches of {nbytes} bytes need an arena of {self._num_slots} slots of {slot} "
+                f"bytes ({arena / 2**30:.2f} GiB), more than {MEMORY_SHARE:.0%} of the "
+                f"{available / 2**30:.2f} GiB of memory available; pass smaller num_slots= "
+                "or slot_bytes= (with oversize='copy') to pinpool.DataLoader",
+                nbytes,
+                slot,
+            )
+        return slot
+
+    # -- a batch from a worker --------------------------------------------------------------
+
+    def take(self, handle: BatchHandle, ahead: bool) -> Any:
+        """The handle's batch, delivered; or, with ``ahead``, the handle itself when no slot
+        is at hand now.
+
+        ``ahead``: called by torch's pin thread, which takes batches as they arrive, ahead of
+        the consumer and in any order. It never waits for a slot that only the consumer can
+        give back, nor decides on overflow: when every slot is held by a batch, the handle
+        itself is returned, and the consumer's thread takes it when it reaches that batch,
+        in order (the same rules as on a machine without an accelerator)."""
+        if not handle._state:
+            raise PinPoolError("this batch handle was taken or dropped already")
+        try:
+            if handle.slot is not None:
+                memory, specs, need = self._adopt(handle)
+            else:
+                got = self._copy_in(handle, ahead)
+                if got is _LATER:
+                    return handle
+                memory, specs, need = got
+        except BaseException:
+            self.drop(handle)
+            raise
+        self.drop(handle)
+        return self.deliver(handle.tree, specs, memory, need)
+
+    def _adopt(self, handle: BatchHandle) -> tuple[Slot | None, list[codec.LeafSpec], int]:
+        """Zero-copy: the slot the worker wrote the batch into, checked."""
+        if handle.segment is not None or handle.worker is not None:
+            raise OutOfBounds("corrupt batch handle: it names both a slot and a segment")
+        slot = self.tickets.adopt(handle.slot)
+        specs = codec.checked_specs(handle.specs, slot.nbytes)
+        need = codec.extent(specs)
+        self.zero_copy_batches += 1
+        if need == 0:
+            slot.release()
+            return None, specs, 0
+        return slot, specs, need
+
+    def _copy_in(self, handle: BatchHandle, ahead: bool) -> Any:
+        """Copy mode: a slot (or an ordinary buffer) with the segment's batch copied in, or
+        :data:`_LATER`."""
+        if handle._state == ARRIVED:
+            self._receive(handle)
+        pool, cache = self.ensure(int(handle.nbytes))
+        limit = int(handle.total_len) - SEGMENT_DATA_OFFSET
+        specs = codec.checked_specs(handle.specs, limit)
+        need = codec.extent(specs)
+        memory = self._claim(pool, need, ahead) if need else None
+        if memory is _LATER:
+            return _LATER
+        key = (handle.worker, handle.segment)
+        if isinstance(memory, Slot):
+            cache.copy_to_slot(key, memory, [(0, 0, need)])
+        elif memory is not None:
+            cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
+        return memory, specs, need
+
+    def _receive(self, handle: BatchHandle) -> None:
+        """Checks the handle's segment fields and takes hold of its segment (opening and
+        mapping it the first time it is seen)."""
+        try:
+            worker, segment = int(handle.worker), int(handle.segment)
+            total_len, nonce = int(handle.total_len), int(handle.nonce)
+            nbytes = int(handle.nbytes)
+            count = None if handle.count is None else int(handle.count)
+            first = handle.origin is not None
+            pid, fd = (int(x) for x in handle.origin) if first else (0, 0)
+            retired = tuple(int(sid) for sid in handle.retired)
+            unused = None if handle.unused is None else tuple(int(x) for x in handle.unused)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise OutOfBounds(f"corrupt batch handle: {exc}") from None
+        if not (
+            0 <= worker < 1 << 64
+            and 0 <= segment < 1 << 32
+            and SEGMENT_DATA_OFFSET < total_len
+            and 0 <= nonce < 1 << 64
+            and 0 <= nbytes <= total_len - SEGMENT_DATA_OFFSET
+            and (count is None or count > 0)  # (a dataset's __getitems__ may make more)
+            and (not first or (0 < pid < 1 << 31 and 0 <= fd < 1 << 31))
+            and all(0 <= sid < 1 << 32 for sid in retired)
+            and (unused is None or (len(unused) == 3 and all(0 <= x < 1 << 64 for x in unused)))
+        ):
+            raise OutOfBounds("corrupt batch handle: a field is out of range")
+        # What the rest of the handle's life uses: checked values, not what was sent.
+        handle.worker, handle.segment, handle.retired, handle.unused = (
+            worker,
+            segment,
+            retired,
+            unused,
+        )
+        handle.total_len, handle.nbytes, handle.count = total_len, nbytes, count
+        key = (worker, segment)
+        if not first:
+            # A segment mapped before: the pool exists, and copies are checked against the
+            # real mapping, whatever the handle claims.
+            if self.cache is None or key not in self.cache:
+                raise PinPoolError(f"segment {key} was never received by this process")
+            handle._state = HELD
+            return
+        try:
+            own = peer.open_fd_of(pid, fd)
+        except OSError as exc:
+            if not peer.alive(pid):
+                raise WorkerLost(
+                    f"DataLoader worker (pid {pid}) exited before the main process could "
+                    "take its batch"
+                ) from None
+            raise OutOfBounds(f"corrupt batch handle: cannot open its segment: {exc}") from None
+        try:
+            # The segment is checked to be real before its claims size the pool.
+            check_segment(key, own, total_len, nonce)
+            _, cache = self.ensure(nbytes, count)
+        except BaseException:
+            os.close(own)
+            raise
+        cache.insert(key, own, total_len, nonce)  # owns the fd from here
+        self._worker_pids[worker] = pid
+        handle._state = HELD
+
+    def drop(self, handle: BatchHandle) -> None:
+        """Ends the handle's life here: hands its segment back to its worker, drops what the
+        worker retired, takes back a zero-copy slot the batch did not use."""
+        state, handle._state = handle._state, 0
+        if not state:
+            return
+        if handle.slot is not None:
+            self.tickets.unassign(handle.slot)  # (only if not adopted)
+            return
+        if state == ARRIVED:
+            try:
+                self._receive(handle)  # a segment first seen here must still go back
+            except Exception:
+                return  # a corrupt handle, or a worker gone: nothing of it is held here
+            handle._state = 0
+        cache = self.cache
+        if cache is None:
+            return
+        try:
+            cache.release((handle.worker, handle.segment))
+        except PinPoolError:
+            pass  # already retired with the whole worker
+        for sid in handle.retired:
+            cache.retire((handle.worker, sid))
+        if handle.unused is not None:
+            self.tickets.unassign(handle.unused)
+
+    # -- a batch collated here (num_workers=0) ----------------------------------------------
+
+    def encode_local(self, batch: Any, count: int | None) -> Local:
+        """Writes a batch collated in this process straight into a slot."""
+        p = codec.plan(batch)
+        pool, _ = self.ensure(p.nbytes, count)
+        memory = self._claim(pool, p.nbytes) if p.nbytes else None
+        if memory is not None:
+            codec.write(p, memory)
+        return Local(self.deliver(p.tree, p.specs, memory, p.nbytes))
+
+    # -- slots --------------------------------------------------------------------------------
+
+    def _claim(self, pool: PinPool, need: int, ahead: bool = False) -> Any:
+        """A slot for ``need`` bytes, or (by the overflow rules) an ordinary buffer. The rules
+        are applied in Rust (``PinPool.claim``), which waits without the GIL.
+
+        With ``ahead`` (torch's pin thread, taking a batch the consumer may not want yet),
+        the slot must not be the last one free (that one is kept for the batch the consumer
+        waits for, which may still be on its way), and nothing waits for the consumer: it
+        returns :data:`_LATER` instead of waiting, overflowing or raising."""
+        if need > pool.slot_bytes:
+            if ahead:
+                return _LATER  # the error or the ordinary buffer belongs to this batch's turn
+            if self._oversize == "copy":
+                return self._overflow_buffer(need)
+            raise BatchTooLarge(
+                f"a batch needs {need} bytes but the pool's slots hold {pool.slot_bytes}; "
+                f"pass slot_bytes= (at least {need}) to pinpool.DataLoader, or "
+                f"oversize='copy' to put such batches in ordinary memory",
+                need,
+                pool.slot_bytes,
+            )
+        try:
+            got = pool.claim(
+                reserve=1 if ahead else 0,
+                timeout=self._slot_timeout,
+                overflow=self._overflow == "copy" and not ahead,
+                defer=ahead,
+            )
+        except PoolExhausted:
+            raise PoolExhausted(
+                f"no free slot after {self._slot_timeout} s: all {pool.num_slots} slots "
+                "are held by batches that are still alive; keep fewer batches, or pass "
+                "num_slots= to pinpool.DataLoader"
+            ) from None
+        if got == "later":
+            return _LATER
+        if got == "overflow":
+            # Every slot is held by a batch the consumer keeps alive: waiting could wait
+            # forever (list(loader) does this). Use ordinary memory for this one.
+            return self._overflow_buffer(need)
+        return got
+
+    def _overflow_buffer(self, need: int) -> torch.Tensor:
+        self.overflow_batches += 1
+        if self.overflow_batches == 1:
+            _log.warning(
+                "a batch did not get a pinned slot and went into ordinary memory; see "
+                "DataLoader(overflow=..., oversize=..., num_slots=..., slot_bytes=...)"
+            )
+        return torch.empty(need, dtype=torch.uint8)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def retire_segments(self, dead_only: bool = False) -> None:
+        """Unmaps (on the reclaimer thread) the segments of workers that have exited (of every
+        worker with ``dead_only=False``)."""
+        if self.cache is None:
+            return
+        if not dead_only:
+            self.cache.retire_all()
+            self._worker_pids.clear()
+            return
+        for worker, pid in list(self._worker_pids.items()):
+            if not peer.alive(pid):
+                self.cache.retire_all(worker)
+                del self._worker_pids[worker]
+
+    def close(self) -> None:
+        """Takes back every zero-copy slot, retires every segment and closes the pool if it
+        is the loader's own. The loader shuts its workers down first: none may write into a
+        slot taken back here."""
+        if self.pid != os.getpid():
+            return
+        self.tickets.drop()
+        self.retire_segments()
+        if self.pool is not None and self._own_pool:
+            # Returns at once: segments are unmapped, and the arena is freed, on background
+            # threads (see wait_for_releases).
+            self.pool.close()
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's counters plus the loader's own."""
+        out: dict[str, Any] = self.pool.stats() if self.pool is not None else {}
+        out["batches"] = self.deliver.batches
+        out["bytes"] = self.deliver.bytes
+        out["overflow_batches"] = self.overflow_batches
+        out["zero_copy_batches"] = self.zero_copy_batches
+        out["zero_copy_fallbacks"] = self.tickets.fallbacks
+        out["segments_cached"] = len(self.cache) if self.cache is not None else 0
+        return out
+
+
+def background_arena(device: int | None) -> bool:
+    """Whether the loader's arena is made ready in the background (the first 64 MiB at once,
+    the rest while the first batches flow) or whole before the first batch is delivered.
+
+    Whole, wherever the arena is pinned through the CUDA driver: on the H200, registering the
+    rest while batches flowed stalled the main thread for 4 to 7 ms at a time (timed steps,
+    268 MB batches) and cut throughput from 15.5 to 10.3 GB/s, while the whole arena was ready
+    by the first batch anyway, in 0.83x torch's time to its first batch
+    (``benchmarks/results/h200-no-gil-stall``). In the background where there is no driver to
+    contend with (host memory): there it halves the time to the first batch."""
+    return device is None or not cuda_available()

@@ -1,0 +1,86 @@
+"""A loader's settings: checked when the loader is made (not at the first batch, where an
+error would come out of the middle of an epoch), and their defaults."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .._errors import InvalidArgument
+
+#: The most copy threads a pool or a worker may have (the Rust core's limit).
+MAX_COPY_THREADS = 64
+
+
+def check_int(name: str, value: Any, low: int, high: int, none_ok: bool = False) -> None:
+    """Raises InvalidArgument unless ``value`` is an int from ``low`` to ``high`` (or None)."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidArgument(f"{name} must be an integer from {low} to {high}, not {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidArgument(
+            f"{name} must be {' or '.join(repr(c) for c in choices)}, not {value!r}"
+        )
+
+
+def check_timeout(name: str, value: Any) -> None:
+    if value is not None and not (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 <= value < float("inf")
+    ):
+        raise InvalidArgument(f"{name} must be None or a non-negative number, not {value!r}")
+
+
+def cuda_device(device: Any) -> torch.device | None:
+    """The CUDA device batches are delivered on (None: pinned CPU batches)."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise InvalidArgument(f"device must be None, 'cpu' or a CUDA device, not {device!r}")
+    if not torch.cuda.is_available():
+        raise InvalidArgument(f"device={device!r} was asked for, but torch sees no CUDA device")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def worker_copy_threads(asked: int | None, num_workers: int) -> int:
+    """Copy threads per worker: as asked, else ``$PINPOOL_WORKER_COPY_THREADS``, else the
+    cores this process may use per worker, from 2 to 4 (a worker copies for only part of
+    its time: on the H200, 2 per worker with 8 and with 14 workers on 16 cores was the best
+    or near the best of 1 to 4, see ``benchmarks/results/h200-worker-threads``)."""
+    if asked is None:
+        env = os.environ.get("PINPOOL_WORKER_COPY_THREADS")
+        if env:
+            try:
+                asked = int(env)
+            except ValueError:
+                raise InvalidArgument(
+                    f"PINPOOL_WORKER_COPY_THREADS must be an integer, not {env!r}"
+                ) from None
+        else:
+            # Under torchrun (or Lightning, accelerate), LOCAL_WORLD_SIZE ranks share the
+            # host's cores, each with its own workers.
+            ranks = local_world_size()
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+            floor = 2 if ranks == 1 else 1
+            asked = min(4, max(floor, cores // ranks // max(1, num_workers)))
+    check_int("worker_copy_threads", asked, 1, MAX_COPY_THREADS)
+    return asked
+
+
+def local_world_size() -> int:
+    """How many data-parallel ranks share this host: ``$LOCAL_WORLD_SIZE`` (set by torchrun,
+    and by Lightning and accelerate on top of it), else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1

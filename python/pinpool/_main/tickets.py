@@ -1,0 +1,113 @@
+"""Zero-copy mode, the main process's half: slots handed out with the indices.
+
+The arena is shared memory: a few memfds back to back (``cuda-register`` or ``host``
+backend). When torch asks the sampler for the next batch's indices, :class:`TicketSampler`
+checks a slot out (without waiting: the asking thread is the consumer) and tags the index
+list with a :class:`~pinpool._wire.handle.SlotTicket`: the slot's place in shared memory and
+a random nonce. The worker writes the batch into that slot (``pinpool._worker.places``) and
+its handle names the slot; :meth:`Tickets.adopt` gives the slot back to the receiver only if
+it was handed out for that batch (index, generation and nonce).
+
+Invariants: a slot is in the table from the moment it is handed out until its batch adopts
+it, its batch turns out not to use it (:meth:`Tickets.unassign`), or the iterator that handed
+it out ends (:meth:`Tickets.drop`, once no worker that got it can write any more); the table
+holds the slot object, so the pool cannot hand it out again meanwhile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .._errors import OutOfBounds, PinPoolError
+from .._native import PinPool, Slot
+from .._wire.handle import SlotTicket, TaggedIndices
+
+
+class Tickets:
+    """The slots handed out with batch indices: (index, generation) -> (slot, nonce, owner)."""
+
+    def __init__(self) -> None:
+        self._assigned: dict[tuple[int, int], tuple[Slot, int, int]] = {}
+        self._lock = threading.Lock()
+        self.fallbacks = 0  # batches sent through copy mode for want of a slot
+
+    def assign(self, pool: PinPool | None, owner: int) -> SlotTicket | None:
+        """Checks out a slot for a batch about to be dispatched by sampler ``owner`` (never
+        waits: this runs on the consumer's thread). None sends the batch through copy mode."""
+        # Keep one slot free for batches that come through copy mode (the first ones, and any
+        # too large for their slot): they need a slot when they arrive, and tickets must not
+        # starve them.
+        slot = pool.try_checkout(reserve=1) if pool is not None else None
+        where = pool.slot_memfd(slot.index) if pool is not None and slot is not None else None
+        if slot is None or pool is None or where is None:
+            self.fallbacks += 1
+            return None  # (a slot checked out above returns to the pool as it dies here)
+        fd, offset, part_len = where
+        nonce = random.getrandbits(63)
+        with self._lock:
+            self._assigned[(slot.index, slot.generation)] = (slot, nonce, owner)
+        return SlotTicket(
+            slot.index, slot.generation, nonce, offset, pool.slot_bytes, os.getpid(), fd, part_len
+        )
+
+    def adopt(self, claim: Any) -> Slot:
+        """The slot a worker wrote a batch into, if ``claim`` (index, generation, nonce) is
+        one handed out for it; it leaves the table."""
+        try:
+            index, generation, nonce = (int(x) for x in claim)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise OutOfBounds(f"corrupt batch handle: slot {claim!r}: {exc}") from None
+        with self._lock:
+            entry = self._assigned.get((index, generation))
+            if entry is None or entry[1] != nonce:
+                raise PinPoolError(
+                    f"a batch claims slot {(index, generation)}, which was not handed out for it"
+                )
+            del self._assigned[(index, generation)]
+        return entry[0]
+
+    def unassign(self, claim: Any) -> None:
+        """Takes back a slot handed out for a batch that will not arrive in it."""
+        if not (isinstance(claim, tuple) and len(claim) == 3):
+            return  # (a corrupt handle's claim: never handed out)
+        if not all(type(x) is int for x in claim):
+            return
+        index, generation, nonce = claim
+        with self._lock:
+            entry = self._assigned.get((index, generation))
+            if entry is not None and entry[1] == nonce:
+                del self._assigned[(index, generation)]
+
+    def drop(self, owner: int | None = None) -> None:
+        """Takes back the slots handed out by sampler ``owner`` (all with None), once no
+        worker that got them can write any more."""
+        with self._lock:
+            for key in [k for k, v in self._assigned.items() if owner in (None, v[2])]:
+                del self._assigned[key]
+
+
+class TicketSampler:
+    """Wraps torch's batch sampler: tags each index list with a freshly checked-out slot.
+
+    torch keeps one per iterator; ``owner`` names the slots it handed out, so that iterator's
+    end takes back its own and no other's.
+    """
+
+    _next_owner = itertools.count(1)
+
+    def __init__(self, base: Any, assign: Callable[[int], SlotTicket | None]) -> None:
+        self.base = base
+        self.assign = assign
+        self.owner = next(TicketSampler._next_owner)
+
+    def __iter__(self) -> Iterator[TaggedIndices]:
+        for indices in self.base:
+            yield TaggedIndices(indices, self.assign(self.owner))
+
+    def __len__(self) -> int:
+        return len(self.base)

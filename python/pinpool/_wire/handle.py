@@ -1,0 +1,190 @@
+"""What travels from a worker to the main process for one batch, and what tags its indices.
+
+A batch has one destination, chosen in the worker (``pinpool._worker.places``): the zero-copy
+slot the main process handed out with its indices (a :class:`SlotTicket`), or one of the
+worker's own shared-memory segments. Either way the worker sends one :class:`BatchHandle`:
+the marked batch tree, the leaf specs (``codec.LeafSpec``) and that destination; the arrays
+stay in shared memory.
+
+Invariants:
+
+- unpickling a handle only sets its fields: nothing is opened, mapped or looked up until the
+  main process takes the batch (torch's pin thread calls :meth:`BatchHandle.pin_memory`, or
+  the iterator reaches it) or drops it (its ``__del__``), and then its receiver checks every
+  field before it trusts any;
+- a handle is acted on at most once: taken (its batch delivered) or dropped (its segment
+  handed back, its unused slot taken back), in the process that made its loader;
+- exactly one of ``slot`` and ``segment`` is set on a handle a worker sends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from . import codec, registry
+
+
+class SlotTicket(NamedTuple):
+    """A slot handed to the worker that will collate one batch (zero-copy mode)."""
+
+    index: int  # type: ignore[assignment]  # (shadows tuple.index)
+    generation: int
+    nonce: int
+    offset: int  # of the slot in its memfd, bytes
+    nbytes: int  # slot size
+    arena_pid: int  # the process whose fd this is
+    arena_fd: int  # the memfd (one part of the arena) holding the slot
+    arena_len: int  # that memfd's length
+
+    @property
+    def claim(self) -> tuple[int, int, int]:
+        """What a handle sends back about this slot: (index, generation, nonce)."""
+        return (self.index, self.generation, self.nonce)
+
+
+class TaggedIndices(list):  # type: ignore[type-arg]
+    """A batch's indices, with the slot its batch should land in (or None)."""
+
+    ticket: SlotTicket | None
+
+    def __init__(self, indices: Any, ticket: SlotTicket | None) -> None:
+        super().__init__(indices)
+        self.ticket = ticket
+
+
+class Made:
+    """What a dataset's own ``__getitems__`` made of tagged indices (a list of samples, or a
+    whole batch that torch hands to collate unchanged), with the indices' ticket."""
+
+    __slots__ = ("made", "ticket")
+
+    def __init__(self, made: Any, ticket: SlotTicket | None) -> None:
+        self.made = made
+        self.ticket = ticket
+
+
+#: A handle's state, unpickled, awaiting its receiver.
+ARRIVED = 1
+#: Its segment has been opened and mapped by the receiver (copy mode).
+HELD = 2
+
+
+class BatchHandle:
+    """What a worker sends instead of a batch.
+
+    Fields: ``token`` (the loader's), ``tree`` (the batch with ``codec.Leaf`` markers),
+    ``specs`` (one leaf spec per marker), ``nbytes`` (the extent of the leaves), ``count``
+    (samples in the batch, when known: it sizes the pool), and the destination:
+
+    - ``slot``: (index, generation, nonce) of the zero-copy slot the batch was written into;
+    - or the segment: ``worker`` (its ring's key), ``segment`` (its number in the ring),
+      ``origin`` ((pid, fd) to open it through ``/proc``, on its first use only),
+      ``total_len`` and ``nonce`` (its header's), ``retired`` (segments of the ring the worker
+      dropped) and ``unused`` (the claim of a zero-copy slot the batch did not fit).
+    """
+
+    __slots__ = (
+        "_state",
+        "count",
+        "nbytes",
+        "nonce",
+        "origin",
+        "retired",
+        "segment",
+        "slot",
+        "specs",
+        "token",
+        "total_len",
+        "tree",
+        "unused",
+        "worker",
+    )
+
+    # Set from what another process sent: nothing is trusted until the receiver checks it.
+    token: Any
+    tree: Any
+    specs: Any
+    nbytes: Any
+    count: Any
+    slot: Any
+    worker: Any
+    segment: Any
+    origin: Any
+    total_len: Any
+    nonce: Any
+    retired: Any
+    unused: Any
+    _state: int
+
+    #: What travels between processes, in order.
+    _STATE = (
+        "token",
+        "worker",
+        "segment",
+        "origin",
+        "total_len",
+        "nonce",
+        "retired",
+        "tree",
+        "specs",
+        "nbytes",
+        "unused",
+        "count",
+        "slot",
+    )
+
+    def __init__(
+        self,
+        token: str,
+        p: codec.Plan,
+        count: int | None = None,
+        *,
+        slot: tuple[int, int, int] | None = None,
+        worker: int | None = None,
+        segment: int | None = None,
+        origin: tuple[int, int] | None = None,
+        total_len: int | None = None,
+        nonce: int | None = None,
+        retired: tuple[int, ...] = (),
+        unused: tuple[int, int, int] | None = None,
+    ) -> None:
+        self.token = token
+        self.tree = p.tree
+        self.specs = [tuple(s) for s in p.specs]
+        self.nbytes = p.nbytes
+        self.count = count
+        self.slot = slot
+        self.worker = worker
+        self.segment = segment
+        self.origin = origin
+        self.total_len = total_len
+        self.nonce = nonce
+        self.retired = retired
+        self.unused = unused
+        self._state = 0  # made here: nothing to take or drop in this process
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._STATE)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self._STATE, state, strict=True):
+            setattr(self, name, value)
+        self._state = ARRIVED
+
+    def pin_memory(self) -> Any:
+        """torch's pin thread: the batch in pinned memory (or on the device) if a slot is at
+        hand now, else this handle, for the consumer's thread to take in its turn."""
+        return registry.lookup(self.token).take(self, ahead=True)
+
+    def take(self) -> Any:
+        """The consumer's thread, in order: the batch, waiting for a slot if need be."""
+        return registry.lookup(self.token).take(self, ahead=False)
+
+    def __del__(self) -> None:
+        # Dropped undelivered (torch shutting its workers down, an out-of-order batch left
+        # behind): its segment and its unused slot go back. (At interpreter exit a module's
+        # globals may already be gone.)
+        if getattr(self, "_state", 0) and registry is not None:
+            receiver = registry.lookup_or_none(self.token)
+            if receiver is not None:
+                receiver.drop(self)

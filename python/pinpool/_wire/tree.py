@@ -1,0 +1,76 @@
+"""Walking nested batches: rebuild every container, replacing chosen leaves.
+
+The one tree walker of the package. The worker replaces array leaves with markers, the main
+process replaces markers with views into a slot, and streaming collation marks each sample's
+big arrays. Containers are rebuilt (copied, never mutated) the way torch's ``pin_memory``
+rebuilds them, so a batch comes back with the same types torch would give.
+
+Invariant: leaves are visited in a fixed order (mapping insertion order, then positions), the
+same on both sides of a process boundary.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import copy
+from collections.abc import Callable
+from typing import Any
+
+#: Returned by a leaf function to say "not a leaf: recurse or keep as is".
+KEEP: Any = object()
+
+
+def map_leaves(data: Any, leaf: Callable[[Any], Any], exact: bool = False) -> Any:
+    """Returns ``data`` with every object for which ``leaf(obj)`` is not ``KEEP`` replaced.
+
+    By default mappings, namedtuples, tuples and sequences are rebuilt; strings, bytes and
+    other objects are kept. With ``exact``, only exact ``dict``, ``list``, ``tuple`` and
+    namedtuples are walked into (what torch's ``default_collate`` walks into, for streaming
+    collation): anything else is kept whole, with what it holds.
+    """
+    replaced = leaf(data)
+    if replaced is not KEEP:
+        return replaced
+    if exact:
+        return _map_exact(data, leaf)
+    if isinstance(data, (str, bytes, bytearray, memoryview)):
+        return data
+    if isinstance(data, collections.abc.Mapping):
+        items = {k: map_leaves(v, leaf) for k, v in data.items()}
+        try:
+            if isinstance(data, collections.abc.MutableMapping):
+                clone = copy.copy(data)
+                clone.update(items)
+                return clone
+            return type(data)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
+    if isinstance(data, tuple):
+        if hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*(map_leaves(v, leaf) for v in data))
+        return type(data)(map_leaves(v, leaf) for v in data)
+    if isinstance(data, collections.abc.Sequence):
+        values = [map_leaves(v, leaf) for v in data]
+        try:
+            if isinstance(data, collections.abc.MutableSequence):
+                seq = copy.copy(data)
+                for i, v in enumerate(values):
+                    seq[i] = v
+                return seq
+            return type(data)(values)  # type: ignore[call-arg]
+        except TypeError:
+            return values
+    return data
+
+
+def _map_exact(data: Any, leaf: Callable[[Any], Any]) -> Any:
+    kind = type(data)
+    if kind is dict:
+        return {key: map_leaves(value, leaf, True) for key, value in data.items()}
+    if kind is list:
+        return [map_leaves(value, leaf, True) for value in data]
+    if kind is tuple:
+        return tuple(map_leaves(value, leaf, True) for value in data)
+    if isinstance(data, tuple) and hasattr(kind, "_fields"):  # namedtuple
+        return kind(*(map_leaves(value, leaf, True) for value in data))
+    return data

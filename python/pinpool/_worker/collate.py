@@ -1,0 +1,123 @@
+"""pinpool's ``collate_fn``: collate a batch, write it into its place, return a small handle.
+
+torch calls :class:`PinCollate` in each worker (and in the main process with
+``num_workers=0``). In a worker the batch is collated the way torch would (the user's
+``collate_fn``, or ``default_collate`` with its stacks deferred so that they are made straight
+in shared memory, or sample by sample with streaming collation, see ``streaming``) and written
+where ``places`` chooses; torch's result queue then carries a
+:class:`~pinpool._wire.handle.BatchHandle` instead of the batch. In the main process the batch
+goes straight into a slot of the loader's pool (``receiver.Receiver.encode_local``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.utils.data
+from torch.utils.data._utils.collate import default_convert
+
+from .._wire import codec, registry
+from .._wire.handle import BatchHandle, Made
+from . import places, streaming
+from .heap import keep_freed_memory
+
+
+class PinCollate:
+    """The ``collate_fn`` pinpool gives torch.
+
+    ``collate_fn`` is the user's (None: torch's default); ``auto_collation`` says whether
+    torch batches samples (``batch_size`` or ``batch_sampler`` given); ``ring_size`` is the
+    number of segments each worker keeps for this loader."""
+
+    def __init__(
+        self,
+        token: str,
+        collate_fn: Callable[[Any], Any] | None,
+        auto_collation: bool,
+        ring_size: int,
+        keep_worker_memory: bool = True,
+        worker_copy_threads: int = 1,
+        stream_samples: bool = True,
+    ) -> None:
+        self.token = token
+        self.stream_samples = stream_samples
+        self.collate_fn = collate_fn
+        self.auto_collation = auto_collation
+        self.ring_size = ring_size
+        self.keep_worker_memory = keep_worker_memory
+        self.worker_copy_threads = worker_copy_threads
+
+    def __call__(self, data: Any) -> Any:
+        # Only pinpool's own carriers have a ticket (a user's batch may have such an attribute).
+        ticket = data.ticket if isinstance(data, (streaming.LazySamples, Made)) else None
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if isinstance(data, streaming.LazySamples):
+            if self.stream_samples and self.collate_fn is None and in_worker:
+                made = self._stream(data)
+                if isinstance(made, BatchHandle):
+                    return made
+                data = made
+            else:
+                data = list(data)
+        elif isinstance(data, Made):
+            data = data.made  # what torch would give collate
+        # Samples in the batch, when the data is a list of them (a dataset's own __getitems__
+        # may return a whole batch instead).
+        count = len(data) if self.auto_collation and isinstance(data, (list, tuple)) else None
+        if self.collate_fn is not None:
+            batch = self.collate_fn(data)
+        elif self.auto_collation:
+            batch = codec.default_collate_deferred(data)
+        else:
+            batch = default_convert(data)
+        if not in_worker:
+            return registry.lookup(self.token).encode_local(batch, count)
+        p = codec.plan(batch)
+        if self.keep_worker_memory:
+            keep_freed_memory(p.nbytes)
+        return places.write(self.token, self.ring_size, p, ticket, count, self.worker_copy_threads)
+
+    def _stream(self, samples: streaming.LazySamples) -> BatchHandle | list[Any]:
+        """Makes the samples and collates them as torch's ``default_collate`` would,
+        streaming their big arrays into the batch's place as each sample is made.
+
+        Returns the batch's handle, or the samples themselves (made, in order) when the batch
+        must be collated the ordinary way (no big arrays, or samples unlike the first)."""
+        count = len(samples)
+        rest = iter(samples)
+        if count == 0:
+            return []
+        first = next(rest)
+        layout = streaming.plan_layout(first, count)
+        if layout is None:
+            return [first, *rest]
+        if self.keep_worker_memory:
+            keep_freed_memory(layout.nbytes)
+        nbytes = layout.nbytes
+        if samples.ticket is None or nbytes > samples.ticket.nbytes:
+            nbytes += _STREAM_SPARE  # a segment: room for the rest of the batch too
+        place = places.Place(self.token, self.ring_size, samples.ticket, nbytes)
+        box = [first]
+        del first  # the samples are freed as they are streamed
+        threads = self.worker_copy_threads
+        try:
+            batch, made = streaming.collate_streaming(
+                streaming.owned(box, rest), layout, place.memory, threads
+            )
+            if batch is None:
+                place.abandon()
+                assert made is not None
+                return made
+            p = codec.plan(batch, start=layout.nbytes)
+            if p.nbytes > len(place.memory):  # the rest does not fit: a bigger segment
+                place.grow(p.nbytes, keep=layout.nbytes)
+            codec.write(p, place.memory, threads)
+        except BaseException:
+            place.abandon()
+            raise
+        return place.send(p, count)
+
+
+#: Room a streamed batch's segment gets after its big arrays, for the rest of the batch.
+_STREAM_SPARE = 1 << 20
