@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 import torch.utils.data
+from torch.utils.data import default_collate, default_convert
 
 from ._main import settings
 from ._main.delivery import finish
@@ -119,6 +120,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         stream_samples: bool = True,
     ) -> None:
         del pin_memory, pin_memory_device  # always pinned, on the pool's device
+        if isinstance(collate_fn, PinCollate):  # a rebuilt loader handed pinpool's own back
+            collate_fn = collate_fn.collate_fn
+        if collate_fn in (default_collate, default_convert):
+            collate_fn = None  # torch's default: pinpool's own, bit for bit, streamed
         settings.check_choice("overflow", overflow, ("copy", "wait"))
         settings.check_choice("oversize", oversize, ("copy", "error"))
         settings.check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
@@ -155,10 +160,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             and num_workers > 0
             and not isinstance(dataset, torch.utils.data.IterableDataset)
         )
-        self._pin_tickets = zero_copy and batched_map_style
         streams = stream_samples and collate_fn is None
         # What torch's workers are given (loader.dataset stays the caller's own).
-        self._pin_worker_dataset = (
+        worker_dataset = (
             StreamingDataset(dataset) if batched_map_style and (streams or zero_copy) else None
         )
         collate = PinCollate(
@@ -170,6 +174,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             worker_copy_threads=settings.worker_copy_threads(worker_copy_threads, num_workers),
             stream_samples=stream_samples,
         )
+        # torch's own attributes say what the caller asked for (loader.collate_fn is theirs,
+        # or torch's default): frameworks rebuild a loader from them (see _get_iterator).
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -177,7 +183,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             sampler=sampler,
             batch_sampler=batch_sampler,
             num_workers=num_workers,
-            collate_fn=collate,
+            collate_fn=collate_fn,
             pin_memory=torch.accelerator.is_available(),
             drop_last=drop_last,
             timeout=timeout,
@@ -188,7 +194,31 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             persistent_workers=persistent_workers,
             in_order=in_order,
         )
-        self._pin_receiver = receiver
+        # pinpool's own arguments, as given, are public attributes too, so that a loader
+        # rebuilt from its attributes (Lightning, accelerate) gets the same settings; a rebuilt
+        # loader shares a pool only if the caller gave one ("pool" in vars(); loader.pool, the
+        # property, is the pool in use). Set in __dict__, past any __setattr__: Lightning
+        # records attributes set after torch's __init__ and sets them again on a rebuilt
+        # loader, which must not get this one's internals.
+        self.__dict__.update(
+            pool=pool,
+            slot_bytes=slot_bytes,
+            num_slots=num_slots,
+            device=device,
+            copy_threads=copy_threads,
+            slot_timeout=slot_timeout,
+            overflow=overflow,
+            oversize=oversize,
+            zero_copy=zero_copy,
+            keep_worker_memory=keep_worker_memory,
+            worker_copy_threads=worker_copy_threads,
+            stream_samples=stream_samples,
+            _pin_receiver=receiver,
+            _pin_collate=collate,
+            _pin_worker_dataset=worker_dataset,
+            _pin_tickets=zero_copy and batched_map_style,
+        )
+        _keep_for_lightning(self)
         registry.register(token, receiver)
         if slot_bytes is not None or pool is not None:
             receiver.ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
@@ -198,17 +228,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return _PinnedIter(self, super().__iter__())
 
     def _get_iterator(self) -> Any:
-        # torch's iterator reads loader.dataset once, as it starts, and hands it to the
-        # workers: for that moment only, it is the wrapper the workers need.
+        # torch's iterator reads loader.dataset and loader.collate_fn once, as it starts, and
+        # hands them to the workers: for that moment only, they are what the workers need
+        # (the streaming wrapper of the dataset; pinpool's collate around the caller's).
+        own_dataset, own_collate = self.dataset, self.collate_fn
         inner = getattr(self, "_pin_worker_dataset", None)
-        if inner is None:
-            return super()._get_iterator()
-        own = self.dataset
-        object.__setattr__(self, "dataset", inner)
+        if inner is not None:
+            object.__setattr__(self, "dataset", inner)
+        object.__setattr__(self, "collate_fn", self._pin_collate)
         try:
             return super()._get_iterator()
         finally:
-            object.__setattr__(self, "dataset", own)
+            object.__setattr__(self, "dataset", own_dataset)
+            object.__setattr__(self, "collate_fn", own_collate)
 
     @property
     def _index_sampler(self) -> Any:
@@ -230,6 +262,36 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         ``overflow_batches``, ``zero_copy_batches``, ``zero_copy_fallbacks``,
         ``segments_cached``)."""
         return self._pin_receiver.stats()
+
+
+#: pinpool's own __init__ arguments, beside torch's.
+PINPOOL_ARGUMENTS = (
+    "pool",
+    "slot_bytes",
+    "num_slots",
+    "device",
+    "copy_threads",
+    "slot_timeout",
+    "overflow",
+    "oversize",
+    "zero_copy",
+    "keep_worker_memory",
+    "worker_copy_threads",
+    "stream_samples",
+)
+
+
+def _keep_for_lightning(loader: DataLoader) -> None:
+    """Lightning, inside its ``*_dataloader`` hooks, wraps the ``__init__`` of every
+    DataLoader class that exists when the hook starts, to record the arguments a loader was
+    made with and rebuild it from them (with a distributed sampler, say). When pinpool was
+    first imported inside the hook, only torch's ``__init__`` was wrapped, and it recorded
+    the arguments pinpool passed to torch: pinpool's own are added here, so that the rebuilt
+    loader has the same settings whatever the import order."""
+    saved = loader.__dict__.get("__pl_saved_kwargs")
+    if isinstance(saved, dict):
+        for name in PINPOOL_ARGUMENTS:
+            saved.setdefault(name, loader.__dict__[name])
 
 
 class _PinnedIter:
