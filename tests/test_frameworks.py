@@ -40,6 +40,17 @@ def rebuilt(loader: Any) -> Any:
     return _update_dataloader(loader, SequentialSampler(loader.dataset))
 
 
+def run_ranks(tmp_path: Path, command: list[str]) -> list[dict[str, Any]]:
+    """Runs a script under ``tests/frameworks`` (``command``, with the output dir put after
+    the script's path) and returns the reports its ranks wrote."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+    script = next(i for i, part in enumerate(command) if part.endswith(".py"))
+    argv = [*command[: script + 1], str(tmp_path), *command[script + 1 :]]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+
+
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
 def test_a_rebuilt_loader_keeps_the_settings_and_nothing_else(zero_copy: bool) -> None:
     settings = dict(
@@ -161,16 +172,8 @@ def test_lightning_ddp_with_two_cpu_ranks(tmp_path: Path, how: str) -> None:
     rebuilding the loader. With ``hook``, pinpool is first imported inside the hook, after
     Lightning has wrapped the DataLoader classes that existed then."""
     script = HERE / "frameworks" / "lightning_ddp.py"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), how],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    reports = run_ranks(tmp_path, [sys.executable, str(script), how])
+    assert [r["rank"] for r in reports] == [0, 1]
     seen = sorted(i for r in reports for i in r["seen"])
     assert seen == list(range(32)), "every sample once, across the two ranks"
     for r in reports:
@@ -179,3 +182,88 @@ def test_lightning_ddp_with_two_cpu_ranks(tmp_path: Path, how: str) -> None:
         assert r["pool"] == [1 << 20, 7], "the rebuilt loader lost pinpool's settings"
         assert r["in_pool"], "a batch outside the rank's pool"
         assert not [w for w in r["warnings"] if "pinpool" in w.lower()], r["warnings"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_accelerate_keeps_its_loader_and_pinpool_pins_its_batches(
+    tmp_path: Path, ranks: int
+) -> None:
+    """accelerate rebuilds whatever loader ``prepare`` gets as its own class, so the README's
+    way is a plain torch loader prepared by accelerate and wrapped by ``pinpool.pinned``: one
+    process, and two CPU ranks under torchrun."""
+    pytest.importorskip("accelerate")
+    script = str(HERE / "frameworks" / "accelerate_ranks.py")
+    if ranks == 1:
+        command = [sys.executable, script]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script]
+    reports = run_ranks(tmp_path, command)
+    assert [r["rank"] for r in reports] == list(range(ranks))
+    seen = sorted(i for r in reports for i in r["seen"])
+    assert seen == list(range(32)), "every sample once, across the ranks"
+    for r in reports:
+        assert r["steps"] == 8 // ranks and r["batches"] == r["steps"], r
+        assert r["in_pool"], "a batch outside the rank's pool"
+        assert not [w for w in r["warnings"] if "pinpool" in w.lower()], r["warnings"]
+
+
+class DeviceSteps(pl.LightningModule):
+    """Checks that every training batch is already on the GPU, delivered by pinpool."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(12, 1)
+        self.loader = loader
+        self.devices: set[str] = set()
+        self.seen: list[int] = []
+
+    def train_dataloader(self) -> Any:
+        return self.loader
+
+    def training_step(self, batch: dict[str, Any], index: int) -> torch.Tensor:
+        self.devices.add(str(batch["x"].device))
+        self.seen += batch["idx"].tolist()
+        return self.layer(batch["x"].flatten(1)).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.cuda
+def test_lightning_fit_with_batches_delivered_on_the_gpu() -> None:
+    loader = pinpool.DataLoader(Indexed(16), batch_size=4, num_workers=2, device="cuda")
+    model = DeviceSteps(loader)
+    fit = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    fit.fit(model)
+    assert sorted(model.seen) == list(range(16))
+    assert model.devices == {"cuda:0"}
+    assert loader.stats()["batches"] == 4 and loader.pool is not None
+    assert loader.pool.memory == "pinned", loader.pool.memory
+
+
+def readme_block(heading: str, index: int) -> str:
+    """The ``index``-th python code block under the README's ``heading``."""
+    text = (HERE.parent / "README.md").read_text()
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n### ", 1)[0]
+    return section.split("```python\n")[index + 1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [0, 1], ids=["lightning", "accelerate"])
+def test_the_readme_snippets_run(index: int) -> None:
+    code = readme_block("### With Lightning and accelerate", index)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "4", done.stdout[-2000:]

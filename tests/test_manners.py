@@ -59,14 +59,18 @@ def test_the_dataloader_without_torch_says_what_to_install() -> None:
         "import sys; sys.modules['torch'] = None\n"
         "import pinpool\n"
         "pool = pinpool.PinPool(4096, 1, device=None)  # the pool needs no torch\n"
-        "try:\n"
-        "    pinpool.DataLoader\n"
-        "except ImportError as exc:\n"
-        "    print(exc)\n"
+        "for name in ('DataLoader', 'pinned', 'Pinned'):\n"
+        "    try:\n"
+        "        getattr(pinpool, name)\n"
+        "    except ImportError as exc:\n"
+        "        print(exc)\n"
     )
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "pip install pinpool[torch]" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3, proc.stdout
+    for name, line in zip(("DataLoader", "pinned", "Pinned"), lines, strict=True):
+        assert f"pinpool.{name} needs PyTorch" in line and "pip install pinpool[torch]" in line
 
 
 def test_the_bench_without_its_extras_says_what_to_install() -> None:

@@ -42,6 +42,7 @@ from ._native import (
 )
 
 if TYPE_CHECKING:
+    from ._main.adapter import Pinned, pinned
     from .loader import DataLoader
 
 _native._set_stream_hook(_cuda_stream.current_stream)
@@ -60,6 +61,7 @@ __all__ = [
     "OutOfBounds",
     "PinPool",
     "PinPoolError",
+    "Pinned",
     "PoolClosed",
     "PoolExhausted",
     "SegmentCache",
@@ -70,21 +72,26 @@ __all__ = [
     "check_segment",
     "cuda_available",
     "page_size",
+    "pinned",
     "wait_for_releases",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # The DataLoader needs torch; importing pinpool alone must not.
-    if name == "DataLoader":
+    # The DataLoader and pinned() need torch; importing pinpool alone must not.
+    if name in ("DataLoader", "pinned", "Pinned"):
         try:
             import torch  # noqa: F401
         except ModuleNotFoundError as exc:
             raise ImportError(
-                "pinpool.DataLoader needs PyTorch: pip install pinpool[torch] (the pool "
+                f"pinpool.{name} needs PyTorch: pip install pinpool[torch] (the pool "
                 "itself, pinpool.PinPool, works without it)"
             ) from exc
-        from .loader import DataLoader
+        if name == "DataLoader":
+            from .loader import DataLoader
 
-        return DataLoader
+            return DataLoader
+        from ._main import adapter
+
+        return getattr(adapter, name)
     raise AttributeError(f"module 'pinpool' has no attribute {name!r}")

@@ -17,7 +17,10 @@ index sampler, shutdown and queues). Where each step of a batch's trip happens:
    stream, when the last view dies) or copies it to the device on the loader's copy stream.
 
 Everything else (samplers, worker start-up and shutdown, errors, timeouts, ordering,
-persistent workers) is torch's own machinery, unchanged.
+persistent workers) is torch's own machinery, unchanged. Checkpoint and resume
+(``state_dict``/``load_state_dict``) is ``_main.resume``: the index sampler torch reads as its
+iterator starts records each epoch's random states, and a resumed epoch's skips the batches
+already yielded.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.utils.data import default_collate, default_convert
 from ._main import settings
 from ._main.delivery import finish
 from ._main.receiver import Receiver
+from ._main.resume import Epoch, EpochSampler, Resume, check, unsupported
 from ._main.tickets import TicketSampler
 from ._native import PinPool
 from ._wire import registry
@@ -85,6 +89,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
       then a thin wrapper (attributes read or set on it are the dataset's); ``loader.dataset``
       is yours.
     """
+
+    # Set in __init__ through __dict__ (see there).
+    _pin_receiver: Receiver
+    _pin_collate: PinCollate
+    _pin_worker_dataset: StreamingDataset | None
+    _pin_tickets: bool
+    _pin_resume: Resume
 
     def __init__(
         self,
@@ -217,6 +228,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _pin_collate=collate,
             _pin_worker_dataset=worker_dataset,
             _pin_tickets=zero_copy and batched_map_style,
+            _pin_resume=Resume(isinstance(dataset, torch.utils.data.IterableDataset)),
+            _pin_wrap=False,
         )
         _keep_for_lightning(self)
         registry.register(token, receiver)
@@ -225,7 +238,42 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         weakref.finalize(self, _close, receiver)
 
     def __iter__(self) -> _PinnedIter:  # type: ignore[override]
-        return _PinnedIter(self, super().__iter__())
+        resume = self._pin_resume
+        resume.start(self.dataset)
+        # torch reads _index_sampler as its iterator starts (a persistent one keeps it).
+        self.__dict__["_pin_wrap"] = True
+        try:
+            inner = super().__iter__()
+        finally:
+            self.__dict__["_pin_wrap"] = False
+        assert resume.current is not None
+        return _PinnedIter(self, inner, resume.current)
+
+    @property
+    def state_dict(self) -> Callable[[], dict[str, Any]]:
+        """``state_dict()``: where the loader is (mid-epoch or between epochs), as plain data:
+        after :meth:`load_state_dict` into a loader made with the same arguments, its next
+        iteration yields the batches this one had not yet yielded (``pinpool._main.resume``).
+        An IterableDataset without ``state_dict()``/``load_state_dict()``, or with
+        ``num_workers > 0``, cannot resume: both attributes raise ``NotResumable``, a
+        NotImplementedError and an AttributeError (``hasattr`` is False)."""
+        check(self._pin_why_not())
+        return self._pin_state_dict
+
+    @property
+    def load_state_dict(self) -> Callable[[dict[str, Any]], None]:
+        """``load_state_dict(state)``: the next iteration resumes where ``state`` (from
+        :meth:`state_dict`) was taken; once it has drawn its order, torch's global RNG is as it
+        was then."""
+        check(self._pin_why_not())
+        return self._pin_resume.load_state_dict
+
+    def _pin_state_dict(self) -> dict[str, Any]:
+        kept = self.persistent_workers and self.num_workers > 0 and self._iterator is not None
+        return self._pin_resume.state_dict(self, self.dataset, kept)
+
+    def _pin_why_not(self) -> str | None:
+        return unsupported(self.dataset, self._pin_resume.iterable, self.num_workers)
 
     def _get_iterator(self) -> Any:
         # torch's iterator reads loader.dataset and loader.collate_fn once, as it starts, and
@@ -247,6 +295,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # torch reads this when it starts an epoch; in zero-copy mode every index list it
         # hands a worker carries a slot.
         base = super()._index_sampler
+        if self.__dict__.get("_pin_wrap"):  # records, and skips what a resumed epoch yielded
+            base = EpochSampler(base, self._pin_resume, self)  # (before any ticket)
         if getattr(self, "_pin_tickets", False):
             receiver = self._pin_receiver
             return TicketSampler(base, lambda owner: receiver.tickets.assign(receiver.pool, owner))
@@ -297,9 +347,10 @@ def _keep_for_lightning(loader: DataLoader) -> None:
 class _PinnedIter:
     """Wraps torch's iterator: finishes each batch and cleans up at the end."""
 
-    def __init__(self, loader: DataLoader, inner: Iterator[Any]) -> None:
+    def __init__(self, loader: DataLoader, inner: Iterator[Any], epoch: Epoch) -> None:
         self._loader = loader
         self._inner = inner
+        self._epoch = epoch  # counts the batches yielded, for state_dict()
         self._ended = False
         loader._pin_receiver.iterator = weakref.ref(inner)
 
@@ -313,9 +364,12 @@ class _PinnedIter:
         try:
             item = next(self._inner)
         except StopIteration:
+            self._epoch.ended = True
             self._end()
             raise
-        return finish(item)
+        batch = finish(item)
+        self._epoch.yielded += 1
+        return batch
 
     def _end(self) -> None:
         receiver = self._loader._pin_receiver

@@ -8,12 +8,24 @@ stream, the slot is released behind that copy (fenced on the copy stream), and t
 wrapped in :class:`OnDevice`, whose ``wait()`` (on the consumer's thread) makes the
 consumer's current stream wait for the copy.
 
+Objects the tree walk cannot look into (``_wire.tree``: anything but mappings, sequences,
+tuples, namedtuples and dataclasses) travel whole, their tensors through torch's own pickling,
+outside the pool. Those that define ``pin_memory()`` (torch's hook for custom batch types) are
+treated as torch's DataLoader treats them: their ``pin_memory()`` is called, where torch would
+call it (an accelerator is present), and a warning names their type, once per type and process
+(:func:`pinned_by_itself`).
+
 Invariant: a slot is referenced only by the views made here (CPU) or by nothing once released
 behind the copy (device); numpy leaves cannot live on a GPU, so they are host copies there.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import types
+import warnings
 from typing import Any
 
 import torch
@@ -56,6 +68,49 @@ class Local:
         return self.batch
 
 
+#: Where frames of pinpool and of torch come from (a warning names the first frame outside).
+_INSIDE = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+#: Types whose ``pin_memory()`` was warned about in this process.
+_warned: set[type] = set()
+_warned_lock = threading.Lock()
+
+
+def torch_would_pin() -> bool:
+    """Whether torch's DataLoader, given ``pin_memory=True``, pins batches in this process (it
+    does where an accelerator is present)."""
+    return bool(torch.accelerator.is_available())
+
+
+def pinned_by_itself(kind: type, called: bool) -> None:
+    """Warns, once per type and process, that objects of ``kind`` did not go through the
+    pool (and whether their ``pin_memory()`` was ``called``)."""
+    with _warned_lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    what = (
+        "it was pinned by its own pin_memory(), as torch's DataLoader would do"
+        if called
+        else "its pin_memory() was not called, as torch's DataLoader does not call it where "
+        "no accelerator is present"
+    )
+    message = (
+        f"pinpool: a batch holds a {kind.__module__}.{kind.__qualname__} object, which "
+        "pinpool cannot look into: its tensors did not go through the loader's pool of "
+        f"pinned slots; {what}. To have them pinned through the pool, make it a dataclass, a "
+        "namedtuple, or a dict, list or tuple of tensors (warned once per type)."
+    )
+    # Name the first frame outside pinpool and torch (the loop taking batches), if any.
+    level = 1
+    outside: types.FrameType | None = sys._getframe(0)
+    while outside is not None and outside.f_code.co_filename.startswith(_INSIDE):
+        level, outside = level + 1, outside.f_back
+    warnings.warn(message, UserWarning, stacklevel=level if outside is not None else 1)
+
+
 class Delivery:
     """Rebuilds batches over their memory, on the CPU or on ``device``; counts them."""
 
@@ -64,6 +119,23 @@ class Delivery:
         self.copy_stream = torch.cuda.Stream(device) if device is not None else None
         self.batches = 0
         self.bytes = 0
+        # Whether objects that pin themselves are pinned (as torch would): known with a
+        # device, else asked at the first such object.
+        self._pin_others: bool | None = True if device is not None else None
+
+    def kept(self, obj: Any) -> Any:
+        """What torch's ``pin_memory`` would make of ``obj``, an object the tree walk kept
+        whole: itself, or (an object with a ``pin_memory()`` method, not a tensor) what that
+        method returns, where torch would call it."""
+        if isinstance(obj, (torch.Tensor, type)):
+            return obj
+        pin = getattr(obj, "pin_memory", None)
+        if not callable(pin):
+            return obj
+        if self._pin_others is None:
+            self._pin_others = torch_would_pin()
+        pinned_by_itself(type(obj), self._pin_others)
+        return pin() if self._pin_others else obj
 
     def __call__(
         self,
@@ -78,7 +150,7 @@ class Delivery:
         self.bytes += need
         if memory is None:
             empty = torch.empty(0, dtype=torch.uint8)
-            return codec.rebuild(tree, codec.views_for(specs, empty))
+            return codec.rebuild(tree, codec.views_for(specs, empty), self.kept)
         if isinstance(memory, Slot):
             slot: Slot | None = memory
             base = torch.frombuffer(memory, dtype=torch.uint8, count=need)
@@ -87,7 +159,7 @@ class Delivery:
         if self.device is None:
             # The views hold the slot; it returns to the pool when the last of them dies.
             del slot, memory
-            return codec.rebuild(tree, codec.views_for(specs, base))
+            return codec.rebuild(tree, codec.views_for(specs, base), self.kept)
         assert self.copy_stream is not None
         with torch.cuda.stream(self.copy_stream):
             storage = base.to(self.device, non_blocking=True)
@@ -101,7 +173,7 @@ class Delivery:
                 views.append(codec.leaf_from_bytes(storage, s))
         if slot is not None:
             slot.release(self.copy_stream)
-        return OnDevice(codec.rebuild(tree, views), storage, event, self.device)
+        return OnDevice(codec.rebuild(tree, views, self.kept), storage, event, self.device)
 
 
 def finish(item: Any) -> Any:

@@ -301,13 +301,17 @@ class Receiver:
 
     # -- a batch collated here (num_workers=0) ----------------------------------------------
 
-    def encode_local(self, batch: Any, count: int | None) -> Local:
-        """Writes a batch collated in this process straight into a slot."""
+    def encode_local(self, batch: Any, count: int | None, threads: int = 1) -> Local:
+        """Writes a batch collated (or received) in this process straight into a slot, its
+        arrays of at least ``codec.GATHER_MIN`` bytes by ``threads`` copy threads without the
+        GIL. A batch without arrays makes no pool (the first batch with arrays sizes it)."""
         p = codec.plan(batch)
+        if not p.specs:
+            return Local(self.deliver(p.tree, p.specs, None, 0))
         pool, _ = self.ensure(p.nbytes, count)
         memory = self._claim(pool, p.nbytes) if p.nbytes else None
         if memory is not None:
-            codec.write(p, memory)
+            codec.write(p, memory, threads)
         return Local(self.deliver(p.tree, p.specs, memory, p.nbytes))
 
     # -- slots --------------------------------------------------------------------------------

@@ -91,6 +91,9 @@ class Tickets:
                 del self._assigned[key]
 
 
+_END = object()
+
+
 class TicketSampler:
     """Wraps torch's batch sampler: tags each index list with a freshly checked-out slot.
 
@@ -106,7 +109,12 @@ class TicketSampler:
         self.owner = next(TicketSampler._next_owner)
 
     def __iter__(self) -> Iterator[TaggedIndices]:
-        for indices in self.base:
+        return self._tagged(iter(self.base))  # iter() now, when torch calls it, as torch would
+
+    def _tagged(self, it: Iterator[Any]) -> Iterator[TaggedIndices]:
+        # (not ``for indices in it``: that calls iter() on it again, which restarts a sampler
+        # whose iter() returns itself)
+        while (indices := next(it, _END)) is not _END:
             yield TaggedIndices(indices, self.assign(self.owner))
 
     def __len__(self) -> int:

@@ -14,6 +14,7 @@ the slot.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -369,8 +370,9 @@ def views_for(specs: list[LeafSpec], base: torch.Tensor) -> list[Any]:
     return [leaf_from_bytes(base, s) for s in specs]
 
 
-def rebuild(tree: Any, views: list[Any]) -> Any:
-    """The batch of ``tree`` with marker ``i`` replaced by ``views[i]``."""
+def rebuild(tree: Any, views: list[Any], kept: Callable[[Any], Any] | None = None) -> Any:
+    """The batch of ``tree`` with marker ``i`` replaced by ``views[i]``, and each object the
+    walk cannot look into (see ``tree.map_leaves``) by ``kept(obj)`` if given."""
 
     def leaf(obj: Any) -> Any:
         if isinstance(obj, Leaf):
@@ -381,6 +383,6 @@ def rebuild(tree: Any, views: list[Any]) -> Any:
         return KEEP
 
     try:
-        return map_leaves(tree, leaf)
+        return map_leaves(tree, leaf, False, kept)
     except RecursionError:
         raise OutOfBounds("corrupt batch description: the batch is nested too deeply") from None

@@ -1,0 +1,265 @@
+"""Checkpoint and resume mid-epoch: what ``DataLoader.state_dict()`` records, and how the
+next iteration replays it.
+
+An epoch's batches are a function of the random states its index sampler starts from: torch's
+global RNG (a ``RandomSampler`` without a generator draws its seed from it), the loader's
+``generator`` and any sampler's ``generator``. :class:`EpochSampler` wraps the index sampler
+torch reads and records those states at the two points a sampler draws: when torch calls
+``iter()`` on it (as the iterator starts, before torch draws the workers' base seed) and at its
+first index list (after). The loader counts the batches it yields. A resumed epoch puts the
+states back at the same two points, so the sampler makes the same order, and drops the index
+lists already yielded before anyone sees them: no worker loads them and, under the zero-copy
+``TicketSampler``, no slot is handed out for them. An ``IterableDataset`` resumes itself: its
+own ``state_dict()``, taken with the loader's, is loaded back before its iterator is made
+(``num_workers=0`` only).
+
+Invariants:
+
+- A state is plain data (ints, bools, None, dicts, CPU uint8 tensors, and an iterable
+  dataset's own state): ``torch.save``-able, loadable into a fresh loader made with the same
+  arguments.
+- Once a resumed epoch's sampler has made its first index list, torch's global RNG and the
+  generators are as they were at ``state_dict()`` (or as they were then plus that epoch's own
+  draws, when the state was taken before them), so what the caller draws next, and the next
+  epochs, are as in the uninterrupted run; with ``persistent_workers`` too (the base seed a
+  resumed loader draws for its new workers, where the uninterrupted run's kept theirs, is
+  undone at the first index list).
+- A state taken between epochs (before the first ``iter()``, or once an iterator has ended)
+  resumes at the next epoch: the random states are put back as they were, nothing is skipped.
+- Not replayed: random state of the workers themselves (skipping shifts which worker makes
+  which batch, a worker's RNG has not advanced over the skipped batches, and persistent
+  workers were seeded when they started), and samplers drawing from RNGs other than torch's
+  (Python's ``random``, numpy) or from torch's global RNG after their first index list.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: The version of the state dict's layout.
+VERSION = 1
+
+#: Where a loader's generators live (the same generator is recorded once, at its first path).
+_GENERATOR_PATHS = (
+    "generator",
+    "sampler.generator",
+    "batch_sampler.generator",
+    "batch_sampler.sampler.generator",
+)
+
+_END = object()
+
+#: torch's global RNG state and the loader's generators' (by path).
+States = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _generators(loader: Any) -> dict[str, torch.Generator]:
+    found: dict[str, torch.Generator] = {}
+    for path in _GENERATOR_PATHS:
+        obj = loader
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, torch.Generator) and all(obj is not g for g in found.values()):
+            found[path] = obj
+    return found
+
+
+def _capture(loader: Any) -> States:
+    return torch.get_rng_state(), {p: g.get_state() for p, g in _generators(loader).items()}
+
+
+def _restore(loader: Any, states: States) -> None:
+    rng, generators = states
+    torch.set_rng_state(rng)
+    own = _generators(loader)
+    if set(own) != set(generators):
+        raise ValueError(
+            f"the state's generators {sorted(generators)} are not this loader's {sorted(own)}: "
+            "make the loader with the same arguments as the one the state was taken from"
+        )
+    for path, state in generators.items():
+        own[path].set_state(state)
+
+
+@dataclass
+class Epoch:
+    """One iteration of the loader: the random states at its sampler's two draw points
+    (None until reached), and the batches yielded."""
+
+    at_iter: States | None = None
+    at_pull: States | None = None
+    yielded: int = 0
+    ended: bool = False
+
+
+@dataclass
+class Plan:
+    """How a resumed epoch's sampler starts: states to put back when torch calls ``iter()``
+    on it and at its first index list (``"undo"``: those right after ``iter()``, undoing the
+    base seed drawn in between), index lists to drop, and the global RNG state to set after."""
+
+    at_iter: States | None = None
+    at_pull: States | str | None = None
+    skip: int = 0
+    after: torch.Tensor | None = None
+
+
+class EpochSampler:
+    """torch's index sampler, wrapped for one torch iterator (every epoch of a persistent
+    one): records each epoch's states, and replays a resumed one's (:class:`Plan`)."""
+
+    def __init__(self, base: Any, resume: Resume, loader: Any) -> None:
+        self.base = base
+        self.resume = resume
+        self.loader = weakref.proxy(loader)  # a persistent iterator is the loader's
+
+    def __iter__(self) -> Iterator[Any]:
+        # torch may call iter() twice as its iterator starts (its base __init__, then _reset,
+        # with the base seed drawn in between): the first call is the epoch's draw point, the
+        # plan goes with the iterator first pulled.
+        epoch, plan = self.resume.current, self.resume.plan
+        if epoch is None:  # torch's iterator used outside DataLoader.__iter__
+            epoch = self.resume.current = Epoch()
+        first_call = epoch.at_iter is None
+        if first_call and plan is not None and plan.at_iter is not None:
+            _restore(self.loader, plan.at_iter)
+        if first_call:
+            epoch.at_iter = _capture(self.loader)
+        it = iter(self.base)  # now, when torch calls it: a sampler may draw here
+        if first_call and plan is not None and plan.at_pull == "undo":
+            plan.at_pull = _capture(self.loader)
+        return self._run(it, epoch, plan)
+
+    def _run(self, it: Iterator[Any], epoch: Epoch, plan: Plan | None) -> Any:
+        first: Any = _END
+        if plan is not None and self.resume.plan is plan:
+            self.resume.plan = None
+        try:
+            if plan is not None and isinstance(plan.at_pull, tuple):
+                _restore(self.loader, plan.at_pull)
+            epoch.at_pull = _capture(self.loader)
+            for _ in range(plan.skip if plan is not None else 0):
+                if next(it, _END) is _END:
+                    return
+            first = next(it, _END)
+        finally:
+            if plan is not None and plan.after is not None:
+                torch.set_rng_state(plan.after)
+        while first is not _END:  # (not ``yield from it``: that calls iter() on it again,
+            yield first  # which restarts a sampler whose iter() returns itself)
+            first = next(it, _END)
+
+    def __len__(self) -> int:
+        return len(self.base)  # the epoch's length, as the uninterrupted run's
+
+
+@dataclass
+class Resume:
+    """A loader's checkpoint state: the latest iteration, a loaded state not yet used, and
+    the plan for the epoch starting.
+
+    ``iterable``: the dataset is an ``IterableDataset``. The loader calls :func:`check`
+    before ``state_dict`` and ``load_state_dict``."""
+
+    iterable: bool
+    current: Epoch | None = None
+    pending: dict[str, Any] | None = field(default=None, repr=False)
+    plan: Plan | None = field(default=None, repr=False)
+
+    def start(self, dataset: Any) -> None:
+        """An iteration starts (before torch's iterator is made or reset): a new epoch, and
+        the plan from a loaded state for its sampler (:class:`EpochSampler`)."""
+        state, self.pending = self.pending, None
+        self.current, self.plan = Epoch(), None
+        if state is None:
+            return
+        now = (state["rng"], state["generators"])
+        epoch = state["epoch"]
+        if epoch is None:  # taken between epochs
+            self.plan = Plan(at_iter=now, at_pull="undo" if state["iterator_kept"] else None)
+            return
+        if self.iterable:
+            dataset.load_state_dict(state["dataset"])
+        self.current.yielded = epoch["yielded"]
+        at_iter = (epoch["at_iter"]["rng"], epoch["at_iter"]["generators"])
+        if epoch["at_pull"] is None:  # taken before the sampler's first index list
+            self.plan = Plan(at_iter=at_iter, at_pull=now)
+            return
+        at_pull = (epoch["at_pull"]["rng"], epoch["at_pull"]["generators"])
+        skip = 0 if self.iterable else epoch["yielded"]
+        self.plan = Plan(at_iter=at_iter, at_pull=at_pull, skip=skip, after=state["rng"])
+
+    def state_dict(self, loader: Any, dataset: Any, iterator_kept: bool) -> dict[str, Any]:
+        """``iterator_kept``: the next epoch resets a persistent torch iterator (no base seed
+        drawn)."""
+        if self.pending is not None:  # loaded, not iterated since
+            return dict(self.pending)
+        epoch = self.current
+        mid = epoch is not None and not epoch.ended and epoch.at_iter is not None
+        rng, generators = _capture(loader)
+        return {
+            "version": VERSION,
+            "iterable": self.iterable,
+            "rng": rng,
+            "generators": generators,
+            "iterator_kept": iterator_kept,
+            "epoch": {
+                "at_iter": _plain(epoch.at_iter),
+                "at_pull": _plain(epoch.at_pull),
+                "yielded": epoch.yielded,
+            }
+            if epoch is not None and mid
+            else None,
+            "dataset": dataset.state_dict() if self.iterable and mid else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != VERSION:
+            version = state.get("version") if isinstance(state, dict) else None
+            raise ValueError(
+                f"not a pinpool DataLoader state of version {VERSION} (version {version!r})"
+            )
+        if state["iterable"] != self.iterable:
+            kinds = ("a map-style", "an iterable")
+            raise ValueError(
+                f"the state is {kinds[state['iterable']]} dataset's, "
+                f"this loader has {kinds[self.iterable]} dataset"
+            )
+        self.pending = state
+
+
+def _plain(states: States | None) -> dict[str, Any] | None:
+    if states is None:
+        return None
+    rng, generators = states
+    return {"rng": rng.clone(), "generators": {p: g.clone() for p, g in generators.items()}}
+
+
+class NotResumable(NotImplementedError, AttributeError):
+    """What ``state_dict``/``load_state_dict`` raise on a loader that cannot resume. Also an
+    AttributeError, so that ``hasattr(loader, "state_dict")`` is False: frameworks that
+    checkpoint every loader with those methods (Lightning's ``_Stateful``) then treat it as
+    one without them, as they treat torch's, instead of failing at every checkpoint."""
+
+
+def check(why_not: str | None) -> None:
+    """Raises :class:`NotResumable` when ``why_not`` (from :func:`unsupported`) says why."""
+    if why_not is not None:
+        raise NotResumable(f"pinpool.DataLoader cannot checkpoint and resume {why_not}")
+
+
+def unsupported(dataset: Any, iterable: bool, num_workers: int) -> str | None:
+    """Why a loader with these settings cannot checkpoint and resume (None: it can)."""
+    if iterable and not (hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")):
+        return (
+            "an IterableDataset without state_dict() and load_state_dict() (it would restart "
+            f"from its beginning): {type(dataset).__name__}"
+        )
+    if iterable and num_workers > 0:
+        return "an IterableDataset with num_workers > 0 (each worker holds its own copy)"
+    return None

@@ -1,0 +1,296 @@
+"""``DataLoader.state_dict()`` / ``load_state_dict()``: a run stopped after k batches and
+resumed in a fresh loader yields what the uninterrupted run yields after those k batches, bit
+for bit, the next epoch included; skipped batches take no slot and no slot leaks.
+
+Each case runs an uninterrupted loader for two epochs, then a loader stopped after k batches
+(k = 0, mid-epoch, every batch, and after the epoch's end) whose state goes through
+``torch.save``/``torch.load`` into a fresh loader with the same arguments, in a process whose
+global RNG has meanwhile moved on.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data
+from torch.utils._pytree import tree_flatten, tree_map
+
+import pinpool
+
+N = 23  # samples: batches of 4 leave a partial one
+
+
+class Indexed(torch.utils.data.Dataset[Any]):
+    """Samples that depend only on their index."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> Any:
+        return {"x": torch.arange(8, dtype=torch.float32) + 8 * i, "i": i}
+
+
+class Counting(torch.utils.data.IterableDataset[Any]):
+    """An iterable dataset with the Stateful protocol: it resumes from a loaded position."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.start = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.pos, self.start = self.start, 0
+        while self.pos < N:
+            self.pos += 1
+            yield torch.full((3,), float(self.pos - 1))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["pos"]
+
+
+class Stateless(torch.utils.data.IterableDataset[Any]):
+    def __iter__(self) -> Iterator[Any]:
+        return iter(range(N))
+
+
+def _own(batch: Any) -> Any:
+    """The batch with its tensors copied out of their slots."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _same(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        xs, xspec = tree_flatten(x)
+        ys, yspec = tree_flatten(y)
+        assert xspec == yspec
+        for u, v in zip(xs, ys, strict=True):
+            if isinstance(u, torch.Tensor):
+                assert u.dtype == v.dtype and torch.equal(u, v)
+            else:
+                assert u == v
+
+
+def _through_bytes(state: dict[str, Any]) -> dict[str, Any]:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def _check_resume(
+    make: Callable[[], pinpool.DataLoader], k: int | str, before: int = 0
+) -> pinpool.DataLoader:
+    """Runs the uninterrupted and the interrupted run; ``k``: batches before the state is
+    taken, after ``before`` whole epochs, or "end" (after that epoch's StopIteration).
+    Returns the resumed loader."""
+    torch.manual_seed(0)
+    loader = make()
+    expected = [_own(b) for _ in range(before + 2) for b in loader]
+    del loader
+
+    torch.manual_seed(0)
+    loader = make()
+    got = [_own(b) for _ in range(before) for b in loader]
+    if k == "end":
+        got += [_own(b) for b in loader]
+    else:
+        it = iter(loader)
+        got += [_own(next(it)) for _ in range(int(k))]
+    state = _through_bytes(loader.state_dict())
+    del loader
+    gc.collect()
+
+    torch.manual_seed(1234)  # a fresh process: the global RNG is elsewhere
+    torch.rand(7)
+    fresh = make()
+    fresh.load_state_dict(state)
+    delivered = len(got)
+    if k != "end":
+        got += [_own(b) for b in fresh]  # the rest of the interrupted epoch
+    got += [_own(b) for b in fresh]
+    _same(got, expected)
+    # Skipped batches were never loaded: the fresh loader took in only what it yielded.
+    assert fresh.stats()["batches"] == len(expected) - delivered
+    gc.collect()
+    pool = fresh.pool
+    if pool is not None:
+        assert pool.stats()["slots_free"] == pool.num_slots
+    return fresh
+
+
+KS = [0, 2, 5, 6, "end"]  # 6 batches an epoch (23 samples, batches of 4)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_sequential(k: int | str) -> None:
+    _check_resume(lambda: pinpool.DataLoader(Indexed(), batch_size=4), k)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_shuffle_from_global_rng_drop_last(k: int | str) -> None:
+    _check_resume(lambda: pinpool.DataLoader(Indexed(), batch_size=4, shuffle=True), k)
+    _check_resume(
+        lambda: pinpool.DataLoader(Indexed(), batch_size=4, shuffle=True, drop_last=True),
+        5 if k == 6 else k,
+    )
+
+
+@pytest.mark.parametrize(("k", "before"), [(0, 0), (3, 0), ("end", 0), (3, 1)])
+def test_shuffle_with_generator(k: int | str, before: int) -> None:
+    _check_resume(
+        lambda: pinpool.DataLoader(
+            Indexed(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)
+        ),
+        k,
+        before,
+    )
+
+
+@pytest.mark.parametrize("k", [0, 2, 4, "end"])
+def test_custom_batch_sampler(k: int | str) -> None:
+    sampler = [[3, 1], [0, 2, 4, 5], [22], list(range(6, 20))]
+    _check_resume(lambda: pinpool.DataLoader(Indexed(), batch_sampler=sampler), k)
+
+
+class ItsOwnIterator:
+    """A batch sampler whose iter() returns itself, restarted (as Lightning's index-tracking
+    wrapper does): iter() must be called on it once an epoch."""
+
+    def __init__(self) -> None:
+        self.batches = [[1, 2], [0], [5, 3, 4], [9, 8]]
+        self.it: Iterator[list[int]] = iter([])
+
+    def __iter__(self) -> ItsOwnIterator:
+        self.it = iter(self.batches)
+        return self
+
+    def __next__(self) -> list[int]:
+        return next(self.it)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+@pytest.mark.parametrize("k", [0, 2, "end"])
+def test_batch_sampler_that_is_its_own_iterator(k: int | str) -> None:
+    _check_resume(lambda: pinpool.DataLoader(Indexed(), batch_sampler=ItsOwnIterator()), k)
+
+
+def test_no_batching() -> None:
+    _check_resume(lambda: pinpool.DataLoader(Indexed(), batch_size=None, shuffle=True), 9)
+
+
+@pytest.mark.parametrize("k", [0, 2, 5, 6, "end"])
+def test_iterable_dataset_with_state(k: int | str) -> None:
+    _check_resume(lambda: pinpool.DataLoader(Counting(), batch_size=4), k)
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_workers(zero_copy: bool) -> None:
+    def make() -> pinpool.DataLoader:
+        return pinpool.DataLoader(
+            Indexed(),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            zero_copy=zero_copy,
+            slot_bytes=1 << 16,
+            num_slots=8,
+        )
+
+    fresh = _check_resume(make, 3)
+    if zero_copy:
+        assert fresh.stats()["zero_copy_batches"] > 0
+    _check_resume(make, 6)  # every batch of the epoch: the resumed epoch is empty
+    _check_resume(make, "end")
+
+
+@pytest.mark.parametrize(("k", "before"), [(3, 0), (2, 1), ("end", 0)])
+def test_persistent_workers(k: int | str, before: int) -> None:
+    def make() -> pinpool.DataLoader:
+        return pinpool.DataLoader(
+            Indexed(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
+        )
+
+    _check_resume(make, k, before)
+
+
+def test_state_between_epochs_and_before_iterating() -> None:
+    loader = pinpool.DataLoader(Indexed(), batch_size=4, shuffle=True)
+    state = loader.state_dict()
+    assert state["version"] == 1 and state["epoch"] is None
+    expected = [_own(b) for b in loader]
+    fresh = pinpool.DataLoader(Indexed(), batch_size=4, shuffle=True)
+    torch.rand(3)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["epoch"] is None  # a loaded state, not yet used, is the state
+    _same([_own(b) for b in fresh], expected)
+
+
+def test_state_of_a_resumed_epoch_resumes_too() -> None:
+    def make() -> pinpool.DataLoader:
+        return pinpool.DataLoader(Indexed(), batch_size=4, shuffle=True)
+
+    torch.manual_seed(0)
+    expected = [_own(b) for b in make()]
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    got = [_own(next(it))]
+    second = make()
+    second.load_state_dict(_through_bytes(loader.state_dict()))
+    it = iter(second)
+    got += [_own(next(it)) for _ in range(2)]
+    third = make()
+    third.load_state_dict(_through_bytes(second.state_dict()))
+    got += [_own(b) for b in third]
+    _same(got, expected)
+
+
+def test_unsupported_raise() -> None:
+    stateless = pinpool.DataLoader(Stateless(), batch_size=4)
+    with pytest.raises(NotImplementedError, match="without state_dict"):
+        stateless.state_dict()
+    with pytest.raises(NotImplementedError, match="without state_dict"):
+        stateless.load_state_dict({})
+    # Frameworks that checkpoint every loader with these methods (Lightning) skip this one.
+    assert not hasattr(stateless, "state_dict") and not hasattr(stateless, "load_state_dict")
+    with pytest.raises(NotImplementedError, match="num_workers > 0"):
+        pinpool.DataLoader(Counting(), batch_size=4, num_workers=2).state_dict()
+    state = pinpool.DataLoader(Indexed()).state_dict()
+    with pytest.raises(ValueError, match="version"):
+        pinpool.DataLoader(Indexed()).load_state_dict({"version": 99})
+    with pytest.raises(ValueError, match="iterable"):
+        pinpool.DataLoader(Counting()).load_state_dict(state)
+
+
+def test_readme_snippet(tmp_path: Any) -> None:
+    dataset, path = Indexed(), tmp_path / "ckpt.pt"
+    torch.manual_seed(0)
+    whole = pinpool.DataLoader(dataset, batch_size=4, num_workers=2, shuffle=True)
+    expected = [_own(b) for b in whole]
+    torch.manual_seed(0)
+    got = []
+    # As in README.md, "Resuming mid-epoch":
+    loader = pinpool.DataLoader(dataset, batch_size=4, num_workers=2, shuffle=True)
+    for step, batch in enumerate(loader):
+        got.append(_own(batch))
+        if step == 2:
+            torch.save({"loader": loader.state_dict()}, path)
+            break
+
+    del loader
+    torch.rand(5)
+    loader = pinpool.DataLoader(dataset, batch_size=4, num_workers=2, shuffle=True)
+    loader.load_state_dict(torch.load(path)["loader"])
+    for batch in loader:
+        got.append(_own(batch))
+    _same(got, expected)
