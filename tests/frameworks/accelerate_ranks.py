@@ -37,7 +37,9 @@ def main() -> None:
     out = sys.argv[1]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        # A GPU per rank where there are enough, else CPU ranks (gloo).
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        accelerator = Accelerator(cpu=torch.cuda.device_count() < ranks)
         model = torch.nn.Linear(8, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         inner = DataLoader(Numbers(), batch_size=BATCH, shuffle=True, num_workers=2)
