@@ -310,6 +310,26 @@ def test_dropping_a_slot_fences_on_the_current_stream(cuda_pool, gpu_sleep) -> N
     again.release()
 
 
+def test_an_exception_outlives_the_slots_freed_while_it_propagates(cuda_pool) -> None:
+    """A slot released implicitly while Python unwinds an exception (``list()`` of a loader
+    that raised frees the batches it had) asks the stream hook for the current stream: the
+    exception must come out whole (it once came out as ``SystemError: ... returned NULL
+    without setting an exception``)."""
+    pool = cuda_pool(MiB, 2)
+
+    def batches() -> Iterator[torch.Tensor]:
+        for _ in range(2):
+            yield pool.checkout().view(torch.uint8, (16,))
+        raise ValueError("the third batch is bad")
+
+    with pytest.raises(ValueError, match="third batch"):
+        list(batches())
+    gc.collect()
+    torch.cuda.synchronize()
+    pool.flush()
+    assert pool.stats()["slots_checked_out"] == 0
+
+
 def test_deferred_release_is_fenced_too(cuda_pool, gpu_sleep) -> None:
     """release(stream) with a view alive: the slot returns when the view dies, fenced."""
     n = 8 * MiB

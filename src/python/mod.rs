@@ -79,13 +79,25 @@ static STREAM_HOOK: OnceLock<Py<PyAny>> = OnceLock::new();
 
 /// Asks the stream hook for the current stream of `device`; `Ok(None)` when torch's CUDA is
 /// not in use (then no GPU work can be reading a slot).
+///
+/// This runs where a slot is released implicitly too: as the last view of a batch dies, which
+/// may happen while Python unwinds an exception (a `list(loader)` that raised frees the batches
+/// it had). The hook must neither see that exception nor clear it: it is set aside for the
+/// call and put back after.
 pub(crate) fn current_stream(py: Python<'_>, device: usize) -> PyResult<Option<usize>> {
     let Some(hook) = STREAM_HOOK.get().filter(|_| device != usize::MAX) else { return Ok(None) };
-    let value = hook.bind(py).call1((device,))?;
-    if value.is_none() {
-        return Ok(None);
+    let unwinding = PyErr::take(py);
+    let asked = hook.bind(py).call1((device,)).and_then(|value| {
+        if value.is_none() {
+            Ok(None)
+        } else {
+            value.extract::<usize>().map(Some)
+        }
+    });
+    if let Some(err) = unwinding {
+        err.restore(py);
     }
-    Ok(Some(value.extract::<usize>()?))
+    asked
 }
 
 /// Converts a `stream=` argument: None asks the hook (not for `device == usize::MAX`, which

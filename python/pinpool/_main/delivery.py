@@ -75,6 +75,8 @@ _INSIDE = (
 )
 #: Types whose ``pin_memory()`` was warned about in this process.
 _warned: set[type] = set()
+#: Their warnings, not yet given.
+_pending: list[str] = []
 _warned_lock = threading.Lock()
 
 
@@ -103,12 +105,22 @@ def pinned_by_itself(kind: type, called: bool) -> None:
         f"pinned slots; {what}. To have them pinned through the pool, make it a dataclass, a "
         "namedtuple, or a dict, list or tuple of tensors (warned once per type)."
     )
-    # Name the first frame outside pinpool and torch (the loop taking batches), if any.
-    level = 1
-    outside: types.FrameType | None = sys._getframe(0)
-    while outside is not None and outside.f_code.co_filename.startswith(_INSIDE):
-        level, outside = level + 1, outside.f_back
-    warnings.warn(message, UserWarning, stacklevel=level if outside is not None else 1)
+    with _warned_lock:
+        # Warned by finish(), on the consumer's thread: this may be torch's pin thread.
+        _pending.append(message)
+
+
+def _warn_pending() -> None:
+    with _warned_lock:
+        messages = _pending[:]
+        _pending.clear()
+    for message in messages:
+        # Name the first frame outside pinpool and torch (the loop taking batches), if any.
+        level = 1
+        outside: types.FrameType | None = sys._getframe(0)
+        while outside is not None and outside.f_code.co_filename.startswith(_INSIDE):
+            level, outside = level + 1, outside.f_back
+        warnings.warn(message, UserWarning, stacklevel=level if outside is not None else 1)
 
 
 class Delivery:
@@ -185,4 +197,6 @@ def finish(item: Any) -> Any:
         item = item.batch
     if isinstance(item, OnDevice):
         item = item.wait()
+    if _pending:
+        _warn_pending()
     return item
