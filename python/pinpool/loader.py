@@ -135,21 +135,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
             collate_fn = None  # torch's default: pinpool's own, bit for bit, streamed
-        settings.check_choice("overflow", overflow, ("copy", "wait"))
-        settings.check_choice("oversize", oversize, ("copy", "error"))
-        settings.check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
-        settings.check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
-        settings.check_int("copy_threads", copy_threads, 1, settings.MAX_COPY_THREADS, none_ok=True)
-        settings.check_timeout("slot_timeout", slot_timeout)
-        out_device = settings.cuda_device(device)
-        if pool is not None:
-            pool_device = pool.device
-        elif out_device is not None:
-            pool_device = out_device.index
-        elif torch.cuda.is_available():
-            pool_device = torch.cuda.current_device()
-        else:
-            pool_device = None
+        out_device, pool_device = settings.check_pool_settings(
+            pool=pool,
+            slot_bytes=slot_bytes,
+            num_slots=num_slots,
+            copy_threads=copy_threads,
+            slot_timeout=slot_timeout,
+            overflow=overflow,
+            oversize=oversize,
+            device=device,
+        )
         in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
         token = uuid.uuid4().hex
         receiver = Receiver(

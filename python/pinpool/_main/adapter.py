@@ -32,8 +32,6 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, Literal, TypeVar
 
-import torch
-
 from .._errors import InvalidArgument
 from .._native import PinPool
 from . import settings
@@ -139,21 +137,16 @@ class Pinned(Generic[_T]):
                 "this loader's batches are in pinpool slots already (pinpool.DataLoader "
                 "takes device=, pool=, slot_bytes= itself)"
             )
-        settings.check_choice("overflow", overflow, ("copy", "wait"))
-        settings.check_choice("oversize", oversize, ("copy", "error"))
-        settings.check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
-        settings.check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
-        settings.check_int("copy_threads", copy_threads, 1, settings.MAX_COPY_THREADS, none_ok=True)
-        settings.check_timeout("slot_timeout", slot_timeout)
-        out_device = settings.cuda_device(device)
-        if pool is not None:
-            pool_device = pool.device
-        elif out_device is not None:
-            pool_device = out_device.index
-        elif torch.cuda.is_available():
-            pool_device = torch.cuda.current_device()
-        else:
-            pool_device = None
+        out_device, pool_device = settings.check_pool_settings(
+            pool=pool,
+            slot_bytes=slot_bytes,
+            num_slots=num_slots,
+            copy_threads=copy_threads,
+            slot_timeout=slot_timeout,
+            overflow=overflow,
+            oversize=oversize,
+            device=device,
+        )
         if getattr(loader, "pin_memory", False) is True:
             warnings.warn(
                 "the loader given to pinpool.pinned() has pin_memory=True: every batch is "

@@ -84,3 +84,35 @@ def local_world_size() -> int:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def check_pool_settings(
+    *,
+    pool: Any,
+    slot_bytes: Any,
+    num_slots: Any,
+    copy_threads: Any,
+    slot_timeout: Any,
+    overflow: Any,
+    oversize: Any,
+    device: Any,
+) -> tuple[torch.device | None, int | None]:
+    """Checks the settings ``pinpool.DataLoader`` and ``pinpool.pinned`` share; returns the
+    CUDA device batches are delivered on (None: pinned CPU batches) and the pool's device (a
+    given pool's, else the delivery device's, else torch's current CUDA device, else None)."""
+    check_choice("overflow", overflow, ("copy", "wait"))
+    check_choice("oversize", oversize, ("copy", "error"))
+    check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
+    check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
+    check_int("copy_threads", copy_threads, 1, MAX_COPY_THREADS, none_ok=True)
+    check_timeout("slot_timeout", slot_timeout)
+    out_device = cuda_device(device)
+    if pool is not None:
+        pool_device = pool.device
+    elif out_device is not None:
+        pool_device = out_device.index
+    elif torch.cuda.is_available():
+        pool_device = torch.cuda.current_device()
+    else:
+        pool_device = None
+    return out_device, pool_device
