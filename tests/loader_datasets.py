@@ -19,6 +19,29 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+
+def array_leaves(x: Any) -> list[Any]:
+    """Every tensor and numpy array in a batch (dicts, lists and tuples walked)."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return [x]
+    if isinstance(x, dict):
+        return [leaf for v in x.values() for leaf in array_leaves(v)]
+    if isinstance(x, (list, tuple)):
+        return [leaf for v in x for leaf in array_leaves(v)]
+    return []
+
+
+def in_pool(pool: Any, leaf: Any) -> bool:
+    """Whether an array's bytes lie in the pool's arena (False without a pool)."""
+    if pool is None:
+        return False
+    if isinstance(leaf, torch.Tensor):
+        start = leaf.untyped_storage().data_ptr()
+    else:
+        start = leaf.__array_interface__["data"][0]
+    return bool(pool.address <= start < pool.address + pool.arena_bytes)
+
+
 #: Namedtuples a generated batch may contain (module level, so they pickle).
 Pair = namedtuple("Pair", ["x", "y"])
 Record = namedtuple("Record", ["a", "b", "c"])

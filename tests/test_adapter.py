@@ -18,34 +18,20 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
-from loader_datasets import Indexed, NumpyMix, Sized, assert_same, keep_samples
+from loader_datasets import (
+    Indexed,
+    NumpyMix,
+    Sized,
+    array_leaves,
+    assert_same,
+    in_pool,
+    keep_samples,
+)
 
 import pinpool
 from pinpool import BatchTooLarge, InvalidArgument
 
 MiB = 1 << 20
-
-
-def array_leaves(x: Any) -> list[Any]:
-    """Every tensor and numpy array in a batch."""
-    if isinstance(x, (torch.Tensor, np.ndarray)):
-        return [x]
-    if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in array_leaves(v)]
-    if isinstance(x, (list, tuple)):
-        return [leaf for v in x for leaf in array_leaves(v)]
-    return []
-
-
-def in_pool(pool: pinpool.PinPool | None, leaf: Any) -> bool:
-    """Whether an array's bytes lie in the pool's arena (False without a pool)."""
-    if pool is None:
-        return False
-    if isinstance(leaf, torch.Tensor):
-        start = leaf.untyped_storage().data_ptr()
-    else:
-        start = leaf.__array_interface__["data"][0]
-    return pool.address <= start < pool.address + pool.arena_bytes
 
 
 def in_one_slot(pool: pinpool.PinPool | None, batch: Any) -> bool:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
-from loader_datasets import Indexed, ListDataset, assert_same
+from loader_datasets import Indexed, ListDataset, assert_same, in_pool
 
 import pinpool
 from pinpool._main import delivery
@@ -144,17 +144,6 @@ def arrays(x: Any) -> list[Any]:
     if isinstance(x, (list, tuple)):
         return [a for v in x for a in arrays(v)]
     return []
-
-
-def in_pool(pool: pinpool.PinPool | None, array: Any) -> bool:
-    """Whether an array's bytes lie in the pool's arena."""
-    if pool is None:
-        return False
-    if isinstance(array, torch.Tensor):
-        start = array.data_ptr()
-    else:
-        start = array.__array_interface__["data"][0]
-    return pool.address <= start < pool.address + pool.arena_bytes
 
 
 def ours(caught: list[warnings.WarningMessage]) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from loader_datasets import Indexed, sum_collate
+from loader_datasets import Indexed, in_pool, sum_collate
 from torch.utils.data import SequentialSampler, default_collate
 
 import pinpool
@@ -28,11 +28,6 @@ pl = pytest.importorskip("pytorch_lightning")
 from pytorch_lightning.utilities.data import _update_dataloader  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def in_pool(pool: pinpool.PinPool | None, tensor: torch.Tensor) -> bool:
-    start = tensor.untyped_storage().data_ptr()
-    return pool is not None and pool.address <= start < pool.address + pool.arena_bytes
 
 
 def rebuilt(loader: Any) -> Any:

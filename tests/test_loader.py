@@ -32,7 +32,9 @@ from loader_datasets import (
     ShardedRange,
     Sized,
     Tracked,
+    array_leaves,
     assert_same,
+    in_pool,
     keep_samples,
     make_array,
     sum_collate,
@@ -72,29 +74,9 @@ def drain(batches: Any, key: Any) -> list[Any] | str:
     return out
 
 
-def array_leaves(x: Any) -> list[Any]:
-    """Every tensor and numpy array in a batch."""
-    if isinstance(x, (torch.Tensor, np.ndarray)):
-        return [x]
-    if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in array_leaves(v)]
-    if isinstance(x, (list, tuple)):
-        return [leaf for v in x for leaf in array_leaves(v)]
-    return []
-
-
 def in_slot_bytes(batch: Any) -> int:
     """Bytes of the batch's arrays (those a slot must hold)."""
     return sum(leaf.nbytes for leaf in array_leaves(batch))
-
-
-def in_pool(pool: pinpool.PinPool, leaf: Any) -> bool:
-    """Whether an array's bytes lie in the pool's arena."""
-    if isinstance(leaf, torch.Tensor):
-        start = leaf.untyped_storage().data_ptr()
-    else:
-        start = leaf.__array_interface__["data"][0]
-    return pool.address <= start < pool.address + pool.arena_bytes
 
 
 def check_live_batch(pin: Any, batch: Any) -> None:
