@@ -128,3 +128,41 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
     if result["meta"]["host_only"]:
         assert " x-" in proc.stdout
     assert (out / "table.txt").read_text().strip() in proc.stdout
+
+
+@pytest.mark.slow
+def test_two_ranks_each_load_their_shard_and_rank_0_reports_the_totals(tmp_path: Path) -> None:
+    # Under torchrun (gloo here): both ranks run every loader, each over half the dataset.
+    out = tmp_path / "results"
+    argv = ["--quick", "--ranks", "2", "--workload", "synthetic", "--modes", "throughput"]
+    argv += ["--loaders", "torch", "pinpool", "--repeats", "1", "--steps", "20"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pinpool.bench", *argv, "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads((out / "results.json").read_text())
+    assert result["meta"]["ranks"] == 2
+    runs = [r for r in result["runs"] if r["scenario"] == "synthetic/throughput"]
+    assert sorted((r["loader"], r["rank"]) for r in runs) == [
+        ("pinpool", 0),
+        ("pinpool", 1),
+        ("torch", 0),
+        ("torch", 1),
+    ]
+    assert all(r["steps"] == 20 and not r.get("error") for r in runs)
+    # Each rank's own pool took in its own batches only: warm-up plus the timed steps.
+    warmup = result["scenarios"]["synthetic/throughput"]["warmup"]
+    for r in runs:
+        if r["loader"] == "pinpool":
+            assert r["loader_stats"]["batches"] == warmup + 20
+    totals = result["ranks_summary"]["synthetic/throughput"]
+    for loader in ("torch", "pinpool"):
+        mine = sorted(r["gb_per_s"] for r in runs if r["loader"] == loader)
+        assert totals[loader]["total_gbps_median"] == pytest.approx(sum(mine))
+        assert sorted(totals[loader]["per_rank_gbps"]) == pytest.approx(mine)
+    assert "2 ranks, each loading its own shard" in proc.stdout

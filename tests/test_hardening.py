@@ -308,6 +308,23 @@ def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.Monk
     del info
 
 
+def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pinpool._main.receiver
+
+    monkeypatch.setattr(pinpool._main.receiver, "available_memory", lambda: 64 * MiB)
+    # 5 slots of about 2 MiB: within half of 64 MiB for one rank, over a quarter of that for 4.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
+    with pytest.raises(pinpool.BatchTooLarge, match="4 ranks on this host") as info:
+        loader._pin_receiver.ensure(1 * MiB)
+    del info
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    pool, _ = loader._pin_receiver.ensure(1 * MiB)
+    assert pool.slot_bytes * pool.num_slots <= 32 * MiB
+
+
 def test_a_pool_larger_than_memory_is_refused_before_it_is_touched() -> None:
     available = pinpool._native.available_memory()
     assert available is not None

@@ -347,6 +347,26 @@ def test_iterable_dataset_sharded_per_worker(num_workers: int) -> None:
     assert sorted(seen) == list(range(13))
 
 
+class _FirstWorkerEndsEarly(torch.utils.data.IterableDataset[Any]):
+    """Worker 0 makes 2 samples at once; the others 3 each, slowly: worker 0's second
+    batch arrives before its turn, and its end right after (torch then tells it to exit)."""
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        for i in range(2 if info.id == 0 else 3):
+            if info.id:
+                time.sleep(0.2)
+            yield {"x": torch.full((1000,), float(10 * info.id + i))}
+
+
+def test_iterable_dataset_whose_workers_end_at_different_times() -> None:
+    # The batches a worker sent ahead are received before torch lets it exit (their segments
+    # are opened through the worker's /proc entry).
+    got = [b["x"][0, 0].item() for b in pinpool.DataLoader(_FirstWorkerEndsEarly(), num_workers=3)]
+    assert sorted(got) == [0, 1, 10, 11, 12, 20, 21, 22]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_shuffle_with_a_seeded_generator(num_workers: int) -> None:
     ds = Indexed(17)

@@ -55,6 +55,31 @@ class Counting(torch.utils.data.IterableDataset[Any]):
         self.start = state["pos"]
 
 
+class Sharded(torch.utils.data.IterableDataset[Any]):
+    """An iterable dataset with the Stateful protocol that shards itself over the workers
+    (worker w of n makes items w, w + n, ...): each worker's copy has its own position."""
+
+    def __init__(self, size: int = N) -> None:
+        self.size = size
+        self.done = 0  # items this copy has made in the current pass
+        self.start = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = range(worker, self.size, workers)
+        self.done, self.start = self.start, 0
+        while self.done < len(mine):
+            self.done += 1
+            yield {"x": torch.full((3,), float(mine[self.done - 1])), "w": worker}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["done"]
+
+
 class Stateless(torch.utils.data.IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         return iter(range(N))
@@ -193,6 +218,44 @@ def test_iterable_dataset_with_state(k: int | str) -> None:
     _check_resume(lambda: pinpool.DataLoader(Counting(), batch_size=4), k)
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_iterable_dataset_with_workers(workers: int) -> None:
+    # 23 items over 2 workers: 6 + 6 batches... over 3: the shards end at different batches.
+    def make() -> pinpool.DataLoader:
+        return pinpool.DataLoader(Sharded(), batch_size=3, num_workers=workers)
+
+    for k in (0, 1, 4, 7, "end"):
+        _check_resume(make, k)
+
+
+def test_iterable_dataset_with_persistent_workers() -> None:
+    def make() -> pinpool.DataLoader:
+        return pinpool.DataLoader(
+            Sharded(), batch_size=4, num_workers=2, persistent_workers=True, worker_init_fn=_init
+        )
+
+    _check_resume(make, 3, before=1)
+    # A state loaded into a loader whose persistent workers have started: new ones load it.
+    torch.manual_seed(0)
+    loader = make()
+    expected = [_own(b) for b in loader]
+    it = iter(loader)
+    got = [_own(next(it)) for _ in range(5)]
+    state = loader.state_dict()
+    again = make()
+    list(again)  # its workers have started and run an epoch
+    again.load_state_dict(state)
+    got += [_own(b) for b in again]
+    _same(got, expected)
+
+
+def _init(worker_id: int) -> None:
+    """A worker_init_fn of the caller's: it still runs in a resumed epoch's workers."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None and info.id == worker_id
+    info.dataset.size = N + 1  # (every copy: uninterrupted and resumed alike)
+
+
 @pytest.mark.parametrize("zero_copy", [False, True])
 def test_workers(zero_copy: bool) -> None:
     def make() -> pinpool.DataLoader:
@@ -263,8 +326,9 @@ def test_unsupported_raise() -> None:
         stateless.load_state_dict({})
     # Frameworks that checkpoint every loader with these methods (Lightning) skip this one.
     assert not hasattr(stateless, "state_dict") and not hasattr(stateless, "load_state_dict")
-    with pytest.raises(NotImplementedError, match="num_workers > 0"):
-        pinpool.DataLoader(Counting(), batch_size=4, num_workers=2).state_dict()
+    with pytest.raises(ValueError, match="num_workers=2, this loader has 3"):
+        workers = pinpool.DataLoader(Sharded(), batch_size=4, num_workers=2).state_dict()
+        pinpool.DataLoader(Sharded(), batch_size=4, num_workers=3).load_state_dict(workers)
     state = pinpool.DataLoader(Indexed()).state_dict()
     with pytest.raises(ValueError, match="version"):
         pinpool.DataLoader(Indexed()).load_state_dict({"version": 99})

@@ -39,10 +39,11 @@ from torch.utils.data import default_collate, default_convert
 from ._main import settings
 from ._main.delivery import finish
 from ._main.receiver import Receiver
-from ._main.resume import Epoch, EpochSampler, Resume, check, unsupported
+from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, unsupported
 from ._main.tickets import TicketSampler
 from ._native import PinPool
 from ._wire import registry
+from ._wire.handle import BatchHandle, WorkerProgress
 from ._worker.collate import PinCollate
 from ._worker.streaming import StreamingDataset
 
@@ -167,6 +168,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             and not isinstance(dataset, torch.utils.data.IterableDataset)
         )
         streams = stream_samples and collate_fn is None
+        iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        resume = Resume(iterable, num_workers)
         # What torch's workers are given (loader.dataset stays the caller's own).
         worker_dataset = (
             StreamingDataset(dataset) if batched_map_style and (streams or zero_copy) else None
@@ -179,6 +182,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             keep_worker_memory=keep_worker_memory,
             worker_copy_threads=settings.worker_copy_threads(worker_copy_threads, num_workers),
             stream_samples=stream_samples,
+            report_state=resume.worker_states and unsupported(dataset, iterable) is None,
         )
         # torch's own attributes say what the caller asked for (loader.collate_fn is theirs,
         # or torch's default): frameworks rebuild a loader from them (see _get_iterator).
@@ -223,7 +227,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _pin_collate=collate,
             _pin_worker_dataset=worker_dataset,
             _pin_tickets=zero_copy and batched_map_style,
-            _pin_resume=Resume(isinstance(dataset, torch.utils.data.IterableDataset)),
+            _pin_resume=resume,
             _pin_wrap=False,
         )
         _keep_for_lightning(self)
@@ -235,6 +239,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def __iter__(self) -> _PinnedIter:  # type: ignore[override]
         resume = self._pin_resume
         resume.start(self.dataset)
+        if resume.worker_start is not None and self._iterator is not None:
+            # A resumed iterable dataset's workers load their states as they start: a
+            # persistent iterator's workers have started.
+            _shut_down(self._iterator)
+            self._iterator = None
         # torch reads _index_sampler as its iterator starts (a persistent one keeps it).
         self.__dict__["_pin_wrap"] = True
         try:
@@ -249,9 +258,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """``state_dict()``: where the loader is (mid-epoch or between epochs), as plain data:
         after :meth:`load_state_dict` into a loader made with the same arguments, its next
         iteration yields the batches this one had not yet yielded (``pinpool._main.resume``).
-        An IterableDataset without ``state_dict()``/``load_state_dict()``, or with
-        ``num_workers > 0``, cannot resume: both attributes raise ``NotResumable``, a
-        NotImplementedError and an AttributeError (``hasattr`` is False)."""
+        An IterableDataset resumes from its own ``state_dict()`` (each worker's copy, with
+        workers); one without ``state_dict()``/``load_state_dict()`` cannot resume: both
+        attributes raise ``NotResumable``, a NotImplementedError and an AttributeError
+        (``hasattr`` is False)."""
         check(self._pin_why_not())
         return self._pin_state_dict
 
@@ -268,22 +278,30 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return self._pin_resume.state_dict(self, self.dataset, kept)
 
     def _pin_why_not(self) -> str | None:
-        return unsupported(self.dataset, self._pin_resume.iterable, self.num_workers)
+        return unsupported(self.dataset, self._pin_resume.iterable)
 
     def _get_iterator(self) -> Any:
         # torch's iterator reads loader.dataset and loader.collate_fn once, as it starts, and
         # hands them to the workers: for that moment only, they are what the workers need
         # (the streaming wrapper of the dataset; pinpool's collate around the caller's).
-        own_dataset, own_collate = self.dataset, self.collate_fn
+        # A resumed iterable dataset's workers also load their states as they start.
+        own_dataset, own_collate, own_init = self.dataset, self.collate_fn, self.worker_init_fn
         inner = getattr(self, "_pin_worker_dataset", None)
         if inner is not None:
             object.__setattr__(self, "dataset", inner)
         object.__setattr__(self, "collate_fn", self._pin_collate)
+        start, self._pin_resume.worker_start = self._pin_resume.worker_start, None
+        if start is not None:
+            object.__setattr__(self, "worker_init_fn", LoadWorkerState(start.states, own_init))
         try:
-            return super()._get_iterator()
+            if self.num_workers == 0:
+                return super()._get_iterator()
+            self.check_worker_number_rationality()  # (as torch's _get_iterator)
+            return _WorkersIter(self, start.first if start is not None else 0)
         finally:
             object.__setattr__(self, "dataset", own_dataset)
             object.__setattr__(self, "collate_fn", own_collate)
+            object.__setattr__(self, "worker_init_fn", own_init)
 
     @property
     def _index_sampler(self) -> Any:
@@ -362,6 +380,9 @@ class _PinnedIter:
             self._epoch.ended = True
             self._end()
             raise
+        if isinstance(item, WorkerProgress):
+            self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
+            item = item.batch
         batch = finish(item)
         self._epoch.yielded += 1
         return batch
@@ -385,6 +406,45 @@ class _PinnedIter:
             self._end()
         except Exception:
             pass
+
+
+class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
+    """torch's multi-process iterator, with two changes.
+
+    - Without a pin thread (no accelerator), a batch's segment is received (opened through
+      its worker's ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as
+      its handle comes out of torch's result queue, as the pin thread does on a GPU machine,
+      not only when the consumer reaches it: by then its worker may have exited (an iterable
+      dataset's worker whose data has run out is told to exit at once) or died.
+    - The first batches are dealt out from worker ``first`` on instead of worker 0 (a resumed
+      iterable dataset's epoch, whose next batch is that worker's). torch deals to the
+      workers in turn from ``_worker_queue_idx_cycle``, made afresh as each epoch starts: the
+      first one made is turned on to ``first``.
+    """
+
+    def __init__(self, loader: DataLoader, first: int) -> None:
+        self._pin_first = first
+        self._pin_receiver = loader._pin_receiver
+        super().__init__(loader)
+
+    def _try_get_data(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        success, data = super()._try_get_data(*args, **kwargs)
+        if success and not self._pin_memory:
+            item = data[1]
+            item = item.batch if isinstance(item, WorkerProgress) else item
+            if isinstance(item, BatchHandle):
+                self._pin_receiver.receive_now(item)
+        return success, data
+
+    @property  # type: ignore[override]
+    def _worker_queue_idx_cycle(self) -> Iterator[int]:
+        return self.__dict__["_pin_cycle"]  # type: ignore[no-any-return]
+
+    @_worker_queue_idx_cycle.setter
+    def _worker_queue_idx_cycle(self, cycle: Iterator[int]) -> None:
+        for _ in range(self.__dict__.pop("_pin_first", 0)):
+            next(cycle)
+        self.__dict__["_pin_cycle"] = cycle
 
 
 def _shut_down(inner: Any) -> None:

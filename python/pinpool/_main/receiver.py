@@ -40,6 +40,7 @@ from .._native import (
 )
 from .._wire import codec, peer
 from .._wire.handle import ARRIVED, HELD, BatchHandle
+from . import settings
 from .delivery import Delivery, Local
 from .tickets import Tickets
 
@@ -136,16 +137,20 @@ class Receiver:
     def _automatic_slot_bytes(self, nbytes: int) -> int:
         """Slots for batches of ``nbytes``: that plus headroom, rounded up; refused (rather
         than faulted in until the kernel kills the process) when the arena would take more
-        than :data:`MEMORY_SHARE` of the memory available."""
+        than its share of :data:`MEMORY_SHARE` of the memory available: the data-parallel
+        ranks on this host (``$LOCAL_WORLD_SIZE``) each make an arena like it."""
         slot = codec.room_for(nbytes)
         arena = slot * self._num_slots
         available = available_memory()
-        if available is not None and arena > available * MEMORY_SHARE:
+        ranks = settings.local_world_size()
+        share = MEMORY_SHARE / ranks
+        if available is not None and arena > available * share:
+            each = f" (this rank's share: {ranks} ranks on this host)" if ranks > 1 else ""
             raise BatchTooLarge(
                 f"batches of {nbytes} bytes need an arena of {self._num_slots} slots of {slot} "
-                f"bytes ({arena / 2**30:.2f} GiB), more than {MEMORY_SHARE:.0%} of the "
-                f"{available / 2**30:.2f} GiB of memory available; pass smaller num_slots= "
-                "or slot_bytes= (with oversize='copy') to pinpool.DataLoader",
+                f"bytes ({arena / 2**30:.2f} GiB), more than {share:.0%} of the "
+                f"{available / 2**30:.2f} GiB of memory available{each}; pass smaller "
+                "num_slots= or slot_bytes= (with oversize='copy') to pinpool.DataLoader",
                 nbytes,
                 slot,
             )
@@ -271,6 +276,16 @@ class Receiver:
         cache.insert(key, own, total_len, nonce)  # owns the fd from here
         self._worker_pids[worker] = pid
         handle._state = HELD
+
+    def receive_now(self, handle: BatchHandle) -> None:
+        """Takes hold of a copy-mode handle's segment as the handle arrives, ahead of taking
+        its batch (its worker may exit or die before the consumer reaches it). An error is
+        left for :meth:`take` to raise, in turn."""
+        if handle._state == ARRIVED and handle.slot is None:
+            try:
+                self._receive(handle)
+            except Exception:
+                pass
 
     def drop(self, handle: BatchHandle) -> None:
         """Ends the handle's life here: hands its segment back to its worker, drops what the

@@ -9,9 +9,16 @@ torch reads and records those states at the two points a sampler draws: when tor
 first index list (after). The loader counts the batches it yields. A resumed epoch puts the
 states back at the same two points, so the sampler makes the same order, and drops the index
 lists already yielded before anyone sees them: no worker loads them and, under the zero-copy
-``TicketSampler``, no slot is handed out for them. An ``IterableDataset`` resumes itself: its
-own ``state_dict()``, taken with the loader's, is loaded back before its iterator is made
-(``num_workers=0`` only).
+``TicketSampler``, no slot is handed out for them.
+
+An ``IterableDataset`` resumes itself, from its own ``state_dict()``. With ``num_workers=0``
+that is taken with the loader's and loaded back before its iterator is made. With workers,
+each worker holds its own copy of the dataset: each batch comes with its worker's state right
+after it (``_wire.handle.WorkerProgress``), the loader keeps the latest delivered batch's
+state of each worker and which worker's batch comes next (torch deals batches out to the
+workers in turn), and a resumed epoch loads each worker's state into its copy of the dataset
+(:class:`LoadWorkerState`, before the worker's iterator is made) and starts the turns at that
+worker (``loader._StartingAt``).
 
 Invariants:
 
@@ -30,6 +37,8 @@ Invariants:
   which batch, a worker's RNG has not advanced over the skipped batches, and persistent
   workers were seeded when they started), and samplers drawing from RNGs other than torch's
   (Python's ``random``, numpy) or from torch's global RNG after their first index list.
+- An iterable dataset's workers resume where their delivered batches left them: batches a
+  worker had made ahead, not yet delivered, are made again.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.data
 
 #: The version of the state dict's layout.
 VERSION = 1
@@ -95,6 +105,15 @@ class Epoch:
     at_pull: States | None = None
     yielded: int = 0
     ended: bool = False
+    #: An iterable dataset's workers: each one's dataset state after its latest delivered
+    #: batch, and the worker whose batch comes next.
+    worker_states: dict[int, Any] = field(default_factory=dict)
+    next_worker: int = 0
+
+    def delivered(self, worker: int, state: Any, num_workers: int) -> None:
+        """A worker's batch was yielded, ``state`` its dataset's state after it."""
+        self.worker_states[worker] = state
+        self.next_worker = (worker + 1) % num_workers
 
 
 @dataclass
@@ -159,23 +178,41 @@ class EpochSampler:
 
 
 @dataclass
+class WorkerStart:
+    """How a resumed epoch of an iterable dataset's workers starts: each worker's dataset
+    state (by worker id; a worker without one starts afresh) and the worker whose batch comes
+    first."""
+
+    states: dict[int, Any]
+    first: int
+
+
+@dataclass
 class Resume:
     """A loader's checkpoint state: the latest iteration, a loaded state not yet used, and
     the plan for the epoch starting.
 
-    ``iterable``: the dataset is an ``IterableDataset``. The loader calls :func:`check`
-    before ``state_dict`` and ``load_state_dict``."""
+    ``iterable``: the dataset is an ``IterableDataset``; ``num_workers``: the loader's. The
+    loader calls :func:`check` before ``state_dict`` and ``load_state_dict``."""
 
     iterable: bool
+    num_workers: int = 0
     current: Epoch | None = None
     pending: dict[str, Any] | None = field(default=None, repr=False)
     plan: Plan | None = field(default=None, repr=False)
+    #: For the next torch iterator made (an iterable dataset with workers).
+    worker_start: WorkerStart | None = field(default=None, repr=False)
+
+    @property
+    def worker_states(self) -> bool:
+        """Workers send their dataset's state with each batch."""
+        return self.iterable and self.num_workers > 0
 
     def start(self, dataset: Any) -> None:
         """An iteration starts (before torch's iterator is made or reset): a new epoch, and
         the plan from a loaded state for its sampler (:class:`EpochSampler`)."""
         state, self.pending = self.pending, None
-        self.current, self.plan = Epoch(), None
+        self.current, self.plan, self.worker_start = Epoch(), None, None
         if state is None:
             return
         now = (state["rng"], state["generators"])
@@ -183,7 +220,12 @@ class Resume:
         if epoch is None:  # taken between epochs
             self.plan = Plan(at_iter=now, at_pull="undo" if state["iterator_kept"] else None)
             return
-        if self.iterable:
+        if self.worker_states:
+            workers = state["workers"]
+            self.worker_start = WorkerStart(dict(workers["states"]), workers["next"])
+            self.current.worker_states = dict(workers["states"])
+            self.current.next_worker = workers["next"]
+        elif self.iterable:
             dataset.load_state_dict(state["dataset"])
         self.current.yielded = epoch["yielded"]
         at_iter = (epoch["at_iter"]["rng"], epoch["at_iter"]["generators"])
@@ -215,7 +257,13 @@ class Resume:
             }
             if epoch is not None and mid
             else None,
-            "dataset": dataset.state_dict() if self.iterable and mid else None,
+            "num_workers": self.num_workers,
+            "dataset": dataset.state_dict()
+            if self.iterable and mid and not self.worker_states
+            else None,
+            "workers": {"states": dict(epoch.worker_states), "next": epoch.next_worker}
+            if epoch is not None and mid and self.worker_states
+            else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -229,6 +277,12 @@ class Resume:
             raise ValueError(
                 f"the state is {kinds[state['iterable']]} dataset's, "
                 f"this loader has {kinds[self.iterable]} dataset"
+            )
+        if self.iterable and state.get("num_workers", 0) != self.num_workers:
+            raise ValueError(
+                f"the state is of an iterable dataset's loader with num_workers="
+                f"{state.get('num_workers', 0)}, this loader has {self.num_workers}: each "
+                "worker resumes its own copy of the dataset"
             )
         self.pending = state
 
@@ -253,13 +307,30 @@ def check(why_not: str | None) -> None:
         raise NotResumable(f"pinpool.DataLoader cannot checkpoint and resume {why_not}")
 
 
-def unsupported(dataset: Any, iterable: bool, num_workers: int) -> str | None:
+def unsupported(dataset: Any, iterable: bool) -> str | None:
     """Why a loader with these settings cannot checkpoint and resume (None: it can)."""
     if iterable and not (hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")):
         return (
             "an IterableDataset without state_dict() and load_state_dict() (it would restart "
             f"from its beginning): {type(dataset).__name__}"
         )
-    if iterable and num_workers > 0:
-        return "an IterableDataset with num_workers > 0 (each worker holds its own copy)"
     return None
+
+
+class LoadWorkerState:
+    """The ``worker_init_fn`` of a resumed epoch's workers (an iterable dataset): the
+    caller's own, then the worker's dataset state loaded into its copy of the dataset
+    (torch makes the worker's iterator over the dataset after this)."""
+
+    def __init__(self, states: dict[int, Any], init_fn: Any) -> None:
+        self.states = states
+        self.init_fn = init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        if self.init_fn is not None:
+            self.init_fn(worker_id)
+        state = self.states.get(worker_id)
+        info = torch.utils.data.get_worker_info()
+        if state is not None and info is not None:
+            dataset: Any = info.dataset
+            dataset.load_state_dict(state)

@@ -188,3 +188,26 @@ class BatchHandle:
             receiver = registry.lookup_or_none(self.token)
             if receiver is not None:
                 receiver.drop(self)
+
+
+class WorkerProgress:
+    """A worker's batch of an ``IterableDataset`` that can resume (``DataLoader.state_dict``),
+    with ``state``: the worker's copy of the dataset's ``state_dict()`` right after the
+    batch's samples were drawn, and ``worker``: torch's worker id. The main process keeps the
+    state of each worker's latest delivered batch; a resumed loader loads it back into that
+    worker's dataset before its iterator is made.
+
+    torch's pin thread calls :meth:`pin_memory`, which pins the batch (``batch`` is a
+    :class:`BatchHandle`, or what its ``pin_memory()`` gave) and keeps the state with it."""
+
+    __slots__ = ("batch", "state", "worker")
+
+    def __init__(self, batch: Any, worker: int, state: Any) -> None:
+        self.batch = batch
+        self.worker = worker
+        self.state = state
+
+    def pin_memory(self) -> WorkerProgress:
+        batch = self.batch
+        pinned = batch.pin_memory() if isinstance(batch, BatchHandle) else batch
+        return WorkerProgress(pinned, self.worker, self.state)

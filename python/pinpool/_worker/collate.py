@@ -18,7 +18,7 @@ import torch.utils.data
 from torch.utils.data._utils.collate import default_convert
 
 from .._wire import codec, registry
-from .._wire.handle import BatchHandle, Made
+from .._wire.handle import BatchHandle, Made, WorkerProgress
 from . import places, streaming
 from .heap import keep_freed_memory
 
@@ -28,7 +28,8 @@ class PinCollate:
 
     ``collate_fn`` is the user's (None: torch's default); ``auto_collation`` says whether
     torch batches samples (``batch_size`` or ``batch_sampler`` given); ``ring_size`` is the
-    number of segments each worker keeps for this loader."""
+    number of segments each worker keeps for this loader; ``report_state``: each worker's
+    batch goes out with its dataset's ``state_dict()`` (a resumable ``IterableDataset``)."""
 
     def __init__(
         self,
@@ -39,8 +40,10 @@ class PinCollate:
         keep_worker_memory: bool = True,
         worker_copy_threads: int = 1,
         stream_samples: bool = True,
+        report_state: bool = False,
     ) -> None:
         self.token = token
+        self.report_state = report_state
         self.stream_samples = stream_samples
         self.collate_fn = collate_fn
         self.auto_collation = auto_collation
@@ -76,7 +79,16 @@ class PinCollate:
         p = codec.plan(batch)
         if self.keep_worker_memory:
             keep_freed_memory(p.nbytes)
-        return places.write(self.token, self.ring_size, p, ticket, count, self.worker_copy_threads)
+        threads = self.worker_copy_threads
+        handle = places.write(self.token, self.ring_size, p, ticket, count, threads)
+        if self.report_state:
+            # The samples are drawn (torch's fetcher draws them all, then collates): the
+            # dataset's state is now the state after this batch.
+            info = torch.utils.data.get_worker_info()
+            assert info is not None
+            dataset: Any = info.dataset
+            return WorkerProgress(handle, info.id, dataset.state_dict())
+        return handle
 
     def _stream(self, samples: streaming.LazySamples) -> BatchHandle | list[Any]:
         """Makes the samples and collates them as torch's ``default_collate`` would,

@@ -87,6 +87,7 @@ class Config:
     token_warmup: int
     data_dir: str
     out: str
+    ranks: int  # data-parallel ranks (1: a plain run)
 
 
 def _names(values: list[str] | None, allowed: tuple[str, ...], what: str) -> list[str] | None:
@@ -163,6 +164,13 @@ def parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, help=f"runs of each loader, alternating {preset('repeats')}")
     add("--big-batch-mib", type=int, help=f"stall scenario batch in MiB {preset('big_batch_mib')}")
     add("--device", default="cuda", help="CUDA device to copy to (cuda)")
+    add(
+        "--ranks",
+        type=int,
+        default=1,
+        help="data-parallel ranks, one GPU each, every rank loading its shard: starts the run "
+        "under torchrun (the same as torchrun --nproc-per-node N -m pinpool.bench) (1)",
+    )
     add("--data-dir", help="where the memmap file is made (a dir under the temp dir)")
     add("--out", help="output dir (benchmarks/results/<date>-<host>/)")
     add("--quick", action="store_true", help="a short run with small shapes (CI, tests)")
@@ -227,4 +235,5 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         token_warmup=token_warmup,
         data_dir=args.data_dir or os.path.join(tempfile.gettempdir(), "pinpool-bench"),
         out=out,
+        ranks=max(1, args.ranks),
     )

@@ -80,8 +80,10 @@ def build(
     workers: int,
     prefetch_factor: int,
     device: str | None,
+    sampler: Any = None,
 ) -> torch.utils.data.DataLoader[Any]:
-    """A fresh loader for ``spec``; raises :class:`Unsupported` for an unknown kwarg."""
+    """A fresh loader for ``spec``, over ``sampler``'s indices if given (a rank's shard);
+    raises :class:`Unsupported` for an unknown kwarg."""
     if spec.needs_cuda and device is None:
         raise Unsupported("needs a CUDA device")
     if spec.kind == "pinpool":
@@ -96,6 +98,7 @@ def build(
             dataset,
             batch_size=batch_size,
             shuffle=False,
+            sampler=sampler,
             drop_last=True,
             num_workers=workers,
             prefetch_factor=prefetch_factor if workers > 0 else None,

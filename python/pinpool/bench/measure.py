@@ -137,7 +137,10 @@ class ComputeWork:
     start before the batch is on the device), then a chain of ``n x n`` float32 matmuls on
     fixed device tensors, as many as take ``target_ms`` (timed once with CUDA events)."""
 
-    def __init__(self, device: torch.device, target_ms: float, n: int = 4096) -> None:
+    def __init__(
+        self, device: torch.device, target_ms: float, n: int = 4096, data_parallel: Any = None
+    ) -> None:
+        self.data_parallel = data_parallel  # a ranks.DataParallelStep, run after the chain
         gen = torch.Generator(device=device).manual_seed(0)
         # Scaled so that x @ w keeps the size of x: long chains neither overflow nor vanish.
         self.w = torch.randn(n, n, device=device, generator=gen) / math.sqrt(n)
@@ -177,6 +180,8 @@ class ComputeWork:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         loss = self._chain(1 + 1e-3 * largest(batch).float().mean())
+        if self.data_parallel is not None:
+            loss = loss + self.data_parallel(loss)
         end.record()
         return start, end, loss
 
@@ -279,8 +284,10 @@ def run_once(
     plan: Scenario,
     device: torch.device | None,
     work: ComputeWork | None,
+    sampler: Any = None,
 ) -> dict[str, Any]:
     """Makes a fresh loader for ``spec``, runs one repeat of ``plan``, returns the figures.
+    ``sampler``: the rank's shard of ``dataset`` in a data-parallel run.
 
     Every mode: construction, the first batch (``time_to_first_batch_s``), the rest of the
     warm-up, then the timed window of ``plan.steps`` batches, which ends the epoch. The stall
@@ -305,6 +312,7 @@ def run_once(
             workers=plan.workers,
             prefetch_factor=plan.prefetch_factor,
             device=None if device is None else str(device),
+            sampler=sampler,
         )
         t_built = time.perf_counter()
         it = iter(loader)

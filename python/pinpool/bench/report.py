@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from .measure import PHASES
+from .ranks import table_lines
 
 #: Metric key -> label in the table and the plots.
 METRICS = {
@@ -232,6 +233,8 @@ def table(result: dict[str, Any]) -> str:
             for phase in PHASES:
                 rows.append([f"  {phase}", *(_phase_cell(by_loader[n], phase) for n in loaders)])
         lines += ["  " + row for row in _aligned(rows)]
+    if result.get("ranks_summary"):
+        lines += table_lines(result)
     failed = [r for r in result["runs"] if r.get("error")]
     for r in failed:
         lines.append(f"FAILED {r['scenario']} {r['loader']} repeat {r['repeat']}: {r['error']}")

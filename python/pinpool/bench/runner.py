@@ -35,6 +35,7 @@ import pinpool
 from .cli import STALL_ITEMS, Config, cpu_count, resolve
 from .loaders import BASELINE, LoaderSpec, check, same_here, spec_named
 from .measure import ComputeWork, Scenario, h2d_ceiling, run_once
+from .ranks import DataParallelStep, Ranks, launch, totals
 from .report import summarize, table, write_all
 from .workloads import TOKEN_ROW, batch_nbytes, largest, make_dataset
 
@@ -162,17 +163,31 @@ def describe(sc: Scenario, dataset: Any, cfg: Config) -> str:
     )
 
 
-def run_all(cfg: Config, specs: list[LoaderSpec], result: dict[str, Any]) -> None:
-    """Every run of every scenario, into ``result["runs"]``, under one progress bar."""
+def run_all(
+    cfg: Config, specs: list[LoaderSpec], result: dict[str, Any], ranks: Ranks | None = None
+) -> None:
+    """Every run of every scenario, into ``result["runs"]``, under one progress bar (rank 0's,
+    in a data-parallel run: see ``ranks``)."""
     scenarios = plan_scenarios(cfg)
     device = torch.device(cfg.device) if cfg.device else None
-    bar = tqdm(total=len(scenarios) * cfg.repeats * len(specs), unit="run", file=sys.stderr)
+    world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
+    bar = tqdm(
+        total=len(scenarios) * cfg.repeats * len(specs),
+        unit="run",
+        file=sys.stderr,
+        disable=rank != 0,
+    )
     work: ComputeWork | None = None
     try:
         for name, sc in scenarios.items():
             bar.set_description(f"{name}: preparing data")
             length = (sc.warmup + sc.steps) * sc.batch_size
-            dataset = make_dataset(sc.workload, length, sc.shape, cfg.data_dir)
+            dataset = make_dataset(sc.workload, length * world, sc.shape, cfg.data_dir)
+            sampler: Any = None
+            if ranks is not None:  # this rank's shard: warmup + steps batches, as one rank's
+                sampler = torch.utils.data.distributed.DistributedSampler(
+                    dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=True
+                )
             sc.description = describe(sc, dataset, cfg)
             if device is not None and sc.mode != "compute":
                 bar.set_description(f"{name}: pinned H2D ceiling")
@@ -180,15 +195,24 @@ def run_all(cfg: Config, specs: list[LoaderSpec], result: dict[str, Any]) -> Non
                 result["h2d_ceiling_gbps"][name] = h2d_ceiling(nbytes, device)
             if sc.mode == "compute" and work is None and device is not None:
                 bar.set_description("calibrating GPU work")
-                work = ComputeWork(device, cfg.compute_ms)
+                step = DataParallelStep(device) if ranks is not None else None
+                work = ComputeWork(device, cfg.compute_ms, data_parallel=step)
                 result["calibration"] = work.calibration
             for repeat in range(cfg.repeats):
                 for spec in specs:
                     bar.set_description(f"{name} {spec.name} #{repeat + 1}")
                     head = {"scenario": name, "loader": spec.name, "repeat": repeat}
+                    if ranks is not None:
+                        head["rank"] = rank
+                        ranks.barrier()  # every rank's run of this loader starts together
                     try:
                         rec = run_once(
-                            spec, dataset, sc, device, work if sc.mode == "compute" else None
+                            spec,
+                            dataset,
+                            sc,
+                            device,
+                            work if sc.mode == "compute" else None,
+                            sampler=sampler,
                         )
                     except Exception as exc:
                         rec = {"error": f"{type(exc).__name__}: {exc}"}
@@ -234,6 +258,20 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator")
     tqdm.monitor_interval = 0  # no monitor thread: workers are forked from this process
     cfg = resolve(argv, torch.cuda.is_available())
+    ranks = Ranks.from_env()
+    if ranks is None and cfg.ranks > 1:
+        return launch(argv, cfg.ranks)  # this run, as cfg.ranks ranks under torchrun
+    try:
+        return _run(cfg, argv, ranks)
+    finally:
+        if ranks is not None:
+            ranks.end()
+
+
+def _run(cfg: Config, argv: list[str], ranks: Ranks | None) -> int:
+    if ranks is not None:
+        cfg.device = ranks.start(cfg.device is not None)
+        cfg.ranks = ranks.world
     specs: list[LoaderSpec] = []
     skipped: dict[str, str] = {}
     for name in cfg.loaders:
@@ -279,7 +317,24 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
         "summary": {},
     }
-    run_all(cfg, specs, result)
+    if ranks is not None:
+        result["meta"]["ranks"] = ranks.world
+        notes.append(
+            f"{ranks.world} ranks (torchrun), rank r on cuda:r, each loading its shard through a "
+            "DistributedSampler; the compute step adds a DistributedDataParallel layer whose "
+            "gradients are all-reduced"
+            if cfg.device
+            else f"{ranks.world} ranks (torchrun, gloo), each loading its shard"
+        )
+    run_all(cfg, specs, result, ranks)
+    if ranks is not None:
+        every = ranks.gather(result["runs"])
+        h2d = ranks.gather(result["h2d_ceiling_gbps"])
+        if ranks.rank != 0:
+            return 1 if any(r.get("error") for r in result["runs"]) else 0
+        result["runs"] = [r for runs in every for r in runs]
+        result["h2d_ceiling_gbps_per_rank"] = h2d
+        result["ranks_summary"] = totals(result["runs"], ranks.world)
     notes += loader_notes(result)
     result["summary"] = summarize(result["runs"], baseline, no_ratio=twins)
     paths = write_all(result, cfg.out)
