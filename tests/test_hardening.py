@@ -186,6 +186,27 @@ def _dead_pid() -> int:
     return pid
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_handle_met_after_its_loader_closed_opens_nothing() -> None:
+    # Its segment would be held in the cache for good: nothing retires segments after close.
+    # (A pool of the caller's stays open when the loader closes.)
+    pool = pinpool.PinPool(MiB, 2, device="cpu")
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, pool=pool)
+    make = HandleFactory(loader)
+    taken, dropped = make.make(), make.make()
+    loader._pin_receiver.close()
+    fds = _open_fds()
+    with pytest.raises(PinPoolError, match="loader was closed"):
+        taken.take()
+    del dropped
+    gc.collect()
+    assert _open_fds() == fds
+    assert loader._pin_receiver.cache is None or len(loader._pin_receiver.cache) == 0
+
+
 class Marker:
     """Something a frame holds; dies by reference count unless a cycle keeps the frame."""
 

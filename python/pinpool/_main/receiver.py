@@ -88,6 +88,8 @@ class Receiver:
         self._worker_pids: dict[int, int] = {}
         self._lock = threading.Lock()
         self._own_pool = pool is None
+        #: Set by :meth:`close`: no segment is opened after it (nothing would retire it).
+        self.closed = False
         self.pool = pool
         self.cache: SegmentCache | None = None
         self._slot_bytes = slot_bytes
@@ -229,6 +231,8 @@ class Receiver:
             unused = None if handle.unused is None else tuple(int(x) for x in handle.unused)
         except (TypeError, ValueError, OverflowError) as exc:
             raise OutOfBounds(f"corrupt batch handle: {exc}") from None
+        if self.closed:
+            raise PinPoolError("the loader was closed: its batches can no longer be taken")
         if not (
             0 <= worker < 1 << 64
             and 0 <= segment < 1 << 32
@@ -403,6 +407,7 @@ class Receiver:
         slot taken back here."""
         if self.pid != os.getpid():
             return
+        self.closed = True
         self.tickets.drop()
         self.retire_segments()
         if self.pool is not None and self._own_pool:
