@@ -154,7 +154,7 @@ def main() -> int:
         for name, gbps in result["h2d_gbps"].items():
             rows.append((f"H2D {args.h2d_mib} MiB from {name}", f"{gbps:9.1f} GB/s"))
 
-    pool = pinpool.PinPool(slot_bytes, 4, device=0 if cuda else None)
+    pool = pinpool.PinPool(slot_bytes, 4, device=0 if cuda else "cpu")
     result["backend"] = pool.backend
     trips: dict[str, Any] = {}
     trips["checkout+release, default stream"] = round_trip(pool, args.round_trips, None)

@@ -24,6 +24,10 @@
 //!   the constructor returns; the others are made ready one by one, in order, by
 //!   [`Arena::prepare_next`], and [`Arena::ready_len`] bytes from the start are ready. Bytes
 //!   past that are mapped but must not be used: the pool hands out only slots inside it.
+//! - On a CUDA backend, the arena is placed on its GPU's NUMA node ([`crate::numa`]) before
+//!   its first page is touched: the mapping's policy is set before any part is faulted in, or
+//!   the thread's around `cuMemHostAlloc`; the threads that fault it in run on the node's
+//!   CPUs. `placement()` says where it went; a failure to place it is a note, never an error.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,6 +35,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::cuda::{self, Device};
 use crate::error::{Error, Result};
+use crate::numa::Placement;
 use crate::shm::Region;
 
 /// How the arena's memory is obtained.
@@ -124,6 +129,8 @@ pub struct Arena {
     len: usize,
     backend: Backend,
     residency: Residency,
+    /// Which NUMA node the pages were asked for on, and where the fault threads run.
+    placement: Placement,
     notes: Vec<String>,
     timings: Vec<(&'static str, f64)>,
 }
@@ -273,7 +280,7 @@ impl Arena {
             (Some(Backend::Host), _) => Backend::Host,
             (Some(b), None) => {
                 return Err(Error::Invalid(format!(
-                    "backend {:?} needs a CUDA device, but device=None",
+                    "backend {:?} needs a CUDA device, but none was asked for (device=\"cpu\")",
                     b.name()
                 )))
             }
@@ -299,7 +306,12 @@ impl Arena {
         match backend {
             Backend::CudaHostAlloc => {
                 let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
-                let ptr = timed(&mut timings, "cuMemHostAlloc", || device.host_alloc(len))?;
+                let mut placement = Placement::for_gpu(device.pci_bus_id());
+                // The driver allocates the pages: this thread's policy decides their node.
+                let ptr = timed(&mut timings, "cuMemHostAlloc", || {
+                    placement.allocate(|| device.host_alloc(len).map(|ptr| (ptr, ptr, len)))
+                })?;
+                notes.extend_from_slice(placement.notes());
                 Ok(Arena {
                     storage: Storage::HostAlloc { ptr, device },
                     prepared: Mutex::new(0),
@@ -308,13 +320,19 @@ impl Arena {
                     len,
                     backend,
                     residency: Residency::Pinned,
+                    placement,
                     notes,
                     timings,
                 })
             }
             Backend::CudaRegister => {
                 let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
+                let mut placement = Placement::for_gpu(device.pci_bus_id());
+                let threads = placement.thread_count(threads);
                 let region = region(len, align, threads, first, &mut timings)?;
+                // Before the first touch, and so before the driver registers (and pins) a page.
+                placement.bind(region.as_ptr(), region.len());
+                notes.extend_from_slice(placement.notes());
                 let mut arena = Arena {
                     storage: Storage::Registered {
                         region,
@@ -327,6 +345,7 @@ impl Arena {
                     len,
                     backend,
                     residency: Residency::Pinned,
+                    placement,
                     notes,
                     timings,
                 };
@@ -351,6 +370,7 @@ impl Arena {
                     len,
                     backend,
                     residency: if lock_parts { Residency::Locked } else { Residency::Pageable },
+                    placement: Placement::unplaced("host memory, no GPU"),
                     notes,
                     timings,
                 };
@@ -389,7 +409,11 @@ impl Arena {
     fn prepare_all(&self, threads: usize) -> Result<()> {
         let Some(region) = self.region() else { return Ok(()) };
         let mut prepared = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
-        region.populate_then(threads, |part| self.finish_part(part.offset, part.len))?;
+        region.populate_then(
+            self.placement.thread_count(threads),
+            &|| self.placement.pin_calling_thread(),
+            |part| self.finish_part(part.offset, part.len),
+        )?;
         *prepared = region.parts().len();
         self.ready_len.store(self.len, Ordering::Release);
         Ok(())
@@ -403,7 +427,9 @@ impl Arena {
         if *next >= region.parts().len() {
             return Ok(None);
         }
-        let part = region.populate_part_at(*next, threads)?;
+        let part = region.populate_part_at(*next, self.placement.thread_count(threads), &|| {
+            self.placement.pin_calling_thread()
+        })?;
         let (offset, len) = (part.offset, part.len);
         self.finish_part(offset, len)?;
         *next += 1;
@@ -469,6 +495,11 @@ impl Arena {
     /// Why the arena differs from what was asked, if it does.
     pub fn notes(&self) -> &[String] {
         &self.notes
+    }
+
+    /// Where the arena's pages went and where its threads run (see [`crate::numa`]).
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
 
     /// How long each start-up step took, in seconds (`map`, `populate`, `cuMemHostRegister`,

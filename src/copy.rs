@@ -8,6 +8,9 @@
 //! - Small copies run on the calling thread: a thread hand-off costs more than it saves.
 //! - Big copies write with non-temporal stores on x86-64 (the destination is read next by the
 //!   GPU, not the CPU); `PINPOOL_STREAMING_COPY=0` turns that off for comparison.
+//! - A pool's copier may be pinned to CPUs (those of its arena's NUMA node, see
+//!   [`crate::numa`]): each of its threads pins itself as it starts; the calling thread, which
+//!   runs small copies, never is.
 
 use rayon::prelude::*;
 
@@ -56,14 +59,26 @@ impl std::fmt::Debug for Copier {
 impl Copier {
     /// A copier with `threads` threads, from 1 to [`MAX_COPY_THREADS`].
     pub fn new(threads: usize) -> Result<Self> {
+        Self::on_cpus(threads, None)
+    }
+
+    /// A copier with `threads` threads, each pinned to `cpus` (when given and not empty; if
+    /// the kernel refuses, a thread runs where it would have).
+    pub fn on_cpus(threads: usize, cpus: Option<&[usize]>) -> Result<Self> {
         if !(1..=MAX_COPY_THREADS).contains(&threads) {
             return Err(Error::Invalid(format!(
                 "copy_threads must be from 1 to {MAX_COPY_THREADS}, not {threads}"
             )));
         }
+        let cpus: Vec<usize> = cpus.unwrap_or_default().to_vec();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("pinpool-copy-{i}"))
+            .start_handler(move |_| {
+                if !cpus.is_empty() {
+                    let _ = crate::numa::pin_current_thread(&cpus);
+                }
+            })
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start copy threads: {e}")))?;
         Ok(Copier { pool, threads, streaming: streaming_default() })

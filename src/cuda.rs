@@ -8,8 +8,10 @@
 //!   into the same variant: no panic leaves this module.
 //! - Every call that needs a context first binds the device's *primary* context (the one torch
 //!   uses) to the calling thread, so our pinned memory and events live in torch's context.
+//! - Asking which context is current ([`current_context_device`]) changes nothing: it binds no
+//!   context, so torch's current device on the calling thread stays what it was.
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
 
@@ -75,6 +77,26 @@ pub fn device_count() -> Result<usize> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
+/// The ordinal of the device whose context is current on the calling thread
+/// (`torch.cuda.set_device(n)` makes device n's primary context current there), or `None`:
+/// no driver, no current context, or a driver call that failed. Binds nothing.
+pub fn current_context_device() -> Option<usize> {
+    if !driver_present() {
+        return None;
+    }
+    guarded("cuInit", result::init).ok()?;
+    guarded("cuCtxGetCurrent", result::ctx::get_current).ok()??;
+    let device = guarded("cuCtxGetDevice", || {
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: `device` is a valid, writable out-pointer. A context is current (checked just
+        // above, and only this thread can change its own); without one the driver would
+        // return an error, which is passed on.
+        unsafe { sys::cuCtxGetDevice(&mut device) }.result().map(|()| device)
+    })
+    .ok()?;
+    usize::try_from(device).ok()
+}
+
 /// One CUDA device, holding a reference on its primary context.
 pub struct Device {
     ctx: Arc<CudaContext>,
@@ -104,6 +126,26 @@ impl Device {
     /// The device's ordinal.
     pub fn ordinal(&self) -> usize {
         self.ctx.ordinal()
+    }
+
+    /// The device's PCI address as the driver writes it (`cuDeviceGetPCIBusId`), for example
+    /// `"0000:41:00.0"`; [`crate::topology::normalise_bus_id`] turns it into sysfs's form.
+    pub fn pci_bus_id(&self) -> Result<String> {
+        // "dddd:bb:dd.f" is 13 bytes with its NUL; the driver documents 13 as enough, and
+        // longer domains still fit in 64.
+        let mut text = [0 as c_char; 64];
+        let len = text.len() as i32;
+        guarded("cuDeviceGetPCIBusId", || {
+            // SAFETY: `text` is writable for `len` bytes, and the driver writes at most `len`
+            // bytes, NUL included; the device handle came from the driver (`cuDeviceGet`).
+            unsafe { sys::cuDeviceGetPCIBusId(text.as_mut_ptr(), len, self.ctx.cu_device()) }
+                .result()
+        })?;
+        // The driver NUL-terminates what it writes; the last byte is made NUL all the same.
+        text[text.len() - 1] = 0;
+        // SAFETY: `text` holds a NUL (set just above) within its bounds.
+        let id = unsafe { CStr::from_ptr(text.as_ptr()) };
+        Ok(id.to_string_lossy().into_owned())
     }
 
     /// Makes the primary context current on the calling thread.

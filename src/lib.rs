@@ -14,7 +14,10 @@
 //!   them on a background thread;
 //! - [`release`]: the thread that frees a dropped pool's arena, so no caller waits for it;
 //! - [`background`]: pinpool's threads give way to the training thread;
-//! - [`cuda`]: the few driver calls we need, loaded at run time, never panicking.
+//! - [`cuda`]: the few driver calls we need, loaded at run time, never panicking;
+//! - [`device_choice`]: which device a pool binds to when none is named (the rank's own);
+//! - [`topology`]: the machine's NUMA nodes as sysfs tells them, and the node of a GPU;
+//! - [`numa`]: putting an arena's pages and pinpool's threads on that node.
 //!
 //! The PyO3 layer (`python`, behind the `python` feature) only translates types and errors and
 //! releases the GIL around anything that can block.
@@ -23,13 +26,16 @@ pub mod arena;
 pub mod background;
 pub mod copy;
 pub mod cuda;
+pub mod device_choice;
 pub mod error;
 pub mod fence;
 pub mod lease;
+pub mod numa;
 pub mod pool;
 pub mod release;
 pub mod shm;
 pub mod slots;
+pub mod topology;
 pub mod transport;
 
 #[cfg(feature = "python")]

@@ -89,7 +89,8 @@ pub struct PoolConfig {
     pub slot_bytes: usize,
     /// Number of slots.
     pub num_slots: usize,
-    /// CUDA device ordinal, or `None` for no CUDA.
+    /// CUDA device ordinal, or `None` for no CUDA. (The Python layer's automatic choice,
+    /// the rank's own device, is [`crate::device_choice::DeviceRequest::resolve`].)
     pub device: Option<usize>,
     /// Backend, or `None` to choose.
     pub backend: Option<Backend>,
@@ -322,12 +323,14 @@ impl Pool {
         copy_threads: usize,
     ) -> Result<Arc<Self>> {
         let n = table.len() as u64;
+        // Copy threads run on the CPUs of the arena's NUMA node, when it was placed on one.
+        let copier = Copier::on_cpus(copy_threads, arena.placement().thread_cpus())?;
         let pool = Arc::new(Pool {
             arena: ManuallyDrop::new(arena),
             slot_bytes,
             table: ManuallyDrop::new(table),
             fences: ManuallyDrop::new(fences.map(FenceTracker::new)),
-            copier: ManuallyDrop::new(Copier::new(copy_threads)?),
+            copier: ManuallyDrop::new(copier),
             reclaimer: ManuallyDrop::new(Reclaimer::start()?),
             owner: std::process::id(),
             counters: Arc::new(Counters { num_slots: AtomicU64::new(n), ..Counters::default() }),
@@ -699,6 +702,7 @@ pub fn validate_ranges(ranges: &[CopyRange], src_len: usize, dst_len: usize) -> 
 /// [`Pool::prepare_error`]; those slots are never handed out).
 fn prepare_loop(pool: Weak<Pool>) {
     crate::background::lower_priority(crate::background::IDLE_NICE);
+    let mut pinned = false;
     // Half the cores: the DataLoader's workers are starting at the same time.
     let threads = fault_threads().div_ceil(2);
     loop {
@@ -712,6 +716,11 @@ fn prepare_loop(pool: Weak<Pool>) {
             || Arc::strong_count(&pool) == 1
         {
             return;
+        }
+        if !pinned {
+            // Near the arena's memory, like the threads it starts to fault it in.
+            pool.arena.placement().pin_calling_thread();
+            pinned = true;
         }
         match pool.arena.prepare_next(threads) {
             Ok(Some((offset, len))) => {

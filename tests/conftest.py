@@ -94,12 +94,12 @@ def shm_count() -> Callable[[], int]:
 def make_pool() -> Iterator[Callable[..., pinpool.PinPool]]:
     """A factory for pools that are closed at the end of the test.
 
-    Defaults to a host pool (``device=None``) so tests do not depend on the machine.
+    Defaults to a host pool (``device="cpu"``) so tests do not depend on the machine.
     """
     pools: list[pinpool.PinPool] = []
 
     def factory(slot_bytes: int = 4096, num_slots: int = 2, **kwargs: object) -> pinpool.PinPool:
-        kwargs.setdefault("device", None)
+        kwargs.setdefault("device", "cpu")
         pool = pinpool.PinPool(slot_bytes, num_slots, **kwargs)  # type: ignore[arg-type]
         pools.append(pool)
         return pool

@@ -342,7 +342,7 @@ def test_closing_or_dropping_the_wrapper_frees_its_pool() -> None:
 
 
 def test_a_pool_passed_in_stays_the_callers() -> None:
-    with pinpool.PinPool(MiB, 3, device=None) as pool:
+    with pinpool.PinPool(MiB, 3, device="cpu") as pool:
         wrapped = pinpool.pinned(
             torch.utils.data.DataLoader(Indexed(6), batch_size=2, num_workers=2), pool=pool
         )

@@ -10,6 +10,9 @@ calibrated once per module with CUDA events.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -142,6 +145,92 @@ def test_missing_device_ordinal_is_an_error(gpu: torch.device) -> None:
     missing = torch.cuda.device_count()
     with pytest.raises((InvalidArgument, CudaError), match=str(missing)):
         pinpool.PinPool(MiB, 1, device=missing)
+
+
+# --------------------------------------------------------------------------- the rank's device
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (no CUDA context current yet), with ``env`` added."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **env},
+    )
+
+
+def test_the_default_device_is_the_current_one(gpu: torch.device) -> None:
+    # torch.cuda.set_device(n) makes device n's primary context current on this thread: a
+    # bare PinPool(...) (and device="cuda", torch's "current device") binds that device, and
+    # leaves torch's current device as it was.
+    before = torch.cuda.current_device()
+    try:
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.set_device(d)
+            torch.zeros(1, device=torch.device("cuda", d))  # its context exists and is current
+            for device in (None, "cuda", torch.device("cuda")):
+                with pinpool.PinPool(MiB, 1, device=device) as pool:
+                    assert pool.device == d, (device, pool.device)
+                    assert pool.backend == "cuda-register"
+                    assert not any("CUDA" in note for note in pool.notes), pool.notes
+                assert torch.cuda.current_device() == d, "the pool moved torch's current device"
+    finally:
+        torch.cuda.set_device(before)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 5])
+def test_without_a_current_context_local_rank_picks_the_device(gpu: torch.device, rank) -> None:
+    code = "import pinpool; p = pinpool.PinPool(1 << 20, 1); print(p.device, p.backend)"
+    proc = run_python(code, LOCAL_RANK=str(rank))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(rank % torch.cuda.device_count()), "cuda-register"]
+
+
+def test_without_a_current_context_or_local_rank_device_zero(gpu: torch.device) -> None:
+    code = (
+        "import os; os.environ.pop('LOCAL_RANK', None)\n"
+        "import pinpool; p = pinpool.PinPool(1 << 20, 1); print(p.device, p.backend)"
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["0", "cuda-register"]
+
+
+def test_a_local_rank_that_is_not_a_rank_is_a_clear_error(gpu: torch.device) -> None:
+    code = (
+        "import pinpool\n"
+        "try:\n"
+        "    pinpool.PinPool(1 << 20, 1)\n"
+        "except pinpool.InvalidArgument as e:\n"
+        "    print('refused:', e)\n"
+    )
+    proc = run_python(code, LOCAL_RANK="first")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("refused:") and "LOCAL_RANK" in proc.stdout, proc.stdout
+
+
+def test_the_current_context_wins_over_local_rank(gpu: torch.device) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: with one, the context and LOCAL_RANK name the same device")
+    last = torch.cuda.device_count() - 1
+    code = (
+        "import torch\n"
+        f"torch.cuda.set_device({last}); torch.zeros(1, device='cuda')\n"
+        "import pinpool; print(pinpool.PinPool(1 << 20, 1).device, torch.cuda.current_device())"
+    )
+    proc = run_python(code, LOCAL_RANK="0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(last), str(last)]
+
+
+def test_device_cpu_means_no_cuda(gpu: torch.device) -> None:
+    with pinpool.PinPool(MiB, 1, device="cpu") as pool:
+        assert pool.device is None
+        assert pool.backend == "host"
+        assert not any("CUDA" in note for note in pool.notes), pool.notes
 
 
 def test_cuda_hostalloc_backend(cuda_pool) -> None:

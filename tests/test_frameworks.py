@@ -77,7 +77,7 @@ def test_a_rebuilt_loader_keeps_the_settings_and_nothing_else(zero_copy: bool) -
 
 
 def test_a_pinpool_collate_handed_back_is_not_wrapped_twice() -> None:
-    pool = pinpool.PinPool(1 << 20, 4, device=None)
+    pool = pinpool.PinPool(1 << 20, 4, device="cpu")
     first = pinpool.DataLoader(Indexed(8), batch_size=4, collate_fn=sum_collate, pool=pool)
     assert first.collate_fn is sum_collate
     # A framework that reads what torch's iterator used (pinpool's collate) and passes it on.

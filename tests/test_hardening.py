@@ -46,7 +46,7 @@ def test_slot_views_refuse_dtypes_without_plain_bytes() -> None:
     code = textwrap.dedent(
         """
         import torch, pinpool
-        pool = pinpool.PinPool(4096, 1, device=None)
+        pool = pinpool.PinPool(4096, 1, device="cpu")
         slot = pool.checkout()
         refused = []
         for name in ("quint8", "qint8", "qint32", "quint4x2", "bits8", "uint4", "int4"):
@@ -267,7 +267,7 @@ def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPa
 def test_a_lost_worker_leaves_nothing_alive_once_the_iterator_is_dropped() -> None:
     # As a user writes it: catch the error, keep its text, drop the iterator. torch's iterator
     # must die at once (no cycle), shutting its workers down, without the garbage collector.
-    pool = pinpool.PinPool(8 * MiB, 4, device=None)
+    pool = pinpool.PinPool(8 * MiB, 4, device="cpu")
     sizes = [10, 10, 3 * MiB, 3 * MiB, 10, 10]
     loader = pinpool.DataLoader(
         Exiting(sizes, bad=4), batch_size=2, num_workers=1, timeout=10, pool=pool
@@ -350,7 +350,7 @@ def test_a_pool_larger_than_memory_is_refused_before_it_is_touched() -> None:
     available = pinpool._native.available_memory()
     assert available is not None
     with pytest.raises(InvalidArgument, match="does not fit"):
-        pinpool.PinPool(available // 2 + MiB, 2, device=None)
+        pinpool.PinPool(available // 2 + MiB, 2, device="cpu")
 
 
 # --------------------------------------------------------------------------- threads

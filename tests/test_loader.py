@@ -679,7 +679,7 @@ def test_oversize_copy_yields_the_big_batch(num_workers: int) -> None:
 
 
 def test_explicit_pool_slot_bytes_and_num_slots() -> None:
-    with pinpool.PinPool(4 * MiB, 3, device=None) as pool:
+    with pinpool.PinPool(4 * MiB, 3, device="cpu") as pool:
         pin = compare_loaders(Indexed(10), pin_kw={"pool": pool}, batch_size=3, num_workers=2)
         assert pin.pool is pool
         assert pool.stats()["checkouts"] == 4

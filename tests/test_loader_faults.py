@@ -176,7 +176,7 @@ def pool() -> pinpool.PinPool:
     # Not closed at the end: a loader that outlives its test (one kept by a failure's
     # traceback) would raise PoolClosed from its finalizer later (see
     # test_closing_the_callers_pool_before_the_loader).
-    return pinpool.PinPool(2 * MiB, 8, device=None)
+    return pinpool.PinPool(2 * MiB, 8, device="cpu")
 
 
 def loader(ds: Any, pool: pinpool.PinPool, **kw: Any) -> pinpool.DataLoader:
@@ -297,7 +297,7 @@ def test_worker_killed_with_sigkill(pool: pinpool.PinPool) -> None:
 # Exercises the first use of a worker segment, which zero-copy batches do not need.
 @pytest.mark.copy_mode_only
 def test_worker_gone_before_its_batch_is_received() -> None:
-    pool = pinpool.PinPool(8 * MiB, 4, device=None)
+    pool = pinpool.PinPool(8 * MiB, 4, device="cpu")
     before = warm_up(pool, num_workers=1)
     # Batch 1 (6 MiB) does not fit batch 0's segment: it goes out in a new one, whose first
     # handle tells the main process where to open it. Batch 2 makes the worker exit.
@@ -429,7 +429,7 @@ def test_owned_pool_stats_after_a_batch_outlives_the_loader() -> None:
 
 
 def test_closing_the_callers_pool_before_the_loader() -> None:
-    own = pinpool.PinPool(2 * MiB, 4, device=None)
+    own = pinpool.PinPool(2 * MiB, 4, device="cpu")
     pin = loader(Indexed(8), own)
     for batch in pin:
         del batch
@@ -554,7 +554,7 @@ def test_unmapping_big_segments_does_not_block_other_threads() -> None:
     (No ``gc.collect()`` inside the measured window: a full collection with torch loaded holds
     the GIL for ~100 ms by itself.)"""
     sizes = [16 * MiB, 24 * MiB, 40 * MiB, 48 * MiB, 64 * MiB, 64 * MiB, 64 * MiB, 64 * MiB]
-    with pinpool.PinPool(72 * MiB, 2, device=None, copy_threads=1) as pool:
+    with pinpool.PinPool(72 * MiB, 2, device="cpu", copy_threads=1) as pool:
         pin = pinpool.DataLoader(
             Sized(sizes),
             batch_size=None,

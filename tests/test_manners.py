@@ -40,7 +40,7 @@ class Keep(logging.Handler):
 logging.getLogger("pinpool").addHandler(Keep())
 logging.getLogger("pinpool").setLevel(logging.DEBUG)
 import pinpool
-pools = [pinpool.PinPool(4096, 2) for _ in range(3)]  # device 0, which is hidden
+pools = [pinpool.PinPool(4096, 2) for _ in range(3)]  # no device visible
 assert all(p.memory != "pinned" and p.notes for p in pools), [p.notes for p in pools]
 warnings = [m for m in records if "CUDA" in m]
 debug = [m for m in records if m.startswith("pool of 2 slots")]
@@ -58,7 +58,7 @@ def test_the_dataloader_without_torch_says_what_to_install() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import pinpool\n"
-        "pool = pinpool.PinPool(4096, 1, device=None)  # the pool needs no torch\n"
+        "pool = pinpool.PinPool(4096, 1, device='cpu')  # the pool needs no torch\n"
         "for name in ('DataLoader', 'pinned', 'Pinned'):\n"
         "    try:\n"
         "        getattr(pinpool, name)\n"
@@ -85,12 +85,12 @@ def test_defaults_share_the_cores_among_local_ranks(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("PINPOOL_WORKER_COPY_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert local_world_size() == 1
-    with pinpool.PinPool(4096, 1, device=None) as alone:
+    with pinpool.PinPool(4096, 1, device="cpu") as alone:
         assert alone.copy_threads == min(8, cores)
     assert _worker_copy_threads(None, 1) == min(4, max(2, cores))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
     assert local_world_size() == 1000
-    with pinpool.PinPool(4096, 1, device=None) as crowded:
+    with pinpool.PinPool(4096, 1, device="cpu") as crowded:
         assert crowded.copy_threads == 1
     assert _worker_copy_threads(None, 4) == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
@@ -104,7 +104,7 @@ def test_the_dataloader_is_generic_like_torchs() -> None:
 
 TYPED = """
 import pinpool
-pool = pinpool.PinPool(4096, 1, device=None)
+pool = pinpool.PinPool(4096, 1, device="cpu")
 slot = pool.checkout()
 view: memoryview = memoryview(slot)
 """

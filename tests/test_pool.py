@@ -62,8 +62,8 @@ def test_page_size_is_sane() -> None:
     assert PAGE & (PAGE - 1) == 0
 
 
-def test_host_pool_with_device_none(make_pool) -> None:
-    pool = make_pool(1 << 16, 3, device=None)
+def test_host_pool_with_device_cpu(make_pool) -> None:
+    pool = make_pool(1 << 16, 3, device="cpu")
     assert pool.backend == "host"
     assert pool.memory in ("locked", "pageable")
     assert pool.device is None
@@ -95,9 +95,42 @@ def test_default_device_falls_back_to_host() -> None:
     pool = pinpool.PinPool(4096, 1)
     try:
         assert pool.backend == "host"
+        assert pool.device is None
         assert pool.notes
     finally:
         pool.close()
+
+
+@pytest.mark.skipif(pinpool.cuda_available(), reason="checks the no-CUDA fallback")
+@pytest.mark.parametrize("device", [None, "cuda", torch.device("cuda")])
+@pytest.mark.parametrize("local_rank", [None, "0", "3", "not-a-rank"])
+def test_the_automatic_device_without_cuda_is_host_memory_with_a_note(
+    make_pool, monkeypatch, device, local_rank
+) -> None:
+    # `device=None` (the default) and "cuda" choose the rank's own GPU: with no GPU there is
+    # none to choose, so host memory, saying why, whatever LOCAL_RANK says (even nonsense:
+    # with no device it is never read).
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    pool = make_pool(4096, 1, device=device)
+    assert pool.device is None
+    assert pool.backend == "host"
+    assert pool.memory != "pinned"
+    assert any("CUDA" in note for note in pool.notes), pool.notes
+    assert "PinPool(" in repr(pool) and "device=None" in repr(pool)
+
+
+def test_the_default_device_is_none() -> None:
+    # The signature says what a bare PinPool(...) does.
+    assert "device=None" in (pinpool.PinPool.__text_signature__ or "")
+
+
+def test_a_host_pool_says_it_was_not_placed_and_why(make_pool) -> None:
+    pool = make_pool(4096, 1, device="cpu")
+    assert pool.placement.startswith("arena not placed"), pool.placement
+    assert not any("NUMA" in note for note in pool.notes), pool.notes
 
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
@@ -107,9 +140,12 @@ def test_cpu_device_names_mean_host(make_pool, device) -> None:
     assert pool.device is None
 
 
-def test_explicit_host_backend(make_pool) -> None:
-    pool = make_pool(4096, 1, device=None, backend="host")
+@pytest.mark.parametrize("device", ["cpu", None, 0])
+def test_explicit_host_backend(make_pool, device) -> None:
+    # The host backend needs no device, whatever `device` says: no CUDA, and no note about it.
+    pool = make_pool(4096, 1, device=device, backend="host")
     assert pool.backend == "host"
+    assert not any("CUDA" in note for note in pool.notes), pool.notes
 
 
 @pytest.mark.parametrize(
@@ -161,7 +197,7 @@ def test_slots_page_aligned_and_disjoint(make_pool) -> None:
     ],
 )
 def test_bad_arguments(kwargs, needle) -> None:
-    kwargs.setdefault("device", None)
+    kwargs.setdefault("device", "cpu")
     with pytest.raises(InvalidArgument) as info:
         pinpool.PinPool(**kwargs)
     assert isinstance(info.value, ValueError)
@@ -171,29 +207,30 @@ def test_bad_arguments(kwargs, needle) -> None:
 
 def test_bogus_backend_message_lists_the_choices() -> None:
     with pytest.raises(InvalidArgument, match="cuda-register") as info:
-        pinpool.PinPool(4096, 1, device=None, backend="bogus")
+        pinpool.PinPool(4096, 1, device="cpu", backend="bogus")
     assert "host" in str(info.value)
 
 
 def test_negative_sizes_are_refused() -> None:
     # Negative ints cannot become sizes; pyo3 refuses them before the pool sees them.
     with pytest.raises((OverflowError, ValueError)):
-        pinpool.PinPool(-1, 1, device=None)
+        pinpool.PinPool(-1, 1, device="cpu")
     with pytest.raises((OverflowError, ValueError)):
-        pinpool.PinPool(4096, -1, device=None)
+        pinpool.PinPool(4096, -1, device="cpu")
 
 
 @pytest.mark.parametrize("backend", ["cuda-register", "cuda-hostalloc"])
-def test_cuda_backend_without_device_argument_is_invalid(backend) -> None:
+def test_cuda_backend_with_device_cpu_is_invalid(backend) -> None:
     with pytest.raises(InvalidArgument, match="device"):
-        pinpool.PinPool(4096, 1, device=None, backend=backend)
+        pinpool.PinPool(4096, 1, device="cpu", backend=backend)
 
 
 @pytest.mark.skipif(pinpool.cuda_available(), reason="checks behaviour without CUDA")
+@pytest.mark.parametrize("device", [0, None])
 @pytest.mark.parametrize("backend", ["cuda-register", "cuda-hostalloc"])
-def test_explicit_cuda_backend_without_cuda_is_a_clean_error(backend) -> None:
+def test_explicit_cuda_backend_without_cuda_is_a_clean_error(backend, device) -> None:
     try:
-        pinpool.PinPool(4096, 1, device=0, backend=backend)
+        pinpool.PinPool(4096, 1, device=device, backend=backend)
     except BaseException as e:
         # Never pyo3's PanicException (a BaseException), always an ordinary exception.
         assert isinstance(e, Exception), f"{type(e).__mro__}: {e}"
@@ -616,7 +653,7 @@ def test_context_managers(make_pool) -> None:
     gc.collect()
     assert slot_counts(pool) == (1, 0, 0)
 
-    with pinpool.PinPool(PAGE, 1, device=None) as p2:
+    with pinpool.PinPool(PAGE, 1, device="cpu") as p2:
         assert not p2.closed
         with p2.checkout():
             pass
@@ -713,7 +750,7 @@ def test_close_wakes_a_checkout_with_timeout(make_pool) -> None:
 
 
 def test_slot_keeps_memory_alive_after_pool_object_dies() -> None:
-    pool = pinpool.PinPool(PAGE, 1, device=None)
+    pool = pinpool.PinPool(PAGE, 1, device="cpu")
     slot = pool.checkout()
     arr = np.frombuffer(slot, dtype=np.uint8)
     pool.close()
@@ -863,7 +900,7 @@ def test_a_forked_child_can_drop_its_copy_of_the_pool(used: bool) -> None:
     # alive by a traceback, say) may drop the last reference to it: that must neither wait
     # for the parent's threads nor touch its CUDA context. With a segment cache, dropping it
     # hands its mappings to the pool's reclaimer, whose thread is not in the child.
-    pool = pinpool.PinPool(1 << 20, 4, device=None)
+    pool = pinpool.PinPool(1 << 20, 4, device="cpu")
     cache = SegmentCache(pool)
     segment = WorkerSegment(1 << 16)
     if used:
@@ -905,7 +942,7 @@ def test_a_background_pool_readies_its_slots_while_it_is_used() -> None:
     and returns; the other slots are ``preparing`` until the background thread has faulted
     them in, and checkouts wait for them instead of failing."""
     slot_bytes, n = 32 << 20, 32
-    pool = pinpool.PinPool(slot_bytes, n, device=None, background=True)
+    pool = pinpool.PinPool(slot_bytes, n, device="cpu", background=True)
     try:
         s = pool.stats()
         assert s["slots_free"] + s["slots_preparing"] == n

@@ -61,7 +61,7 @@ class SlotLifecycle(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = pinpool.PinPool(SLOT_BYTES, NUM_SLOTS, device=None, copy_threads=1)
+        self.pool = pinpool.PinPool(SLOT_BYTES, NUM_SLOTS, device="cpu", copy_threads=1)
         self.all: list[Handle] = []
         self.checkouts = 0
         self.releases = 0

@@ -49,7 +49,7 @@ def assert_freed_off_this_thread(nbytes: int, anywhere: bool = False) -> None:
 
 def test_a_pool_dropped_without_close_is_freed_on_the_release_thread() -> None:
     page = pinpool.page_size()
-    pool = pinpool.PinPool(5 * page, 7, device=None)
+    pool = pinpool.PinPool(5 * page, 7, device="cpu")
     with pool.checkout() as slot:
         slot.view("uint8", (page,)).fill_(1)
     del slot
@@ -59,7 +59,7 @@ def test_a_pool_dropped_without_close_is_freed_on_the_release_thread() -> None:
 
 def test_a_pool_whose_last_slot_dies_last_is_freed_on_the_release_thread() -> None:
     page = pinpool.page_size()
-    pool = pinpool.PinPool(3 * page, 11, device=None)
+    pool = pinpool.PinPool(3 * page, 11, device="cpu")
     slot = pool.checkout()
     pool.close()  # returns at once; the slot keeps the arena alive
     del pool
@@ -73,7 +73,7 @@ def test_a_pool_whose_last_slot_dies_last_is_freed_on_the_release_thread() -> No
 
 def test_close_with_wait_returns_once_the_arena_is_freed() -> None:
     page = pinpool.page_size()
-    pool = pinpool.PinPool(2 * page, 13, device=None)
+    pool = pinpool.PinPool(2 * page, 13, device="cpu")
     pool.close(wait=True)
     record = freed_record(26 * page)
     assert record is not None and record["freed_on"] != threading.get_native_id()
@@ -123,8 +123,8 @@ import sys
 import pinpool
 sys.path.insert(0, {tests!r})
 from loader_datasets import Sized
-kept = pinpool.PinPool(64 << 20, 4, device=None)  # alive at exit
-dropped = pinpool.PinPool(64 << 20, 4, device=None)
+kept = pinpool.PinPool(64 << 20, 4, device="cpu")  # alive at exit
+dropped = pinpool.PinPool(64 << 20, 4, device="cpu")
 slot = dropped.checkout()
 del dropped  # the slot holds it: freed during interpreter teardown
 loader = pinpool.DataLoader(Sized([1 << 20] * 8), batch_size=2, num_workers=2,

@@ -1,7 +1,7 @@
 """pinpool: a fixed arena of CUDA pinned host memory, cut into slots handed out without the GIL.
 
 >>> import pinpool
->>> pool = pinpool.PinPool(slot_bytes=1 << 20, num_slots=4, device=None)
+>>> pool = pinpool.PinPool(slot_bytes=1 << 20, num_slots=4, device="cpu")
 >>> with pool.checkout() as slot:
 ...     slot.view("uint8", (16,)).fill_(7)
 

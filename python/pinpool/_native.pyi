@@ -42,11 +42,21 @@ def wait_for_releases(timeout: float | None = None) -> bool: ...
 
 @final
 class PinPool:
+    """A fixed arena of (pinned) host memory cut into equal slots.
+
+    ``device``: an ordinal, ``"cuda:N"`` or a ``torch.device`` binds that GPU; ``"cpu"`` means
+    no CUDA (host memory); ``None`` (the default) or ``"cuda"`` the rank's own GPU: the device
+    of the CUDA context current on this thread (``torch.cuda.set_device``), else
+    ``$LOCAL_RANK`` modulo the device count, else device 0, else no CUDA (host memory, with a
+    note). On a machine with several NUMA nodes, the arena goes on its GPU's node and the copy
+    threads on that node's CPUs (``placement`` says where).
+    """
+
     def __new__(
         cls,
         slot_bytes: int,
         num_slots: int,
-        device: int | str | Any | None = 0,
+        device: int | str | Any | None = None,
         backend: Literal["auto", "cuda-register", "cuda-hostalloc", "host"] = "auto",
         copy_threads: int | None = None,
         background: bool = False,
@@ -85,6 +95,10 @@ class PinPool:
     def slot_memfd(self, index: int) -> tuple[int, int, int] | None: ...
     @property
     def device(self) -> int | None: ...
+    @property
+    def placement(self) -> str:
+        """Where the arena's pages went and where its copy threads run (``"arena on NUMA node 1
+        (GPU 0000:41:00.0), copy threads on CPUs 8-15"``), or why it was not placed."""
     @property
     def copy_threads(self) -> int: ...
     @property

@@ -10,10 +10,18 @@ use super::slot::PySlot;
 use super::{guarded, timeout_arg, to_py, IntoPy};
 use crate::arena::Backend;
 use crate::copy::MAX_COPY_THREADS;
+use crate::device_choice::DeviceRequest;
 use crate::error::Error;
 use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig, Stats};
 
 /// A fixed arena of (pinned) host memory cut into equal slots.
+///
+/// `device`: an ordinal, `"cuda:N"` or a `torch.device` binds that GPU; `"cpu"` means no CUDA
+/// (host memory); `None` (the default) or `"cuda"` the rank's own GPU: the device of the CUDA
+/// context current on this thread (`torch.cuda.set_device`), else `$LOCAL_RANK` modulo the
+/// device count, else device 0, else no CUDA (host memory, with a note). On a machine with
+/// several NUMA nodes, the arena goes on its GPU's node and the copy threads on that node's
+/// CPUs (`placement` says where).
 #[pyclass(name = "PinPool", module = "pinpool._native", frozen)]
 pub struct PyPinPool {
     pool: Mutex<Option<Arc<Pool>>>,
@@ -29,6 +37,7 @@ pub struct PyPinPool {
     address: usize,
     copy_threads: usize,
     notes: Vec<String>,
+    placement: String,
     startup: Vec<(&'static str, f64)>,
 }
 
@@ -40,16 +49,17 @@ pub(crate) enum DeviceArg<'py> {
     Object(Bound<'py, PyAny>),
 }
 
-/// Parses `device=`; `None` (and "cpu") mean no CUDA.
+/// Parses `device=`: "cpu" means no CUDA; `None` and "cuda" (torch's "the current device")
+/// the rank's own device, chosen by [`DeviceRequest::resolve`].
 pub(crate) fn parse_device(
     py: Python<'_>,
     device: Option<DeviceArg<'_>>,
-) -> PyResult<Option<usize>> {
+) -> PyResult<DeviceRequest> {
     let text = match device {
-        None => return Ok(None),
+        None => return Ok(DeviceRequest::Automatic),
         Some(DeviceArg::Index(i)) => {
             return usize::try_from(i)
-                .map(Some)
+                .map(DeviceRequest::Ordinal)
                 .map_err(|_| to_py(py, Error::Invalid(format!("device must be >= 0, got {i}"))))
         }
         Some(DeviceArg::Name(s)) => s,
@@ -57,10 +67,10 @@ pub(crate) fn parse_device(
     };
     let bad = || to_py(py, Error::Invalid(format!("cannot use device {text:?}")));
     match text.as_str() {
-        "cpu" => Ok(None),
-        "cuda" => Ok(Some(0)),
+        "cpu" => Ok(DeviceRequest::Cpu),
+        "cuda" => Ok(DeviceRequest::Automatic),
         other => match other.strip_prefix("cuda:") {
-            Some(n) => n.parse::<usize>().map(Some).map_err(|_| bad()),
+            Some(n) => n.parse::<usize>().map(DeviceRequest::Ordinal).map_err(|_| bad()),
             None => Err(bad()),
         },
     }
@@ -155,8 +165,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 impl PyPinPool {
     #[new]
     #[pyo3(
-        signature = (slot_bytes, num_slots, device = Some(DeviceArg::Index(0)), backend = "auto", copy_threads = None, background = false),
-        text_signature = "(slot_bytes, num_slots, device=0, backend='auto', copy_threads=None, background=False)"
+        signature = (slot_bytes, num_slots, device = None, backend = "auto", copy_threads = None, background = false),
+        text_signature = "(slot_bytes, num_slots, device=None, backend='auto', copy_threads=None, background=False)"
     )]
     fn new(
         py: Python<'_>,
@@ -168,31 +178,47 @@ impl PyPinPool {
         background: bool,
     ) -> PyResult<Self> {
         guarded(|| {
+            let request = parse_device(py, device)?;
+            let backend = Backend::parse(backend).py(py)?;
+            let copy_threads = match copy_threads {
+                Some(n) => n,
+                None => default_copy_threads().py(py)?,
+            };
+            // On this thread (detached, not moved): the automatic choice reads its context.
+            let device = py.detach(|| request.resolve(backend)).py(py)?;
             let config = PoolConfig {
                 slot_bytes,
                 num_slots,
-                device: parse_device(py, device)?,
-                backend: Backend::parse(backend).py(py)?,
-                copy_threads: match copy_threads {
-                    Some(n) => n,
-                    None => default_copy_threads().py(py)?,
-                },
+                device: device.device,
+                backend,
+                copy_threads,
                 background,
             };
             let pool = py.detach(|| Pool::new(&config)).py(py)?;
-            let notes = pool.arena().notes().to_vec();
+            let mut notes = device.notes;
+            notes.extend_from_slice(pool.arena().notes());
+            let placement = pool.arena().placement();
             let logger = py.import("logging")?.call_method1("getLogger", ("pinpool",))?;
             for note in notes.iter().filter(|n| first_time(n)) {
                 logger.call_method1("warning", (note.as_str(),))?;
             }
+            if placement.node().is_some() {
+                logger.call_method1("info", (placement.summary(),))?;
+            }
             logger.call_method1(
                 "debug",
                 (format!(
-                    "pool of {} slots of {} bytes: {} ({}), ready in {:.3} s",
+                    "pool of {} slots of {} bytes: {} ({}){}; {}; ready in {:.3} s",
                     pool.num_slots(),
                     pool.slot_bytes(),
                     pool.backend().name(),
                     pool.residency().name(),
+                    match (pool.arena().device(), device.why) {
+                        (Some(d), Some(why)) => format!(", device {} ({why})", d.ordinal()),
+                        (Some(d), None) => format!(", device {}", d.ordinal()),
+                        (None, _) => String::new(),
+                    },
+                    placement.summary(),
                     pool.arena().timings().iter().map(|t| t.1).sum::<f64>()
                 ),),
             )?;
@@ -205,6 +231,7 @@ impl PyPinPool {
                 address: pool.arena().base() as usize,
                 copy_threads: pool.copy_threads(),
                 notes,
+                placement: placement.summary(),
                 startup: pool.arena().timings().to_vec(),
                 counters: pool.counters(),
                 weak: Arc::downgrade(&pool),
@@ -384,6 +411,13 @@ impl PyPinPool {
         self.device
     }
 
+    /// Where the arena's pages went and where its copy threads run ("arena on NUMA node 1
+    /// (GPU 0000:41:00.0), copy threads on CPUs 8-15"), or why it was not placed.
+    #[getter]
+    fn placement(&self) -> &str {
+        &self.placement
+    }
+
     /// Threads used for copies.
     #[getter]
     fn copy_threads(&self) -> usize {
@@ -412,12 +446,13 @@ impl PyPinPool {
 
     fn __repr__(&self) -> String {
         format!(
-            "PinPool(slot_bytes={}, num_slots={}, backend={:?}, memory={:?}, device={:?}{})",
+            "PinPool(slot_bytes={}, num_slots={}, backend={:?}, memory={:?}, device={}{})",
             self.slot_bytes,
             self.num_slots,
             self.backend,
             self.memory,
-            self.device,
+            // As Python writes it: an ordinal, or None.
+            self.device.map_or_else(|| "None".to_string(), |d| d.to_string()),
             if self.closed() { ", closed" } else { "" }
         )
     }

@@ -118,7 +118,8 @@ class Receiver:
                 self.pool = PinPool(
                     slot,
                     self._num_slots,
-                    device=self._pool_device,
+                    # (None: torch sees no CUDA device, so neither does the pool.)
+                    device="cpu" if self._pool_device is None else self._pool_device,
                     copy_threads=self._copy_threads,
                     background=background_arena(self._pool_device),
                 )

@@ -1,0 +1,234 @@
+//! Which CUDA device a pool binds to when the caller names none: the rank's own.
+//!
+//! Under torchrun each rank drives its own GPU, so `PinPool(...)` without `device=` must not
+//! mean device 0 on every rank. The automatic choice, first that applies:
+//!
+//! 1. the device of the CUDA context current on the calling thread (`torch.cuda.set_device(n)`
+//!    makes device n's primary context current there);
+//! 2. `$LOCAL_RANK` modulo the number of devices (torchrun, Lightning and accelerate set it);
+//! 3. device 0, if there is one;
+//! 4. no CUDA: host memory, with a note saying why.
+//!
+//! Invariants:
+//! - [`choose`] is a pure function of what it is given (the current context's device, the text
+//!   of `$LOCAL_RANK`, the device count); [`DeviceRequest::resolve`] only gathers those from
+//!   the driver and the environment, and binds no context on the calling thread.
+//! - A request for no CUDA ([`DeviceRequest::Cpu`], or the `host` backend) never touches the
+//!   driver.
+//! - An automatic choice that finds no device falls back to host memory with the same note an
+//!   explicit device gets when CUDA is unavailable, unless a CUDA backend was asked for by
+//!   name: then it is an error, as it is for an explicit device.
+//! - A `$LOCAL_RANK` that is set but is not a rank is an error, not silently device 0: every
+//!   rank would then share one GPU.
+
+use crate::arena::Backend;
+use crate::cuda;
+use crate::error::{Error, Result};
+
+/// What `device=` asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceRequest {
+    /// No CUDA: host memory (`device="cpu"`).
+    Cpu,
+    /// This device ordinal (`device=n`, `"cuda:n"`).
+    Ordinal(usize),
+    /// The rank's device, see the module's note (`device=None`, `"cuda"`).
+    Automatic,
+}
+
+/// Why [`choose`] picked the device it picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// The device of the CUDA context current on the calling thread.
+    CurrentContext,
+    /// `$LOCAL_RANK` (this value) modulo the number of devices.
+    LocalRank(usize),
+    /// The first device: no context current and no `$LOCAL_RANK`.
+    FirstDevice,
+}
+
+impl std::fmt::Display for Why {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Why::CurrentContext => f.write_str("the CUDA context current on this thread"),
+            Why::LocalRank(rank) => write!(f, "LOCAL_RANK={rank} modulo the device count"),
+            Why::FirstDevice => f.write_str("the first device: no current context, no LOCAL_RANK"),
+        }
+    }
+}
+
+/// A device picked automatically.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chosen {
+    /// The device ordinal.
+    pub ordinal: usize,
+    /// Why this one.
+    pub why: Why,
+}
+
+/// The automatic choice: `current` is the device of the context current on the calling thread,
+/// `local_rank` the text of `$LOCAL_RANK` (None when unset), `count` the number of devices.
+/// `Ok(None)` when there is no device. A blank `local_rank` counts as unset; one that is not
+/// a whole number from 0 is an error.
+pub fn choose(
+    current: Option<usize>,
+    local_rank: Option<&str>,
+    count: usize,
+) -> Result<Option<Chosen>> {
+    if count == 0 {
+        return Ok(None);
+    }
+    if let Some(ordinal) = current.filter(|&d| d < count) {
+        return Ok(Some(Chosen { ordinal, why: Why::CurrentContext }));
+    }
+    match local_rank.map(str::trim).filter(|text| !text.is_empty()) {
+        Some(text) => {
+            let rank: usize = text.parse().map_err(|_| {
+                Error::Invalid(format!(
+                    "LOCAL_RANK={text:?} is not a rank (a whole number from 0), so the pool \
+                     cannot tell which GPU is this process's: fix LOCAL_RANK, or pass device= \
+                     to PinPool"
+                ))
+            })?;
+            Ok(Some(Chosen { ordinal: rank % count, why: Why::LocalRank(rank) }))
+        }
+        None => Ok(Some(Chosen { ordinal: 0, why: Why::FirstDevice })),
+    }
+}
+
+/// What a request came to: the device to build the arena on (None: no CUDA), and what to tell
+/// the user about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    /// The device ordinal, or None for no CUDA.
+    pub device: Option<usize>,
+    /// Why the pool has no CUDA although it could have had (for `pool.notes`).
+    pub notes: Vec<String>,
+    /// How an automatic choice was made (for the log), if one was.
+    pub why: Option<Why>,
+}
+
+impl DeviceRequest {
+    /// Turns the request into a device, asking the driver and `$LOCAL_RANK` for an automatic
+    /// one (see the module's note). `backend` is the backend asked for (None: `auto`).
+    pub fn resolve(self, backend: Option<Backend>) -> Result<Resolved> {
+        let plain = |device| Resolved { device, notes: Vec::new(), why: None };
+        match (self, backend) {
+            (DeviceRequest::Cpu, _) | (_, Some(Backend::Host)) => Ok(plain(None)),
+            (DeviceRequest::Ordinal(n), _) => Ok(plain(Some(n))),
+            (DeviceRequest::Automatic, backend) => {
+                let host = |note: String| Resolved { device: None, notes: vec![note], why: None };
+                let count = match cuda::device_count() {
+                    Ok(n) => n,
+                    // A CUDA backend asked for by name: the driver's own error, as for device=0.
+                    Err(e) if backend.is_some() => return Err(e),
+                    Err(e) => {
+                        return Ok(host(format!(
+                            "CUDA unavailable ({e}): using host memory (not pinned)"
+                        )))
+                    }
+                };
+                let local_rank = std::env::var("LOCAL_RANK").ok();
+                match choose(cuda::current_context_device(), local_rank.as_deref(), count)? {
+                    Some(c) => Ok(Resolved {
+                        device: Some(c.ordinal),
+                        notes: Vec::new(),
+                        why: Some(c.why),
+                    }),
+                    None => match backend {
+                        Some(b) => Err(Error::Invalid(format!(
+                            "backend {:?} needs a CUDA device, but this machine has none",
+                            b.name()
+                        ))),
+                        None => {
+                            Ok(host("no CUDA device found: using host memory (not pinned)".into()))
+                        }
+                    },
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_device_means_no_cuda_whatever_else_is_known() {
+        assert_eq!(choose(None, None, 0).unwrap(), None);
+        assert_eq!(choose(Some(0), Some("3"), 0).unwrap(), None);
+        // Not even a bad LOCAL_RANK is looked at: there is nothing to choose from.
+        assert_eq!(choose(None, Some("x"), 0).unwrap(), None);
+    }
+
+    #[test]
+    fn the_current_context_wins() {
+        let c = choose(Some(1), Some("0"), 2).unwrap().unwrap();
+        assert_eq!(c, Chosen { ordinal: 1, why: Why::CurrentContext });
+        let c = choose(Some(0), Some("5"), 8).unwrap().unwrap();
+        assert_eq!(c, Chosen { ordinal: 0, why: Why::CurrentContext });
+    }
+
+    #[test]
+    fn a_current_context_past_the_device_count_is_ignored() {
+        let c = choose(Some(4), Some("1"), 2).unwrap().unwrap();
+        assert_eq!(c, Chosen { ordinal: 1, why: Why::LocalRank(1) });
+    }
+
+    #[test]
+    fn local_rank_modulo_the_device_count() {
+        for (rank, count, expected) in [(0, 1, 0), (3, 4, 3), (5, 4, 1), (7, 2, 1), (6, 8, 6)] {
+            let text = rank.to_string();
+            let c = choose(None, Some(&text), count).unwrap().unwrap();
+            assert_eq!(c, Chosen { ordinal: expected, why: Why::LocalRank(rank) });
+        }
+        let c = choose(None, Some(" 2\n"), 4).unwrap().unwrap();
+        assert_eq!(c.ordinal, 2, "surrounding blanks are fine");
+    }
+
+    #[test]
+    fn otherwise_the_first_device() {
+        for local_rank in [None, Some(""), Some("  ")] {
+            let c = choose(None, local_rank, 3).unwrap().unwrap();
+            assert_eq!(c, Chosen { ordinal: 0, why: Why::FirstDevice });
+        }
+    }
+
+    #[test]
+    fn a_local_rank_that_is_not_a_rank_is_an_error() {
+        for bad in ["-1", "one", "1.5", "0x1"] {
+            let err = choose(None, Some(bad), 2).unwrap_err();
+            assert!(matches!(err, Error::Invalid(_)), "{bad}: {err}");
+            assert!(err.to_string().contains("LOCAL_RANK") && err.to_string().contains(bad));
+        }
+        // A current context makes LOCAL_RANK irrelevant, even a bad one.
+        assert_eq!(choose(Some(1), Some("one"), 2).unwrap().unwrap().ordinal, 1);
+    }
+
+    #[test]
+    // Miri: loads the CUDA driver with dlopen, a foreign call Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn explicit_requests_pass_through_without_the_driver() {
+        assert_eq!(DeviceRequest::Cpu.resolve(None).unwrap().device, None);
+        assert_eq!(DeviceRequest::Ordinal(3).resolve(None).unwrap().device, Some(3));
+        let host = DeviceRequest::Automatic.resolve(Some(Backend::Host)).unwrap();
+        assert_eq!(host, Resolved { device: None, notes: Vec::new(), why: None });
+    }
+
+    #[test]
+    // Miri: loads the CUDA driver with dlopen, a foreign call Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn automatic_without_a_device_is_host_memory_with_a_note() {
+        if cuda::device_count().unwrap_or(0) > 0 {
+            return; // checks the machine without CUDA
+        }
+        let r = DeviceRequest::Automatic.resolve(None).unwrap();
+        assert_eq!(r.device, None);
+        assert!(r.notes.len() == 1 && r.notes[0].contains("CUDA"), "{:?}", r.notes);
+        for backend in [Backend::CudaRegister, Backend::CudaHostAlloc] {
+            let err = DeviceRequest::Automatic.resolve(Some(backend)).unwrap_err();
+            assert!(matches!(err, Error::Cuda { .. } | Error::Invalid(_)), "{err}");
+        }
+    }
+}
