@@ -163,7 +163,8 @@ def test_a_rank_killed_mid_epoch_leaves_nothing_behind(tmp_path: Path) -> None:
     assert "SIGKILL" in output and str(got["rank1"]["pid"]) in output, output
     for r in got.values():
         assert r["pids"] == [got["rank0"]["pid"], got["rank1"]["pid"]]
-        assert r["stats"]["zero_copy"]["batches"] == r["stats"]["copy"]["batches"] == 3
+        # (At least the 3 yielded: with an accelerator, torch's pin thread takes batches ahead.)
+        assert min(r["stats"]["zero_copy"]["batches"], r["stats"]["copy"]["batches"]) >= 3
     assert {int(p.name.split("-")[0]) for p in (tmp_path / "workers").iterdir()} == {0, 1}
     procs, shm = left_over(tag, tmp_path, shm_before, wait=30)
     assert not procs, f"processes of the launch still alive: {procs}"
