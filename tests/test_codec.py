@@ -32,7 +32,6 @@ from torch.utils.data import default_collate
 
 import pinpool
 from pinpool import OutOfBounds, PinPoolError
-from pinpool._main.delivery import finish
 from pinpool._wire import codec as _codec
 from pinpool._wire.codec import ALIGN, Leaf, LeafSpec
 
@@ -414,12 +413,11 @@ def assert_all_free(loader: pinpool.DataLoader) -> None:
 def test_a_good_hand_made_handle_decodes(live_loader: Any) -> None:
     make = HandleFactory(live_loader)
     h = make.make(worker=7)
-    # torch's pin thread takes it ahead; the consumer's thread makes the views (finish).
-    assert_same(make.batch, finish(h.pin_memory()))
+    assert_same(make.batch, h.pin_memory())
     assert_all_free(live_loader)
     # The segment was handed back: the same key can carry the next batch.
     make.write()
-    assert_same(make.batch, finish(make.make(worker=7, announce=False).pin_memory()))
+    assert_same(make.batch, make.make(worker=7, announce=False).pin_memory())
     assert_all_free(live_loader)
 
 

@@ -35,62 +35,17 @@ from .._wire import codec
 from .._wire.handle import BatchHandle
 
 
-class Landed:
-    """A batch whose bytes are in host memory (a slot, or an ordinary buffer), not yet
-    rebuilt: calling it makes the batch, views into that memory. torch's pin thread hands
-    these to the consumer's thread, which makes the views (every torch call gives up the GIL
-    and takes it back: made on the pin thread, each would wait for the consumer to let go)."""
-
-    __slots__ = ("delivery", "memory", "need", "specs", "tree")
-
-    def __init__(
-        self,
-        delivery: Delivery,
-        tree: Any,
-        specs: list[codec.LeafSpec],
-        memory: Slot | torch.Tensor | None,
-        need: int,
-    ) -> None:
-        self.delivery = delivery
-        self.tree = tree
-        self.specs = specs
-        self.memory = memory
-        self.need = need
-
-    def __call__(self) -> Any:
-        memory, self.memory = self.memory, None  # the views hold the slot from here
-        if memory is None:
-            base = torch.empty(0, dtype=torch.uint8)
-        elif isinstance(memory, Slot):
-            base = torch.frombuffer(memory, dtype=torch.uint8, count=self.need)
-        else:
-            base = memory
-        del memory
-        return codec.rebuild(self.tree, codec.views_for(self.specs, base), self.delivery.kept)
-
-
 class OnDevice:
-    """A batch being copied to the GPU on the copy stream; ``wait()`` (on the consumer's
-    thread) hands it over to the consumer's current stream and makes its views."""
+    """A batch already copied to the GPU on the copy stream; ``wait()`` hands it over to the
+    consumer's current stream."""
 
-    __slots__ = ("delivery", "device", "event", "host", "specs", "storage", "tree")
+    __slots__ = ("batch", "device", "event", "storage")
 
-    def __init__(
-        self,
-        delivery: Delivery,
-        tree: Any,
-        specs: list[codec.LeafSpec],
-        storage: torch.Tensor,
-        host: dict[int, Any],
-        event: Any,
-    ) -> None:
-        self.delivery = delivery
-        self.tree = tree
-        self.specs = specs
+    def __init__(self, batch: Any, storage: torch.Tensor, event: Any, device: torch.device):
+        self.batch = batch
         self.storage = storage
-        self.host = host  # leaf index -> host copy (numpy leaves cannot live on a GPU)
         self.event = event
-        self.device = storage.device
+        self.device = device
 
     def wait(self) -> Any:
         stream = torch.cuda.current_stream(self.device)
@@ -98,11 +53,7 @@ class OnDevice:
         # The device memory was allocated on the copy stream: tell the caching allocator it is
         # used on the consumer's stream too, so it is not reused before that work is done.
         self.storage.record_stream(stream)
-        views = [
-            self.host[i] if i in self.host else codec.leaf_from_bytes(self.storage, s)
-            for i, s in enumerate(self.specs)
-        ]
-        return codec.rebuild(self.tree, views, self.delivery.kept)
+        return self.batch
 
 
 class Local:
@@ -206,44 +157,35 @@ class Delivery:
         need: int,
     ) -> Any:
         """The batch of ``tree`` over the first ``need`` bytes of ``memory`` (None when every
-        leaf is empty): CPU views, or an :class:`OnDevice` for :func:`finish`."""
-        landed = self.land(tree, specs, memory, need)
-        return landed() if isinstance(landed, Landed) else landed
-
-    def land(
-        self,
-        tree: Any,
-        specs: list[codec.LeafSpec],
-        memory: Slot | torch.Tensor | None,
-        need: int,
-    ) -> Landed | OnDevice:
-        """What torch's pin thread can do for the batch ahead of the consumer: nothing more
-        for CPU batches (a :class:`Landed`), the copy to the device for device batches (an
-        :class:`OnDevice`, the slot released behind it); the views are made on the
-        consumer's thread (:func:`finish`)."""
+        leaf is empty)."""
         self.batches += 1
         self.bytes += need
-        if self.device is None or memory is None:  # (every leaf empty: nothing to copy)
-            return Landed(self, tree, specs, memory, need)
+        if memory is None:
+            empty = torch.empty(0, dtype=torch.uint8)
+            return codec.rebuild(tree, codec.views_for(specs, empty), self.kept)
         if isinstance(memory, Slot):
             slot: Slot | None = memory
             base = torch.frombuffer(memory, dtype=torch.uint8, count=need)
         else:
             slot, base = None, memory
+        if self.device is None:
+            # The views hold the slot; it returns to the pool when the last of them dies.
+            del slot, memory
+            return codec.rebuild(tree, codec.views_for(specs, base), self.kept)
         assert self.copy_stream is not None
         with torch.cuda.stream(self.copy_stream):
             storage = base.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        host = {  # numpy cannot live on the GPU: a host copy, made before the slot goes back
-            i: codec.leaf_from_bytes(base, s).copy()
-            for i, s in enumerate(specs)
-            if s.kind == "numpy"
-        }
-        del base
+        views = []
+        for s in specs:
+            if s.kind == "numpy":  # numpy cannot live on the GPU: keep a host copy
+                views.append(codec.leaf_from_bytes(base, s).copy())
+            else:
+                views.append(codec.leaf_from_bytes(storage, s))
         if slot is not None:
             slot.release(self.copy_stream)
-        return OnDevice(self, tree, specs, storage, host, event)
+        return OnDevice(codec.rebuild(tree, views, self.kept), storage, event, self.device)
 
 
 def finish(item: Any) -> Any:
@@ -253,8 +195,6 @@ def finish(item: Any) -> Any:
         item = item.take()  # on the consumer's thread, in order
     elif isinstance(item, Local):
         item = item.batch
-    if isinstance(item, Landed):
-        item = item()
     if isinstance(item, OnDevice):
         item = item.wait()
     if _pending:

@@ -184,8 +184,6 @@ class Receiver:
             self.drop(handle)
             raise
         self.drop(handle)
-        if ahead:  # torch's pin thread: the views are made on the consumer's thread
-            return self.deliver.land(handle.tree, specs, memory, need)
         return self.deliver(handle.tree, specs, memory, need)
 
     def _adopt(self, handle: BatchHandle) -> tuple[Slot | None, list[codec.LeafSpec], int]:
