@@ -350,19 +350,29 @@ def extent(specs: list[LeafSpec]) -> int:
 
 
 def leaf_from_bytes(base: torch.Tensor, spec: LeafSpec) -> Any:
-    """The array of ``spec`` viewing ``base`` (a flat uint8 tensor, host or device)."""
+    """The array of ``spec`` viewing ``base`` (a flat uint8 tensor, host or device).
+
+    The bytes are cut out with ``as_strided``, not by slicing: torch's slicing gives up the
+    GIL and takes it back, and on torch's pin thread taking it back means waiting for the
+    consumer's thread to let go of it (torch checks the view against its storage either way)."""
     if spec.kind == "numpy":
         ndt = np.dtype(spec.dtype)
         if spec.nbytes == 0:
             return np.empty(spec.shape, dtype=ndt)
-        raw = base[spec.offset : spec.offset + spec.nbytes]
-        return raw.numpy().view(ndt).reshape(spec.shape)
+        return _raw(base, spec).numpy().view(ndt).reshape(spec.shape)
     dtype = TORCH_DTYPES[spec.dtype]
     if spec.nbytes == 0:
         out = torch.empty(spec.shape, dtype=dtype, device=base.device)
     else:
-        out = base[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+        out = _raw(base, spec).view(dtype).view(spec.shape)
     return out if spec.subclass is None else out.as_subclass(spec.subclass)
+
+
+def _raw(base: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+    """``base[spec.offset : spec.offset + spec.nbytes]``."""
+    if spec.offset < 0 or spec.offset + spec.nbytes > base.numel():
+        raise OutOfBounds(f"leaf bytes {spec.offset}+{spec.nbytes} outside {base.numel()}")
+    return base.as_strided((spec.nbytes,), (1,), base.storage_offset() + spec.offset)
 
 
 def views_for(specs: list[LeafSpec], base: torch.Tensor) -> list[Any]:
