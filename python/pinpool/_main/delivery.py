@@ -28,7 +28,6 @@ import types
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from .._native import Slot
@@ -164,20 +163,15 @@ class Delivery:
         if memory is None:
             empty = torch.empty(0, dtype=torch.uint8)
             return codec.rebuild(tree, codec.views_for(specs, empty), self.kept)
-        if self.device is None:
-            # The views hold the slot; it returns to the pool when the last of them dies.
-            host = (
-                np.frombuffer(memoryview(memory), dtype=np.uint8, count=need)
-                if isinstance(memory, Slot)
-                else memory.numpy()
-            )
-            del memory
-            return codec.rebuild(tree, codec.host_views_for(specs, host), self.kept)
         if isinstance(memory, Slot):
             slot: Slot | None = memory
             base = torch.frombuffer(memory, dtype=torch.uint8, count=need)
         else:
             slot, base = None, memory
+        if self.device is None:
+            # The views hold the slot; it returns to the pool when the last of them dies.
+            del slot, memory
+            return codec.rebuild(tree, codec.views_for(specs, base), self.kept)
         assert self.copy_stream is not None
         with torch.cuda.stream(self.copy_stream):
             storage = base.to(self.device, non_blocking=True)

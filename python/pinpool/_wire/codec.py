@@ -51,8 +51,6 @@ def _numpy_to_torch() -> dict[np.dtype[Any], str]:
 #: numpy dtypes (native byte order) whose arrays ``default_collate`` turns into these torch
 #: dtypes.
 NUMPY_TO_TORCH = _numpy_to_torch()
-#: The other way: torch dtypes whose elements numpy can view.
-TORCH_TO_NUMPY: dict[str, np.dtype[Any]] = {name: dt for dt, name in NUMPY_TO_TORCH.items()}
 
 #: Buffers for a batch (a worker's segment, an automatically sized slot) get this much room
 #: over it, rounded up to this granule, so slowly growing batches still fit.
@@ -380,37 +378,6 @@ def _raw(base: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
 def views_for(specs: list[LeafSpec], base: torch.Tensor) -> list[Any]:
     """One view per spec into ``base``."""
     return [leaf_from_bytes(base, s) for s in specs]
-
-
-def host_views_for(specs: list[LeafSpec], host: np.ndarray[Any, Any]) -> list[Any]:
-    """One view per spec into ``host``, a flat uint8 numpy array over host memory.
-
-    Cut out with numpy, then made tensors with ``torch.from_numpy``: one torch call per leaf,
-    one that keeps the GIL. Most torch calls give the GIL up and take it back, and on torch's
-    pin thread taking it back can mean waiting for another thread to let go of it, up to the
-    interpreter's switch interval (5 ms) when that thread runs Python."""
-    out: list[Any] = []
-    for spec in specs:
-        if spec.offset < 0 or spec.offset + spec.nbytes > len(host):
-            raise OutOfBounds(f"leaf bytes {spec.offset}+{spec.nbytes} outside {len(host)}")
-        raw = host[spec.offset : spec.offset + spec.nbytes]
-        if spec.kind == "numpy":
-            ndt = np.dtype(spec.dtype)
-            out.append(np.empty(spec.shape, dtype=ndt) if spec.nbytes == 0 else _as(raw, ndt, spec))
-            continue
-        ndt_or_none = TORCH_TO_NUMPY.get(spec.dtype)
-        if spec.nbytes == 0 or ndt_or_none is None:  # numpy has no such dtype (bfloat16...)
-            leaf = leaf_from_bytes(torch.from_numpy(host), spec)
-        else:
-            leaf = torch.from_numpy(_as(raw, ndt_or_none, spec))
-            if spec.subclass is not None:
-                leaf = leaf.as_subclass(spec.subclass)
-        out.append(leaf)
-    return out
-
-
-def _as(raw: np.ndarray[Any, Any], ndt: np.dtype[Any], spec: LeafSpec) -> np.ndarray[Any, Any]:
-    return raw.view(ndt).reshape(spec.shape)
 
 
 def rebuild(tree: Any, views: list[Any], kept: Callable[[Any], Any] | None = None) -> Any:
