@@ -97,6 +97,35 @@ pub fn current_context_device() -> Option<usize> {
     usize::try_from(device).ok()
 }
 
+/// The calling thread's current CUDA context when made, made current again when dropped (if
+/// it changed meanwhile). pinpool calls the driver from its callers' threads (a slot
+/// released on the training thread records its fence there), and the current context of a
+/// thread is torch's current device on it: pinpool must leave it as it found it.
+#[must_use = "the thread's context is put back when this is dropped"]
+pub struct Restore {
+    previous: sys::CUcontext,
+}
+
+impl Restore {
+    fn now() -> Result<Self> {
+        let previous = guarded("cuCtxGetCurrent", result::ctx::get_current)?;
+        Ok(Restore { previous: previous.unwrap_or(std::ptr::null_mut()) })
+    }
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let now = guarded("cuCtxGetCurrent", result::ctx::get_current);
+        if matches!(now, Ok(current) if current.unwrap_or(std::ptr::null_mut()) != self.previous) {
+            // SAFETY: `previous` is a handle the driver gave this thread (`cuCtxGetCurrent`)
+            // or null, which unbinds; the call only makes it current, and a context destroyed
+            // meanwhile is reported by the driver as an error, ignored here.
+            let _ =
+                guarded("cuCtxSetCurrent", || unsafe { result::ctx::set_current(self.previous) });
+        }
+    }
+}
+
 /// One CUDA device, holding a reference on its primary context.
 pub struct Device {
     ctx: Arc<CudaContext>,
@@ -119,6 +148,8 @@ impl Device {
                 code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as u32,
             });
         }
+        // cudarc makes the context current on this thread: the caller's own goes back.
+        let _restore = Restore::now()?;
         let ctx = guarded("cuDevicePrimaryCtxRetain", || CudaContext::new(ordinal))?;
         Ok(Arc::new(Device { ctx }))
     }
@@ -148,14 +179,18 @@ impl Device {
         Ok(id.to_string_lossy().into_owned())
     }
 
-    /// Makes the primary context current on the calling thread.
-    pub fn bind(&self) -> Result<()> {
-        guarded("cuCtxSetCurrent", || self.ctx.bind_to_thread())
+    /// Makes the primary context current on the calling thread until the returned guard is
+    /// dropped, which makes the thread's own current again: the calling thread may be the
+    /// caller's, whose current context is torch's current device.
+    pub fn bind(&self) -> Result<Restore> {
+        let restore = Restore::now()?;
+        guarded("cuCtxSetCurrent", || self.ctx.bind_to_thread())?;
+        Ok(restore)
     }
 
     /// `cuMemHostAlloc(PORTABLE)`: page-locked, cached (not write-combined) host memory.
     pub fn host_alloc(&self, len: usize) -> Result<*mut u8> {
-        self.bind()?;
+        let _bound = self.bind()?;
         guarded("cuMemHostAlloc", || {
             // SAFETY: a plain allocation call; the returned pointer is owned by the caller,
             // who frees it with `free_host`.
@@ -169,7 +204,7 @@ impl Device {
     /// # Safety
     /// `ptr` came from `host_alloc` on this device and is not used afterwards.
     pub unsafe fn free_host(&self, ptr: *mut u8) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees `ptr` is a live `cuMemHostAlloc` allocation.
         guarded("cuMemFreeHost", || unsafe { result::free_host(ptr.cast::<c_void>()) })
     }
@@ -179,7 +214,7 @@ impl Device {
     /// # Safety
     /// `[ptr, ptr+len)` is a live mapping that stays mapped until `host_unregister(ptr)`.
     pub unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         guarded("cuMemHostRegister", || {
             // SAFETY: the caller guarantees the range is mapped for the registration's life.
             unsafe {
@@ -198,7 +233,7 @@ impl Device {
     /// # Safety
     /// `ptr` was registered with `host_register` and no GPU work still reads it.
     pub unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees `ptr` is the base of a registered range.
         guarded("cuMemHostUnregister", || unsafe {
             sys::cuMemHostUnregister(ptr.cast::<c_void>()).result()
@@ -207,14 +242,14 @@ impl Device {
 
     /// Blocks until all work in the context has finished.
     pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the context is current on this thread (bound just above).
         guarded("cuCtxSynchronize", || unsafe { sys::cuCtxSynchronize().result() })
     }
 
     /// A fresh event without timing (cheaper to record and query).
     pub fn new_event(self: &Arc<Self>) -> Result<Event> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let raw = guarded("cuEventCreate", || {
             result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
         })?;
@@ -237,7 +272,7 @@ unsafe impl Sync for Event {}
 impl Event {
     /// Records the event on `stream` (a raw `CUstream`, 0 for the legacy default stream).
     pub fn record(&self, stream: StreamHandle) -> Result<()> {
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         // SAFETY: `raw` is a live event of this context; a bad stream handle is reported by
         // the driver as an error, which we return.
         guarded("cuEventRecord", || unsafe {
@@ -247,7 +282,7 @@ impl Event {
 
     /// Whether all work captured by the last record has completed.
     pub fn is_complete(&self) -> Result<bool> {
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         // SAFETY: `raw` is a live event of this context.
         match guarded("cuEventQuery", || unsafe { result::event::query(self.raw) }) {
             Ok(()) => Ok(true),
@@ -261,7 +296,7 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
+        if let Ok(_bound) = self.device.bind() {
             // SAFETY: `raw` is live and dropped once; destroying a pending event is allowed
             // (the driver releases it when the work completes).
             let _ = guarded("cuEventDestroy", || unsafe { result::event::destroy(self.raw) });

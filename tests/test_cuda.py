@@ -226,6 +226,40 @@ def test_the_current_context_wins_over_local_rank(gpu: torch.device) -> None:
     assert proc.stdout.split() == [str(last), str(last)]
 
 
+def test_a_pool_on_another_gpu_leaves_torchs_current_device_alone(gpu: torch.device) -> None:
+    # pinpool calls the driver on its callers' threads (making a pool, a slot's fence, the
+    # loader's deliveries): each makes its device's context current, then puts the thread's
+    # own back, which is torch's current device.
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    before = torch.cuda.current_device()
+    try:
+        torch.cuda.set_device(0)
+        torch.zeros(1, device="cuda:0")
+        with pinpool.PinPool(MiB, 2, device=1) as pool:
+            assert torch.cuda.current_device() == 0, "making the pool"
+            slot = pool.checkout()
+            host = torch.frombuffer(slot, dtype=torch.uint8, count=MiB)
+            host.fill_(7)
+            on_1 = host.to("cuda:1", non_blocking=True)
+            del host
+            slot.release(torch.cuda.current_stream(1))  # its fence, on device 1's stream
+            assert torch.cuda.current_device() == 0, "fencing a slot"
+            assert int(on_1.sum()) == 7 * MiB
+        data = torch.utils.data.TensorDataset(torch.arange(64.0))
+        for zero_copy, workers in ((False, 0), (False, 2), (True, 2)):
+            loader = pinpool.DataLoader(
+                data, batch_size=8, num_workers=workers, zero_copy=zero_copy, device="cuda:1"
+            )
+            got = [x for (x,) in loader]
+            assert all(x.device == torch.device("cuda", 1) for x in got)
+            assert torch.cat(got).cpu().tolist() == list(range(64))
+            assert torch.cuda.current_device() == 0, f"a loader (zero_copy={zero_copy})"
+            del loader, got
+    finally:
+        torch.cuda.set_device(before)
+
+
 def test_device_cpu_means_no_cuda(gpu: torch.device) -> None:
     with pinpool.PinPool(MiB, 1, device="cpu") as pool:
         assert pool.device is None
