@@ -112,26 +112,32 @@ const SAVED_MASK_BITS: usize = 4096;
 impl ThreadPolicyGuard {
     /// Saves the calling thread's policy, then makes `node` its preferred node.
     fn prefer(node: usize) -> Result<Self> {
-        let mut mode: c_int = MPOL_DEFAULT;
-        let mut mask = vec![0 as c_ulong; SAVED_MASK_BITS / BITS];
-        // SAFETY: `mode` and `mask` are valid out-pointers, `mask` holding the
-        // `SAVED_MASK_BITS` bits passed (`maxnode - 1`); no address: the thread's own policy.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_get_mempolicy,
-                &mut mode as *mut c_int,
-                mask.as_mut_ptr(),
-                (SAVED_MASK_BITS + 1) as c_ulong,
-                std::ptr::null::<u8>(),
-                0 as c_ulong,
-            )
-        };
-        syscall_result("get_mempolicy", rc)?;
+        let (mode, mask) = thread_policy()?;
         let saved = ThreadPolicyGuard { mode, mask };
         let (mask, maxnode) = node_mask(node);
         set_thread_policy(MPOL_PREFERRED, &mask, maxnode)?;
         Ok(saved)
     }
+}
+
+/// The calling thread's memory policy: its mode and node mask (`SAVED_MASK_BITS` bits).
+fn thread_policy() -> Result<(c_int, Vec<c_ulong>)> {
+    let mut mode: c_int = MPOL_DEFAULT;
+    let mut mask = vec![0 as c_ulong; SAVED_MASK_BITS / BITS];
+    // SAFETY: `mode` and `mask` are valid out-pointers, `mask` holding the `SAVED_MASK_BITS`
+    // bits passed (`maxnode - 1`); no address: the thread's own policy.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut mode as *mut c_int,
+            mask.as_mut_ptr(),
+            (SAVED_MASK_BITS + 1) as c_ulong,
+            std::ptr::null::<u8>(),
+            0 as c_ulong,
+        )
+    };
+    syscall_result("get_mempolicy", rc)?;
+    Ok((mode, mask))
 }
 
 impl Drop for ThreadPolicyGuard {
@@ -463,21 +469,7 @@ mod tests {
 
     /// The calling thread's policy mode.
     fn thread_policy_mode() -> c_int {
-        let mut mode: c_int = -1;
-        let mut mask = vec![0 as c_ulong; SAVED_MASK_BITS / BITS];
-        // SAFETY: valid out-pointers of the sizes given.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_get_mempolicy,
-                &mut mode as *mut c_int,
-                mask.as_mut_ptr(),
-                (SAVED_MASK_BITS + 1) as c_ulong,
-                std::ptr::null::<u8>(),
-                0 as c_ulong,
-            )
-        };
-        assert_eq!(rc, 0);
-        mode
+        thread_policy().expect("get_mempolicy").0
     }
 
     #[test]

@@ -11,6 +11,8 @@ import contextlib
 import fcntl
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +35,18 @@ def shm_entry_count() -> int:
         return len(os.listdir("/dev/shm"))
     except FileNotFoundError:
         return 0
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (no CUDA context current yet), with ``env`` added."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **env},
+    )
 
 
 def make_memfd(data: bytes | int, name: str = "pinpool-test", seal: bool = True) -> int:

@@ -33,11 +33,12 @@ TOP_LEVEL = {
 }
 
 
-@pytest.mark.slow
-def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
+def run_bench(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``python -m pinpool.bench ARGV --out DIR`` in ``tmp_path``, as a user runs it; checks
+    it succeeded and returns it with DIR."""
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "pinpool.bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "pinpool.bench", *argv, "--out", str(out)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -45,6 +46,12 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc, out
+
+
+@pytest.mark.slow
+def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
+    proc, out = run_bench(tmp_path, "--quick")
 
     result = json.loads((out / "results.json").read_text())
     assert TOP_LEVEL <= set(result)
@@ -133,18 +140,9 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_two_ranks_each_load_their_shard_and_rank_0_reports_the_totals(tmp_path: Path) -> None:
     # Under torchrun (gloo here): both ranks run every loader, each over half the dataset.
-    out = tmp_path / "results"
     argv = ["--quick", "--ranks", "2", "--workload", "synthetic", "--modes", "throughput"]
     argv += ["--loaders", "torch", "pinpool", "--repeats", "1", "--steps", "20"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pinpool.bench", *argv, "--out", str(out)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    proc, out = run_bench(tmp_path, *argv)
     result = json.loads((out / "results.json").read_text())
     assert result["meta"]["ranks"] == 2
     runs = [r for r in result["runs"] if r["scenario"] == "synthetic/throughput"]

@@ -10,13 +10,11 @@ calibrated once per module with CUDA events.
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from conftest import run_python
 
 torch = pytest.importorskip("torch")
 
@@ -148,18 +146,6 @@ def test_missing_device_ordinal_is_an_error(gpu: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- the rank's device
-
-
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """``code`` in a fresh interpreter (no CUDA context current yet), with ``env`` added."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, **env},
-    )
 
 
 def test_the_default_device_is_the_current_one(gpu: torch.device) -> None:

@@ -9,21 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_python
 
 import pinpool
 from pinpool._main.settings import local_world_size
 from pinpool._main.settings import worker_copy_threads as _worker_copy_threads
-
-
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, **env},
-    )
 
 
 def test_the_pinpool_logger_is_silent_unless_configured() -> None:
