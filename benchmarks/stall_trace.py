@@ -13,6 +13,9 @@ import argparse
 import gc
 import json
 import multiprocessing.popen_fork
+import multiprocessing.popen_forkserver
+import multiprocessing.popen_spawn_posix
+import sys
 import threading
 import time
 from typing import Any
@@ -35,6 +38,114 @@ def _span(owner: Any, name: str, label: str) -> None:
     next_profile.wrap(owner, name, label, _keep_span)
 
 
+#: Calls (Python and C) that lasted at least --calls-ms: start, end, thread, name, where.
+_CALLS: list[tuple[float, float, str, str, str]] = []
+#: Calls that wait with the GIL released (their time is not a stall of anyone).
+_WAITS = ("acquire", "wait", "sleep", "join", "get", "poll", "select", "recv", "read", "accept")
+
+
+def _profile_calls(threshold_s: float) -> None:
+    """Records, on every Python thread, each call lasting ``threshold_s`` or more."""
+    local = threading.local()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        stack = getattr(local, "stack", None)
+        if stack is None:
+            stack = local.stack = []
+        if event in ("call", "c_call"):
+            stack.append(time.perf_counter())
+        elif stack:
+            t0 = stack.pop()
+            t1 = time.perf_counter()
+            if t1 - t0 >= threshold_s:
+                c = event.startswith("c_")
+                name = getattr(arg, "__qualname__", repr(arg)) if c else frame.f_code.co_qualname
+                where = f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno}"
+                _CALLS.append((t0, t1, threading.current_thread().name, name, where))
+
+    threading.setprofile(hook)
+    sys.setprofile(hook)
+
+
+#: Every Python call and return on every thread (with --events): time, thread, function.
+_EVENTS: list[tuple[float, str, str]] = []
+
+
+def _record_events() -> None:
+    """Records every call on every Python thread: a thread that makes calls during a late
+    wake-up held the GIL then (no Python code runs without it)."""
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            name = (
+                getattr(arg, "__qualname__", "?")
+                if event == "c_call"
+                else (f"{frame.f_code.co_qualname} ({frame.f_code.co_filename.rsplit('/', 1)[-1]})")
+            )
+            _EVENTS.append((time.perf_counter(), threading.current_thread().name, name))
+
+    threading.setprofile(hook)
+    sys.setprofile(hook)
+
+
+def _running(due: float, woke: float) -> str:
+    """The threads that made calls during a late wake-up, busiest first, with their most
+    frequent calls."""
+    import bisect
+    from collections import Counter
+
+    times = [e[0] for e in _EVENTS]
+    lo, hi = bisect.bisect_left(times, due), bisect.bisect_right(times, woke)
+    per: dict[str, Counter[str]] = {}
+    for _, who, name in _EVENTS[lo:hi]:
+        if who != "sleeper":
+            per.setdefault(who, Counter())[name] += 1
+    parts = []
+    for who, names in sorted(per.items(), key=lambda kv: -sum(kv[1].values())):
+        top = ", ".join(f"{n} x{c}" for n, c in names.most_common(4))
+        parts.append(f"[{who}: {sum(names.values())} calls] {top}")
+    # The calls entered last before the wake-up was due: one of them may have held the GIL.
+    last: dict[str, tuple[float, str]] = {}
+    for t, who, name in reversed(_EVENTS[max(0, lo - 400) : lo]):
+        if who != "sleeper" and who not in last:
+            last[who] = (t, name)
+    before = ", ".join(
+        f"[{who}] {name} at {1e3 * (t - due):+.1f} ms"
+        for who, (t, name) in sorted(last.items(), key=lambda kv: -kv[1][0])[:3]
+    )
+    return " | ".join(parts) + f"; last calls before: {before}"
+
+
+def _timeline(path: str, due: float, woke: float, lateness: float) -> None:
+    """Appends every call made from 2 ms before a late wake-up was due until it woke."""
+    with open(path, "a") as f:
+        f.write(f"--- late {1e3 * lateness:.1f} ms\n")
+        for t, who, name in _EVENTS:
+            if due - 0.002 <= t <= woke:
+                f.write(f"{1e3 * (t - due):+8.3f} {who:28s} {name}\n")
+
+
+def _holding(due: float, woke: float) -> str:
+    """The innermost non-waiting long calls, per thread, that ran across a late wake-up."""
+    by_thread: dict[str, list[tuple[float, float, str, str, str]]] = {}
+    waiting: set[str] = set()  # threads in a wait that covers the whole wake-up
+    for c in _CALLS:
+        if c[0] < woke and c[1] > due:
+            if not any(w in c[3].lower() for w in _WAITS):
+                by_thread.setdefault(c[2], []).append(c)
+            elif c[0] <= due and c[1] >= woke:
+                waiting.add(c[2])
+    parts = []
+    for who, calls in by_thread.items():
+        if who in waiting:
+            continue
+        inner = sorted(calls, key=lambda c: c[1] - c[0])[:3]
+        parts.append(
+            f"[{who}] " + " < ".join(f"{c[3]} ({c[4]}) {1e3 * (c[1] - c[0]):.1f} ms" for c in inner)
+        )
+    return " | ".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--loader", default="pinpool", choices=["pinpool", "pinpool-zerocopy"])
@@ -50,7 +161,34 @@ def main() -> None:
         action="store_true",
         help="make the loader's arena whole at the first batch (no background preparation)",
     )
+    ap.add_argument(
+        "--start-method",
+        choices=["fork", "forkserver", "spawn"],
+        help="how the workers start (multiprocessing's default); a forkserver is started, "
+        "with torch and pinpool imported, before the loader",
+    )
+    ap.add_argument(
+        "--events",
+        action="store_true",
+        help="record every call on every thread and name the threads that ran Python during "
+        "each late wake-up (slow; use with --start-method forkserver, so workers are not "
+        "traced)",
+    )
+    ap.add_argument("--timeline", help="with --events: write each late wake-up's calls here")
+    ap.add_argument(
+        "--calls-ms",
+        type=float,
+        help="also record every call, on every thread, lasting this long or more, and name "
+        "the ones that ran across each late wake-up (slows the run a little)",
+    )
     args = ap.parse_args()
+    if args.start_method:
+        multiprocessing.set_start_method(args.start_method, force=True)
+        if args.start_method == "forkserver":
+            multiprocessing.set_forkserver_preload(["torch", "pinpool", "pinpool.bench.workloads"])
+            first = multiprocessing.Process(target=time.sleep, args=(0,))
+            first.start()
+            first.join()
     if args.whole_arena:
         made = pinpool._main.receiver.PinPool
 
@@ -73,14 +211,36 @@ def main() -> None:
     # Spans: every function next_profile times, plus the ones that only run now and then.
     next_profile.instrument(_keep_span)
     _span(multiprocessing.popen_fork.Popen, "_launch", "fork a worker")
+    _span(multiprocessing.popen_forkserver.Popen, "_launch", "forkserver: start a worker")
+    _span(multiprocessing.popen_spawn_posix.Popen, "_launch", "spawn a worker")
+    _span(threading.Thread, "start", "start a thread")
+    _span(torch.accelerator, "set_device_index", "set_device_index")
+    _span(torch, "set_num_threads", "set_num_threads")
     it_cls = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
+    _span(it_cls, "_reset", "torch iterator reset")
+    _span(it_cls, "_try_put_index", "torch put index")
+    _span(pinpool._main.receiver.Receiver, "ensure", "receiver.ensure")
     _span(it_cls, "_shutdown_workers", "torch shutdown workers")
     _span(it_cls, "__init__", "torch iterator start")
     _span(torch.Tensor, "to", "Tensor.to")
     _span(pinpool._main.receiver.Receiver, "close", "receiver.close")
     _span(gc, "collect", "gc.collect")
-    thread = threading.Thread(target=sleeper, daemon=True)
+    gc_start: list[float] = []
+
+    def gc_span(phase: str, info: dict[str, int]) -> None:  # collections the interpreter starts
+        if phase == "start":
+            gc_start[:] = [time.perf_counter()]
+        elif gc_start:
+            who = threading.current_thread().name
+            _keep_span(f"gc gen {info['generation']}", who, gc_start[0], time.perf_counter())
+
+    gc.callbacks.append(gc_span)
+    thread = threading.Thread(target=sleeper, daemon=True, name="sleeper")
     thread.start()
+    if args.calls_ms:
+        _profile_calls(args.calls_ms / 1e3)
+    elif args.events:
+        _record_events()
     time.sleep(0.05)
     marks = []
     t_start = time.perf_counter()
@@ -100,11 +260,14 @@ def main() -> None:
     del loader
     marks.append((time.perf_counter(), "end"))
     time.sleep(0.05)
+    sys.setprofile(None)
+    threading.setprofile(None)
     stop.set()
     thread.join()
     print(
         f"{args.loader}, {args.batches} batches of {args.batch_size} x {args.shape}, 2 epochs"
         f"{', whole arena at once' if args.whole_arena else ''}"
+        f"{f', workers started by {args.start_method}' if args.start_method else ''}"
     )
     out = []
     for due, lateness in late:
@@ -124,6 +287,12 @@ def main() -> None:
                 f"  {1e3 * (due - t_start):9.1f} ms {phase[-1] if phase else 'start':10s} late "
                 f"{lateness * 1e3:6.1f} ms: {where or '(no traced call)'}"
             )
+            if args.calls_ms:
+                print(f"      holding: {_holding(due, woke) or '(no long call)'}")
+            if args.events:
+                print(f"      running: {_running(due, woke) or '(no Python ran)'}")
+                if args.timeline:
+                    _timeline(args.timeline, due, woke, lateness)
         out.append(
             {
                 "at_ms": 1e3 * (due - t_start),
@@ -135,7 +304,7 @@ def main() -> None:
     # Per phase: the worst wake-up, and the worst one that no worker start overlapped.
     for _, name in marks[:-1]:
         mine = [e for e in out if e["phase"] == name]
-        calm = [e for e in mine if "fork a worker" not in e["spans"]]
+        calm = [e for e in mine if "a worker" not in e["spans"]]
         worst = max((e["late_ms"] for e in mine), default=0.0)
         worst_calm = max((e["late_ms"] for e in calm), default=0.0)
         print(f"  {name}: worst {worst:.1f} ms; worst outside worker start-up {worst_calm:.1f} ms")

@@ -10,6 +10,10 @@
 //!   shrinking and growing.
 //! - Regions are created with `MFD_CLOEXEC` and no name in any filesystem: nothing appears in
 //!   `/dev/shm`, and only processes that are handed the fd can map them.
+//! - Mappings and regions are unmapped [`UNMAP_CHUNK`] bytes per `munmap` call
+//!   ([`unmap_in_chunks`]): the kernel holds the process's address-space lock for the whole of
+//!   one call, and every `mmap` or `munmap` elsewhere in the process waits for it meanwhile,
+//!   including one made by a thread that holds the GIL (a freed semaphore, a large buffer).
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -381,8 +385,8 @@ fn populate_part(
 impl Drop for Region {
     fn drop(&mut self) {
         // SAFETY: `[base, base+len)` is exactly our reservation, with the parts mapped over
-        // it; one munmap removes them all. The fds close when `parts` drops.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+        // it; unmapping the range removes them all. The fds close when `parts` drops.
+        unsafe { unmap_in_chunks(self.base.as_ptr(), self.len) };
     }
 }
 
@@ -411,16 +415,30 @@ fn sealed_memfd(name: &str, len: usize) -> Result<OwnedFd> {
 
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
+/// Faults `[addr, addr+len)` in, [`UNMAP_CHUNK`] bytes per `madvise` call: the kernel holds
+/// the process's address-space lock (shared) for the whole of one call, which keeps every
+/// `mmap` or `munmap` elsewhere in the process waiting.
 fn populate_range(addr: usize, len: usize, page: usize) -> std::result::Result<(), i32> {
-    // SAFETY: `[addr, addr+len)` is inside a live writable mapping owned by the caller.
-    let rc = unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
-    if rc == 0 {
-        return Ok(());
+    let mut done = 0;
+    while done < len {
+        let n = UNMAP_CHUNK.min(len - done);
+        // SAFETY: `[addr+done, addr+done+n)` is inside a live writable mapping owned by the
+        // caller.
+        let rc =
+            unsafe { libc::madvise((addr + done) as *mut libc::c_void, n, MADV_POPULATE_WRITE) };
+        if rc != 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            if errno != libc::EINVAL || done > 0 {
+                return Err(errno);
+            }
+            return touch_pages(addr, len, page);
+        }
+        done += n;
     }
-    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-    if errno != libc::EINVAL {
-        return Err(errno);
-    }
+    Ok(())
+}
+
+fn touch_pages(addr: usize, len: usize, page: usize) -> std::result::Result<(), i32> {
     // Older kernels lack MADV_POPULATE_WRITE: touch one byte per page instead. The region is
     // freshly created (zero-filled), so writing zero preserves its contents.
     for off in (0..len).step_by(page) {
@@ -433,7 +451,30 @@ fn populate_range(addr: usize, len: usize, page: usize) -> std::result::Result<(
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` describe exactly the mapping created in `map`, unmapped only here.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        unsafe { unmap_in_chunks(self.ptr.as_ptr(), self.len) };
+    }
+}
+
+/// Bytes unmapped per `munmap` call. Unmapping a populated 1 GiB memfd mapping in one call
+/// held up a page `mmap` on another thread for the whole call (58 to 78 ms on the 2-core dev
+/// box, `benchmarks/unmap_probe.py`); at 4 MiB a call, a few hundred microseconds at most.
+pub const UNMAP_CHUNK: usize = 4 << 20;
+
+/// Unmaps `[ptr, ptr + len)` in pieces of [`UNMAP_CHUNK`] bytes, the last piece first (each
+/// call then trims the mapping from its end rather than splitting it).
+///
+/// # Safety
+/// `ptr` must be page-aligned and `[ptr, ptr + len)` mapped by the caller, who gives it up:
+/// nothing may touch it afterwards.
+pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
+    let mut end = len;
+    while end > 0 {
+        // Every piece starts a whole number of chunks (so of pages) past `ptr`.
+        let start = (end - 1) / UNMAP_CHUNK * UNMAP_CHUNK;
+        // SAFETY: `[start, end)` lies inside the range the caller gave up, starts on a page
+        // boundary, and was not unmapped yet (pieces go from the end towards `ptr`).
+        unsafe { libc::munmap(ptr.add(start).cast(), end - start) };
+        end = start;
     }
 }
 
@@ -531,6 +572,41 @@ mod tests {
         assert_eq!(unsafe { *seen.as_ptr().add(last.len - 1) }, 7);
         assert!(r.part_at(10 * page).is_none());
         assert!(Region::new("pinpool-test", 3 * page, 2 * page, 1).is_err());
+    }
+
+    /// How many pages of this process are mapped from memfds named `name` (from
+    /// `/proc/self/maps`; other tests' mappings have other names).
+    fn pages_mapped_from(name: &str) -> usize {
+        let tag = format!("/memfd:{name} ");
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .filter(|line| line.contains(&tag))
+            .map(|line| {
+                let range = line.split_whitespace().next().unwrap();
+                let (a, b) = range.split_once('-').unwrap();
+                let a = usize::from_str_radix(a, 16).unwrap();
+                (usize::from_str_radix(b, 16).unwrap() - a) / page_size()
+            })
+            .sum()
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn chunked_unmapping_leaves_nothing_mapped() {
+        // Whole chunks, a partial chunk, and a length that is not a whole number of pages.
+        let lens = [UNMAP_CHUNK, 3 * UNMAP_CHUNK + 5 * page_size(), 2 * UNMAP_CHUNK + 12345, 100];
+        for len in lens {
+            let m = Mapping::memfd("pinpool-unmap-test", len).unwrap();
+            let pages = round_up(len, page_size()).unwrap() / page_size();
+            assert_eq!(pages_mapped_from("pinpool-unmap-test"), pages);
+            drop(m);
+            assert_eq!(pages_mapped_from("pinpool-unmap-test"), 0, "{len} bytes: pages left");
+        }
+        let r = Region::new("pinpool-unmap-region", 6 * UNMAP_CHUNK, UNMAP_CHUNK, 4).unwrap();
+        assert_eq!(pages_mapped_from("pinpool-unmap-region"), 6 * UNMAP_CHUNK / page_size());
+        drop(r);
+        assert_eq!(pages_mapped_from("pinpool-unmap-region"), 0, "part of the region is left");
     }
 
     #[test]

@@ -164,3 +164,34 @@ def test_two_ranks_each_load_their_shard_and_rank_0_reports_the_totals(tmp_path:
         assert totals[loader]["total_gbps_median"] == pytest.approx(sum(mine))
         assert sorted(totals[loader]["per_rank_gbps"]) == pytest.approx(mine)
     assert "2 ranks, each loading its own shard" in proc.stdout
+
+
+@pytest.mark.slow
+def test_workers_started_by_a_forkserver_with_a_shorter_switch_interval(tmp_path: Path) -> None:
+    proc, out = run_bench(
+        tmp_path,
+        "--quick",
+        "--workload",
+        "tokens",
+        "--modes",
+        "throughput",
+        "--loaders",
+        "pinpool",
+        "--repeats",
+        "1",
+        "--start-method",
+        "forkserver",
+        "--switch-interval",
+        "0.002",
+    )
+    result = json.loads((out / "results.json").read_text())
+    assert not [r for r in result["runs"] if r.get("error")]
+    assert [r["loader"] for r in result["runs"]] == ["pinpool"]
+    meta = result["meta"]
+    # The run's workers came from the server, started (and timed) before the first run.
+    assert meta["start_method"] == "forkserver"
+    assert 0 < meta["forkserver_ready_s"] < 120
+    assert meta["switch_interval_s"] == pytest.approx(0.002)
+    assert result["config"]["start_method"] == "forkserver"
+    assert any("forkserver" in n for n in result["notes"])
+    assert "GIL switch interval set to 2 ms" in proc.stdout

@@ -2,4 +2,5 @@
 
 from .runner import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # (a forkserver imports this module as __mp_main__: not a run)
+    raise SystemExit(main())

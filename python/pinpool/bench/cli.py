@@ -88,6 +88,8 @@ class Config:
     data_dir: str
     out: str
     ranks: int  # data-parallel ranks (1: a plain run)
+    start_method: str | None  # how workers start (None: multiprocessing's default)
+    switch_interval: float | None  # sys.setswitchinterval for the run (None: Python's)
 
 
 def _names(values: list[str] | None, allowed: tuple[str, ...], what: str) -> list[str] | None:
@@ -171,6 +173,20 @@ def parser() -> argparse.ArgumentParser:
         help="data-parallel ranks, one GPU each, every rank loading its shard: starts the run "
         "under torchrun (the same as torchrun --nproc-per-node N -m pinpool.bench) (1)",
     )
+    add(
+        "--start-method",
+        choices=("fork", "forkserver", "spawn"),
+        help="how every loader's workers start (multiprocessing's default, fork on Linux "
+        "before Python 3.14): with forkserver, workers are forked by a server process, not "
+        "by the training process, which only sends it the worker's arguments; the server is "
+        "started, and made ready, before the first run",
+    )
+    add(
+        "--switch-interval",
+        type=float,
+        help="seconds a thread may hold the GIL while another waits for it before it is made "
+        "to give it up (sys.setswitchinterval; Python's default: 0.005)",
+    )
     add("--data-dir", help="where the memmap file is made (a dir under the temp dir)")
     add("--out", help="output dir (benchmarks/results/<date>-<host>/)")
     add("--quick", action="store_true", help="a short run with small shapes (CI, tests)")
@@ -236,4 +252,6 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         data_dir=args.data_dir or os.path.join(tempfile.gettempdir(), "pinpool-bench"),
         out=out,
         ranks=max(1, args.ranks),
+        start_method=args.start_method,
+        switch_interval=args.switch_interval,
     )

@@ -22,6 +22,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -268,7 +269,33 @@ def main(argv: list[str] | None = None) -> int:
             ranks.end()
 
 
+def _nothing() -> None:
+    """A worker that does nothing (readies the forkserver)."""
+
+
+def start_workers_by(method: str | None) -> float | None:
+    """Makes ``method`` how workers start in this process. For ``forkserver``, starts the
+    server, with this module (torch, pinpool, the datasets) imported once in it, and waits
+    until it has forked a first worker, as a training script would before its first loader;
+    returns how long that took, in seconds (else None)."""
+    if method is None:
+        return None
+    multiprocessing.set_start_method(method, force=True)
+    if method != "forkserver":
+        return None
+    # What every worker needs, imported once by the server rather than by each worker.
+    multiprocessing.set_forkserver_preload([__name__])
+    t = time.perf_counter()
+    first = multiprocessing.Process(target=_nothing)
+    first.start()
+    first.join()
+    return time.perf_counter() - t
+
+
 def _run(cfg: Config, argv: list[str], ranks: Ranks | None) -> int:
+    ready_s = start_workers_by(cfg.start_method)
+    if cfg.switch_interval is not None:
+        sys.setswitchinterval(cfg.switch_interval)
     if ranks is not None:
         cfg.device = ranks.start(cfg.device is not None)
         cfg.ranks = ranks.world
@@ -317,6 +344,15 @@ def _run(cfg: Config, argv: list[str], ranks: Ranks | None) -> int:
         "runs": [],
         "summary": {},
     }
+    result["meta"]["switch_interval_s"] = sys.getswitchinterval()
+    if cfg.switch_interval is not None:
+        notes.append(f"GIL switch interval set to {cfg.switch_interval * 1e3:g} ms")
+    if ready_s is not None:
+        result["meta"]["forkserver_ready_s"] = ready_s
+        notes.append(
+            f"workers started by a forkserver (ready {ready_s:.2f} s before the first run): "
+            "the training process sends each worker's arguments, the server forks it"
+        )
     if ranks is not None:
         result["meta"]["ranks"] = ranks.world
         notes.append(
