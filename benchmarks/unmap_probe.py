@@ -1,11 +1,12 @@
 """Does unmapping shared memory on another thread hold up the threads of the process?
-(A thread that only sleeps, and one that maps and unmaps a page, holding the GIL.)
 
 Maps a memfd of ``--mib`` MiB, faults it in, then unmaps it from a thread that does not hold
-the GIL (a ctypes call), whole or in chunks, while a Python thread sleeps 1 ms at a time (as
-the bench's stall probe does) and the main thread waits. Prints the unmap's time and the
-sleeper's worst lateness during it, beside a quiet stretch of the same length. Repeats
-``--repeats`` times per chunk size.
+the GIL (a ctypes call), whole or in chunks, while two Python threads run: one sleeps 1 ms at a
+time (as the bench's stall probe does), one maps and unmaps a page in a loop (as freeing a
+semaphore or allocating a large buffer does; C code that does it while holding the GIL stops
+every Python thread for as long). Prints the unmap's time, the sleeper's worst lateness and the
+slowest page map during it, beside a quiet stretch of the same length. Repeats ``--repeats``
+times per chunk size.
 
     python3 benchmarks/unmap_probe.py [--mib 1024] [--chunks-mib 0 64 8] [--out F]
 """
@@ -19,6 +20,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -30,12 +32,12 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 PROT_RW, MAP_SHARED, MADV_POPULATE_WRITE = 3, 1, 23
 
 
-class Mapper:
-    """A thread that maps and unmaps one page in a loop, holding the GIL as a Python thread
-    that frees a semaphore or allocates a large buffer does: its slowest round is how long
-    such a call can be held up by an unmap elsewhere in the process."""
+class Timed:
+    """A thread that runs ``step`` in a loop (``pause`` seconds apart) and records when each
+    run started and how long it took."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: Callable[[], None], pause: float = 0.0) -> None:
+        self.step, self.pause = step, pause
         self.times: list[tuple[float, float]] = []  # (start, seconds)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
@@ -44,36 +46,27 @@ class Mapper:
     def loop(self) -> None:
         while not self.stop.is_set():
             t = time.perf_counter()
-            m = mmap.mmap(-1, 4096)
-            m[0] = 1
-            m.close()
+            self.step()
             self.times.append((t, time.perf_counter() - t))
-            time.sleep(0.0002)
+            if self.pause:
+                time.sleep(self.pause)
 
-    def worst_ms(self, start: float, end: float) -> float:
-        return 1e3 * max((d for t, d in self.times if start <= t < end), default=0.0)
+    def worst_ms(self, start: float, end: float, expected: float = 0.0) -> float:
+        """The longest run that started within ``[start, end)``, less ``expected``, in ms."""
+        return 1e3 * max((d - expected for t, d in self.times if start <= t < end), default=0.0)
 
 
-class Sleeper:
-    def __init__(self) -> None:
-        self.due: list[float] = []
-        self.late: list[float] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.loop, daemon=True)
-        self.thread.start()
+def sleep_1ms() -> None:
+    """The bench's stall probe: late wake-ups are time the process's threads could not run."""
+    time.sleep(0.001)
 
-    def loop(self) -> None:
-        while not self.stop.is_set():
-            t = time.perf_counter()
-            time.sleep(0.001)
-            self.due.append(t + 0.001)
-            self.late.append(time.perf_counter() - t - 0.001)
 
-    def worst_ms(self, start: float, end: float) -> float:
-        return 1e3 * max(
-            (lt for d, lt in zip(self.due, self.late, strict=False) if start <= d < end),
-            default=0.0,
-        )
+def map_a_page() -> None:
+    """What freeing a semaphore or allocating a large buffer does: its slowest round is how
+    long any ``mmap``/``munmap`` elsewhere in the process can be held up."""
+    m = mmap.mmap(-1, 4096)
+    m[0] = 1
+    m.close()
 
 
 def mapped(nbytes: int) -> tuple[int, int]:
@@ -118,8 +111,8 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     nbytes = args.mib << 20
-    sleeper = Sleeper()
-    mapper = Mapper()
+    sleeper = Timed(sleep_1ms)
+    mapper = Timed(map_a_page, pause=0.0002)
     rows = []
     for chunk_mib in [-1] if args.pinpool else args.chunks_mib:
         for _ in range(args.repeats):
@@ -148,8 +141,8 @@ def main() -> None:
             row = {
                 "chunk_mib": chunk_mib,
                 "unmap_ms": 1e3 * (t1 - t0),
-                "worst_late_ms": sleeper.worst_ms(t0, t1),
-                "quiet_worst_late_ms": sleeper.worst_ms(t2, t3),
+                "worst_late_ms": sleeper.worst_ms(t0, t1, 0.001),
+                "quiet_worst_late_ms": sleeper.worst_ms(t2, t3, 0.001),
                 "mmap_worst_ms": mapper.worst_ms(t0, t1),
                 "quiet_mmap_worst_ms": mapper.worst_ms(t2, t3),
             }
