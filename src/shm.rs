@@ -10,7 +10,7 @@
 //!   shrinking and growing.
 //! - Regions are created with `MFD_CLOEXEC` and no name in any filesystem: nothing appears in
 //!   `/dev/shm`, and only processes that are handed the fd can map them.
-//! - Mappings and regions are unmapped [`UNMAP_CHUNK`] bytes per `munmap` call
+//! - Mappings and regions are unmapped [`MM_CALL_BYTES`] bytes per `munmap` call
 //!   ([`unmap_in_chunks`]): the kernel holds the process's address-space lock for the whole of
 //!   one call, and every `mmap` or `munmap` elsewhere in the process waits for it meanwhile,
 //!   including one made by a thread that holds the GIL (a freed semaphore, a large buffer).
@@ -415,13 +415,13 @@ fn sealed_memfd(name: &str, len: usize) -> Result<OwnedFd> {
 
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
-/// Faults `[addr, addr+len)` in, [`UNMAP_CHUNK`] bytes per `madvise` call: the kernel holds
+/// Faults `[addr, addr+len)` in, [`MM_CALL_BYTES`] bytes per `madvise` call: the kernel holds
 /// the process's address-space lock (shared) for the whole of one call, which keeps every
 /// `mmap` or `munmap` elsewhere in the process waiting.
 fn populate_range(addr: usize, len: usize, page: usize) -> std::result::Result<(), i32> {
     let mut done = 0;
     while done < len {
-        let n = UNMAP_CHUNK.min(len - done);
+        let n = MM_CALL_BYTES.min(len - done);
         // SAFETY: `[addr+done, addr+done+n)` is inside a live writable mapping owned by the
         // caller.
         let rc =
@@ -455,12 +455,14 @@ impl Drop for Mapping {
     }
 }
 
-/// Bytes unmapped per `munmap` call. Unmapping a populated 1 GiB memfd mapping in one call
-/// held up a page `mmap` on another thread for the whole call (58 to 78 ms on the 2-core dev
-/// box, `benchmarks/unmap_probe.py`); at 4 MiB a call, a few hundred microseconds at most.
-pub const UNMAP_CHUNK: usize = 4 << 20;
+/// Bytes per `munmap` or populating `madvise` call. Unmapping a populated 1 GiB memfd mapping in
+/// one call held a page `mmap` on another thread up for the whole call (56 to 58 ms on the
+/// H200, 58 to 78 ms on the 2-core dev box, `benchmarks/unmap_probe.py`); in 4 MiB calls, 0.6
+/// to 7.5 ms. Freeing a 2 GiB arena on the H200: 88 to 91 ms before, 16 ms after (the rest is
+/// the driver unregistering each part).
+pub const MM_CALL_BYTES: usize = 4 << 20;
 
-/// Unmaps `[ptr, ptr + len)` in pieces of [`UNMAP_CHUNK`] bytes, the last piece first (each
+/// Unmaps `[ptr, ptr + len)` in pieces of [`MM_CALL_BYTES`] bytes, the last piece first (each
 /// call then trims the mapping from its end rather than splitting it).
 ///
 /// # Safety
@@ -470,7 +472,7 @@ pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
     let mut end = len;
     while end > 0 {
         // Every piece starts a whole number of chunks (so of pages) past `ptr`.
-        let start = (end - 1) / UNMAP_CHUNK * UNMAP_CHUNK;
+        let start = (end - 1) / MM_CALL_BYTES * MM_CALL_BYTES;
         // SAFETY: `[start, end)` lies inside the range the caller gave up, starts on a page
         // boundary, and was not unmapped yet (pieces go from the end towards `ptr`).
         unsafe { libc::munmap(ptr.add(start).cast(), end - start) };
@@ -595,7 +597,8 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn chunked_unmapping_leaves_nothing_mapped() {
         // Whole chunks, a partial chunk, and a length that is not a whole number of pages.
-        let lens = [UNMAP_CHUNK, 3 * UNMAP_CHUNK + 5 * page_size(), 2 * UNMAP_CHUNK + 12345, 100];
+        let lens =
+            [MM_CALL_BYTES, 3 * MM_CALL_BYTES + 5 * page_size(), 2 * MM_CALL_BYTES + 12345, 100];
         for len in lens {
             let m = Mapping::memfd("pinpool-unmap-test", len).unwrap();
             let pages = round_up(len, page_size()).unwrap() / page_size();
@@ -603,8 +606,8 @@ mod tests {
             drop(m);
             assert_eq!(pages_mapped_from("pinpool-unmap-test"), 0, "{len} bytes: pages left");
         }
-        let r = Region::new("pinpool-unmap-region", 6 * UNMAP_CHUNK, UNMAP_CHUNK, 4).unwrap();
-        assert_eq!(pages_mapped_from("pinpool-unmap-region"), 6 * UNMAP_CHUNK / page_size());
+        let r = Region::new("pinpool-unmap-region", 6 * MM_CALL_BYTES, MM_CALL_BYTES, 4).unwrap();
+        assert_eq!(pages_mapped_from("pinpool-unmap-region"), 6 * MM_CALL_BYTES / page_size());
         drop(r);
         assert_eq!(pages_mapped_from("pinpool-unmap-region"), 0, "part of the region is left");
     }
