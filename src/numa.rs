@@ -433,13 +433,21 @@ mod tests {
         assert!(p.notes()[0].contains("node is -1"), "{:?}", p.notes());
     }
 
+    /// Whether this kernel reports no NUMA nodes (the test that asks is then skipped).
+    fn no_numa() -> bool {
+        let none = topology::node_count(std::path::Path::new("/sys")).is_none();
+        if none {
+            eprintln!("skipped: this kernel reports no NUMA nodes");
+        }
+        none
+    }
+
     #[test]
     // Miri: mmap, memfd_create and mbind are foreign calls Miri cannot run.
     #[cfg_attr(miri, ignore)]
     fn mbind_on_a_real_shared_mapping_and_on_anonymous_memory() {
         // Node 0 exists on every Linux machine with NUMA support.
-        if topology::node_count(std::path::Path::new("/sys")).is_none() {
-            eprintln!("skipped: this kernel reports no NUMA nodes");
+        if no_numa() {
             return;
         }
         let page = page_size();
@@ -476,8 +484,7 @@ mod tests {
     // Miri: get_mempolicy and set_mempolicy are foreign calls Miri cannot run.
     #[cfg_attr(miri, ignore)]
     fn the_thread_policy_is_restored_after_the_allocation() {
-        if topology::node_count(std::path::Path::new("/sys")).is_none() {
-            eprintln!("skipped: this kernel reports no NUMA nodes");
+        if no_numa() {
             return;
         }
         std::thread::spawn(|| {
