@@ -14,6 +14,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import multiprocessing.queues
+import os
+import queue
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -27,6 +31,7 @@ import pinpool
 import pinpool.loader
 from pinpool._main import delivery, receiver
 from pinpool._wire import codec, handle
+from pinpool._worker import collate, places, streaming
 from pinpool.bench.workloads import make_dataset
 
 _TOTALS: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -34,6 +39,43 @@ _LOCK = threading.Lock()
 
 
 Recorder = Callable[[str, str, float, float], None]
+
+#: The process that runs the loader; the workers are its forked children.
+_MAIN_PID = os.getpid()
+#: Workers write their totals here (``<pid>.json``) every :data:`_DUMP_EVERY` batches.
+_WORKER_DIR = os.path.join(tempfile.gettempdir(), f"next_profile_{_MAIN_PID}")
+_DUMP_EVERY = 50
+#: The label of the call that ends a worker's batch (torch's fetch, collation included).
+_WORKER_BATCH = "torch fetch + collate"
+
+
+def _dump_worker_totals() -> None:
+    """In a worker: writes its totals, every :data:`_DUMP_EVERY` batches (a DataLoader worker
+    exits without running ``atexit`` handlers, so the last few batches may be missing)."""
+    with _LOCK:
+        if len(_TOTALS[(_WORKER_BATCH, "worker")]) % _DUMP_EVERY:
+            return
+        data = {f"{label}\t{who}": xs for (label, who), xs in _TOTALS.items()}
+    os.makedirs(_WORKER_DIR, exist_ok=True)
+    path = os.path.join(_WORKER_DIR, f"{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def _merge_worker_totals() -> None:
+    """In the main process: adds every worker's totals to ours (rows with thread "worker",
+    or "w-feed" for a worker's queue feeder thread)."""
+    if not os.path.isdir(_WORKER_DIR):
+        return
+    for name in os.listdir(_WORKER_DIR):
+        with open(os.path.join(_WORKER_DIR, name)) as f:
+            data = json.load(f)
+        for key, xs in data.items():
+            label, who = key.split("\t")
+            _TOTALS[(label, who)].extend(xs)
+        os.unlink(os.path.join(_WORKER_DIR, name))
+    os.rmdir(_WORKER_DIR)
 
 
 def _add_to_totals(label: str, who: str, start: float, end: float) -> None:
@@ -52,8 +94,14 @@ def wrap(owner: Any, name: str, label: str, record: Recorder = _add_to_totals) -
         try:
             return fn(*args, **kwargs)
         finally:
-            who = "main" if threading.current_thread() is threading.main_thread() else "pin"
+            main_thread = threading.current_thread() is threading.main_thread()
+            if os.getpid() == _MAIN_PID:
+                who = "main" if main_thread else "pin"
+            else:
+                who = "worker" if main_thread else "w-feed"
             record(label, who, t0, time.perf_counter())
+            if who == "worker" and label == _WORKER_BATCH:
+                _dump_worker_totals()
 
     setattr(owner, name, timed)
 
@@ -65,8 +113,13 @@ def instrument(record: Recorder = _add_to_totals) -> None:
         wrap(owner, name, label, record)
 
     it_cls = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
-    for name in ("_next_data", "_get_data", "_try_get_data", "_process_data"):
+    for name in ("_next_data", "_get_data", "_try_get_data", "_process_data", "_try_put_index"):
         _wrap(it_cls, name, f"torch iter.{name}")
+    # The queues between the threads: a worker's batch reaches the pin thread through a
+    # multiprocessing queue, and the consumer through a thread queue.
+    _wrap(multiprocessing.queues.Queue, "get", "multiprocessing Queue.get")
+    _wrap(multiprocessing.queues.Queue, "put", "multiprocessing Queue.put")
+    _wrap(queue.Queue, "put", "queue.Queue.put")
     pm = torch.utils.data._utils.pin_memory
     _wrap(pm, "pin_memory", "torch pin_memory()")
     _wrap(pinpool.loader, "finish", "pinpool finish")
@@ -78,8 +131,75 @@ def instrument(record: Recorder = _add_to_totals) -> None:
     _wrap(delivery.OnDevice, "wait", "OnDevice.wait")
     for name in ("pin_memory", "take", "__setstate__"):
         _wrap(handle.BatchHandle, name, f"BatchHandle.{name}")
-    for name in ("rebuild", "views_for"):
+    for name in ("rebuild", "host_leaves"):
         _wrap(codec, name, f"codec.{name}")
+    # In the workers (forked after this): torch's fetch (the dataset and the collation) and
+    # pinpool's part of it.
+    fetch = torch.utils.data._utils.fetch._MapDatasetFetcher
+    _wrap(fetch, "fetch", _WORKER_BATCH)
+    _wrap(collate.PinCollate, "__call__", "pinpool collate")
+    for name in ("plan", "write"):
+        _wrap(codec, name, f"codec.{name}")
+    _wrap(places, "write", "places.write")
+    _wrap(places.Place, "__init__", "places.Place()")
+    _wrap(places.Place, "send", "Place.send")
+    _wrap(streaming, "collate_streaming", "streaming.collate_streaming")
+    _wrap(streaming, "plan_layout", "streaming.plan_layout")
+    _wrap(streaming._Rows, "put", "streaming rows.put")
+    _wrap(streaming._Rows, "flush", "streaming rows.flush")
+    _wrap(streaming, "_collate_marked", "streaming._collate_marked")
+
+
+def _thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds each thread of process ``pid`` has run, by thread id, with its name:
+    ``schedstat`` (nanoseconds) where the kernel keeps it, else ``stat`` (clock ticks)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        base = f"/proc/{pid}/task/{tid}"
+        try:
+            with open(f"{base}/comm") as f:
+                name = f.read().strip()
+            try:
+                with open(f"{base}/schedstat") as f:
+                    seconds = int(f.read().split()[0]) / 1e9
+            except OSError:
+                with open(f"{base}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                seconds = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+        out[int(tid)] = (name, seconds)
+    return out
+
+
+def _cpu_rows(
+    before: dict[Any, tuple[str, float]], after: dict[Any, tuple[str, float]], steps: int
+) -> list[tuple[str, float]]:
+    """CPU time per batch for each kind of thread (threads of one name added up)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    per: dict[str, float] = defaultdict(float)
+    for key, (comm, seconds) in after.items():
+        pid, tid = key
+        used = seconds - before.get(key, (comm, 0.0))[1]
+        if pid != os.getpid():
+            name = "worker processes (all threads)"
+        else:
+            name = names.get(tid, comm)
+            if name.startswith("Thread-") and "(" in name:  # torch's: "Thread-3 (_pin_memory_loop)"
+                name = name[name.index("(") + 1 : -1]
+            elif name.startswith("pinpool-copy"):
+                name = "pinpool-copy-*"
+        per[name] += used
+    return sorted(((n, v / steps) for n, v in per.items() if v > 0), key=lambda r: -r[1])
+
+
+def _all_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    return {(pid, tid): v for pid in pids for tid, v in _thread_cpu(pid).items()}
 
 
 def main() -> None:
@@ -120,6 +240,9 @@ def main() -> None:
     for _ in range(50):
         next(it)
     _TOTALS.clear()
+    inner = getattr(it, "_inner", it)  # (pinpool wraps torch's iterator)
+    pids = [os.getpid()] + [w.pid for w in getattr(inner, "_workers", [])]
+    cpu_before = _all_cpu(pids)
     waits = []
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -128,7 +251,10 @@ def main() -> None:
         waits.append(time.perf_counter() - a)
         del batch
     wall = time.perf_counter() - t0
+    cpu = _cpu_rows(cpu_before, _all_cpu(pids), args.steps)
     del it, loader
+    _TOTALS.pop((_WORKER_BATCH, "main"), None)
+    _merge_worker_totals()
     rows = []
     for (label, who), xs in sorted(_TOTALS.items(), key=lambda kv: -sum(kv[1])):
         rows.append(
@@ -156,6 +282,10 @@ def main() -> None:
             f"  {r['function']:32s} {r['thread']:6s} {r['calls']:7d} {r['total_ms']:9.1f} "
             f"{r['mean_us']:8.1f} {r['p99_us']:8.1f}"
         )
+    print("  CPU time per batch, by thread (the GIL is one: the main process's Python threads")
+    print("  together cannot use more than the time per batch):")
+    for name, per_batch in cpu:
+        print(f"    {name:40s} {per_batch * 1e6:8.1f} us")
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"head": head, "rows": rows}) + "\n")

@@ -1,7 +1,7 @@
 """The codec under the DataLoader: ``plan`` / ``write`` in the worker, ``checked_specs`` /
-``views_for`` / ``rebuild`` in the main process, and what happens to corrupt descriptions
-(leaf specs, marked trees, whole ``BatchHandle`` objects): ``PinPoolError``, never a read
-outside the buffer, no slot or fd left behind."""
+``host_leaves`` (``device_leaf``) / ``rebuild`` in the main process, and what happens to
+corrupt descriptions (leaf specs, marked trees, whole ``BatchHandle`` objects):
+``PinPoolError``, never a read outside the buffer, no slot or fd left behind."""
 
 from __future__ import annotations
 
@@ -92,10 +92,7 @@ def encode(batch: Any) -> tuple[Any, list[tuple], bytearray]:
 
 def decode(tree: Any, specs: Any, buf: bytearray, limit: int | None = None) -> Any:
     checked = _codec.checked_specs(specs, len(buf) if limit is None else limit)
-    base = (
-        torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-    )
-    return _codec.rebuild(tree, _codec.views_for(checked, base))
+    return _codec.rebuild(tree, _codec.host_leaves(checked, buf, len(buf)))
 
 
 def check_layout(specs: list[LeafSpec], nbytes: int) -> None:
@@ -131,12 +128,34 @@ def test_plan_write_rebuild_round_trip(batch: Any) -> None:
 
 @SETTINGS
 @given(batches())
+def test_device_leaves_match_host_leaves(batch: Any) -> None:
+    """``device_leaf`` (slices and views of one flat copy, as on a GPU) and ``host_leaf``
+    (numpy and ``from_numpy``) give the same torch leaves, checked on a CPU copy."""
+    p = _codec.plan(batch)
+    buf = bytearray(p.nbytes)
+    _codec.write(p, buf)
+    checked = _codec.checked_specs(p.specs, len(buf))
+    storage = torch.tensor(list(buf), dtype=torch.uint8)  # a copy, as .to(device) makes
+    for spec, host in zip(checked, _codec.host_leaves(checked, buf, len(buf)), strict=True):
+        if spec.kind != "torch":
+            continue
+        copied = _codec.device_leaf(storage, spec)
+        assert type(copied) is type(host) and copied.dtype == host.dtype
+        assert copied.shape == host.shape
+        flat = [t.reshape(-1).view(torch.uint8) for t in (copied, host)]
+        assert torch.equal(*flat)
+        if spec.nbytes:
+            assert copied.data_ptr() == storage.data_ptr() + spec.offset
+
+
+@SETTINGS
+@given(batches())
 def test_write_into_a_tensor_buffer_with_slack(batch: Any) -> None:
     p = _codec.plan(batch)
     buf = torch.full((p.nbytes + 3 * ALIGN,), 0xAB, dtype=torch.uint8)
     _codec.write(p, buf)
     assert bool((buf[p.nbytes :] == 0xAB).all()), "write went past the plan's end"
-    views = _codec.views_for(_codec.checked_specs(p.specs, len(buf)), buf)
+    views = _codec.host_leaves(_codec.checked_specs(p.specs, len(buf)), buf.numpy(), len(buf))
     assert_same(batch, _codec.rebuild(p.tree, views))
 
 
@@ -353,7 +372,8 @@ def test_specs_that_pass_never_reach_past_the_limit(specs: list[tuple], limit: i
         return
     buf = torch.zeros(limit + 4096, dtype=torch.uint8)
     lo, hi = buf.data_ptr(), buf.data_ptr() + limit
-    for spec, view in zip(checked, _codec.views_for(checked, buf), strict=True):
+    views = _codec.host_leaves(checked, buf.numpy(), limit)
+    for spec, view in zip(checked, views, strict=True):
         assert spec.offset + spec.nbytes <= limit
         if spec.nbytes == 0:
             continue

@@ -49,8 +49,7 @@ def collate_via_stream(samples: list[Any], threads: int = 1) -> tuple[Any, bool]
         buf = bytearray(p.nbytes)
         buf[: len(region)] = region
     _codec.write(p, buf)
-    base = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    views = _codec.views_for(_codec.checked_specs(p.specs, len(buf)), base)
+    views = _codec.host_leaves(_codec.checked_specs(p.specs, len(buf)), buf, len(buf))
     return _codec.rebuild(p.tree, views), made is None
 
 

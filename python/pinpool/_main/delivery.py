@@ -161,30 +161,31 @@ class Delivery:
         self.batches += 1
         self.bytes += need
         if memory is None:
-            empty = torch.empty(0, dtype=torch.uint8)
-            return codec.rebuild(tree, codec.views_for(specs, empty), self.kept)
-        if isinstance(memory, Slot):
-            slot: Slot | None = memory
-            base = torch.frombuffer(memory, dtype=torch.uint8, count=need)
-        else:
-            slot, base = None, memory
+            return codec.rebuild(tree, codec.host_leaves(specs, b"", 0), self.kept)
+        # The leaves' buffer: a slot, or the numpy array of an ordinary buffer (no torch op:
+        # see codec.host_leaf).
+        host = memory if isinstance(memory, Slot) else memory.numpy()
         if self.device is None:
             # The views hold the slot; it returns to the pool when the last of them dies.
-            del slot, memory
-            return codec.rebuild(tree, codec.views_for(specs, base), self.kept)
+            leaves = codec.host_leaves(specs, host, need)
+            del host, memory
+            return codec.rebuild(tree, leaves, self.kept)
         assert self.copy_stream is not None
+        base = torch.frombuffer(host, dtype=torch.uint8, count=need)
         with torch.cuda.stream(self.copy_stream):
             storage = base.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
+        del base
         views = []
         for s in specs:
             if s.kind == "numpy":  # numpy cannot live on the GPU: keep a host copy
-                views.append(codec.leaf_from_bytes(base, s).copy())
+                views.append(codec.host_leaf(host, s, need).copy())
             else:
-                views.append(codec.leaf_from_bytes(storage, s))
-        if slot is not None:
-            slot.release(self.copy_stream)
+                views.append(codec.device_leaf(storage, s))
+        del host
+        if isinstance(memory, Slot):
+            memory.release(self.copy_stream)
         return OnDevice(codec.rebuild(tree, views, self.kept), storage, event, self.device)
 
 

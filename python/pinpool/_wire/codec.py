@@ -349,35 +349,67 @@ def extent(specs: list[LeafSpec]) -> int:
     return max((s.offset + s.nbytes for s in specs), default=0)
 
 
-def leaf_from_bytes(base: torch.Tensor, spec: LeafSpec) -> Any:
-    """The array of ``spec`` viewing ``base`` (a flat uint8 tensor, host or device).
+#: numpy's dtype for each torch dtype numpy has (not bfloat16, complex32 or the float8s).
+NUMPY_OF_TORCH: dict[str, np.dtype[Any]] = {name: dt for dt, name in NUMPY_TO_TORCH.items()}
 
-    The bytes are cut out with ``as_strided``, not by slicing: torch's slicing gives up the
-    GIL and takes it back, and on torch's pin thread taking it back means waiting for the
-    consumer's thread to let go of it (torch checks the view against its storage either way)."""
+
+def host_leaf(memory: Any, spec: LeafSpec, limit: int) -> Any:
+    """The array of ``spec`` over the first ``limit`` bytes of ``memory`` (a slot, or a numpy
+    array of ordinary memory), on the CPU.
+
+    Made with numpy and ``torch.from_numpy``, which keep the GIL throughout. torch's generated
+    ops (``view``, ``as_strided``, ``empty``...) each give it up and take it back, once or
+    twice a call; on torch's pin thread, taking it back means waiting for the consumer's
+    thread to let go of it (``benchmarks/gil_probe.py`` shows which calls do). Only a dtype
+    numpy lacks (bfloat16, complex32, float8) with more than one dimension costs one such op.
+    Each array holds its own buffer export of ``memory``: a slot returns to its pool when the
+    last of them dies."""
+    if spec.nbytes and (spec.offset < 0 or spec.offset + spec.nbytes > limit):
+        raise OutOfBounds(f"leaf bytes {spec.offset}+{spec.nbytes} outside {limit}")
     if spec.kind == "numpy":
         ndt = np.dtype(spec.dtype)
         if spec.nbytes == 0:
             return np.empty(spec.shape, dtype=ndt)
-        return _raw(base, spec).numpy().view(ndt).reshape(spec.shape)
+        count = spec.nbytes // ndt.itemsize
+        return np.frombuffer(memory, ndt, count, spec.offset).reshape(spec.shape)
     dtype = TORCH_DTYPES[spec.dtype]
     if spec.nbytes == 0:
-        out = torch.empty(spec.shape, dtype=dtype, device=base.device)
+        out = torch.empty(spec.shape, dtype=dtype)
     else:
-        out = _raw(base, spec).view(dtype).view(spec.shape)
+        count = spec.nbytes // dtype.itemsize
+        ndt = NUMPY_OF_TORCH.get(spec.dtype)
+        if ndt is not None:
+            flat = np.frombuffer(memory, ndt, count, spec.offset)
+            out = torch.from_numpy(flat.reshape(spec.shape))
+        else:
+            out = torch.frombuffer(memory, dtype=dtype, count=count, offset=spec.offset)
+            if out.shape != spec.shape:
+                out = out.view(spec.shape)
     return out if spec.subclass is None else out.as_subclass(spec.subclass)
 
 
-def _raw(base: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
-    """``base[spec.offset : spec.offset + spec.nbytes]``."""
-    if spec.offset < 0 or spec.offset + spec.nbytes > base.numel():
-        raise OutOfBounds(f"leaf bytes {spec.offset}+{spec.nbytes} outside {base.numel()}")
-    return base.as_strided((spec.nbytes,), (1,), base.storage_offset() + spec.offset)
+def host_leaves(specs: list[LeafSpec], memory: Any, limit: int) -> list[Any]:
+    """One host array per spec, over ``memory`` (see :func:`host_leaf`)."""
+    return [host_leaf(memory, s, limit) for s in specs]
 
 
-def views_for(specs: list[LeafSpec], base: torch.Tensor) -> list[Any]:
-    """One view per spec into ``base``."""
-    return [leaf_from_bytes(base, s) for s in specs]
+def device_leaf(storage: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+    """The tensor of torch leaf ``spec`` viewing ``storage``, a flat uint8 tensor on a device
+    (numpy has no device arrays: these are torch's own views, ``as_strided`` then ``view``
+    where the dtype and shape differ)."""
+    if spec.nbytes and (spec.offset < 0 or spec.offset + spec.nbytes > storage.numel()):
+        raise OutOfBounds(f"leaf bytes {spec.offset}+{spec.nbytes} outside {storage.numel()}")
+    dtype = TORCH_DTYPES[spec.dtype]
+    if spec.nbytes == 0:
+        out = torch.empty(spec.shape, dtype=dtype, device=storage.device)
+    else:
+        start = storage.storage_offset() + spec.offset
+        out = storage.as_strided((spec.nbytes,), (1,), start)
+        if dtype is not torch.uint8:
+            out = out.view(dtype)
+        if out.shape != spec.shape:
+            out = out.view(spec.shape)
+    return out if spec.subclass is None else out.as_subclass(spec.subclass)
 
 
 def rebuild(tree: Any, views: list[Any], kept: Callable[[Any], Any] | None = None) -> Any:
