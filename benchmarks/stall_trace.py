@@ -146,6 +146,80 @@ def _holding(due: float, woke: float) -> str:
     return " | ".join(parts)
 
 
+#: The thread-state sampler's process (``--states``): reads, as fast as it can, the state and
+#: kernel wait channel of every thread of process ``argv[1]`` from ``/proc``, keeping those
+#: running (R) or in an uninterruptible wait (D), until its stdin closes; then writes them as
+#: JSON lines ``[time, tid, name, state, wchan]`` to stdout.
+_STATE_SAMPLER = """
+import json, os, sys, threading, time
+pid = int(sys.argv[1])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+tasks, seen, out = {}, 0.0, []
+print("ready", flush=True)
+while not stop.is_set():
+    now = time.perf_counter()
+    if now - seen > 0.02:  # new threads
+        seen = now
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if tid not in tasks:
+                    try:
+                        base = f"/proc/{pid}/task/{tid}"
+                        tasks[tid] = (os.open(base + "/stat", os.O_RDONLY),
+                                      os.open(base + "/wchan", os.O_RDONLY))
+                    except OSError:
+                        pass
+        except OSError:
+            break
+    for tid, (fs, fw) in list(tasks.items()):
+        try:
+            stat = os.pread(fs, 512, 0).decode()
+        except OSError:
+            del tasks[tid]
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        state = rest[0]
+        if state in "RD":
+            try:
+                wchan = os.pread(fw, 128, 0).decode()
+            except OSError:
+                wchan = "?"
+            out.append([now, int(tid), name, state, wchan])
+for line in out:
+    sys.stdout.write(json.dumps(line) + chr(10))
+"""
+
+
+def _start_sampler() -> Any:
+    """Starts the thread-state sampler on this process (``--states``)."""
+    import os
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _STATE_SAMPLER, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    if proc.stdout.readline() != b"ready\n":
+        raise RuntimeError("the thread-state sampler did not start")
+    return proc
+
+
+def _states(samples: list[list[Any]], names: dict[int, str], due: float, woke: float) -> str:
+    """What the sampler saw during a late wake-up: per thread (Python name where known), how
+    often it was running (R) or in an uninterruptible wait (D, with the kernel function)."""
+    from collections import Counter
+
+    seen: Counter[str] = Counter()
+    for t, tid, comm, state, wchan in samples:
+        if due <= t <= woke:
+            who = names.get(tid, comm)
+            seen[f"{who} {state}{'' if state == 'R' else ' ' + wchan}"] += 1
+    return ", ".join(f"{k} x{c}" for k, c in seen.most_common(6))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--loader", default="pinpool", choices=["pinpool", "pinpool-zerocopy"])
@@ -175,6 +249,12 @@ def main() -> None:
         "traced)",
     )
     ap.add_argument("--timeline", help="with --events: write each late wake-up's calls here")
+    ap.add_argument(
+        "--states",
+        action="store_true",
+        help="sample, from another process, the state of every thread of this one (running, "
+        "or waiting in the kernel and where) and show it for each late wake-up",
+    )
     ap.add_argument(
         "--calls-ms",
         type=float,
@@ -241,6 +321,12 @@ def main() -> None:
         _profile_calls(args.calls_ms / 1e3)
     elif args.events:
         _record_events()
+    sampler = _start_sampler() if args.states else None
+    names: dict[int, str] = {}  # native thread id -> Python thread name
+
+    def note_threads() -> None:
+        names.update({t.native_id: t.name for t in threading.enumerate() if t.native_id})
+
     time.sleep(0.05)
     marks = []
     t_start = time.perf_counter()
@@ -256,6 +342,7 @@ def main() -> None:
             if args.device:
                 batch = move(batch, torch.device(args.device), True)
             del batch
+            note_threads()
     marks.append((time.perf_counter(), "del loader"))
     del loader
     marks.append((time.perf_counter(), "end"))
@@ -264,6 +351,11 @@ def main() -> None:
     threading.setprofile(None)
     stop.set()
     thread.join()
+    samples: list[list[Any]] = []
+    if sampler is not None:
+        out_bytes, _ = sampler.communicate(timeout=120)
+        samples = [json.loads(line) for line in out_bytes.decode().splitlines()]
+        note_threads()
     print(
         f"{args.loader}, {args.batches} batches of {args.batch_size} x {args.shape}, 2 epochs"
         f"{', whole arena at once' if args.whole_arena else ''}"
@@ -289,6 +381,8 @@ def main() -> None:
             )
             if args.calls_ms:
                 print(f"      holding: {_holding(due, woke) or '(no long call)'}")
+            if args.states:
+                print(f"      states: {_states(samples, names, due, woke) or '(none R or D)'}")
             if args.events:
                 print(f"      running: {_running(due, woke) or '(no Python ran)'}")
                 if args.timeline:

@@ -1,4 +1,4 @@
-//! Priorities of pinpool's own threads.
+//! Priorities of pinpool's own threads, and which threads are background work.
 //!
 //! A training process has one thread that matters most: the one that launches GPU work. When
 //! pinpool's background threads (faulting the rest of an arena in, unmapping, freeing) and the
@@ -14,10 +14,29 @@
 //! - Only the calling thread's own priority changes, and only downwards, which needs no
 //!   privilege; a failure is ignored (the thread then runs at its normal priority).
 //! - Threads a lowered thread starts inherit its priority (Linux: nice is per thread and
-//!   copied at `clone`), so helpers spawned by background work are background work too.
+//!   copied at `clone`), so helpers spawned by background work run at its priority too; the
+//!   background mark ([`is_background`]) is per thread, set by each one for itself.
 
 /// Work nobody waits for: making the rest of an arena ready, unmapping, freeing.
 pub const IDLE_NICE: i32 = 10;
+
+thread_local! {
+    /// Set on a thread that called [`become_background`].
+    static BACKGROUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the calling thread one of pinpool's background threads: a lower priority, and
+/// [`is_background`] true (long work there may pause to let other threads go first).
+pub fn become_background() {
+    lower_priority(IDLE_NICE);
+    BACKGROUND.with(|b| b.set(true));
+}
+
+/// Whether the calling thread is one of pinpool's background threads, which no caller
+/// waits for (see [`become_background`]).
+pub fn is_background() -> bool {
+    BACKGROUND.with(|b| b.get())
+}
 
 /// The calling thread's kernel thread id.
 pub fn thread_id() -> u64 {
@@ -66,5 +85,20 @@ mod tests {
         .unwrap();
         assert_eq!(seen, (IDLE_NICE.max(before), IDLE_NICE.max(before), IDLE_NICE.max(before)));
         assert_eq!(current_nice(), before, "the spawning thread changed too");
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn only_a_thread_that_becomes_background_is_one() {
+        assert!(!is_background());
+        let (own, child) = std::thread::spawn(|| {
+            become_background();
+            (is_background(), std::thread::spawn(is_background).join().unwrap())
+        })
+        .join()
+        .unwrap();
+        assert!(own, "the thread that became background");
+        assert!(!child, "a thread it starts is not marked (only its priority is inherited)");
+        assert!(!is_background(), "the spawning thread changed too");
     }
 }

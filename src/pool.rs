@@ -666,9 +666,14 @@ impl Pool {
 /// `CU_STREAM_PER_THREAD`: the calling thread's default stream, whatever thread that is.
 const PER_THREAD_DEFAULT_STREAM: StreamHandle = 2;
 
-/// Threads that fault a new arena in: every core (this happens once, at start-up).
+/// Threads that fault a new arena in: half the cores, rounded up. With every core (the
+/// H200's 16), faulting the arena in at the first batch took every CPU the workers did not:
+/// every thread of the machine woke up 4 to 8 ms late then, a sleeper in another process as
+/// late as the training process's own. With half, the worst wake-up in the first batch fell
+/// to 0.6 to 1.1 ms, and the time to the first batch stayed the same (0.94x to 1.02x torch's,
+/// `benchmarks/results/h200-gil-free-views/stall/`).
 fn fault_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| n.get())
+    std::thread::available_parallelism().map_or(4, |n| n.get()).div_ceil(2)
 }
 
 /// Checks copy ranges: sources inside `src_len`, destinations inside `dst_len`, destinations
@@ -701,9 +706,9 @@ pub fn validate_ranges(ranges: &[CopyRange], src_len: usize, dst_len: usize) -> 
 /// every part is ready, the pool is closed or dropped, or a part fails (its error is kept:
 /// [`Pool::prepare_error`]; those slots are never handed out).
 fn prepare_loop(pool: Weak<Pool>) {
-    crate::background::lower_priority(crate::background::IDLE_NICE);
+    crate::background::become_background();
     let mut pinned = false;
-    // Half the cores: the DataLoader's workers are starting at the same time.
+    // Half the fault threads (a quarter of the cores): the workers are starting meanwhile.
     let threads = fault_threads().div_ceil(2);
     loop {
         // Declared first, dropped last: if this thread drops the pool's last reference, the

@@ -173,7 +173,7 @@ pub fn recent() -> Vec<Freed> {
 
 /// The release thread's loop: take a job, run it without the lock, count it done.
 fn run() {
-    crate::background::lower_priority(crate::background::IDLE_NICE);
+    crate::background::become_background();
     loop {
         let job = {
             let mut q = queue();

@@ -14,6 +14,8 @@
 //!   ([`unmap_in_chunks`]): the kernel holds the process's address-space lock for the whole of
 //!   one call, and every `mmap` or `munmap` elsewhere in the process waits for it meanwhile,
 //!   including one made by a thread that holds the GIL (a freed semaphore, a large buffer).
+//!   On pinpool's background threads it pauses between two calls ([`MM_PAUSE`]), so such a
+//!   thread does not wait for all of them.
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -469,6 +471,7 @@ pub const MM_CALL_BYTES: usize = 4 << 20;
 /// `ptr` must be page-aligned and `[ptr, ptr + len)` mapped by the caller, who gives it up:
 /// nothing may touch it afterwards.
 pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
+    let pause = crate::background::is_background();
     let mut end = len;
     while end > 0 {
         // Every piece starts a whole number of chunks (so of pages) past `ptr`.
@@ -477,8 +480,21 @@ pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
         // boundary, and was not unmapped yet (pieces go from the end towards `ptr`).
         unsafe { libc::munmap(ptr.add(start).cast(), end - start) };
         end = start;
+        if pause && end > 0 {
+            std::thread::sleep(MM_PAUSE);
+        }
     }
 }
+
+/// How long a background thread ([`crate::background::is_background`]) waits between two
+/// `munmap` calls of [`unmap_in_chunks`]. Without it the thread takes the address-space lock
+/// again the moment it lets it go, ahead of a thread already waiting for it, which the kernel
+/// wakes but lets wait until it has waited about 4 ms (its lock hand-off rule). On the H200
+/// that waiting thread was the training thread, in its own `munmap` while holding the GIL:
+/// every Python thread stopped for 5 to 8 ms while the reclaimer unmapped the segments of the
+/// workers of an epoch that had ended (`benchmarks/stall_trace.py --states`). A pause lets it
+/// go first; freeing on a background thread has no one waiting for it.
+pub const MM_PAUSE: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// Fails unless `fd` is a memfd sealed against shrinking (`F_SEAL_SHRINK`): any other file
 /// could be truncated under a mapping of it, and the next read would raise `SIGBUS`.
@@ -610,6 +626,22 @@ mod tests {
         assert_eq!(pages_mapped_from("pinpool-unmap-region"), 6 * MM_CALL_BYTES / page_size());
         drop(r);
         assert_eq!(pages_mapped_from("pinpool-unmap-region"), 0, "part of the region is left");
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn a_background_thread_unmaps_everything_too() {
+        // The same pieces, with a pause between them (the reclaimer's and release thread's way).
+        std::thread::spawn(|| {
+            crate::background::become_background();
+            let len = 3 * MM_CALL_BYTES + 5 * page_size();
+            let m = Mapping::memfd("pinpool-unmap-background", len).unwrap();
+            assert_eq!(pages_mapped_from("pinpool-unmap-background"), len / page_size());
+            drop(m);
+            assert_eq!(pages_mapped_from("pinpool-unmap-background"), 0, "pages left");
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

@@ -79,6 +79,12 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
             assert phase["wall_ms"] >= 0 and phase["probe_samples"] >= 0
             # A phase is never charged more lateness than its own wall time.
             assert 0 <= phase["probe_max_ms"] <= phase["wall_ms"] + 1e-6
+            assert 0 <= phase["outside_max_ms"] <= phase["wall_ms"] + 1e-6
+        # The outside probe's process slept through the whole life, on the same clock: its
+        # wake-ups fall in the longer phases too (each lasts many of its 1 ms sleeps).
+        for name in ("first_batch", "epoch1", "epoch2"):
+            if phases[name]["wall_ms"] > 50:
+                assert phases[name]["outside_samples"] > 0, name
         # Two whole epochs: the first batch plus the rest of epoch 1, then epoch 2.
         epoch = result["scenarios"]["stall"]["warmup"] + run["steps"]
         assert phases["epoch1"]["batches"] + 1 == phases["epoch2"]["batches"] == epoch

@@ -63,7 +63,7 @@ impl Reclaimer {
         let thread = std::thread::Builder::new()
             .name("pinpool-reclaim".into())
             .spawn(move || {
-                crate::background::lower_priority(crate::background::IDLE_NICE);
+                crate::background::become_background();
                 for mapping in rx {
                     worker.drop_one(mapping);
                 }
@@ -83,9 +83,11 @@ impl Reclaimer {
             let shared = Arc::clone(&self.shared);
             // If no thread can be started at all the process is out of resources; the closure,
             // and the mapping with it, is then dropped here, which is still better than a leak.
-            let spawned = std::thread::Builder::new()
-                .name("pinpool-reclaim-late".into())
-                .spawn(move || shared.drop_one(mapping));
+            let spawned =
+                std::thread::Builder::new().name("pinpool-reclaim-late".into()).spawn(move || {
+                    crate::background::become_background();
+                    shared.drop_one(mapping)
+                });
             if spawned.is_err() {
                 self.shared.progress().unmapped += 1;
             }

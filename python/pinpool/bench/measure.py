@@ -31,8 +31,10 @@ construction to the end, the loader goes through a second whole epoch after the 
 :data:`PHASES`, its wall time (``wall_ms``) and the worst probe lateness within it
 (``probe_max_ms``: a lateness that runs across a phase boundary is split there, so no phase is
 charged more than its own wall time; 0 when no wake-up was held up in it, ``probe_samples``
-says how many wake-ups fell in it). The per-step figures above still cover the timed window
-of the first epoch only (its probe figures clipped to the window the same way).
+says how many wake-ups fell in it), and the same for a second sleeper in a process of its own
+(``outside_max_ms``, ``outside_samples``): where it is late too, the machine's CPUs were all
+taken, not the loader's process held up. The per-step figures above still cover the timed
+window of the first epoch only (its probe figures clipped to the window the same way).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import gc
 import math
 import multiprocessing
 import resource
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -68,17 +72,36 @@ PHASES = {
 }
 
 
-class StallProbe:
-    """A thread that sleeps ``interval`` seconds in a loop and records how late it wakes.
-
-    Each wake-up is recorded with the time it was due (``perf_counter`` seconds), so the
-    lateness within any stretch of time can be read afterwards: :meth:`late_ms`.
-    """
+class Lateness:
+    """A sleeper's record: when each wake-up was due (``perf_counter`` seconds, the system's
+    monotonic clock, the same in every process) and how late it came, so the lateness within
+    any stretch of time can be read afterwards: :meth:`late_ms`."""
 
     def __init__(self, interval: float = 0.001) -> None:
         self.interval = interval
         self.due: list[float] = []  # when each wake-up was due
         self.lateness: list[float] = []  # how late it came, in seconds
+
+    def late_ms(self, start: float, end: float) -> np.ndarray:
+        """How long each wake-up was held up within ``[start, end)``, in ms: its lateness (the
+        stretch from when it was due to when it woke) clipped to that span, for every wake-up
+        whose lateness overlaps it. A stall that runs across a boundary is split there: a
+        ``gc.collect()`` right after a short ``del`` is charged to the collect."""
+        n = min(len(self.due), len(self.lateness))
+        due = np.asarray(self.due[:n])
+        woke = due + np.asarray(self.lateness[:n])
+        inside = ((due >= start) & (due < end)) | ((due < start) & (woke > start))
+        held = np.minimum(woke[inside], end) - np.maximum(due[inside], start)
+        return np.maximum(held, 0.0) * 1e3
+
+
+class StallProbe(Lateness):
+    """A thread of the loader's process that sleeps ``interval`` seconds in a loop and records
+    how late it wakes: held up while another thread keeps the GIL, while the process waits
+    (its address-space lock), or while every CPU is taken."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        super().__init__(interval)
         self._final_cpu: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-probe", daemon=True)
@@ -113,23 +136,61 @@ class StallProbe:
             return 0.0
         return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
-    def late_ms(self, start: float, end: float) -> np.ndarray:
-        """How long each wake-up was held up within ``[start, end)``, in ms: its lateness (the
-        stretch from when it was due to when it woke) clipped to that span, for every wake-up
-        whose lateness overlaps it. A stall that runs across a boundary is split there: a
-        ``gc.collect()`` right after a short ``del`` is charged to the collect."""
-        n = min(len(self.due), len(self.lateness))
-        due = np.asarray(self.due[:n])
-        woke = due + np.asarray(self.lateness[:n])
-        inside = ((due >= start) & (due < end)) | ((due < start) & (woke > start))
-        held = np.minimum(woke[inside], end) - np.maximum(due[inside], start)
-        return np.maximum(held, 0.0) * 1e3
-
     def __enter__(self) -> StallProbe:
         return self.start()
 
     def __exit__(self, *_exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.stop()
+
+
+#: The outside probe's process: the same sleeper loop, until its stdin closes; then the due
+#: times and the lateness, as two arrays of doubles, on stdout.
+_OUTSIDE_SLEEPER = """
+import array, sys, threading, time
+interval = float(sys.argv[1])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+due, late = array.array("d"), array.array("d")
+clock, sleep = time.perf_counter, time.sleep
+print("ready", flush=True)
+while not stop.is_set():
+    t = clock()
+    sleep(interval)
+    woke = clock()
+    due.append(t + interval)
+    late.append(woke - t - interval)
+sys.stdout.buffer.write(due.tobytes() + late.tobytes())
+"""
+
+
+class OutsideProbe(Lateness):
+    """The same sleeper in a process of its own, which shares nothing with the loader's
+    process but the machine's CPUs (no GIL, no address space). Late at the same moments as
+    :class:`StallProbe`, it shows the machine was busy (every core taken, a wake-up waits for
+    the scheduler) rather than the loader's process held up."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        super().__init__(interval)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> OutsideProbe:
+        cmd = [sys.executable, "-I", "-S", "-c", _OUTSIDE_SLEEPER, repr(self.interval)]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self._proc.stdout is not None
+        if self._proc.stdout.readline() != b"ready\n":
+            self.stop()
+            raise RuntimeError("the outside probe's process did not start")
+        return self
+
+    def stop(self) -> None:
+        """Stops the process and reads its record (a no-op once stopped)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        out, _ = proc.communicate(timeout=60)
+        values = np.frombuffer(out[: len(out) // 16 * 16], dtype=np.float64)
+        half = len(values) // 2
+        self.due, self.lateness = values[:half].tolist(), values[half:].tolist()
 
 
 class ComputeWork:
@@ -267,13 +328,19 @@ def _step(spec: LoaderSpec, it: Any, device: torch.device | None, work: ComputeW
     return Step(nbytes, t0, t1, time.perf_counter(), events)
 
 
-def _phase(probe: StallProbe, start: float, end: float, **extra: Any) -> dict[str, Any]:
-    """One phase of a loader's life: its wall time and the worst probe lateness in it."""
+def _phase(
+    probe: StallProbe, outside: OutsideProbe, start: float, end: float, **extra: Any
+) -> dict[str, Any]:
+    """One phase of a loader's life: its wall time and the worst lateness in it of the probe
+    in the loader's process and of the one outside it."""
     late = probe.late_ms(start, end)
+    late_outside = outside.late_ms(start, end)
     return {
         "wall_ms": (end - start) * 1e3,
         "probe_max_ms": float(late.max()) if len(late) else 0.0,
         "probe_samples": len(late),
+        "outside_max_ms": float(late_outside.max()) if len(late_outside) else 0.0,
+        "outside_samples": len(late_outside),
         **extra,
     }
 
@@ -298,8 +365,9 @@ def run_once(
     life = plan.mode == "stall"  # the whole life, phase by phase
     epoch = plan.warmup + plan.steps  # batches in the dataset
     reset_host_pinned()
-    probe = StallProbe()
+    probe, outside = StallProbe(), OutsideProbe()
     if life:
+        outside.start()
         probe.start()
     loader: Any = None
     it: Any = None
@@ -373,6 +441,7 @@ def run_once(
         raise
     finally:
         probe.stop()
+        outside.stop()
         # A deleted pinpool loader's arena is freed on a background thread. Wait for that
         # here, outside every measurement, so it does not run into the next loader's.
         t_release = time.perf_counter()
@@ -414,18 +483,19 @@ def run_once(
     }
     if life:
         rec["phases"] = {
-            "construction": _phase(probe, t_start, t_built),
-            "first_batch": _phase(probe, t_built, first.got),
-            "epoch1": _phase(probe, first.got, t_epoch1, batches=epoch - 1),
+            "construction": _phase(probe, outside, t_start, t_built),
+            "first_batch": _phase(probe, outside, t_built, first.got),
+            "epoch1": _phase(probe, outside, first.got, t_epoch1, batches=epoch - 1),
             "epoch2": _phase(
                 probe,
+                outside,
                 t_epoch1,
                 t_epoch2,
                 batches=batches,
                 first_batch_ms=(second.got - t_epoch1) * 1e3,
             ),
-            "del": _phase(probe, t_del, t_gc),
-            "gc": _phase(probe, t_gc, t_end),
+            "del": _phase(probe, outside, t_del, t_gc),
+            "gc": _phase(probe, outside, t_gc, t_end),
         }
     torch_peak = None if pinned is None else pinned["allocated_bytes_peak"]
     rec["pinned_mib"] = None if torch_peak is None else torch_peak / MIB

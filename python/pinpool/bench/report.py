@@ -41,14 +41,14 @@ METRICS = {
     "time_to_first_batch_s": "time to first batch, ms",
 }
 #: Phase metric key -> (phase, key in the run's ``phases[phase]``).
-PHASE_METRICS = {
-    f"{phase}_{field}": (phase, field) for phase in PHASES for field in ("probe_max_ms", "wall_ms")
+_PHASE_FIELDS = {
+    "probe_max_ms": "probe late ms, max",
+    "wall_ms": "wall ms",
+    "outside_max_ms": "outside probe late ms, max",
 }
+PHASE_METRICS = {f"{phase}_{field}": (phase, field) for phase in PHASES for field in _PHASE_FIELDS}
 METRICS.update(
-    {
-        key: f"{phase}: {'probe late ms, max' if field == 'probe_max_ms' else 'wall ms'}"
-        for key, (phase, field) in PHASE_METRICS.items()
-    }
+    {key: f"{phase}: {_PHASE_FIELDS[field]}" for key, (phase, field) in PHASE_METRICS.items()}
 )
 #: Shown multiplied by this (a share in percent, seconds in ms).
 SCALE = {"idle_share": 100.0, "time_to_first_batch_s": 1e3}
@@ -101,8 +101,10 @@ LEGEND = [
     "  stall, whole life: the loader's phases one by one: construction, first_batch (iter() and",
     "    the first next()), epoch1 (the rest of the first epoch), epoch2 (a second epoch), del",
     "    (del it, loader), gc (gc.collect() after it): the worst probe lateness within the",
-    "    phase / the phase's wall time. gc.collect() walks the whole process's heap, torch's",
-    "    included: the loader's own share is what exceeds the others' there.",
+    "    phase / the phase's wall time (outside: the worst lateness of the same sleeper run",
+    "    in a process of its own; late there too, the machine's CPUs were all busy, rather",
+    "    than the loader's process held up). gc.collect() walks the whole process's heap,",
+    "    torch's included: the loader's own share is what exceeds the others' there.",
 ]
 
 
@@ -161,12 +163,14 @@ def _cell(m: dict[str, Any] | None, key: str, same: bool = False) -> str:
 
 
 def _phase_cell(metrics: dict[str, Any], phase: str) -> str:
-    """``late / wall`` (medians, ms) of one phase."""
+    """``late / wall (outside)`` (medians, ms) of one phase."""
     late = metrics.get(f"{phase}_probe_max_ms")
     wall = metrics.get(f"{phase}_wall_ms")
     if late is None or wall is None:
         return "-"
-    return f"{_num(late['median'])} / {_num(wall['median'])}"
+    cell = f"{_num(late['median'])} / {_num(wall['median'])}"
+    outside = metrics.get(f"{phase}_outside_max_ms")
+    return cell if outside is None else f"{cell} ({_num(outside['median'])})"
 
 
 def source_line(meta: dict[str, Any]) -> str:
@@ -229,7 +233,7 @@ def table(result: dict[str, Any]) -> str:
         if info["mode"] == "stall" and any(
             k in by_loader[n] for n in loaders for k in PHASE_METRICS
         ):
-            rows.append(["whole life: probe late max / wall ms", *([""] * len(loaders))])
+            rows.append(["whole life: probe late max / wall ms (outside)", *([""] * len(loaders))])
             for phase in PHASES:
                 rows.append([f"  {phase}", *(_phase_cell(by_loader[n], phase) for n in loaders)])
         lines += ["  " + row for row in _aligned(rows)]
