@@ -8,9 +8,16 @@
 //! - Small copies run on the calling thread: a thread hand-off costs more than it saves.
 //! - Big copies write with non-temporal stores on x86-64 (the destination is read next by the
 //!   GPU, not the CPU); `PINPOOL_STREAMING_COPY=0` turns that off for comparison.
+//! - A copy may also run in the background ([`Copier::spawn`]): the caller returns at once and
+//!   waits on its [`CopyDone`] later. The job owns everything the copy touches (see
+//!   `Pool::copy_in_background`), and `CopyDone` is set even if the job unwinds, so no waiter
+//!   waits forever.
 //! - A pool's copier may be pinned to CPUs (those of its arena's NUMA node, see
 //!   [`crate::numa`]): each of its threads pins itself as it starts; the calling thread, which
 //!   runs small copies, never is.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
 
 use rayon::prelude::*;
 
@@ -89,6 +96,11 @@ impl Copier {
         self.threads
     }
 
+    /// Runs `job` on one of the copier's threads; returns at once.
+    pub fn spawn(&self, job: impl FnOnce() + Send + 'static) {
+        self.pool.spawn(job);
+    }
+
     /// Copies every range from `src_base` to `dst_base`; returns the bytes copied.
     ///
     /// # Safety
@@ -136,6 +148,48 @@ impl Copier {
             });
         });
         total
+    }
+}
+
+/// Set once a copy running in the background has finished.
+#[derive(Debug, Default)]
+pub struct CopyDone {
+    done: AtomicBool,
+    lock: Mutex<()>,
+    woken: Condvar,
+}
+
+impl CopyDone {
+    /// Whether the copy has finished.
+    pub fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Waits until the copy has finished (its bytes are visible to the caller then).
+    pub fn wait(&self) {
+        if self.is_done() {
+            return;
+        }
+        let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        while !self.is_done() {
+            guard = self.woken.wait(guard).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Marks the copy finished and wakes every waiter.
+    pub fn set(&self) {
+        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.done.store(true, Ordering::Release);
+        self.woken.notify_all();
+    }
+}
+
+/// Sets a [`CopyDone`] when dropped: at the end of a background job, even one that unwinds.
+pub struct SetWhenDropped(pub std::sync::Arc<CopyDone>);
+
+impl Drop for SetWhenDropped {
+    fn drop(&mut self) {
+        self.0.set();
     }
 }
 

@@ -6,8 +6,10 @@
 //! Invariants:
 //! - A leased slot returns to its pool exactly once: through [`Lease::release`] or, when the
 //!   owner dies without releasing, [`Lease::finish`].
-//! - While a pin is held (a buffer export or a copy into the slot), a release is deferred
-//!   until the last pin goes: the slot never re-enters the pool under a live view or copy.
+//! - While a pin is held (a buffer export, a copy into the slot, or a copy still running on a
+//!   copy thread: [`OwnedPin`]), a release is deferred until the last pin goes, whether the
+//!   owner released the slot or died: the slot never re-enters the pool under a live view or
+//!   copy.
 //! - A release whose fence cannot be recorded waits for the whole device instead, then frees
 //!   the slot unfenced: a slot is never reused under a pending GPU read.
 //! - Every way in refuses a released lease (`SlotReleased`) and a pin for another pool.
@@ -19,12 +21,21 @@ use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::slots::Ticket;
 
+/// How a slot is to be given back.
+#[derive(Debug, Clone, Copy)]
+enum Fence {
+    /// Fenced on this stream (none: at once).
+    Stream(Option<StreamHandle>),
+    /// After the whole device has finished its queued work (the stream could not be known).
+    Device,
+}
+
 #[derive(Debug, Default)]
 struct Use {
     released: bool,
     pins: usize,
-    /// A release waiting for the last pin: the stream to fence it on.
-    deferred: Option<Option<StreamHandle>>,
+    /// A release waiting for the last pin: how to give the slot back then.
+    deferred: Option<Fence>,
 }
 
 /// One checked-out slot of a pool.
@@ -40,6 +51,24 @@ pub struct Lease {
 pub struct LeasePin<'a>(&'a Lease);
 
 impl Drop for LeasePin<'_> {
+    fn drop(&mut self) {
+        self.0.unpin();
+    }
+}
+
+/// A pin that owns its lease: it may outlive the lease's owner (a copy into the slot still
+/// running on a copy thread when the last view of the slot dies). See [`Lease::pin_owned`].
+#[derive(Debug)]
+pub struct OwnedPin(Arc<Lease>);
+
+impl OwnedPin {
+    /// The pinned lease.
+    pub fn lease(&self) -> &Lease {
+        &self.0
+    }
+}
+
+impl Drop for OwnedPin {
     fn drop(&mut self) {
         self.0.unpin();
     }
@@ -92,6 +121,12 @@ impl Lease {
         Ok(LeasePin(self))
     }
 
+    /// As [`Lease::pin`], for as long as the returned pin lives, wherever it goes.
+    pub fn pin_owned(self: &Arc<Self>, pool: &Arc<Pool>) -> Result<OwnedPin> {
+        std::mem::forget(self.pin(pool)?); // the pin now belongs to the OwnedPin
+        Ok(OwnedPin(Arc::clone(self)))
+    }
+
     /// Pins the slot until a matching [`Lease::unpin`] (a buffer export, whose end the
     /// owner is told of separately). Returns the slot's first byte.
     pub fn pin_held(&self) -> Result<*mut u8> {
@@ -115,8 +150,8 @@ impl Lease {
                 None
             }
         };
-        if let Some(stream) = deferred {
-            self.give_back(stream);
+        if let Some(fence) = deferred {
+            self.give_back(fence);
         }
     }
 
@@ -129,7 +164,7 @@ impl Lease {
         }
         if s.pins > 0 {
             s.released = true;
-            s.deferred = Some(stream);
+            s.deferred = Some(Fence::Stream(stream));
             return Ok(());
         }
         self.pool.release(self.ticket, stream)?;
@@ -140,24 +175,39 @@ impl Lease {
     /// The owner is going: carries out a deferred release, or releases the slot fenced on
     /// the stream `stream()` names (`Err`: it could not say, so wait for the whole device).
     /// Does nothing for a lease already given back.
+    /// With an owned pin still held, the return waits for it (its drop gives the slot back).
     pub fn finish(&self, stream: impl FnOnce() -> std::result::Result<Option<StreamHandle>, ()>) {
-        let s = std::mem::take(&mut *self.state());
-        if s.released {
-            if let Some(stream) = s.deferred {
-                self.give_back(stream);
+        if self.state().released {
+            return; // given back, or waiting for its last pin
+        }
+        // (Asked before the state is locked again: the answer may come from Python.)
+        let fence = match stream() {
+            Ok(stream) => Fence::Stream(stream),
+            Err(()) => Fence::Device,
+        };
+        {
+            let mut s = self.state();
+            if s.released {
+                return;
             }
-            return;
+            s.released = true;
+            if s.pins > 0 {
+                s.deferred = Some(fence);
+                return;
+            }
         }
-        match stream() {
-            Ok(stream) => self.give_back(stream),
-            Err(()) => self.give_back_after_device_sync(),
-        }
+        self.give_back(fence);
     }
 
     /// Returns the slot; if its fence cannot be recorded, waits for the device instead.
-    fn give_back(&self, stream: Option<StreamHandle>) {
-        if self.pool.release(self.ticket, stream).is_err() {
-            self.give_back_after_device_sync();
+    fn give_back(&self, fence: Fence) {
+        match fence {
+            Fence::Stream(stream) => {
+                if self.pool.release(self.ticket, stream).is_err() {
+                    self.give_back_after_device_sync();
+                }
+            }
+            Fence::Device => self.give_back_after_device_sync(),
         }
     }
 
@@ -214,6 +264,36 @@ mod tests {
         assert!(l2.pin(&pool).is_err(), "pinned for another pool");
         l2.finish(|| Err(())); // no stream known: a device wait (none here), then unfenced
         assert_eq!(other.stats().slots.free, 1);
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn an_owned_pin_keeps_the_slot_after_its_owner_dies() {
+        let fences = Arc::new(ManualFences::new());
+        let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
+        let l = Arc::new(Lease::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap()));
+        let pin = l.pin_owned(&pool).unwrap();
+        let other = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
+        assert!(l.pin_owned(&other).is_err(), "pinned for another pool");
+        l.finish(|| Ok(Some(5))); // the owner dies: the return waits for the pin
+        assert!(l.is_released());
+        assert_eq!(pool.stats().slots.checked_out, 1, "returned under a live copy");
+        l.finish(|| panic!("a lease that is going asked for a stream again"));
+        drop(pin); // the copy ends: the slot goes back, fenced on the owner's stream
+        assert_eq!(pool.stats().slots.fenced, 1);
+        pool.retire_fences();
+        fences.complete_stream(5);
+        pool.retire_fences();
+        assert_eq!(pool.stats().slots.free, 1);
+        assert_eq!(pool.stats().releases, 1, "given back twice");
+        // An owner whose stream cannot be known: after the pin, a device wait (none here).
+        let l = Arc::new(Lease::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap()));
+        let pin = l.pin_owned(&pool).unwrap();
+        l.finish(|| Err(()));
+        assert_eq!(pool.stats().slots.checked_out, 1);
+        drop(pin);
+        assert_eq!(pool.stats().slots.free, 1);
     }
 
     #[test]

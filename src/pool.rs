@@ -73,10 +73,11 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::arena::{Arena, Backend, Residency};
-use crate::copy::{Copier, CopyRange, MAX_COPY_THREADS};
+use crate::copy::{Copier, CopyDone, CopyRange, SetWhenDropped, MAX_COPY_THREADS};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
+use crate::lease::OwnedPin;
 use crate::release;
 use crate::shm::{check_range, page_size, round_up, Mapping};
 use crate::slots::{Counts, SlotTable, Ticket};
@@ -537,9 +538,7 @@ impl Pool {
     /// (offsets relative to the slot). Every range is checked first: a source range outside
     /// the mapping or a destination outside the slot is an error and nothing is copied.
     pub fn copy_in(&self, ticket: Ticket, src: &Mapping, ranges: &[CopyRange]) -> Result<usize> {
-        self.check_owner()?;
-        validate_ranges(ranges, src.len(), self.slot_bytes)?;
-        let dst = self.slot_ptr(ticket)?;
+        let dst = self.copy_target(ticket, src, ranges)?;
         // SAFETY: every range was checked against the mapping and the slot just above, and
         // destination ranges are disjoint; the slot is ours while the ticket is live (the
         // caller holds it), and `src` stays mapped for this call (borrowed).
@@ -547,6 +546,50 @@ impl Pool {
         self.counters.bytes_copied.fetch_add(n as u64, Ordering::Relaxed);
         self.counters.copies.fetch_add(1, Ordering::Relaxed);
         Ok(n)
+    }
+
+    /// The checks of [`Pool::copy_in`]: the slot's first byte if `ranges` may be copied from
+    /// `src` into the slot of `ticket`.
+    fn copy_target(&self, ticket: Ticket, src: &Mapping, ranges: &[CopyRange]) -> Result<*mut u8> {
+        self.check_owner()?;
+        validate_ranges(ranges, src.len(), self.slot_bytes)?;
+        self.slot_ptr(ticket)
+    }
+
+    /// As [`Pool::copy_in`] into the slot `pin` holds, but on one of the copy threads: checks
+    /// everything first (an error queues nothing), then returns at once. On the copy thread,
+    /// after the copy, `then(&src)` runs, the pin goes (a release of the slot waiting for it
+    /// is carried out) and the returned [`CopyDone`] is set.
+    pub fn copy_in_background(
+        self: &Arc<Self>,
+        pin: OwnedPin,
+        src: Arc<Mapping>,
+        ranges: Vec<CopyRange>,
+        then: impl FnOnce(&Mapping) + Send + 'static,
+    ) -> Result<Arc<CopyDone>> {
+        if !Arc::ptr_eq(pin.lease().pool(), self) {
+            return Err(Error::Invalid("this slot belongs to another pool".into()));
+        }
+        let dst = self.copy_target(pin.lease().ticket(), &src, &ranges)? as usize;
+        let done = Arc::new(CopyDone::default());
+        let set = SetWhenDropped(Arc::clone(&done));
+        let pool = Arc::clone(self);
+        self.copier.spawn(move || {
+            // SAFETY: every range was checked against the mapping and the slot above, and
+            // destination ranges are disjoint; the slot stays checked out while `pin` lives
+            // (a release waits for it), the mapping while `src` does, and the arena while
+            // `pool` does; all three are owned by this job.
+            let n = unsafe { pool.copier.copy(src.as_ptr(), dst as *mut u8, &ranges) };
+            pool.counters.bytes_copied.fetch_add(n as u64, Ordering::Relaxed);
+            pool.counters.copies.fetch_add(1, Ordering::Relaxed);
+            then(&src);
+            drop(src);
+            pool.reap_lingering();
+            drop(pin);
+            drop(set); // the waiter sees the copy (and the pin's release) done
+            drop(pool);
+        });
+        Ok(done)
     }
 
     /// Copies `ranges` from `src` into caller-owned memory `[dst, dst + dst_len)` (the

@@ -442,6 +442,52 @@ def test_segment_cache_round_trip(make_pool, fd_count) -> None:
     assert fd_count() == fds_before
 
 
+def test_a_copy_on_a_copy_thread_hands_the_segment_back_when_done(make_pool) -> None:
+    """``copy_to_slot_then_release``: the bytes land, the segment goes back to its producer
+    after the copy, bad ranges raise with nothing queued, and a slot dropped while its copy
+    runs returns to the pool once, after the copy."""
+    ws, data = filled(3 * MiB + 5, seed=3)
+    pool = make_pool(4 * MiB, 2, copy_threads=2)
+    cache = SegmentCache(pool)
+    insert(cache, (4, 0), ws)
+    for n in (100, 600_000, len(data)):  # on the copy thread alone, and split among them
+        slot = pool.checkout()
+        copying = cache.copy_to_slot_then_release((4, 0), slot, [(0, 9, n)])
+        assert isinstance(copying, pinpool.Copying)
+        copying.wait()
+        assert copying.done and "done" in repr(copying)
+        with memoryview(slot) as mv:
+            assert mv[9 : 9 + n] == data[:n]
+        assert not ws.in_flight, "the segment was not handed back"
+        assert ws.try_claim()
+        slot.release()
+    with pool.checkout() as slot:
+        for bad, error in [
+            ([(ws.capacity - 1, 0, 2)], OutOfBounds),
+            ([(0, 4 * MiB - 1, 2)], BatchTooLarge),
+            ([(0, 0, 10), (0, 5, 10)], InvalidArgument),
+        ]:
+            with pytest.raises(error):
+                cache.copy_to_slot_then_release((4, 0), slot, bad)
+        with pytest.raises(InvalidArgument):
+            cache.copy_to_slot_then_release((9, 9), slot, [])
+        assert ws.in_flight, "a refused copy handed the segment back"
+    assert pool.stats()["slots_free"] == 2, "a refused copy kept its slot"
+    # Dropped at once, with its copy still running (or not: either way, once).
+    for _ in range(20):
+        slot = pool.checkout()
+        copying = cache.copy_to_slot_then_release((4, 0), slot, [(0, 0, len(data))])
+        del slot
+        copying.wait()
+        assert ws.try_claim()
+    pool.flush()
+    assert pool.stats()["slots_free"] == 2
+    released = pool.checkout()
+    released.release()
+    with pytest.raises(pinpool.SlotReleased):
+        cache.copy_to_slot_then_release((4, 0), released, [(0, 0, 1)])
+
+
 def test_segment_cache_copy_to_buffer(make_pool) -> None:
     """The overflow path: copying a segment into ordinary memory instead of a slot."""
     pool = make_pool(PAGE, 1)

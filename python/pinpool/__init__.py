@@ -7,7 +7,8 @@
 
 The low-level transport the DataLoader is built on is public too: ``WorkerSegment`` (a
 producer writes a batch into it), ``SegmentCache`` (the consumer maps producers' segments and
-copies from them into slots), ``check_segment`` and ``SEGMENT_DATA_OFFSET``.
+copies from them into slots, there and then or on a copy thread: ``Copying``),
+``check_segment`` and ``SEGMENT_DATA_OFFSET``.
 
 See README.md for the DataLoader and the benchmarks.
 """
@@ -31,6 +32,7 @@ from ._errors import (
 )
 from ._native import (
     SEGMENT_DATA_OFFSET,
+    Copying,
     PinPool,
     SegmentCache,
     Slot,
@@ -55,6 +57,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SEGMENT_DATA_OFFSET",
     "BatchTooLarge",
+    "Copying",
     "CudaError",
     "DataLoader",
     "InvalidArgument",

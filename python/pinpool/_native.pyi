@@ -6,6 +6,7 @@ from typing import Any, Literal, final
 
 __all__ = [
     "SEGMENT_DATA_OFFSET",
+    "Copying",
     "PinPool",
     "SegmentCache",
     "Slot",
@@ -179,6 +180,16 @@ class WorkerSegment:
         """Sets the segment free without sending it (an abandoned, unsent claim)."""
 
 @final
+class Copying:
+    """A copy into a slot running on a copy thread (``SegmentCache.copy_to_slot_then_release``)."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the copy has finished."""
+    def wait(self) -> None:
+        """Returns once the copy has finished (waiting without the GIL)."""
+
+@final
 class SegmentCache:
     """The consumer's side of the segment transport: producers' segments mapped in this
     process, keyed by ``(producer, segment)`` (64- and 32-bit unsigned ints), and copies from
@@ -215,6 +226,14 @@ class SegmentCache:
         self, key: tuple[int, int], buffer: Any, ranges: Sequence[tuple[int, int, int]]
     ) -> int:
         """As ``copy_to_slot``, into any writable C-contiguous buffer, without the GIL."""
+    def copy_to_slot_then_release(
+        self, key: tuple[int, int], slot: Slot, ranges: Sequence[tuple[int, int, int]]
+    ) -> Copying:
+        """As ``copy_to_slot``, but the copy runs on one of the pool's copy threads: the
+        ranges are checked (raising as ``copy_to_slot`` does, nothing queued), then it returns
+        at once. After the copy the segment is handed back to its producer on that thread (do
+        not ``release(key)`` too). Until then the slot stays out of the pool, whatever
+        releases it meanwhile. Read the slot only after ``Copying.wait()``."""
     def release(self, key: tuple[int, int]) -> None:
         """Marks segment ``key`` free for its producer's next ``try_claim()``; only once the
         last copy of the batch has returned. It stays mapped. Unknown keys raise."""

@@ -38,6 +38,7 @@ from torch.utils.data import default_collate, default_convert
 
 from ._main import settings
 from ._main.delivery import finish
+from ._main.index_queue import write_directly
 from ._main.receiver import Receiver
 from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, unsupported
 from ._main.tickets import TicketSampler
@@ -409,13 +410,15 @@ class _PinnedIter:
 
 
 class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
-    """torch's multi-process iterator, with two changes.
+    """torch's multi-process iterator, with three changes.
 
     - Without a pin thread (no accelerator), a batch's segment is received (opened through
       its worker's ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as
       its handle comes out of torch's result queue, as the pin thread does on a GPU machine,
       not only when the consumer reaches it: by then its worker may have exited (an iterable
       dataset's worker whose data has run out is told to exit at once) or died.
+    - Batch indices are written to each worker's pipe by the thread that sends them, not by
+      a feeder thread per worker (``_main.index_queue``).
     - The first batches are dealt out from worker ``first`` on instead of worker 0 (a resumed
       iterable dataset's epoch, whose next batch is that worker's). torch deals to the
       workers in turn from ``_worker_queue_idx_cycle``, made afresh as each epoch starts: the
@@ -426,6 +429,13 @@ class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
         self._pin_first = first
         self._pin_receiver = loader._pin_receiver
         super().__init__(loader)
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        if first_iter:  # the workers have started; nothing was sent to them yet
+            most = self._prefetch_factor * self._num_workers + 2  # (+ a resume, an exit)
+            for q in self._index_queues:
+                write_directly(q, most)
+        super()._reset(loader, first_iter)
 
     def _try_get_data(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         success, data = super()._try_get_data(*args, **kwargs)

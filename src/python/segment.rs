@@ -12,6 +12,7 @@
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
@@ -21,9 +22,35 @@ use pyo3::prelude::*;
 use super::pool::PyPinPool;
 use super::slot::PySlot;
 use super::{guarded, to_py, IntoPy};
-use crate::copy::CopyRange;
+use crate::copy::{CopyDone, CopyRange};
 use crate::error::Error;
 use crate::transport::segment::{SegmentCache, WorkerSegment};
+
+/// A copy into a slot running on a copy thread (`SegmentCache.copy_to_slot_then_release`).
+#[pyclass(name = "Copying", module = "pinpool._native", frozen)]
+pub struct PyCopying {
+    done: Arc<CopyDone>,
+}
+
+#[pymethods]
+impl PyCopying {
+    /// Whether the copy has finished.
+    #[getter]
+    fn done(&self) -> bool {
+        self.done.is_done()
+    }
+
+    /// Returns once the copy has finished (waiting without the GIL).
+    fn wait(&self, py: Python<'_>) {
+        if !self.done.is_done() {
+            py.detach(|| self.done.wait());
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Copying({})", if self.done.is_done() { "done" } else { "running" })
+    }
+}
 
 /// Converts a sender's claims about a segment; a value out of range is `OutOfBounds`.
 fn segment_claims(
@@ -281,6 +308,28 @@ impl PySegmentCache {
                 return self.cache.copy_to_slot(key, ticket, &ranges).py(py);
             }
             py.detach(|| self.cache.copy_to_slot(key, ticket, &ranges)).py(py)
+        })
+    }
+
+    /// As `copy_to_slot`, but the copy runs on one of the pool's copy threads: every range is
+    /// checked (raising as `copy_to_slot` does, with nothing queued), then the call returns a
+    /// `Copying` at once. On the copy thread, after the copy, the segment is handed back to
+    /// its producer, as `release(key)` does (do not call that too). Until the copy is done
+    /// the slot stays out of the pool: releasing it, or its last view dying, meanwhile only
+    /// takes effect then. Read the slot only after `Copying.wait()` has returned.
+    fn copy_to_slot_then_release(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        slot: &Bound<'_, PySlot>,
+        ranges: Vec<(usize, usize, usize)>,
+    ) -> PyResult<PyCopying> {
+        guarded(|| {
+            let ranges: Vec<CopyRange> =
+                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let pin = slot.get().pin_owned(py, self.cache.pool())?;
+            let done = self.cache.copy_to_slot_then_release(key, pin, &ranges).py(py)?;
+            Ok(PyCopying { done })
         })
     }
 

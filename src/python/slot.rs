@@ -15,20 +15,21 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::{current_stream, guarded, stream_arg, IntoPy};
-use crate::lease::{Lease, LeasePin};
+use crate::lease::{Lease, LeasePin, OwnedPin};
 use crate::pool::Pool;
 use crate::slots::Ticket;
 
 /// One slot of a `PinPool`, checked out.
 #[pyclass(name = "Slot", module = "pinpool._native", frozen, weakref)]
 pub struct PySlot {
-    lease: Lease,
+    /// Shared with copies still running into the slot ([`OwnedPin`]).
+    lease: Arc<Lease>,
     fence_device: Option<usize>,
 }
 
 impl PySlot {
     pub(crate) fn new(pool: Arc<Pool>, ticket: Ticket, fence_device: Option<usize>) -> Self {
-        PySlot { lease: Lease::new(pool, ticket), fence_device }
+        PySlot { lease: Arc::new(Lease::new(pool, ticket)), fence_device }
     }
 
     pub(crate) fn ticket(&self) -> Ticket {
@@ -38,6 +39,11 @@ impl PySlot {
     /// Pins the slot for a copy into it; it must belong to `pool` and be unreleased.
     pub(crate) fn pin(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<LeasePin<'_>> {
         self.lease.pin(pool).py(py)
+    }
+
+    /// As [`PySlot::pin`], for a copy that outlives the call (and perhaps this object).
+    pub(crate) fn pin_owned(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<OwnedPin> {
+        self.lease.pin_owned(pool).py(py)
     }
 
     fn fence_stream(

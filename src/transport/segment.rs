@@ -33,8 +33,9 @@ use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::copy::CopyRange;
+use crate::copy::{CopyDone, CopyRange};
 use crate::error::{Error, Result};
+use crate::lease::OwnedPin;
 use crate::pool::Pool;
 use crate::shm::{check_sealed, page_size, round_up, Mapping};
 use crate::slots::Ticket;
@@ -357,6 +358,23 @@ impl SegmentCache {
         result
     }
 
+    /// As [`SegmentCache::copy_to_slot`] into the slot `pin` holds, but on one of the pool's
+    /// copy threads ([`Pool::copy_in_background`]): returns at once, once every range is
+    /// checked. The segment is handed back to its worker on that thread, right after the copy
+    /// (do not [`SegmentCache::release`] it too).
+    pub fn copy_to_slot_then_release(
+        &self,
+        key: SegmentKey,
+        pin: OwnedPin,
+        ranges: &[CopyRange],
+    ) -> Result<Arc<CopyDone>> {
+        let map = self.get(key)?;
+        let shifted = shift_to_data(&map, ranges)?;
+        self.pool.copy_in_background(pin, map, shifted, |map| {
+            state_word(map).store(STATE_FREE, Ordering::Release);
+        })
+    }
+
     /// Copies `ranges` (source offsets relative to the data area) into caller-owned memory.
     ///
     /// # Safety
@@ -432,6 +450,7 @@ impl Drop for SegmentCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lease::Lease;
     use crate::pool::PoolConfig;
     use proptest::prelude::*;
 
@@ -618,6 +637,57 @@ mod tests {
         assert!(cache.retire((7, 0)));
         pool.flush_unmaps();
         assert_eq!(pool.stats().segments_unmapped, 1);
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
+        let pool = Pool::new(&PoolConfig::host(1 << 20, 2)).unwrap();
+        let cache = SegmentCache::new(Arc::clone(&pool));
+        let seg = WorkerSegment::create(600_000).unwrap();
+        assert!(seg.try_claim());
+        // SAFETY: test writes inside the segment's data area.
+        unsafe {
+            for i in 0..600_000 {
+                *seg.data_ptr().add(i) = (i % 251) as u8;
+            }
+        }
+        cache.insert((3, 0), dup(&seg), seg.total_len(), seg.nonce()).unwrap();
+        for round in 0..20 {
+            let lease = Arc::new(Lease::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
+            let pin = lease.pin_owned(&pool).unwrap();
+            let range = [CopyRange { src: 0, dst: 8, len: 600_000 }];
+            let done = cache.copy_to_slot_then_release((3, 0), pin, &range).unwrap();
+            if round % 2 == 1 {
+                // The owner dies at once (its batch dropped unread): the slot must stay out
+                // of the pool until the copy is over, then come back exactly once.
+                lease.finish(|| Ok(None));
+                done.wait();
+                assert_eq!(pool.stats().slots.free, 2, "round {round}");
+                assert!(seg.try_claim(), "the segment was not handed back");
+                continue;
+            }
+            done.wait();
+            assert!(done.is_done());
+            let ptr = lease.address().unwrap();
+            // SAFETY: reading inside the slot the lease holds, after the copy is done.
+            let got = unsafe { std::slice::from_raw_parts(ptr.add(8), 600_000) };
+            assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "round {round}");
+            assert!(seg.try_claim(), "the segment was not handed back");
+            lease.release(None).unwrap();
+            assert_eq!(pool.stats().slots.free, 2);
+        }
+        assert_eq!(pool.stats().releases, 20, "a slot given back twice, or not at all");
+        // A bad range is refused before anything runs; the pin goes with the error.
+        let lease = Arc::new(Lease::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
+        let past_end = [CopyRange { src: 0, dst: (1 << 20) - 4, len: 8 }];
+        let pin = lease.pin_owned(&pool).unwrap();
+        assert!(cache.copy_to_slot_then_release((3, 0), pin, &past_end).is_err());
+        let pin = lease.pin_owned(&pool).unwrap();
+        assert!(cache.copy_to_slot_then_release((8, 8), pin, &[]).is_err(), "unknown segment");
+        lease.release(None).unwrap();
+        assert_eq!(pool.stats().slots.free, 2, "a refused copy kept its pin");
     }
 
     #[test]

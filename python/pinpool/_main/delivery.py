@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .._native import Slot
+from .._native import Copying, Slot
 from .._wire import codec
 from .._wire.handle import BatchHandle
 
@@ -53,6 +53,21 @@ class OnDevice:
         # The device memory was allocated on the copy stream: tell the caching allocator it is
         # used on the consumer's stream too, so it is not reused before that work is done.
         self.storage.record_stream(stream)
+        return self.batch
+
+
+class Landing:
+    """A batch of CPU views into a slot whose copy is still running on a copy thread; the
+    consumer's thread waits for it (:func:`finish`) before the batch is yielded."""
+
+    __slots__ = ("batch", "copying")
+
+    def __init__(self, batch: Any, copying: Copying) -> None:
+        self.batch = batch
+        self.copying = copying
+
+    def wait(self) -> Any:
+        self.copying.wait()
         return self.batch
 
 
@@ -191,9 +206,12 @@ class Delivery:
 
 def finish(item: Any) -> Any:
     """What the iterator yields for ``item``, which torch's machinery produced: a handle is
-    taken in its turn, a batch on the device handed to the consumer's stream."""
+    taken in its turn, a batch still being copied into its slot waited for, a batch on the
+    device handed to the consumer's stream."""
     if isinstance(item, BatchHandle):
         item = item.take()  # on the consumer's thread, in order
+    elif isinstance(item, Landing):
+        item = item.wait()
     elif isinstance(item, Local):
         item = item.batch
     if isinstance(item, OnDevice):

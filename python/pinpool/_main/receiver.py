@@ -7,7 +7,10 @@ One path for every batch (:meth:`Receiver.take`):
    (``PinPool.claim``: the rules in Rust, waiting without the GIL) and is copied in by the
    segment cache's copy threads, without the GIL. The first time a segment is seen it is
    opened through ``/proc/<worker pid>/fd`` and checked to be real (sealed, as long as
-   claimed, its header intact) before its claims size the pool.
+   claimed, its header intact) before its claims size the pool. On torch's pin thread, a
+   batch that stays on the CPU is copied in the background: the pin thread goes on to the
+   next batch, the copy thread hands the segment back, and the consumer's thread waits for
+   the copy (``delivery.Landing``) before it yields the batch.
 2. **Its delivery** (``delivery.Delivery``): CPU views into the slot, or a copy on the device.
 
 The segment is then handed back to its worker; nothing is unmapped per batch (retired
@@ -41,7 +44,7 @@ from .._native import (
 from .._wire import codec, peer
 from .._wire.handle import ARRIVED, HELD, BatchHandle
 from . import settings
-from .delivery import Delivery, Local
+from .delivery import Delivery, Landing, Local
 from .tickets import Tickets
 
 #: An arena sized automatically may take at most this share of the memory available.
@@ -169,9 +172,12 @@ class Receiver:
         the consumer and in any order. It never waits for a slot that only the consumer can
         give back, nor decides on overflow: when every slot is held by a batch, the handle
         itself is returned, and the consumer's thread takes it when it reaches that batch,
-        in order (the same rules as on a machine without an accelerator)."""
+        in order (the same rules as on a machine without an accelerator). Nor does it wait
+        for a copy into a slot whose batch stays on the CPU: it returns a
+        :class:`~pinpool._main.delivery.Landing`, which the consumer's thread waits for."""
         if not handle._state:
             raise PinPoolError("this batch handle was taken or dropped already")
+        copying = None
         try:
             if handle.slot is not None:
                 memory, specs, need = self._adopt(handle)
@@ -179,12 +185,13 @@ class Receiver:
                 got = self._copy_in(handle, ahead)
                 if got is _LATER:
                     return handle
-                memory, specs, need = got
+                memory, specs, need, copying = got
         except BaseException:
             self.drop(handle)
             raise
-        self.drop(handle)
-        return self.deliver(handle.tree, specs, memory, need)
+        self.drop(handle, handed_back=copying is not None)
+        batch = self.deliver(handle.tree, specs, memory, need)
+        return batch if copying is None else Landing(batch, copying)
 
     def _adopt(self, handle: BatchHandle) -> tuple[Slot | None, list[codec.LeafSpec], int]:
         """Zero-copy: the slot the worker wrote the batch into, checked."""
@@ -201,7 +208,8 @@ class Receiver:
 
     def _copy_in(self, handle: BatchHandle, ahead: bool) -> Any:
         """Copy mode: a slot (or an ordinary buffer) with the segment's batch copied in, or
-        :data:`_LATER`."""
+        still being copied in (then also its :class:`~pinpool._native.Copying`, and the
+        segment goes back to its worker from the copy thread), or :data:`_LATER`."""
         if handle._state == ARRIVED:
             self._receive(handle)
         pool, cache = self.ensure(int(handle.nbytes))
@@ -212,11 +220,16 @@ class Receiver:
         if memory is _LATER:
             return _LATER
         key = (handle.worker, handle.segment)
+        copying = None
         if isinstance(memory, Slot):
-            cache.copy_to_slot(key, memory, [(0, 0, need)])
+            if ahead and self.deliver.device is None:
+                # The pin thread goes on to the next batch; the consumer waits (see Landing).
+                copying = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
+            else:
+                cache.copy_to_slot(key, memory, [(0, 0, need)])
         elif memory is not None:
             cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
-        return memory, specs, need
+        return memory, specs, need, copying
 
     def _receive(self, handle: BatchHandle) -> None:
         """Checks the handle's segment fields and takes hold of its segment (opening and
@@ -292,9 +305,10 @@ class Receiver:
             except Exception:
                 pass
 
-    def drop(self, handle: BatchHandle) -> None:
-        """Ends the handle's life here: hands its segment back to its worker, drops what the
-        worker retired, takes back a zero-copy slot the batch did not use."""
+    def drop(self, handle: BatchHandle, handed_back: bool = False) -> None:
+        """Ends the handle's life here: hands its segment back to its worker (unless a copy
+        thread does, ``handed_back``), drops what the worker retired, takes back a zero-copy
+        slot the batch did not use."""
         state, handle._state = handle._state, 0
         if not state:
             return
@@ -311,7 +325,8 @@ class Receiver:
         if cache is None:
             return
         try:
-            cache.release((handle.worker, handle.segment))
+            if not handed_back:
+                cache.release((handle.worker, handle.segment))
         except PinPoolError:
             pass  # already retired with the whole worker
         for sid in handle.retired:

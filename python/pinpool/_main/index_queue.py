@@ -1,0 +1,78 @@
+"""Batch indices written to a worker's index queue by the thread that sends them.
+
+torch sends every batch's indices to its worker through a ``multiprocessing.Queue``, whose
+``put()`` only appends to a list and wakes the queue's feeder thread, which pickles the
+indices and writes them to the worker's pipe. That thread needs the GIL to run: for every
+batch one more thread wakes and takes the GIL from the training thread and torch's pin
+thread (on the H200, torch's four feeder threads used 55 us of CPU per 512 KB batch, a sixth
+of a batch's time, all of it under the GIL; ``benchmarks/results/h200-gil-free-views``).
+
+:func:`write_directly` turns a queue into a :class:`DirectQueue`, whose ``put()`` pickles the
+object and writes it to the pipe itself: a few microseconds on the calling thread, and no
+other thread wakes. The worker's ``get()`` is unchanged (same pipe, same framing, same
+semaphore).
+
+Invariants:
+
+- A message is written whole or not at all, under the queue's write lock, so it cannot
+  interleave with another writer's.
+- The calling thread never waits for the worker to read: a message is written directly only
+  when every message the queue can hold at once fits in the pipe's buffer together
+  (``room``). A bigger one (a huge index list) goes through the feeder thread, as torch
+  would send it; from then on every message does, so that the worker receives them in the
+  order they were put.
+- ``close()`` closes the pipe's ends at once when no feeder thread was started (the feeder
+  thread closes them when it exits otherwise), so no descriptor outlives the queue's use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.queues
+from multiprocessing.reduction import ForkingPickler
+from queue import Full
+from typing import Any
+
+#: The pipe's buffer on Linux (64 KiB), halved for the framing and for safety.
+PIPE_ROOM = 32 << 10
+
+
+class DirectQueue(multiprocessing.queues.Queue):  # type: ignore[type-arg]
+    """A ``multiprocessing.Queue`` whose small messages are written by the thread that puts
+    them (see the module's doc). Set ``_pin_room`` before the first ``put``."""
+
+    _pin_room: int
+
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        if self._closed:  # type: ignore[attr-defined]
+            raise ValueError(f"Queue {self!r} is closed")
+        data = ForkingPickler.dumps(obj)
+        if self._thread is not None or len(data) > self._pin_room:  # type: ignore[attr-defined]
+            super().put(obj, block, timeout)  # the feeder thread, in order from now on
+            return
+        # The worker's get() releases this semaphore for every message it reads.
+        if not self._sem.acquire(block, timeout):  # type: ignore[attr-defined]
+            raise Full
+        lock = self._wlock  # type: ignore[attr-defined]
+        if lock is None:  # (Windows: one writer per pipe there)
+            self._writer.send_bytes(data)  # type: ignore[attr-defined]
+            return
+        with lock:
+            self._writer.send_bytes(data)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        feeder = self._thread  # type: ignore[attr-defined]
+        super().close()
+        if feeder is None:  # no feeder thread to close the pipe's ends on its way out
+            self._writer.close()  # type: ignore[attr-defined]
+            self._reader.close()  # type: ignore[attr-defined]
+
+
+def write_directly(queue: Any, most_messages: int) -> bool:
+    """Makes ``queue`` (a ``multiprocessing.Queue`` nothing was put on yet) write its messages
+    from the putting thread, when at most ``most_messages`` can wait in it at once; returns
+    whether it did (not for another kind of queue, or one already fed by its thread)."""
+    if type(queue) is not multiprocessing.queues.Queue or queue._thread is not None:
+        return False
+    queue.__class__ = DirectQueue
+    queue._pin_room = PIPE_ROOM // max(1, most_messages)
+    return True
