@@ -53,6 +53,7 @@ from loader_datasets import Indexed, Pair, assert_same
 import pinpool
 import pinpool._main.receiver
 from pinpool import PinPoolError
+from pinpool._main.delivery import finish
 from pinpool._main.receiver import Receiver
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
 from pinpool._wire import codec as _codec
@@ -401,8 +402,7 @@ def decoded(handle: Any, ahead: bool) -> Any:
     if not isinstance(handle, BatchHandle):
         return None
     try:
-        got = handle.pin_memory() if ahead else handle.take()
-        return handle.take() if got is handle else got
+        return finish(handle.pin_memory() if ahead else handle.take())
     except PinPoolError:
         raise
     except BaseException:
