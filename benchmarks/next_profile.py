@@ -29,7 +29,7 @@ import torch
 
 import pinpool
 import pinpool.loader
-from pinpool._main import delivery, receiver
+from pinpool._main import delivery, index_queue, receiver
 from pinpool._wire import codec, handle
 from pinpool._worker import collate, places, streaming
 from pinpool.bench.workloads import make_dataset
@@ -129,6 +129,8 @@ def instrument(record: Recorder = _add_to_totals) -> None:
     _wrap(delivery.Delivery, "__call__", "delivery")
     _wrap(receiver.Tickets, "assign", "tickets.assign")
     _wrap(delivery.OnDevice, "wait", "OnDevice.wait")
+    _wrap(delivery.Landing, "wait", "Landing.wait")
+    _wrap(index_queue.DirectQueue, "put", "index queue put (direct)")
     for name in ("pin_memory", "take", "__setstate__"):
         _wrap(handle.BatchHandle, name, f"BatchHandle.{name}")
     for name in ("rebuild", "host_leaves"):
@@ -213,6 +215,12 @@ def main() -> None:
         "--loader", default="pinpool", choices=["pinpool", "pinpool-zerocopy", "torch-pinned"]
     )
     ap.add_argument("--device", default=None)
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long after each batch (the GIL released, as in a step's GPU wait)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--pin-thread",
@@ -250,6 +258,8 @@ def main() -> None:
         batch = next(it)
         waits.append(time.perf_counter() - a)
         del batch
+        if args.step_ms:
+            time.sleep(args.step_ms / 1e3)
     wall = time.perf_counter() - t0
     cpu = _cpu_rows(cpu_before, _all_cpu(pids), args.steps)
     del it, loader
@@ -270,7 +280,7 @@ def main() -> None:
     w = np.asarray(waits) * 1e6
     head = (
         f"{args.loader} {args.workload} batch {args.batch_size} x {args.shape} "
-        f"device={args.device}: "
+        f"device={args.device}, {args.step_ms} ms a step: "
         f"{args.steps} steps in {wall:.2f} s = {wall / args.steps * 1e6:.0f} us/batch; "
         f"next() median {np.median(w):.0f} us, p99 {np.percentile(w, 99):.0f} us"
     )

@@ -5,6 +5,7 @@ thread, copies into slots left running on a copy thread while the pin thread goe
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import multiprocessing
 import os
@@ -19,7 +20,7 @@ from loader_datasets import Indexed, Sized
 
 import pinpool
 from pinpool._main import delivery
-from pinpool._main.index_queue import DirectQueue, write_directly
+from pinpool._main.index_queue import DirectQueue, pipe_size, write_directly
 
 
 def fd_count() -> int:
@@ -67,6 +68,24 @@ def test_a_direct_queue_without_a_feeder_closes_its_pipe_on_close() -> None:
     assert fd_count() == before, "the pipe outlived close()"
     with pytest.raises(ValueError):
         q.put("after close")
+
+
+def test_what_is_written_directly_fits_the_pipe_the_kernel_gave() -> None:
+    """A user over the system's pipe quota gets pipes of one page: a message that would not
+    fit there with the others goes through the feeder thread, never blocking the sender."""
+    q = multiprocessing.get_context("fork").Queue()
+    fcntl.fcntl(q._writer.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
+    assert pipe_size(q._writer.fileno()) == 4096
+    assert write_directly(q, 4)
+    assert q._pin_room == 512
+    q.put(list(range(50)))  # about 160 bytes
+    assert q._thread is None
+    q.put(list(range(400)))  # about 1.2 KB
+    assert q._thread is not None
+    assert q.get(timeout=5) == list(range(50))
+    assert q.get(timeout=5) == list(range(400))
+    q.close()
+    q.join_thread()
 
 
 def test_only_an_unused_multiprocessing_queue_is_turned() -> None:

@@ -17,8 +17,9 @@ Invariants:
 - A message is written whole or not at all, under the queue's write lock, so it cannot
   interleave with another writer's.
 - The calling thread never waits for the worker to read: a message is written directly only
-  when every message the queue can hold at once fits in the pipe's buffer together
-  (``room``). A bigger one (a huge index list) goes through the feeder thread, as torch
+  when every message the queue can hold at once fits in half the pipe's buffer together (the
+  buffer's size is asked of the kernel: 64 KiB by default, a page for a user over the
+  system's pipe quota). A bigger one (a huge index list) goes through the feeder thread, as torch
   would send it; from then on every message does, so that the worker receives them in the
   order they were put.
 - ``close()`` closes the pipe's ends at once when no feeder thread was started (the feeder
@@ -27,13 +28,16 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing.queues
 from multiprocessing.reduction import ForkingPickler
 from queue import Full
 from typing import Any
 
-#: The pipe's buffer on Linux (64 KiB), halved for the framing and for safety.
-PIPE_ROOM = 32 << 10
+#: ``fcntl``'s F_GETPIPE_SZ on Linux (Python 3.10+ names it; the value is Linux's).
+_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
+#: The smallest buffer a pipe gets (one page): assumed where the kernel does not say.
+_SMALLEST_PIPE = 4096
 
 
 class DirectQueue(multiprocessing.queues.Queue):  # type: ignore[type-arg]
@@ -74,5 +78,13 @@ def write_directly(queue: Any, most_messages: int) -> bool:
     if type(queue) is not multiprocessing.queues.Queue or queue._thread is not None:
         return False
     queue.__class__ = DirectQueue
-    queue._pin_room = PIPE_ROOM // max(1, most_messages)
+    queue._pin_room = pipe_size(queue._writer.fileno()) // 2 // max(1, most_messages)
     return True
+
+
+def pipe_size(fd: int) -> int:
+    """The buffer of the pipe ``fd`` is an end of, in bytes."""
+    try:
+        return max(_SMALLEST_PIPE, fcntl.fcntl(fd, _GETPIPE_SZ))
+    except OSError:
+        return _SMALLEST_PIPE
