@@ -20,6 +20,9 @@
 //!   ([`crate::release`]), whatever thread drops it: there the pending fences are waited for,
 //!   then the threads stopped and the arena freed (or, if a fence has not completed after
 //!   30 s, the arena is leaked rather than free memory the GPU may read).
+//! - A copy into a slot may run on a copy thread ([`Pool::copy_in_background`]): its job owns
+//!   the pool, the source mapping and what keeps the slot out of the pool, and drops them only
+//!   after the copy.
 //! - After [`Pool::close`] no checkout succeeds; slots already out may still be used and
 //!   released.
 //! - A forked child (a DataLoader worker) may inherit and drop the last reference to its
@@ -77,7 +80,6 @@ use crate::copy::{Copier, CopyDone, CopyRange, SetWhenDropped, MAX_COPY_THREADS}
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
-use crate::lease::OwnedPin;
 use crate::release;
 use crate::shm::{check_range, page_size, round_up, Mapping};
 use crate::slots::{Counts, SlotTable, Ticket};
@@ -556,28 +558,31 @@ impl Pool {
         self.slot_ptr(ticket)
     }
 
-    /// As [`Pool::copy_in`] into the slot `pin` holds, but on one of the copy threads: checks
+    /// As [`Pool::copy_in`] into the slot of `ticket`, but on one of the copy threads: checks
     /// everything first (an error queues nothing), then returns at once. On the copy thread,
-    /// after the copy, `then(&src)` runs, the pin goes (a release of the slot waiting for it
-    /// is carried out) and the returned [`CopyDone`] is set.
-    pub fn copy_in_background(
+    /// after the copy, `then(&src)` runs, `hold` is dropped and the returned [`CopyDone`] is
+    /// set.
+    ///
+    /// # Safety
+    /// `hold` keeps the slot of `ticket` checked out (out of the pool) until it is dropped: a
+    /// pin of the slot's lease (`crate::lease::OwnedPin`), whose drop carries out a release
+    /// that waited for it.
+    pub unsafe fn copy_in_background<H: Send + 'static>(
         self: &Arc<Self>,
-        pin: OwnedPin,
+        ticket: Ticket,
+        hold: H,
         src: Arc<Mapping>,
         ranges: Vec<CopyRange>,
         then: impl FnOnce(&Mapping) + Send + 'static,
     ) -> Result<Arc<CopyDone>> {
-        if !Arc::ptr_eq(pin.lease().pool(), self) {
-            return Err(Error::Invalid("this slot belongs to another pool".into()));
-        }
-        let dst = self.copy_target(pin.lease().ticket(), &src, &ranges)? as usize;
+        let dst = self.copy_target(ticket, &src, &ranges)? as usize;
         let done = Arc::new(CopyDone::default());
         let set = SetWhenDropped(Arc::clone(&done));
         let pool = Arc::clone(self);
         self.copier.spawn(move || {
             // SAFETY: every range was checked against the mapping and the slot above, and
-            // destination ranges are disjoint; the slot stays checked out while `pin` lives
-            // (a release waits for it), the mapping while `src` does, and the arena while
+            // destination ranges are disjoint; the slot stays checked out while `hold` lives
+            // (the caller's contract), the mapping while `src` does, and the arena while
             // `pool` does; all three are owned by this job.
             let n = unsafe { pool.copier.copy(src.as_ptr(), dst as *mut u8, &ranges) };
             pool.counters.bytes_copied.fetch_add(n as u64, Ordering::Relaxed);
@@ -585,8 +590,8 @@ impl Pool {
             then(&src);
             drop(src);
             pool.reap_lingering();
-            drop(pin);
-            drop(set); // the waiter sees the copy (and the pin's release) done
+            drop(hold);
+            drop(set); // the waiter sees the copy (and a release that waited for it) done
             drop(pool);
         });
         Ok(done)

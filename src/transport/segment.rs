@@ -368,11 +368,19 @@ impl SegmentCache {
         pin: OwnedPin,
         ranges: &[CopyRange],
     ) -> Result<Arc<CopyDone>> {
+        if !Arc::ptr_eq(pin.lease().pool(), &self.pool) {
+            return Err(Error::Invalid("this slot belongs to another pool".into()));
+        }
         let map = self.get(key)?;
         let shifted = shift_to_data(&map, ranges)?;
-        self.pool.copy_in_background(pin, map, shifted, |map| {
-            state_word(map).store(STATE_FREE, Ordering::Release);
-        })
+        let ticket = pin.lease().ticket();
+        // SAFETY: a pin keeps its lease's slot out of the pool until it is dropped (a release
+        // meanwhile waits for it: `crate::lease`).
+        unsafe {
+            self.pool.copy_in_background(ticket, pin, map, shifted, |map| {
+                state_word(map).store(STATE_FREE, Ordering::Release);
+            })
+        }
     }
 
     /// Copies `ranges` (source offsets relative to the data area) into caller-owned memory.
