@@ -247,6 +247,39 @@ impl Device {
         guarded("cuCtxSynchronize", || unsafe { sys::cuCtxSynchronize().result() })
     }
 
+    /// Queues a copy of `len` bytes from host memory at `src` to device memory at `dst` on
+    /// `stream`, then records a fresh event after it there (one context binding for both);
+    /// returns the event.
+    ///
+    /// # Safety
+    /// `[src, src+len)` is pinned host memory that stays allocated and unwritten until the
+    /// copy has run (the caller fences its reuse on `stream`); `[dst, dst+len)` is device
+    /// memory of this device that stays allocated until then and that nothing else writes.
+    pub unsafe fn send(
+        self: &Arc<Self>,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<Event> {
+        let _bound = self.bind()?;
+        // SAFETY: the caller vouches for both ranges; a bad stream handle is reported by the
+        // driver as an error, which we return.
+        guarded("cuMemcpyHtoDAsync", || unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), len, stream as sys::CUstream)
+                .result()
+        })?;
+        let raw = guarded("cuEventCreate", || {
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        })?;
+        let event = Event { raw, device: Arc::clone(self) };
+        // SAFETY: `raw` is a live event of this context, the stream as above.
+        guarded("cuEventRecord", || unsafe {
+            result::event::record(raw, stream as sys::CUstream)
+        })?;
+        Ok(event)
+    }
+
     /// A fresh event without timing (cheaper to record and query).
     pub fn new_event(self: &Arc<Self>) -> Result<Event> {
         let _bound = self.bind()?;
@@ -277,6 +310,22 @@ impl Event {
         // the driver as an error, which we return.
         guarded("cuEventRecord", || unsafe {
             result::event::record(self.raw, stream as sys::CUstream)
+        })
+    }
+
+    /// The device the event belongs to.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Makes the work queued on `stream` from now on wait until this event's work is done
+    /// (`cuStreamWaitEvent`; the calling thread does not wait).
+    pub fn make_wait(&self, stream: StreamHandle) -> Result<()> {
+        let _bound = self.device.bind()?;
+        // SAFETY: `raw` is a live event of this context; a bad stream handle is reported by
+        // the driver as an error, which we return.
+        guarded("cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(stream as sys::CUstream, self.raw, 0).result()
         })
     }
 

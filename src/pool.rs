@@ -77,7 +77,7 @@ use std::time::{Duration, Instant};
 
 use crate::arena::{Arena, Backend, Residency};
 use crate::copy::{Copier, CopyDone, CopyRange, SetWhenDropped, MAX_COPY_THREADS};
-use crate::cuda::StreamHandle;
+use crate::cuda::{Event, StreamHandle};
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
 use crate::release;
@@ -556,6 +556,39 @@ impl Pool {
         self.check_owner()?;
         validate_ranges(ranges, src.len(), self.slot_bytes)?;
         self.slot_ptr(ticket)
+    }
+
+    /// [`Pool::copy_in`], then a copy of the slot's first `len` bytes to device memory at
+    /// `dst` queued on `stream`, and an event recorded after it: returns the event. Only on
+    /// a pool whose arena the driver pinned.
+    ///
+    /// # Safety
+    /// `[dst, dst+len)` is memory of the arena's device that stays allocated until the copy
+    /// has run and that nothing else writes. The caller releases the slot fenced on `stream`
+    /// (or on a stream ordered after it), so it is not reused under the queued copy.
+    pub unsafe fn copy_in_and_send(
+        &self,
+        ticket: Ticket,
+        src: &Mapping,
+        ranges: &[CopyRange],
+        dst: u64,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<Event> {
+        let Some(device) = self.arena.device() else {
+            return Err(Error::Invalid(
+                "copies to a device need a pool of pinned memory on that device".into(),
+            ));
+        };
+        if len > self.slot_bytes {
+            return Err(Error::OutOfRange { what: "slot", offset: 0, len, size: self.slot_bytes });
+        }
+        self.copy_in(ticket, src, ranges)?;
+        let slot = self.slot_ptr(ticket)?;
+        // SAFETY: the slot is pinned arena memory, live while the caller holds the ticket and
+        // not reused before the fence the caller records on `stream`; `len` fits in it
+        // (checked above); the caller vouches for `dst`.
+        unsafe { device.send(dst, slot, len, stream) }
     }
 
     /// As [`Pool::copy_in`] into the slot of `ticket`, but on one of the copy threads: checks

@@ -32,6 +32,7 @@ def fd_count() -> int:
 
 def test_a_direct_queue_keeps_order_whichever_way_a_message_goes() -> None:
     ctx = multiprocessing.get_context("fork")
+    gc.collect()  # (what earlier tests left for the collector closes its fds now, not below)
     before = fd_count()
     q = ctx.Queue()
     assert write_directly(q, 4)
@@ -58,6 +59,7 @@ def test_a_direct_queue_keeps_order_whichever_way_a_message_goes() -> None:
 
 def test_a_direct_queue_without_a_feeder_closes_its_pipe_on_close() -> None:
     ctx = multiprocessing.get_context("fork")
+    gc.collect()
     before = fd_count()
     q = ctx.Queue()
     assert write_directly(q, 8)

@@ -10,6 +10,7 @@ calibrated once per module with CUDA events.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -313,6 +314,49 @@ def test_non_blocking_copy_from_a_slot_is_asynchronous_and_correct(cuda_pool, gp
     assert torch.equal(dev.cpu(), host)
     del host, dev
     slot.release()
+
+
+def test_a_segment_copied_on_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
+    """``SegmentCache.copy_to_device``: the segment's bytes reach the device behind GPU work
+    already queued on the stream, the call does not wait for it, ``Sent.make_wait`` orders
+    another stream after it, and targets that do not qualify are refused."""
+    n = 16 * MiB
+    pool = cuda_pool(n + MiB, 2)
+    cache = pinpool.SegmentCache(pool)
+    ws = pinpool.WorkerSegment(n)
+    assert ws.try_claim()
+    data = byte_pattern(n, seed=5)
+    with memoryview(ws) as mv:
+        mv[:n] = data.numpy().tobytes()
+    cache.insert((1, 0), os.dup(ws.fd), ws.total_len, ws.nonce)
+    side = torch.cuda.Stream()
+    target = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with pool.checkout() as slot:
+        with torch.cuda.stream(side):
+            gpu_sleep(LONG_KERNEL_S)
+        t0 = time.perf_counter()
+        sent = cache.copy_to_device((1, 0), slot, [(0, 0, n)], target, n, side)
+        call_s = time.perf_counter() - t0
+        assert not sent.done, "the copy ran before the work queued ahead of it"
+        assert call_s < LONG_KERNEL_S / 4, call_s
+        slot.release(side)
+        sent.make_wait()  # the current stream waits for the copy
+        got = target.clone()  # on the current stream
+        torch.cuda.synchronize()
+        assert sent.done
+        assert torch.equal(got.cpu(), data)
+    cache.release((1, 0))
+    with pool.checkout() as slot:
+        for bad in (
+            torch.empty(n, dtype=torch.uint8),  # on the CPU
+            torch.empty(n - 1, dtype=torch.uint8, device="cuda"),  # too small
+            torch.empty(2 * n, dtype=torch.uint8, device="cuda")[::2],  # not contiguous
+            "not a tensor",
+        ):
+            with pytest.raises(InvalidArgument):
+                cache.copy_to_device((1, 0), slot, [(0, 0, n)], bad, n, side)
+    assert pool.stats()["slots_checked_out"] == 0
 
 
 # --------------------------------------------------------------------------- fences

@@ -488,6 +488,18 @@ def test_a_copy_on_a_copy_thread_hands_the_segment_back_when_done(make_pool) -> 
         cache.copy_to_slot_then_release((4, 0), released, [(0, 0, 1)])
 
 
+def test_only_a_pool_pinned_on_a_gpu_copies_on_to_the_device(make_pool) -> None:
+    ws, _ = filled(PAGE)
+    pool = make_pool(2 * PAGE, 1)  # host memory, whatever the machine
+    cache = SegmentCache(pool)
+    insert(cache, (5, 0), ws)
+    target = np.zeros(PAGE, dtype=np.uint8)
+    with pool.checkout() as slot:
+        with pytest.raises(InvalidArgument, match="pinned on that device"):
+            cache.copy_to_device((5, 0), slot, [(0, 0, 10)], target, 10, 0)
+    assert ws.in_flight, "a refused copy handed the segment back"
+
+
 def test_segment_cache_copy_to_buffer(make_pool) -> None:
     """The overflow path: copying a segment into ordinary memory instead of a slot."""
     pool = make_pool(PAGE, 1)

@@ -7,8 +7,8 @@
 
 The low-level transport the DataLoader is built on is public too: ``WorkerSegment`` (a
 producer writes a batch into it), ``SegmentCache`` (the consumer maps producers' segments and
-copies from them into slots, there and then or on a copy thread: ``Copying``),
-``check_segment`` and ``SEGMENT_DATA_OFFSET``.
+copies from them into slots, there and then, on a copy thread (``Copying``) or on to a GPU
+(``Sent``)), ``check_segment`` and ``SEGMENT_DATA_OFFSET``.
 
 See README.md for the DataLoader and the benchmarks.
 """
@@ -35,6 +35,7 @@ from ._native import (
     Copying,
     PinPool,
     SegmentCache,
+    Sent,
     Slot,
     WorkerSegment,
     check_segment,
@@ -68,6 +69,7 @@ __all__ = [
     "PoolClosed",
     "PoolExhausted",
     "SegmentCache",
+    "Sent",
     "Slot",
     "SlotReleased",
     "WorkerLost",

@@ -9,6 +9,7 @@ __all__ = [
     "Copying",
     "PinPool",
     "SegmentCache",
+    "Sent",
     "Slot",
     "WorkerSegment",
     "_gather",
@@ -190,6 +191,17 @@ class Copying:
         """Returns once the copy has finished (waiting without the GIL)."""
 
 @final
+class Sent:
+    """A copy to the device queued by ``SegmentCache.copy_to_device``."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the copy has run."""
+    def make_wait(self, stream: Any = None) -> None:
+        """Makes the work queued on ``stream`` from now on (default: torch's current stream)
+        wait for the copy; the calling thread does not wait."""
+
+@final
 class SegmentCache:
     """The consumer's side of the segment transport: producers' segments mapped in this
     process, keyed by ``(producer, segment)`` (64- and 32-bit unsigned ints), and copies from
@@ -234,6 +246,19 @@ class SegmentCache:
         at once. After the copy the segment is handed back to its producer on that thread (do
         not ``release(key)`` too). Until then the slot stays out of the pool, whatever
         releases it meanwhile. Read the slot only after ``Copying.wait()``."""
+    def copy_to_device(
+        self,
+        key: tuple[int, int],
+        slot: Slot,
+        ranges: Sequence[tuple[int, int, int]],
+        target: Any,
+        nbytes: int,
+        stream: Any,
+    ) -> Sent:
+        """As ``copy_to_slot`` (without the GIL), then queues a copy of the slot's first
+        ``nbytes`` bytes into ``target`` (a contiguous CUDA tensor on the pool's device with at
+        least ``nbytes`` bytes, kept alive until the copy has run) on ``stream``. Release the
+        slot fenced on ``stream`` after the call. Pools the driver pinned only."""
     def release(self, key: tuple[int, int]) -> None:
         """Marks segment ``key`` free for its producer's next ``try_claim()``; only once the
         last copy of the batch has returned. It stays mapped. Unknown keys raise."""

@@ -200,6 +200,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<segment::PyWorkerSegment>()?;
     m.add_class::<segment::PySegmentCache>()?;
     m.add_class::<segment::PyCopying>()?;
+    m.add_class::<segment::PySent>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;

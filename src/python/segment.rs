@@ -23,6 +23,7 @@ use super::pool::PyPinPool;
 use super::slot::PySlot;
 use super::{guarded, to_py, IntoPy};
 use crate::copy::{CopyDone, CopyRange};
+use crate::cuda::Event;
 use crate::error::Error;
 use crate::transport::segment::{SegmentCache, WorkerSegment};
 
@@ -49,6 +50,60 @@ impl PyCopying {
 
     fn __repr__(&self) -> String {
         format!("Copying({})", if self.done.is_done() { "done" } else { "running" })
+    }
+}
+
+/// Checks that `target` is a contiguous CUDA tensor on `device` with at least `nbytes`
+/// bytes; returns its data's device address.
+fn device_target(target: &Bound<'_, PyAny>, device: usize, nbytes: usize) -> Result<u64, Error> {
+    let bad = |why: &str| Error::Invalid(format!("copy_to_device: the target {why}"));
+    let attr = |name: &str| target.getattr(name).map_err(|_| bad("is not a torch tensor"));
+    if !attr("is_cuda")?.is_truthy().unwrap_or(false) {
+        return Err(bad("is not a CUDA tensor"));
+    }
+    let index: Option<usize> = attr("device")?.getattr("index").ok().and_then(|i| i.extract().ok());
+    if index != Some(device) {
+        return Err(bad(&format!("is not on the pool's device (cuda:{device})")));
+    }
+    let contiguous = target.call_method0("is_contiguous").and_then(|c| c.is_truthy());
+    if !contiguous.unwrap_or(false) {
+        return Err(bad("is not contiguous"));
+    }
+    let len: usize = attr("nbytes")?.extract().map_err(|_| bad("has no byte count"))?;
+    if len < nbytes {
+        return Err(bad(&format!("holds {len} bytes, fewer than {nbytes}")));
+    }
+    let ptr: u64 = target
+        .call_method0("data_ptr")
+        .and_then(|p| p.extract())
+        .map_err(|_| bad("has no data pointer"))?;
+    Ok(ptr)
+}
+
+/// A copy to the device queued by `SegmentCache.copy_to_device`: the event recorded after it.
+#[pyclass(name = "Sent", module = "pinpool._native", frozen)]
+pub struct PySent {
+    event: Event,
+}
+
+#[pymethods]
+impl PySent {
+    /// Whether the copy has run.
+    #[getter]
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
+        self.event.is_complete().py(py)
+    }
+
+    /// Makes the work queued on `stream` from now on (a `torch.cuda.Stream` or a raw
+    /// `CUstream` int; default: torch's current stream) wait for the copy. The calling
+    /// thread does not wait.
+    #[pyo3(signature = (stream = None))]
+    fn make_wait(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        guarded(|| {
+            let device = self.event.device().ordinal();
+            let stream = super::stream_arg(py, stream, device)?.unwrap_or(0);
+            self.event.make_wait(stream).py(py)
+        })
     }
 }
 
@@ -308,6 +363,53 @@ impl PySegmentCache {
                 return self.cache.copy_to_slot(key, ticket, &ranges).py(py);
             }
             py.detach(|| self.cache.copy_to_slot(key, ticket, &ranges)).py(py)
+        })
+    }
+
+    /// As `copy_to_slot` (without the GIL), then queues a copy of the slot's first `nbytes`
+    /// bytes into `target` on `stream` (a `torch.cuda.Stream` or a raw `CUstream` int) and
+    /// records an event after it; returns a `Sent`. `target` must be a contiguous CUDA tensor
+    /// on the pool's device with at least `nbytes` bytes, kept alive by the caller until the
+    /// copy has run (hold it until the `Sent` is waited for). Release the slot fenced on
+    /// `stream` after this call. Only for a pool whose memory the driver pinned
+    /// (`InvalidArgument` otherwise, or for a `target` that does not qualify).
+    #[pyo3(signature = (key, slot, ranges, target, nbytes, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn copy_to_device(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        slot: &Bound<'_, PySlot>,
+        ranges: Vec<(usize, usize, usize)>,
+        target: &Bound<'_, PyAny>,
+        nbytes: usize,
+        stream: &Bound<'_, PyAny>,
+    ) -> PyResult<PySent> {
+        guarded(|| {
+            let ranges: Vec<CopyRange> =
+                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let device = self.cache.pool().arena().device().map(|d| d.ordinal());
+            let Some(device) = device else {
+                return Err(to_py(
+                    py,
+                    Error::Invalid("copies to a device need a pool pinned on that device".into()),
+                ));
+            };
+            let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
+            let stream = super::stream_arg(py, Some(stream), device)?.unwrap_or(0);
+            let slot = slot.get();
+            let _pin = slot.pin(py, self.cache.pool())?;
+            let ticket = slot.ticket();
+            // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
+            // at least `nbytes` bytes (checked above), which the caller keeps alive until the
+            // copy has run and releases the slot fenced on `stream` after this call (the
+            // method's documented contract).
+            let event = py
+                .detach(|| unsafe {
+                    self.cache.copy_to_device(key, ticket, &ranges, dst, nbytes, stream)
+                })
+                .py(py)?;
+            Ok(PySent { event })
         })
     }
 

@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::copy::{CopyDone, CopyRange};
+use crate::cuda::{Event, StreamHandle};
 use crate::error::{Error, Result};
 use crate::lease::OwnedPin;
 use crate::pool::Pool;
@@ -353,6 +354,31 @@ impl SegmentCache {
         let map = self.get(key)?;
         let shifted = shift_to_data(&map, ranges)?;
         let result = self.pool.copy_in(ticket, &map, &shifted);
+        drop(map);
+        self.pool.reap_lingering();
+        result
+    }
+
+    /// As [`SegmentCache::copy_to_slot`], then the slot's first `len` bytes queued for a copy
+    /// to device memory at `dst` on `stream` ([`Pool::copy_in_and_send`]); returns the event
+    /// recorded after it.
+    ///
+    /// # Safety
+    /// As [`Pool::copy_in_and_send`].
+    pub unsafe fn copy_to_device(
+        &self,
+        key: SegmentKey,
+        ticket: Ticket,
+        ranges: &[CopyRange],
+        dst: u64,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<Event> {
+        let map = self.get(key)?;
+        let shifted = shift_to_data(&map, ranges)?;
+        // SAFETY: forwarded from the caller.
+        let result =
+            unsafe { self.pool.copy_in_and_send(ticket, &map, &shifted, dst, len, stream) };
         drop(map);
         self.pool.reap_lingering();
         result

@@ -4,9 +4,10 @@
 it landed in (a slot, or an ordinary buffer when it overflowed). Without a device the batch is
 views into that memory: a slot returns to its pool when the last view dies, fenced on torch's
 current stream then. With a CUDA device, the memory is copied to it on the loader's own copy
-stream, the slot is released behind that copy (fenced on the copy stream), and the batch is
-wrapped in :class:`OnDevice`, whose ``wait()`` (on the consumer's thread) makes the
-consumer's current stream wait for the copy.
+stream (:meth:`Delivery.send`: a worker's segment goes into the slot and on to the device in
+one call without the GIL), the slot is released behind that copy (fenced on the copy
+stream), and the batch is wrapped in :class:`OnDevice`, whose ``wait()`` (on the consumer's
+thread) makes the consumer's current stream wait for the copy.
 
 Objects the tree walk cannot look into (``_wire.tree``: anything but mappings, sequences,
 tuples, namedtuples and dataclasses) travel whole, their tensors through torch's own pickling,
@@ -26,11 +27,12 @@ import sys
 import threading
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._native import Copying, Slot
+from .._native import Copying, Sent, Slot
 from .._wire import codec
 from .._wire.handle import BatchHandle
 
@@ -49,7 +51,10 @@ class OnDevice:
 
     def wait(self) -> Any:
         stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(self.event)
+        if isinstance(self.event, Sent):
+            self.event.make_wait(stream)  # (in Rust: keeps the GIL)
+        else:
+            stream.wait_event(self.event)
         # The device memory was allocated on the copy stream: tell the caching allocator it is
         # used on the consumer's stream too, so it is not reused before that work is done.
         self.storage.record_stream(stream)
@@ -202,6 +207,32 @@ class Delivery:
         if isinstance(memory, Slot):
             memory.release(self.copy_stream)
         return OnDevice(codec.rebuild(tree, views, self.kept), storage, event, self.device)
+
+    def send(
+        self,
+        tree: Any,
+        specs: list[codec.LeafSpec],
+        slot: Slot,
+        need: int,
+        fill: Callable[[Slot, torch.Tensor, torch.cuda.Stream], Sent],
+    ) -> OnDevice:
+        """The batch of ``tree`` on the device, its first ``need`` bytes put into ``slot``
+        and copied on to the device by ``fill`` (one call without the GIL, see
+        ``Receiver.take``), on the loader's copy stream."""
+        assert self.copy_stream is not None and self.device is not None
+        self.batches += 1
+        self.bytes += need
+        with torch.cuda.stream(self.copy_stream):
+            storage = torch.empty(need, dtype=torch.uint8, device=self.device)
+        sent = fill(slot, storage, self.copy_stream)
+        views = []
+        for s in specs:
+            if s.kind == "numpy":  # numpy cannot live on the GPU: keep a host copy
+                views.append(codec.host_leaf(slot, s, need).copy())
+            else:
+                views.append(codec.device_leaf(storage, s))
+        slot.release(self.copy_stream)  # reused only after the copy to the device
+        return OnDevice(codec.rebuild(tree, views, self.kept), storage, sent, self.device)
 
 
 def finish(item: Any) -> Any:

@@ -36,6 +36,7 @@ from .._native import (
     SEGMENT_DATA_OFFSET,
     PinPool,
     SegmentCache,
+    Sent,
     Slot,
     available_memory,
     check_segment,
@@ -58,6 +59,20 @@ class _Later:
 
 
 _LATER = _Later()
+
+
+class _Send:
+    """A segment's batch to be copied into its slot and on to the device in one call."""
+
+    __slots__ = ("cache", "key", "need")
+
+    def __init__(self, cache: SegmentCache, key: tuple[int, int], need: int) -> None:
+        self.cache, self.key, self.need = cache, key, need
+
+    def __call__(self, slot: Slot, target: torch.Tensor, stream: torch.cuda.Stream) -> Sent:
+        return self.cache.copy_to_device(
+            self.key, slot, [(0, 0, self.need)], target, self.need, stream
+        )
 
 
 class Receiver:
@@ -174,10 +189,14 @@ class Receiver:
         itself is returned, and the consumer's thread takes it when it reaches that batch,
         in order (the same rules as on a machine without an accelerator). Nor does it wait
         for a copy into a slot whose batch stays on the CPU: it returns a
-        :class:`~pinpool._main.delivery.Landing`, which the consumer's thread waits for."""
+        :class:`~pinpool._main.delivery.Landing`, which the consumer's thread waits for.
+
+        A batch for the device whose slot the driver pinned is copied into the slot and on
+        to the device in one call without the GIL (``SegmentCache.copy_to_device``), as it is
+        delivered; its segment goes back after that."""
         if not handle._state:
             raise PinPoolError("this batch handle was taken or dropped already")
-        copying = None
+        pending = None
         try:
             if handle.slot is not None:
                 memory, specs, need = self._adopt(handle)
@@ -185,13 +204,18 @@ class Receiver:
                 got = self._copy_in(handle, ahead)
                 if got is _LATER:
                     return handle
-                memory, specs, need, copying = got
+                memory, specs, need, pending = got
         except BaseException:
             self.drop(handle)
             raise
-        self.drop(handle, handed_back=copying is not None)
+        if isinstance(pending, _Send):
+            try:
+                return self.deliver.send(handle.tree, specs, memory, need, pending)
+            finally:
+                self.drop(handle)
+        self.drop(handle, handed_back=pending is not None)
         batch = self.deliver(handle.tree, specs, memory, need)
-        return batch if copying is None else Landing(batch, copying)
+        return batch if pending is None else Landing(batch, pending)
 
     def _adopt(self, handle: BatchHandle) -> tuple[Slot | None, list[codec.LeafSpec], int]:
         """Zero-copy: the slot the worker wrote the batch into, checked."""
@@ -207,9 +231,10 @@ class Receiver:
         return slot, specs, need
 
     def _copy_in(self, handle: BatchHandle, ahead: bool) -> Any:
-        """Copy mode: a slot (or an ordinary buffer) with the segment's batch copied in, or
-        still being copied in (then also its :class:`~pinpool._native.Copying`, and the
-        segment goes back to its worker from the copy thread), or :data:`_LATER`."""
+        """Copy mode: a slot (or an ordinary buffer) with the segment's batch copied in;
+        or still being copied in (then also its :class:`~pinpool._native.Copying`, and the
+        segment goes back to its worker from the copy thread); or to be copied in as it is
+        sent to the device (then also a :class:`_Send`); or :data:`_LATER`."""
         if handle._state == ARRIVED:
             self._receive(handle)
         pool, cache = self.ensure(int(handle.nbytes))
@@ -220,16 +245,18 @@ class Receiver:
         if memory is _LATER:
             return _LATER
         key = (handle.worker, handle.segment)
-        copying = None
+        pending: Any = None
         if isinstance(memory, Slot):
-            if ahead and self.deliver.device is None:
+            if self.deliver.device is not None and memory.device is not None:
+                pending = _Send(cache, key, need)  # (Delivery.send calls it)
+            elif ahead and self.deliver.device is None:
                 # The pin thread goes on to the next batch; the consumer waits (see Landing).
-                copying = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
+                pending = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
             else:
                 cache.copy_to_slot(key, memory, [(0, 0, need)])
         elif memory is not None:
             cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
-        return memory, specs, need, copying
+        return memory, specs, need, pending
 
     def _receive(self, handle: BatchHandle) -> None:
         """Checks the handle's segment fields and takes hold of its segment (opening and
