@@ -107,6 +107,11 @@ impl PySent {
     }
 }
 
+/// `(src, dst, len)` tuples from Python as copy ranges (checked by the copy itself).
+fn copy_ranges(ranges: Vec<(usize, usize, usize)>) -> Vec<CopyRange> {
+    ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect()
+}
+
 /// Converts a sender's claims about a segment; a value out of range is `OutOfBounds`.
 fn segment_claims(
     py: Python<'_>,
@@ -353,8 +358,7 @@ impl PySegmentCache {
         ranges: Vec<(usize, usize, usize)>,
     ) -> PyResult<usize> {
         guarded(|| {
-            let ranges: Vec<CopyRange> =
-                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let ranges = copy_ranges(ranges);
             let slot = slot.get();
             let _pin = slot.pin(py, self.cache.pool())?;
             let ticket = slot.ticket();
@@ -386,8 +390,7 @@ impl PySegmentCache {
         stream: &Bound<'_, PyAny>,
     ) -> PyResult<PySent> {
         guarded(|| {
-            let ranges: Vec<CopyRange> =
-                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let ranges = copy_ranges(ranges);
             let device = self.cache.pool().arena().device().map(|d| d.ordinal());
             let Some(device) = device else {
                 return Err(to_py(
@@ -427,8 +430,7 @@ impl PySegmentCache {
         ranges: Vec<(usize, usize, usize)>,
     ) -> PyResult<PyCopying> {
         guarded(|| {
-            let ranges: Vec<CopyRange> =
-                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let ranges = copy_ranges(ranges);
             let pin = slot.get().pin_owned(py, self.cache.pool())?;
             let done = self.cache.copy_to_slot_then_release(key, pin, &ranges).py(py)?;
             Ok(PyCopying { done })
@@ -448,8 +450,7 @@ impl PySegmentCache {
         ranges: Vec<(usize, usize, usize)>,
     ) -> PyResult<usize> {
         guarded(|| {
-            let ranges: Vec<CopyRange> =
-                ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect();
+            let ranges = copy_ranges(ranges);
             let buf = PyBuffer::<u8>::get(buffer)?;
             if buf.readonly() || !buf.is_c_contiguous() {
                 return Err(to_py(

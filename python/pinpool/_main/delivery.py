@@ -197,12 +197,7 @@ class Delivery:
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         del base
-        views = []
-        for s in specs:
-            if s.kind == "numpy":  # numpy cannot live on the GPU: keep a host copy
-                views.append(codec.host_leaf(host, s, need).copy())
-            else:
-                views.append(codec.device_leaf(storage, s))
+        views = _device_leaves(specs, host, storage, need)
         del host
         if isinstance(memory, Slot):
             memory.release(self.copy_stream)
@@ -225,14 +220,22 @@ class Delivery:
         with torch.cuda.stream(self.copy_stream):
             storage = torch.empty(need, dtype=torch.uint8, device=self.device)
         sent = fill(slot, storage, self.copy_stream)
-        views = []
-        for s in specs:
-            if s.kind == "numpy":  # numpy cannot live on the GPU: keep a host copy
-                views.append(codec.host_leaf(slot, s, need).copy())
-            else:
-                views.append(codec.device_leaf(storage, s))
+        views = _device_leaves(specs, slot, storage, need)
         slot.release(self.copy_stream)  # reused only after the copy to the device
         return OnDevice(codec.rebuild(tree, views, self.kept), storage, sent, self.device)
+
+
+def _device_leaves(
+    specs: list[codec.LeafSpec], host: Any, storage: torch.Tensor, need: int
+) -> list[Any]:
+    """The leaves of a batch copied to the device: views of ``storage``, except numpy leaves
+    (numpy cannot live on a GPU), which are copies of their bytes in ``host``."""
+    return [
+        codec.host_leaf(host, s, need).copy()
+        if s.kind == "numpy"
+        else codec.device_leaf(storage, s)
+        for s in specs
+    ]
 
 
 def finish(item: Any) -> Any:
