@@ -591,6 +591,34 @@ impl Pool {
         unsafe { device.send(dst, slot, len, stream) }
     }
 
+    /// Queues a copy of the first `len` bytes of the slot of `ticket` to device memory `dst`
+    /// on `stream`, and an event after it (a zero-copy batch, already in its slot).
+    ///
+    /// # Safety
+    /// As [`Pool::copy_in_and_send`]: `dst` is device memory of the pool's device with room
+    /// for `len` bytes, live until the copy has run, and the caller keeps the slot checked
+    /// out and releases it fenced on `stream` (or later).
+    pub unsafe fn send(
+        &self,
+        ticket: Ticket,
+        dst: u64,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<Event> {
+        let Some(device) = self.arena.device() else {
+            return Err(Error::Invalid(
+                "copies to a device need a pool of pinned memory on that device".into(),
+            ));
+        };
+        if len > self.slot_bytes {
+            return Err(Error::OutOfRange { what: "slot", offset: 0, len, size: self.slot_bytes });
+        }
+        let slot = self.slot_ptr(ticket)?;
+        // SAFETY: as in `copy_in_and_send`: pinned arena memory, live while the caller holds
+        // the ticket, `len` fits in the slot; the caller vouches for `dst`.
+        unsafe { device.send(dst, slot, len, stream) }
+    }
+
     /// As [`Pool::copy_in`] into the slot of `ticket`, but on one of the copy threads: checks
     /// everything first (an error queues nothing), then returns at once. On the copy thread,
     /// after the copy, `then(&src)` runs, `hold` is dropped and the returned [`CopyDone`] is

@@ -210,6 +210,18 @@ class Exiting(Sized):
         return super().__getitem__(i)
 
 
+class Paced(Indexed):
+    """Takes ``seconds`` for every sample."""
+
+    def __init__(self, n: int, shape: tuple[int, ...], seconds: float) -> None:
+        super().__init__(n, shape)
+        self.seconds = seconds
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        time.sleep(self.seconds)
+        return super().__getitem__(i)
+
+
 class Sleepy(Indexed):
     """Sleeps ``seconds`` at index ``slow``."""
 

@@ -1,5 +1,5 @@
 """The per-batch trip between the threads of the main process: indices written to the workers'
-pipes by the thread that sends them (``pinpool._main.index_queue``), and, on torch's pin
+pipes by a Rust thread (``pinpool._main.index_queue``), and, on torch's pin
 thread, copies into slots left running on a copy thread while the pin thread goes on
 (``Receiver.take`` and ``delivery.Landing``)."""
 
@@ -20,7 +20,8 @@ from loader_datasets import Indexed, Sized
 
 import pinpool
 from pinpool._main import delivery
-from pinpool._main.index_queue import DirectQueue, pipe_size, write_directly
+from pinpool._main.index_queue import DirectQueue, write_directly
+from pinpool._native import PipeWriter
 
 
 def fd_count() -> int:
@@ -30,26 +31,26 @@ def fd_count() -> int:
 # --------------------------------------------------------------------------- index queues
 
 
-def test_a_direct_queue_keeps_order_whichever_way_a_message_goes() -> None:
+def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     ctx = multiprocessing.get_context("fork")
     gc.collect()  # (what earlier tests left for the collector closes its fds now, not below)
     before = fd_count()
     q = ctx.Queue()
-    assert write_directly(q, 4)
+    assert write_directly(q)
     assert isinstance(q, DirectQueue)
-    big = list(range(20_000))  # more than the pipe may hold for 4 messages
+    big = list(range(20_000))  # more than the pipe holds: the writer's thread waits, not put()
     sent: list[Any] = [(0, [1, 2]), (1, "x" * 100), (2, big), (3, [4]), (4, None)]
-    for item in sent[:2]:
+    t = time.perf_counter()
+    for item in sent:
         q.put(item)
-    assert q._thread is None, "small messages woke a feeder thread"
-    for item in sent[2:]:
-        q.put(item)
-    assert q._thread is not None, "the big message was written by the putting thread"
+    assert time.perf_counter() - t < 0.5
+    assert q._thread is None, "a message woke a feeder thread"
     assert [q.get(timeout=5) for _ in sent] == sent
     # The semaphore the reader releases stays balanced (an extra release would raise).
     for i in range(300):
         q.put(i)
         assert q.get(timeout=5) == i
+    assert q._pin_writer.written == len(sent) + 300
     q.close()
     q.join_thread()
     del q
@@ -57,54 +58,57 @@ def test_a_direct_queue_keeps_order_whichever_way_a_message_goes() -> None:
     assert fd_count() == before
 
 
-def test_a_direct_queue_without_a_feeder_closes_its_pipe_on_close() -> None:
+def test_a_direct_queue_closes_every_descriptor_on_close() -> None:
     ctx = multiprocessing.get_context("fork")
     gc.collect()
     before = fd_count()
     q = ctx.Queue()
-    assert write_directly(q, 8)
+    assert write_directly(q)
     q.put("one")
     assert q.get(timeout=5) == "one"
-    assert fd_count() == before + 2
+    assert fd_count() == before + 3  # the pipe's two ends and the writer's own
     q.close()
-    assert fd_count() == before, "the pipe outlived close()"
+    assert fd_count() == before, "a descriptor outlived close()"
     with pytest.raises(ValueError):
         q.put("after close")
 
 
-def test_what_is_written_directly_fits_the_pipe_the_kernel_gave() -> None:
-    """A user over the system's pipe quota gets pipes of one page: a message that would not
-    fit there with the others goes through the feeder thread, never blocking the sender."""
+def test_close_gives_up_a_full_pipe_nobody_reads() -> None:
+    """A worker that died with indices still queued: close() neither hangs nor leaks."""
+    gc.collect()
+    before = fd_count()
     q = multiprocessing.get_context("fork").Queue()
     fcntl.fcntl(q._writer.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
-    assert pipe_size(q._writer.fileno()) == 4096
-    assert write_directly(q, 4)
-    assert q._pin_room == 512
-    q.put(list(range(50)))  # about 160 bytes
-    assert q._thread is None
-    q.put(list(range(400)))  # about 1.2 KB
-    assert q._thread is not None
-    assert q.get(timeout=5) == list(range(50))
-    assert q.get(timeout=5) == list(range(400))
+    assert write_directly(q)
+    for i in range(20):
+        q.put(list(range(i, i + 400)))  # about 1.2 KB each: more than a page
+    t = time.perf_counter()
     q.close()
-    q.join_thread()
+    assert time.perf_counter() - t < 2.0
+    assert q._pin_writer.written < 20
+    assert fd_count() == before
 
 
 def test_only_an_unused_multiprocessing_queue_is_turned() -> None:
-    assert not write_directly(queue.Queue(), 4)
+    assert not write_directly(queue.Queue())
     q = multiprocessing.get_context("fork").Queue()
     q.put(1)  # its feeder thread has started: its messages must keep going through it
-    assert not write_directly(q, 4)
+    assert not write_directly(q)
     assert q.get(timeout=5) == 1
     q.close()
     q.join_thread()
+
+
+def test_the_pipe_writer_refuses_what_is_not_a_pipe() -> None:
+    with open("/proc/self/stat", "rb") as f, pytest.raises(pinpool.InvalidArgument):
+        PipeWriter(f.fileno())
 
 
 def test_a_worker_reads_what_the_sending_thread_wrote() -> None:
     """Across processes, through the same pipe and framing a worker's ``get()`` reads."""
     ctx = multiprocessing.get_context("fork")
     jobs, results = ctx.Queue(), ctx.Queue()
-    assert write_directly(jobs, 16)
+    assert write_directly(jobs)
     p = ctx.Process(target=_echo, args=(jobs, results))
     p.start()
     sent = [(i, list(range(i))) for i in range(50)] + [(50, list(range(30_000)))]
@@ -139,6 +143,30 @@ def test_a_loader_starts_no_feeder_thread_for_indices() -> None:
     del loader
     big = pinpool.DataLoader(Indexed(6000, shape=(1,)), batch_size=3000, num_workers=2)
     assert [b["idx"].tolist() for b in big] == [list(range(3000)), list(range(3000, 6000))]
+
+
+def test_next_opens_a_profiler_range_only_while_a_profiler_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a profiler, batches come without torch's per-batch ``record_function`` (and
+    torch's count of batches yielded still holds); with one, each batch is in its range."""
+    opened: list[str] = []
+    enter = torch.autograd.profiler.record_function.__enter__
+
+    def counted(self: Any) -> Any:
+        opened.append(self.name)
+        return enter(self)
+
+    monkeypatch.setattr(torch.autograd.profiler.record_function, "__enter__", counted)
+    loader = pinpool.DataLoader(Indexed(64, shape=(4,)), batch_size=8, num_workers=2)
+    it = iter(loader)
+    assert [b["idx"].tolist() for b in it] == [list(range(i, i + 8)) for i in range(0, 64, 8)]
+    assert it._inner._num_yielded == 8
+    assert not [n for n in opened if "DataLoader" in n]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert len(list(loader)) == 8
+    # (one more: the call that ends the epoch)
+    assert len([n for n in opened if "DataLoader" in n]) == 9
 
 
 # --------------------------------------------------------------------------- background copies

@@ -359,6 +359,43 @@ def test_a_segment_copied_on_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> 
     assert pool.stats()["slots_checked_out"] == 0
 
 
+def test_a_slot_copied_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
+    """``Slot.copy_to_device`` (a zero-copy batch, in its slot already): asynchronous behind
+    the stream's work, ordered by ``Sent.make_wait``, byte-exact; bad targets and a released
+    slot are refused."""
+    n = 16 * MiB
+    pool = cuda_pool(n, 2)
+    data = byte_pattern(n, seed=6)
+    side = torch.cuda.Stream()
+    target = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    slot = pool.checkout()
+    slot.view(torch.uint8, (n,)).copy_(data)
+    with torch.cuda.stream(side):
+        gpu_sleep(LONG_KERNEL_S)
+    t0 = time.perf_counter()
+    sent = slot.copy_to_device(target, n, side.cuda_stream)
+    assert time.perf_counter() - t0 < LONG_KERNEL_S / 4
+    assert not sent.done, "the copy ran before the work queued ahead of it"
+    for bad in (
+        torch.empty(n, dtype=torch.uint8),  # on the CPU
+        torch.empty(n - 1, dtype=torch.uint8, device="cuda"),  # too small
+        torch.empty(2 * n, dtype=torch.uint8, device="cuda")[::2],  # not contiguous
+    ):
+        with pytest.raises(InvalidArgument):
+            slot.copy_to_device(bad, n, side)
+    with pytest.raises(pinpool.OutOfBounds):
+        slot.copy_to_device(torch.empty(2 * n, dtype=torch.uint8, device="cuda"), 2 * n, side)
+    slot.release(side)
+    with pytest.raises(pinpool.SlotReleased):
+        slot.copy_to_device(target, n, side)
+    sent.make_wait()
+    got = target.clone()
+    torch.cuda.synchronize()
+    assert sent.done and torch.equal(got.cpu(), data)
+    assert pool.stats()["slots_checked_out"] == 0
+
+
 # --------------------------------------------------------------------------- fences
 
 

@@ -6,6 +6,7 @@ All tests here need CUDA (``@pytest.mark.cuda``) and are skipped cleanly without
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -67,6 +68,42 @@ def test_device_batches_equal_torch_and_are_safe_on_the_consumer_stream(zero_cop
             _same(a, b)
     torch.cuda.synchronize()
     del a, b
+    gc.collect()
+    assert ours.stats()["slots_checked_out"] == 0
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_device_memory_is_recorded_on_the_stream_that_consumes_it(
+    monkeypatch: pytest.MonkeyPatch, zero_copy: bool
+) -> None:
+    """The caching allocator is told (``record_stream``) that each batch's device memory is
+    used on the consumer's stream, whichever stream that is and however it changes: recorded
+    ahead on the pin thread for the stream the consumer used last, or in ``next()``."""
+    calls: list[tuple[int, int]] = []
+    lock = threading.Lock()  # (the pin thread records too)
+    record = torch.Tensor.record_stream
+
+    def counted(self: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        with lock:
+            calls.append((self.untyped_storage().data_ptr(), int(stream.cuda_stream)))
+        record(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", counted)
+    ours = pinpool.DataLoader(
+        Mixed(96), batch_size=8, num_workers=2, device="cuda", zero_copy=zero_copy
+    )
+    side = torch.cuda.Stream()
+    streams = [torch.cuda.default_stream()] * 4 + [side] * 4 + [torch.cuda.default_stream()] * 4
+    it = iter(ours)
+    for i, stream in enumerate(streams):
+        with torch.cuda.stream(stream):
+            b = next(it)
+        ptr = b["image"].untyped_storage().data_ptr()
+        with lock:
+            mine = [raw for p, raw in calls if p == ptr]
+            calls[:] = [c for c in calls if c[0] != ptr]  # (a later batch may reuse it)
+        assert int(stream.cuda_stream) in mine, (i, mine)
+    del it, b
     gc.collect()
     assert ours.stats()["slots_checked_out"] == 0
 

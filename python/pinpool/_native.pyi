@@ -8,6 +8,7 @@ __all__ = [
     "SEGMENT_DATA_OFFSET",
     "Copying",
     "PinPool",
+    "PipeWriter",
     "SegmentCache",
     "Sent",
     "Slot",
@@ -127,6 +128,11 @@ class Slot:
     @property
     def device(self) -> int | None: ...
     def view(self, dtype: Any, shape: int | Sequence[int], offset: int = 0) -> Any: ...
+    def copy_to_device(self, target: Any, nbytes: int, stream: Any) -> Sent:
+        """Queues a copy of the slot's first ``nbytes`` bytes to ``target`` (a contiguous CUDA
+        tensor on the pool's device with at least ``nbytes`` bytes) on ``stream`` (a
+        ``torch.cuda.Stream`` or a raw ``CUstream`` int), and an event after it. Keep
+        ``target`` alive until the copy has run, and release the slot fenced on ``stream``."""
     def release(self, stream: Any = None) -> None: ...
     def __enter__(self) -> Slot: ...
     def __exit__(
@@ -192,7 +198,8 @@ class Copying:
 
 @final
 class Sent:
-    """A copy to the device queued by ``SegmentCache.copy_to_device``."""
+    """A copy to the device queued by ``SegmentCache.copy_to_device`` or
+    ``Slot.copy_to_device``."""
 
     @property
     def done(self) -> bool:
@@ -200,6 +207,29 @@ class Sent:
     def make_wait(self, stream: Any = None) -> None:
         """Makes the work queued on ``stream`` from now on (default: torch's current stream)
         wait for the copy; the calling thread does not wait."""
+
+@final
+class PipeWriter:
+    """Writes messages to a pipe on a thread of its own, framed as
+    ``multiprocessing.Connection.send_bytes`` frames them, in the order they were sent. It
+    must be the pipe's only writer. Its thread waits while the pipe is full; once closed, it
+    still writes what was sent, giving the rest up if the pipe stays full for 0.2 s."""
+
+    def __new__(cls, fd: int) -> PipeWriter:
+        """A writer of the pipe whose write end is ``fd`` (only borrowed: the writer writes to
+        a duplicate, closed when its thread ends). Raises ``InvalidArgument`` for a descriptor
+        that is not a pipe."""
+    def send(self, data: bytes) -> None:
+        """Queues ``data`` as one message; returns at once. Raises ``PoolClosed`` once closed."""
+    def close(self, timeout: float = 1.0) -> bool:
+        """Closes the writer and waits, without the GIL, at most ``timeout`` seconds for its
+        thread to end; returns whether it ended."""
+    @property
+    def written(self) -> int:
+        """Messages written whole so far."""
+    @property
+    def error(self) -> str | None:
+        """The write error the thread ended on (no reader left, say), or None."""
 
 @final
 class SegmentCache:

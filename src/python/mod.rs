@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 use crate::error::Error;
 
 mod gather;
+mod pipe;
 mod pool;
 mod segment;
 mod slot;
@@ -201,6 +202,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<segment::PySegmentCache>()?;
     m.add_class::<segment::PyCopying>()?;
     m.add_class::<segment::PySent>()?;
+    m.add_class::<pipe::PyPipeWriter>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;

@@ -55,7 +55,11 @@ impl PyCopying {
 
 /// Checks that `target` is a contiguous CUDA tensor on `device` with at least `nbytes`
 /// bytes; returns its data's device address.
-fn device_target(target: &Bound<'_, PyAny>, device: usize, nbytes: usize) -> Result<u64, Error> {
+pub(crate) fn device_target(
+    target: &Bound<'_, PyAny>,
+    device: usize,
+    nbytes: usize,
+) -> Result<u64, Error> {
     let bad = |why: &str| Error::Invalid(format!("copy_to_device: the target {why}"));
     let attr = |name: &str| target.getattr(name).map_err(|_| bad("is not a torch tensor"));
     if !attr("is_cuda")?.is_truthy().unwrap_or(false) {
@@ -80,10 +84,17 @@ fn device_target(target: &Bound<'_, PyAny>, device: usize, nbytes: usize) -> Res
     Ok(ptr)
 }
 
-/// A copy to the device queued by `SegmentCache.copy_to_device`: the event recorded after it.
+/// A copy to the device queued by `SegmentCache.copy_to_device` or `Slot.copy_to_device`:
+/// the event recorded after it.
 #[pyclass(name = "Sent", module = "pinpool._native", frozen)]
 pub struct PySent {
     event: Event,
+}
+
+impl PySent {
+    pub(crate) fn new(event: Event) -> Self {
+        PySent { event }
+    }
 }
 
 #[pymethods]

@@ -14,7 +14,9 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::{current_stream, guarded, stream_arg, IntoPy};
+use super::segment::{device_target, PySent};
+use super::{current_stream, guarded, stream_arg, to_py, IntoPy};
+use crate::error::Error;
 use crate::lease::{Lease, LeasePin, OwnedPin};
 use crate::pool::Pool;
 use crate::slots::Ticket;
@@ -109,6 +111,38 @@ impl PySlot {
         let py = slf.py();
         slf.get().lease.address().py(py)?; // refused once released
         py.import("pinpool._views")?.getattr("slot_view")?.call1((slf, dtype, shape, offset))
+    }
+
+    /// Queues a copy of the slot's first `nbytes` bytes to `target` (a contiguous CUDA tensor
+    /// on the pool's device with at least `nbytes` bytes) on `stream` (a `torch.cuda.Stream`
+    /// or a raw `CUstream` int), and an event after it; returns a `Sent`. Keep `target` alive
+    /// until the copy has run, and release the slot fenced on `stream` (or later).
+    fn copy_to_device(
+        &self,
+        py: Python<'_>,
+        target: &Bound<'_, PyAny>,
+        nbytes: usize,
+        stream: &Bound<'_, PyAny>,
+    ) -> PyResult<PySent> {
+        guarded(|| {
+            let pool = Arc::clone(self.lease.pool());
+            let Some(device) = pool.arena().device().map(|d| d.ordinal()) else {
+                return Err(to_py(
+                    py,
+                    Error::Invalid("copies to a device need a pool pinned on that device".into()),
+                ));
+            };
+            let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
+            let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
+            let _pin = self.pin(py, &pool)?; // refused once released
+            let ticket = self.lease.ticket();
+            // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
+            // at least `nbytes` bytes (checked above), kept alive by the caller until the copy
+            // has run; the slot is pinned for the call and released by the caller fenced on
+            // `stream` (the method's documented contract).
+            let event = py.detach(|| unsafe { pool.send(ticket, dst, nbytes, stream) }).py(py)?;
+            Ok(PySent::new(event))
+        })
     }
 
     /// Returns the slot to the pool. On a CUDA pool the slot is reused only after the work

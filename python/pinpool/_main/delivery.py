@@ -4,10 +4,11 @@
 it landed in (a slot, or an ordinary buffer when it overflowed). Without a device the batch is
 views into that memory: a slot returns to its pool when the last view dies, fenced on torch's
 current stream then. With a CUDA device, the memory is copied to it on the loader's own copy
-stream (:meth:`Delivery.send`: a worker's segment goes into the slot and on to the device in
-one call without the GIL), the slot is released behind that copy (fenced on the copy
-stream), and the batch is wrapped in :class:`OnDevice`, whose ``wait()`` (on the consumer's
-thread) makes the consumer's current stream wait for the copy.
+stream, from a slot in one call without the GIL (:meth:`Delivery.send`: a worker's segment
+goes into the slot and on to the device; a zero-copy batch is in its slot already), the slot
+is released behind that copy (fenced on the copy stream), and the batch is wrapped in
+:class:`OnDevice`, whose ``wait()`` (on the consumer's thread) makes the consumer's current
+stream wait for the copy.
 
 Objects the tree walk cannot look into (``_wire.tree``: anything but mappings, sequences,
 tuples, namedtuples and dataclasses) travel whole, their tensors through torch's own pickling,
@@ -39,25 +40,43 @@ from .._wire.handle import BatchHandle
 
 class OnDevice:
     """A batch already copied to the GPU on the copy stream; ``wait()`` hands it over to the
-    consumer's current stream."""
+    consumer's current stream.
 
-    __slots__ = ("batch", "device", "event", "storage")
+    The device memory was allocated on the copy stream, so the caching allocator must be told
+    it is used on the consumer's stream too (``record_stream``), or it could reuse it before
+    that work is done. The pin thread does that ahead, for the stream the consumer used last
+    (``recorded``: its raw handle); ``wait()`` only does it again when the consumer's current
+    stream is another one."""
 
-    def __init__(self, batch: Any, storage: torch.Tensor, event: Any, device: torch.device):
+    __slots__ = ("batch", "delivery", "recorded", "sent", "storage")
+
+    def __init__(
+        self,
+        batch: Any,
+        storage: torch.Tensor,
+        sent: Sent | torch.cuda.Event,
+        delivery: Delivery,
+        recorded: int | None,
+    ):
         self.batch = batch
         self.storage = storage
-        self.event = event
-        self.device = device
+        self.sent = sent
+        self.delivery = delivery
+        self.recorded = recorded
 
     def wait(self) -> Any:
-        stream = torch.cuda.current_stream(self.device)
-        if isinstance(self.event, Sent):
-            self.event.make_wait(stream)  # (in Rust: keeps the GIL)
+        delivery = self.delivery
+        raw = delivery.current_raw_stream()
+        if isinstance(self.sent, Sent):
+            self.sent.make_wait(raw)  # (in Rust: keeps the GIL)
+            if raw == self.recorded:
+                return self.batch
+            stream = torch.cuda.current_stream(delivery.device)
         else:
-            stream.wait_event(self.event)
-        # The device memory was allocated on the copy stream: tell the caching allocator it is
-        # used on the consumer's stream too, so it is not reused before that work is done.
+            stream = torch.cuda.current_stream(delivery.device)
+            stream.wait_event(self.sent)
         self.storage.record_stream(stream)
+        delivery.consumer = (stream, raw)  # the batches sent from now on are recorded on it
         return self.batch
 
 
@@ -149,6 +168,12 @@ class Delivery:
     def __init__(self, device: torch.device | None) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device) if device is not None else None
+        # The consumer's stream as last seen by OnDevice.wait (first: the default stream) and
+        # its raw handle: batches are recorded on it ahead, on the pin thread.
+        self.consumer: tuple[torch.cuda.Stream, int] | None = None
+        if device is not None:
+            default = torch.cuda.default_stream(device)
+            self.consumer = (default, int(default.cuda_stream))
         self.batches = 0
         self.bytes = 0
         # Whether objects that pin themselves are pinned (as torch would): known with a
@@ -190,6 +215,8 @@ class Delivery:
             leaves = codec.host_leaves(specs, host, need)
             del host, memory
             return codec.rebuild(tree, leaves, self.kept)
+        if isinstance(memory, Slot) and memory.device is not None:  # (pinned by the driver)
+            return self._to_device(tree, specs, memory, need, Slot.copy_to_device)
         assert self.copy_stream is not None
         base = torch.frombuffer(host, dtype=torch.uint8, count=need)
         with torch.cuda.stream(self.copy_stream):
@@ -201,7 +228,8 @@ class Delivery:
         del host
         if isinstance(memory, Slot):
             memory.release(self.copy_stream)
-        return OnDevice(codec.rebuild(tree, views, self.kept), storage, event, self.device)
+        batch = codec.rebuild(tree, views, self.kept)
+        return OnDevice(batch, storage, event, self, None)
 
     def send(
         self,
@@ -209,20 +237,43 @@ class Delivery:
         specs: list[codec.LeafSpec],
         slot: Slot,
         need: int,
-        fill: Callable[[Slot, torch.Tensor, torch.cuda.Stream], Sent],
+        fill: Callable[[Slot, torch.Tensor, int, torch.cuda.Stream], Sent],
     ) -> OnDevice:
-        """The batch of ``tree`` on the device, its first ``need`` bytes put into ``slot``
-        and copied on to the device by ``fill`` (one call without the GIL, see
-        ``Receiver.take``), on the loader's copy stream."""
-        assert self.copy_stream is not None and self.device is not None
+        """The batch of ``tree`` on the device: ``fill`` puts its first ``need`` bytes into
+        ``slot`` and copies them on to the device on the loader's copy stream, in one call
+        without the GIL (see ``Receiver.take``)."""
         self.batches += 1
         self.bytes += need
+        return self._to_device(tree, specs, slot, need, fill)
+
+    def _to_device(
+        self,
+        tree: Any,
+        specs: list[codec.LeafSpec],
+        slot: Slot,
+        need: int,
+        fill: Callable[[Slot, torch.Tensor, int, torch.cuda.Stream], Sent],
+    ) -> OnDevice:
+        assert self.copy_stream is not None and self.consumer is not None
         with torch.cuda.stream(self.copy_stream):
             storage = torch.empty(need, dtype=torch.uint8, device=self.device)
-        sent = fill(slot, storage, self.copy_stream)
+        sent = fill(slot, storage, need, self.copy_stream)
         views = _device_leaves(specs, slot, storage, need)
         slot.release(self.copy_stream)  # reused only after the copy to the device
-        return OnDevice(codec.rebuild(tree, views, self.kept), storage, sent, self.device)
+        consumer, raw = self.consumer
+        storage.record_stream(consumer)
+        return OnDevice(codec.rebuild(tree, views, self.kept), storage, sent, self, raw)
+
+    def current_raw_stream(self) -> int:
+        """The raw handle of torch's current stream on the loader's device."""
+        assert self.device is not None
+        if _raw_stream is not None:
+            return int(_raw_stream(self.device.index))
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+
+#: torch's current stream on a device as a raw handle, without making a Stream object.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _device_leaves(

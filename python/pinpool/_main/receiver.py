@@ -44,6 +44,7 @@ from .._native import (
 )
 from .._wire import codec, peer
 from .._wire.handle import ARRIVED, HELD, BatchHandle
+from .._wire.pool_hint import PoolHint
 from . import settings
 from .delivery import Delivery, Landing, Local
 from .tickets import Tickets
@@ -64,15 +65,15 @@ _LATER = _Later()
 class _Send:
     """A segment's batch to be copied into its slot and on to the device in one call."""
 
-    __slots__ = ("cache", "key", "need")
+    __slots__ = ("cache", "key")
 
-    def __init__(self, cache: SegmentCache, key: tuple[int, int], need: int) -> None:
-        self.cache, self.key, self.need = cache, key, need
+    def __init__(self, cache: SegmentCache, key: tuple[int, int]) -> None:
+        self.cache, self.key = cache, key
 
-    def __call__(self, slot: Slot, target: torch.Tensor, stream: torch.cuda.Stream) -> Sent:
-        return self.cache.copy_to_device(
-            self.key, slot, [(0, 0, self.need)], target, self.need, stream
-        )
+    def __call__(
+        self, slot: Slot, target: torch.Tensor, need: int, stream: torch.cuda.Stream
+    ) -> Sent:
+        return self.cache.copy_to_device(self.key, slot, [(0, 0, need)], target, need, stream)
 
 
 class Receiver:
@@ -92,8 +93,11 @@ class Receiver:
         overflow: str,
         oversize: str,
         batch_size: int | None,
+        pool_hint: PoolHint | None = None,
     ) -> None:
         self.token = token
+        #: Where a worker tells the first batch's size early (None: the pool's size is known).
+        self.pool_hint = pool_hint
         self.pid = os.getpid()  # finalizers run in a forked child do nothing
         self._batch_size = batch_size
         self._overflow = overflow
@@ -154,6 +158,20 @@ class Receiver:
             if self.cache is None:
                 self.cache = SegmentCache(self.pool)
             return self.pool, self.cache
+
+    def make_pool_ahead(self) -> None:
+        """Has the pool made as soon as a worker tells the first batch's size, while that
+        batch is still being made (``_wire.pool_hint``); a no-op once it exists."""
+        if self.pool_hint is not None and self.pool is None:
+            self.pool_hint.watch(self._ensure_hinted, lambda: self.pool is None and not self.closed)
+
+    def _ensure_hinted(self, nbytes: int, count: int) -> None:
+        with self._lock:
+            if self.closed or self.pool is not None:
+                return
+        self.ensure(nbytes, count)
+        if self.closed and self.pool is not None and self._own_pool:
+            self.pool.close()  # (closed while it was being made)
 
     def _automatic_slot_bytes(self, nbytes: int) -> int:
         """Slots for batches of ``nbytes``: that plus headroom, rounded up; refused (rather
@@ -248,7 +266,7 @@ class Receiver:
         pending: Any = None
         if isinstance(memory, Slot):
             if self.deliver.device is not None and memory.device is not None:
-                pending = _Send(cache, key, need)  # (Delivery.send calls it)
+                pending = _Send(cache, key)  # (Delivery.send calls it)
             elif ahead and self.deliver.device is None:
                 # The pin thread goes on to the next batch; the consumer waits (see Landing).
                 pending = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
@@ -450,7 +468,10 @@ class Receiver:
         slot taken back here."""
         if self.pid != os.getpid():
             return
-        self.closed = True
+        with self._lock:  # (a pool being made ahead is made first)
+            self.closed = True
+        if self.pool_hint is not None:
+            self.pool_hint.close()
         self.tickets.drop()
         self.retire_segments()
         if self.pool is not None and self._own_pool:

@@ -19,6 +19,7 @@ from torch.utils.data._utils.collate import default_convert
 
 from .._wire import codec, registry
 from .._wire.handle import BatchHandle, Made, WorkerProgress
+from .._wire.pool_hint import PoolHint
 from . import places, streaming
 from .heap import keep_freed_memory
 
@@ -29,7 +30,8 @@ class PinCollate:
     ``collate_fn`` is the user's (None: torch's default); ``auto_collation`` says whether
     torch batches samples (``batch_size`` or ``batch_sampler`` given); ``ring_size`` is the
     number of segments each worker keeps for this loader; ``report_state``: each worker's
-    batch goes out with its dataset's ``state_dict()`` (a resumable ``IterableDataset``)."""
+    batch goes out with its dataset's ``state_dict()`` (a resumable ``IterableDataset``);
+    ``pool_hint``: where a worker tells its first streamed batch's size early."""
 
     def __init__(
         self,
@@ -41,8 +43,10 @@ class PinCollate:
         worker_copy_threads: int = 1,
         stream_samples: bool = True,
         report_state: bool = False,
+        pool_hint: PoolHint | None = None,
     ) -> None:
         self.token = token
+        self.pool_hint = pool_hint
         self.report_state = report_state
         self.stream_samples = stream_samples
         self.collate_fn = collate_fn
@@ -106,6 +110,9 @@ class PinCollate:
             return [first, *rest]
         if self.keep_worker_memory:
             keep_freed_memory(layout.nbytes)
+        if samples.ticket is None and self.pool_hint is not None:
+            # The main process may make its pool while this batch is made (once a worker).
+            self.pool_hint.send(layout.nbytes + _STREAM_SPARE, count)
         nbytes = layout.nbytes
         if samples.ticket is None or nbytes > samples.ticket.nbytes:
             nbytes += _STREAM_SPARE  # a segment: room for the rest of the batch too

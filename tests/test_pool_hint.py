@@ -1,0 +1,122 @@
+"""The pool made while the first batch is being made: a worker tells the main process the
+batch's size after its first sample (``pinpool._wire.pool_hint``)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+from typing import Any
+
+import pytest
+from loader_datasets import Paced, sum_collate
+
+import pinpool
+from pinpool._main import receiver as receiver_module
+from pinpool._wire.pool_hint import PoolHint
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def pool_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads on which loaders' pools were made."""
+    made: list[str] = []
+    real = receiver_module.PinPool
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        made.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(receiver_module, "PinPool", recorded)
+    return made
+
+
+def test_a_workers_hint_makes_the_pool_while_the_first_batch_is_made(
+    pool_threads: list[str],
+) -> None:
+    """Streamed batches (1 MiB samples, 20 ms each): the pool is made on the hint's thread,
+    the batches are exact, and after the loader nothing is left: no thread, no descriptor."""
+    gc.collect()
+    before = fd_count()
+    ds = Paced(32, (256, 1024), seconds=0.02)
+    loader = pinpool.DataLoader(ds, batch_size=8, num_workers=2)
+    got = [b["idx"].tolist() for b in loader]
+    assert got == [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    assert pool_threads == ["pinpool-pool-hint"]
+    assert loader.pool is not None and loader.pool.slot_bytes >= 8 * 1024 * 1024
+    assert not [t for t in threading.enumerate() if t.name == "pinpool-pool-hint"]
+    del loader
+    gc.collect()
+    assert fd_count() == before
+
+
+def test_without_streamed_batches_the_first_batch_sizes_the_pool(
+    pool_threads: list[str],
+) -> None:
+    """A collate_fn of the user's: no hint, the pool is made as the first batch arrives (on
+    the main thread, or on torch's pin thread on a GPU machine)."""
+    ds = Paced(16, (256, 1024), seconds=0.0)
+    loader = pinpool.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=sum_collate)
+    assert len(list(loader)) == 2
+    assert len(pool_threads) == 1 and pool_threads[0] != "pinpool-pool-hint", pool_threads
+
+
+def test_a_hint_never_blocks_the_worker_and_only_the_first_is_sent() -> None:
+    hint = PoolHint()
+    for _ in range(20_000):  # far more than the pipe holds: none may block or raise
+        hint._sent_by = None
+        hint.send(1 << 20, 8)
+    hint._sent_by = None
+    hint.send(1, 1)
+    hint.send(2, 2)  # the same process: not sent
+    assert hint._reader is not None
+    hint.close()
+
+
+def test_a_hint_carries_its_pipe_only_into_a_starting_process() -> None:
+    hint = PoolHint()
+    copy = pickle.loads(pickle.dumps(hint))
+    assert copy._writer is None and copy._reader is None
+    copy.send(1, 1)  # nothing to send through: a no-op
+    made: list[tuple[int, int]] = []
+    hint.watch(lambda n, c: made.append((n, c)), lambda: not made)
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=_send_hint, args=(hint,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    deadline = time.monotonic() + 10
+    while not made and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made == [(12345, 7)]
+    hint.close()
+    assert hint._reader is None and hint._writer is None
+
+
+def _send_hint(hint: PoolHint) -> None:
+    hint.send(12345, 7)
+
+
+def test_a_failing_hint_is_logged_and_its_thread_ends(caplog: pytest.LogCaptureFixture) -> None:
+    hint = PoolHint()
+
+    def refuse(nbytes: int, count: int) -> None:
+        raise pinpool.BatchTooLarge("too large for this machine", nbytes, 0)
+
+    gc.collect()
+    with caplog.at_level(logging.WARNING, logger="pinpool"):
+        hint.watch(refuse, lambda: True)
+        hint._sent_by = None
+        hint.send(1 << 50, 1)
+        assert hint._thread is not None
+        hint._thread.join(10)
+    assert not hint._thread.is_alive()
+    assert "could not make the pool ahead" in caplog.text
+    hint.close()
