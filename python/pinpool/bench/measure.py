@@ -13,7 +13,10 @@ and ends the epoch: the dataset holds ``warmup + steps`` batches):
   consumer;
 - compute loop only: per step the batch goes to the device, :meth:`ComputeWork.step` queues
   the work between two CUDA events, then ``loss.item()`` waits for it. ``busy_ms`` per step is
-  the event interval; ``idle_share`` = 1 - sum(busy) / wall; ``steps_per_s`` = steps / wall;
+  the event interval; ``idle_share`` = 1 - sum(busy) / wall; ``steps_per_s`` = steps / wall.
+  A third event, recorded before the batch goes to the device, also counts the step's own copy
+  of a CPU batch (``.to(device)``) as GPU work: ``idle_share_copy_busy`` (the same as
+  ``idle_share`` for batches already on the device);
 - ``step_ms``: wall time of each step (for the compute loop, up to after ``item()``), and
   ``wait_ms``: the part of it spent in ``next()``, summarised as ``next_ms_median`` and
   ``next_ms_p99``;
@@ -207,6 +210,7 @@ class ComputeWork:
         self.w = torch.randn(n, n, device=device, generator=gen) / math.sqrt(n)
         self.x = torch.randn(n, n, device=device, generator=gen)
         one = torch.ones((), device=device)
+        self._before = torch.cuda.Event(enable_timing=True)
         self.iters = 10
         self._chain(one)  # warm-up: kernels, cuBLAS workspace
         per_matmul = self._timed(lambda: self._chain(one)) / self.iters
@@ -236,6 +240,12 @@ class ComputeWork:
         end.synchronize()
         return float(start.elapsed_time(end))
 
+    @property
+    def before_event(self) -> torch.cuda.Event:
+        """The timing event of the step about to run that goes before its copy (made at the
+        end of the step before, off the time between steps)."""
+        return self._before
+
     def step(self, batch: Any) -> tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor]:
         """Queues one step's work on the current stream: (start event, end event, loss)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -244,6 +254,7 @@ class ComputeWork:
         if self.data_parallel is not None:
             loss = loss + self.data_parallel(loss)
         end.record()
+        self._before = torch.cuda.Event(enable_timing=True)  # the next step's
         return start, end, loss
 
 
@@ -307,7 +318,7 @@ class Step(NamedTuple):
     start: float  # before next()
     got: float  # next() returned
     end: float  # the step is over (compute loop: after loss.item())
-    events: tuple[Any, Any] | None
+    events: tuple[Any, Any, Any] | None  # before the copy to the device, work start, work end
 
 
 def _step(spec: LoaderSpec, it: Any, device: torch.device | None, work: ComputeWork | None) -> Step:
@@ -317,13 +328,17 @@ def _step(spec: LoaderSpec, it: Any, device: torch.device | None, work: ComputeW
     batch = next(it)
     t1 = time.perf_counter()
     nbytes = batch_nbytes(batch)
+    before = None
+    if work is not None:
+        before = work.before_event
+        before.record()
     on_device = transfer(spec, batch, device)
     del batch
     events = None
     if work is not None:
         start, end, loss = work.step(on_device)
         loss.item()  # the read-back: a main thread that stalls now leaves the GPU idle
-        events = (start, end)
+        events = (before, start, end)
     del on_device
     return Step(nbytes, t0, t1, time.perf_counter(), events)
 
@@ -502,8 +517,10 @@ def run_once(
     if pool is not None:
         rec["pinned_mib"] = (pool["arena_bytes"] + (torch_peak or 0)) / MIB
     if events:
-        busy = [float(a.elapsed_time(b)) for a, b in events]
+        busy = [float(a.elapsed_time(b)) for _, a, b in events]
+        with_copy = [float(a.elapsed_time(b)) for a, _, b in events]
         rec["busy_ms"] = busy
+        rec["idle_share_copy_busy"] = max(0.0, 1.0 - sum(with_copy) / (wall * 1e3))
         rec["busy_ms_median"] = float(np.median(busy))
         rec["idle_share"] = max(0.0, 1.0 - sum(busy) / (wall * 1e3))
         rec["steps_per_s"] = plan.steps / wall

@@ -29,6 +29,7 @@ METRICS = {
     "us_per_batch": "us per batch",
     "steps_per_s": "steps/s",
     "idle_share": "GPU idle share",
+    "idle_share_copy_busy": "GPU idle, copy as work",
     "next_ms_median": "next() ms, median",
     "next_ms_p99": "next() ms, p99",
     "busy_ms_median": "GPU busy ms/step",
@@ -51,7 +52,7 @@ METRICS.update(
     {key: f"{phase}: {_PHASE_FIELDS[field]}" for key, (phase, field) in PHASE_METRICS.items()}
 )
 #: Shown multiplied by this (a share in percent, seconds in ms).
-SCALE = {"idle_share": 100.0, "time_to_first_batch_s": 1e3}
+SCALE = {"idle_share": 100.0, "idle_share_copy_busy": 100.0, "time_to_first_batch_s": 1e3}
 _COMMON = ["step_ms_max", "probe_p99_ms", "probe_max_ms", "cpu_ms_per_batch", "pinned_mib"]
 _NEXT = ["next_ms_median", "next_ms_p99"]
 #: The metrics shown for each mode, headline first (tokens: for its workload).
@@ -61,6 +62,7 @@ SHOWN = {
     "compute": [
         "steps_per_s",
         "idle_share",
+        "idle_share_copy_busy",
         *_NEXT,
         "busy_ms_median",
         "step_ms_median",
@@ -97,7 +99,9 @@ LEGEND = [
     "  time to first batch: from constructing the loader to the first batch in hand (workers",
     "    starting included). Lower is better.",
     "  GB/s, batches/s, steps/s: higher is better. GPU idle share, step ms, us per batch, CPU",
-    "    ms/batch (main process only, workers excluded): lower is better.",
+    "    ms/batch (main process only, workers excluded): lower is better. GPU idle share: the",
+    "    share of the time outside the step's compute, the step's copy of a CPU batch to the",
+    "    GPU included; copy as work: that copy counted as GPU work.",
     "  stall, whole life: the loader's phases one by one: construction, first_batch (iter() and",
     "    the first next()), epoch1 (the rest of the first epoch), epoch2 (a second epoch), del",
     "    (del it, loader), gc (gc.collect() after it): the worst probe lateness within the",
@@ -155,7 +159,7 @@ def _cell(m: dict[str, Any] | None, key: str, same: bool = False) -> str:
     """``median [min..max] xR``; ``x-`` where the loader is the baseline itself here."""
     if m is None:
         return "-"
-    pct = "%" if key == "idle_share" else ""
+    pct = "%" if key.startswith("idle_share") else ""
     text = f"{_num(m['median'], key)}{pct} [{_num(m['min'], key)}..{_num(m['max'], key)}]"
     if same:
         return f"{text} x-"
