@@ -222,6 +222,22 @@ class Paced(Indexed):
         return super().__getitem__(i)
 
 
+class Lopsided(Dataset):
+    """A big array and many small ones (more bytes than the big one), ``seconds`` a sample."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n = n
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        time.sleep(self.seconds)
+        small = [torch.full((2048,), float(i + k)) for k in range(40)]  # 40 x 8 KiB
+        return {"idx": i, "big": fill((128, 128), i), "small": small}
+
+
 class Sleepy(Indexed):
     """Sleeps ``seconds`` at index ``slow``."""
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from loader_datasets import Paced, sum_collate
+from loader_datasets import Lopsided, Paced, sum_collate
 
 import pinpool
 from pinpool._main import receiver as receiver_module
@@ -54,7 +54,21 @@ def test_a_workers_hint_makes_the_pool_while_the_first_batch_is_made(
     assert not [t for t in threading.enumerate() if t.name == "pinpool-pool-hint"]
     del loader
     gc.collect()
+    assert pinpool.wait_for_releases(timeout=30)  # (the arena is freed on a thread of its own)
     assert fd_count() == before
+
+
+def test_a_hinted_pool_holds_batches_whose_small_arrays_outweigh_the_streamed_ones(
+    pool_threads: list[str],
+) -> None:
+    """The hint counts the arrays collated after the streamed ones too: 2.5 MiB of small
+    arrays beside 512 KiB of big ones still fit the pool it sized."""
+    loader = pinpool.DataLoader(Lopsided(16, seconds=0.02), batch_size=8, num_workers=2)
+    for i, batch in enumerate(loader):
+        assert batch["idx"].tolist() == list(range(8 * i, 8 * i + 8))
+        assert float(batch["small"][39][7][0]) == 8 * i + 7 + 39
+    assert pool_threads == ["pinpool-pool-hint"]
+    assert loader.stats()["overflow_batches"] == 0
 
 
 def test_without_streamed_batches_the_first_batch_sizes_the_pool(

@@ -20,6 +20,7 @@ mod gather;
 mod pipe;
 mod pool;
 mod segment;
+mod sent;
 mod slot;
 
 /// Runs `f`, turning a panic into `pinpool.PinPoolError`.
@@ -201,7 +202,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<segment::PyWorkerSegment>()?;
     m.add_class::<segment::PySegmentCache>()?;
     m.add_class::<segment::PyCopying>()?;
-    m.add_class::<segment::PySent>()?;
+    m.add_class::<sent::PySent>()?;
     m.add_class::<pipe::PyPipeWriter>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;

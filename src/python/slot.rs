@@ -14,7 +14,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::segment::{device_target, PySent};
+use super::sent::{device_target, PySent};
 use super::{current_stream, guarded, stream_arg, to_py, IntoPy};
 use crate::error::Error;
 use crate::lease::{Lease, LeasePin, OwnedPin};

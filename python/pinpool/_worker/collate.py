@@ -112,7 +112,8 @@ class PinCollate:
             keep_freed_memory(layout.nbytes)
         if samples.ticket is None and self.pool_hint is not None:
             # The main process may make its pool while this batch is made (once a worker).
-            self.pool_hint.send(layout.nbytes + _STREAM_SPARE, count)
+            # (The spare: numbers, which become tensors of 8 bytes a sample.)
+            self.pool_hint.send(layout.batch_bytes() + _STREAM_SPARE, count)
         nbytes = layout.nbytes
         if samples.ticket is None or nbytes > samples.ticket.nbytes:
             nbytes += _STREAM_SPARE  # a segment: room for the rest of the batch too

@@ -134,6 +134,13 @@ class Layout:
     regions: list[_Region]
     count: int  # samples in the batch
     nbytes: int  # bytes the regions take, from 0
+    #: The first sample's arrays that are not streamed, in bytes (each aligned): collated
+    #: after the regions, about ``count`` times this.
+    rest_per_sample: int = 0
+
+    def batch_bytes(self) -> int:
+        """About the whole batch's bytes: the regions, then ``count`` times the rest."""
+        return self.nbytes + self.count * self.rest_per_sample
 
     def spec(self, k: int) -> codec.LeafSpec:
         r = self.regions[k]
@@ -168,15 +175,18 @@ def plan_layout(first: Any, count: int) -> Layout | None:
         return None
     regions: list[_Region] = []
     end = 0
+    rest = 0
 
     def on_array(array: Any) -> Any:
-        nonlocal end
+        nonlocal end, rest
         found = _region_of(array)
         if found is not None:
             shape, row_bytes, name, np_dtype = found
             offset = codec.align(end)
             end = offset + row_bytes * count
             regions.append(_Region(offset, shape, row_bytes, name, np_dtype))
+        elif isinstance(array, (torch.Tensor, np.ndarray)):
+            rest += codec.align(array.nbytes)
         return KEEP
 
     try:
@@ -185,7 +195,7 @@ def plan_layout(first: Any, count: int) -> Layout | None:
         return None
     if not regions:
         return None
-    return Layout(regions, count, codec.align(end))
+    return Layout(regions, count, codec.align(end), rest)
 
 
 class _Rows:

@@ -1,0 +1,76 @@
+//! `Sent`: a copy to the device queued without the GIL (by `SegmentCache.copy_to_device` or
+//! `Slot.copy_to_device`), and the check of the CUDA tensor such a copy writes into.
+//!
+//! Invariants: a target is accepted only as a contiguous CUDA tensor on the pool's device with
+//! room for the copy; `Sent` only records and waits on the event after the copy.
+
+use pyo3::prelude::*;
+
+use super::{guarded, IntoPy};
+use crate::cuda::Event;
+use crate::error::Error;
+
+/// Checks that `target` is a contiguous CUDA tensor on `device` with at least `nbytes`
+/// bytes; returns its data's device address.
+pub(crate) fn device_target(
+    target: &Bound<'_, PyAny>,
+    device: usize,
+    nbytes: usize,
+) -> Result<u64, Error> {
+    let bad = |why: &str| Error::Invalid(format!("copy_to_device: the target {why}"));
+    let attr = |name: &str| target.getattr(name).map_err(|_| bad("is not a torch tensor"));
+    if !attr("is_cuda")?.is_truthy().unwrap_or(false) {
+        return Err(bad("is not a CUDA tensor"));
+    }
+    let index: Option<usize> = attr("device")?.getattr("index").ok().and_then(|i| i.extract().ok());
+    if index != Some(device) {
+        return Err(bad(&format!("is not on the pool's device (cuda:{device})")));
+    }
+    let contiguous = target.call_method0("is_contiguous").and_then(|c| c.is_truthy());
+    if !contiguous.unwrap_or(false) {
+        return Err(bad("is not contiguous"));
+    }
+    let len: usize = attr("nbytes")?.extract().map_err(|_| bad("has no byte count"))?;
+    if len < nbytes {
+        return Err(bad(&format!("holds {len} bytes, fewer than {nbytes}")));
+    }
+    let ptr: u64 = target
+        .call_method0("data_ptr")
+        .and_then(|p| p.extract())
+        .map_err(|_| bad("has no data pointer"))?;
+    Ok(ptr)
+}
+
+/// A copy to the device queued by `SegmentCache.copy_to_device` or `Slot.copy_to_device`:
+/// the event recorded after it.
+#[pyclass(name = "Sent", module = "pinpool._native", frozen)]
+pub struct PySent {
+    event: Event,
+}
+
+impl PySent {
+    pub(crate) fn new(event: Event) -> Self {
+        PySent { event }
+    }
+}
+
+#[pymethods]
+impl PySent {
+    /// Whether the copy has run.
+    #[getter]
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
+        self.event.is_complete().py(py)
+    }
+
+    /// Makes the work queued on `stream` from now on (a `torch.cuda.Stream` or a raw
+    /// `CUstream` int; default: torch's current stream) wait for the copy. The calling
+    /// thread does not wait.
+    #[pyo3(signature = (stream = None))]
+    fn make_wait(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        guarded(|| {
+            let device = self.event.device().ordinal();
+            let stream = super::stream_arg(py, stream, device)?.unwrap_or(0);
+            self.event.make_wait(stream).py(py)
+        })
+    }
+}
