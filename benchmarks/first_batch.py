@@ -1,7 +1,8 @@
 """Where the time to the first batch goes: each loader's construction, ``iter()``, first
 batch and first batch on the device, beside torch's, and for pinpool loaders when the first
 batch's size became known (``ensure``), and when the pool's making started (on which
-thread) and ended, all in ms from construction. 38.5 MB batches, 8 workers.
+thread) and ended, all in ms from construction, then the arena's size and start-up steps.
+38.5 MB batches, 8 workers.
 
     python benchmarks/first_batch.py --rounds 3 [--start-method forkserver]
 """
@@ -73,6 +74,10 @@ def main() -> None:
                 next(it)
             t5 = time.perf_counter()
             events = " ".join(f"{n}@{(t - t0) * 1e3:.0f}" for n, t in EVENTS)
+            pool = getattr(loader, "pool", None)
+            if pool is not None:  # the arena's start-up steps, in ms
+                steps = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in pool.startup.items())
+                events += f" | {pool.arena_bytes >> 20} MiB: {steps}"
             print(
                 f"{name:16s} r{r} ctor {1e3 * (t1 - t0):5.1f} iter {1e3 * (t2 - t1):5.1f} "
                 f"first@{1e3 * (t3 - t0):6.1f} on-dev@{1e3 * (t4 - t0):6.1f} "
