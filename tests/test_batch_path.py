@@ -28,13 +28,20 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def settled_fd_count() -> int:
+    """Open fds once what earlier tests left behind has closed: objects left to the
+    collector, and arenas being freed on pinpool's release thread."""
+    gc.collect()
+    assert pinpool.wait_for_releases(timeout=30)
+    return fd_count()
+
+
 # --------------------------------------------------------------------------- index queues
 
 
 def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     ctx = multiprocessing.get_context("fork")
-    gc.collect()  # (what earlier tests left for the collector closes its fds now, not below)
-    before = fd_count()
+    before = settled_fd_count()
     q = ctx.Queue()
     assert write_directly(q)
     assert isinstance(q, DirectQueue)
@@ -60,8 +67,7 @@ def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
 
 def test_a_direct_queue_closes_every_descriptor_on_close() -> None:
     ctx = multiprocessing.get_context("fork")
-    gc.collect()
-    before = fd_count()
+    before = settled_fd_count()
     q = ctx.Queue()
     assert write_directly(q)
     q.put("one")
@@ -75,8 +81,7 @@ def test_a_direct_queue_closes_every_descriptor_on_close() -> None:
 
 def test_close_gives_up_a_full_pipe_nobody_reads() -> None:
     """A worker that died with indices still queued: close() neither hangs nor leaks."""
-    gc.collect()
-    before = fd_count()
+    before = settled_fd_count()
     q = multiprocessing.get_context("fork").Queue()
     fcntl.fcntl(q._writer.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
     assert write_directly(q)

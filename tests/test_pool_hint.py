@@ -20,8 +20,15 @@ from pinpool._main import receiver as receiver_module
 from pinpool._wire.pool_hint import PoolHint
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds() -> dict[str, str]:
+    """This process's open fds and what each is."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # (the listing's own fd, closed by now)
+    return out
 
 
 @pytest.fixture
@@ -44,7 +51,7 @@ def test_a_workers_hint_makes_the_pool_while_the_first_batch_is_made(
     """Streamed batches (1 MiB samples, 20 ms each): the pool is made on the hint's thread,
     the batches are exact, and after the loader nothing is left: no thread, no descriptor."""
     gc.collect()
-    before = fd_count()
+    before = open_fds()
     ds = Paced(32, (256, 1024), seconds=0.02)
     loader = pinpool.DataLoader(ds, batch_size=8, num_workers=2)
     got = [b["idx"].tolist() for b in loader]
@@ -55,7 +62,9 @@ def test_a_workers_hint_makes_the_pool_while_the_first_batch_is_made(
     del loader
     gc.collect()
     assert pinpool.wait_for_releases(timeout=30)  # (the arena is freed on a thread of its own)
-    assert fd_count() == before
+    # Every fd open now was open before (earlier tests' may have closed meanwhile).
+    left = {fd: what for fd, what in open_fds().items() if before.get(fd) != what}
+    assert not left, left
 
 
 def test_a_hinted_pool_holds_batches_whose_small_arrays_outweigh_the_streamed_ones(
