@@ -575,20 +575,10 @@ impl Pool {
         len: usize,
         stream: StreamHandle,
     ) -> Result<Event> {
-        let Some(device) = self.arena.device() else {
-            return Err(Error::Invalid(
-                "copies to a device need a pool of pinned memory on that device".into(),
-            ));
-        };
-        if len > self.slot_bytes {
-            return Err(Error::OutOfRange { what: "slot", offset: 0, len, size: self.slot_bytes });
-        }
+        self.send_checks(len)?; // before the copy in: an error copies nothing
         self.copy_in(ticket, src, ranges)?;
-        let slot = self.slot_ptr(ticket)?;
-        // SAFETY: the slot is pinned arena memory, live while the caller holds the ticket and
-        // not reused before the fence the caller records on `stream`; `len` fits in it
-        // (checked above); the caller vouches for `dst`.
-        unsafe { device.send(dst, slot, len, stream) }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.send(ticket, dst, len, stream) }
     }
 
     /// Queues a copy of the first `len` bytes of the slot of `ticket` to device memory `dst`
@@ -605,6 +595,17 @@ impl Pool {
         len: usize,
         stream: StreamHandle,
     ) -> Result<Event> {
+        let device = self.send_checks(len)?;
+        let slot = self.slot_ptr(ticket)?;
+        // SAFETY: the slot is pinned arena memory, live while the caller holds the ticket and
+        // not reused before the fence the caller records on `stream`; `len` fits in it
+        // (checked above); the caller vouches for `dst`.
+        unsafe { device.send(dst, slot, len, stream) }
+    }
+
+    /// The device a copy of `len` bytes from a slot goes to: refused on a pool the driver
+    /// did not pin, or for more bytes than a slot holds.
+    fn send_checks(&self, len: usize) -> Result<&Arc<crate::cuda::Device>> {
         let Some(device) = self.arena.device() else {
             return Err(Error::Invalid(
                 "copies to a device need a pool of pinned memory on that device".into(),
@@ -613,10 +614,7 @@ impl Pool {
         if len > self.slot_bytes {
             return Err(Error::OutOfRange { what: "slot", offset: 0, len, size: self.slot_bytes });
         }
-        let slot = self.slot_ptr(ticket)?;
-        // SAFETY: as in `copy_in_and_send`: pinned arena memory, live while the caller holds
-        // the ticket, `len` fits in the slot; the caller vouches for `dst`.
-        unsafe { device.send(dst, slot, len, stream) }
+        Ok(device)
     }
 
     /// As [`Pool::copy_in`] into the slot of `ticket`, but on one of the copy threads: checks

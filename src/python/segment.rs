@@ -20,7 +20,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::pool::PyPinPool;
-use super::sent::{device_target, PySent};
+use super::sent::{device_target, pool_device, PySent};
 use super::slot::PySlot;
 use super::{guarded, to_py, IntoPy};
 use crate::copy::{CopyDone, CopyRange};
@@ -337,13 +337,7 @@ impl PySegmentCache {
     ) -> PyResult<PySent> {
         guarded(|| {
             let ranges = copy_ranges(ranges);
-            let device = self.cache.pool().arena().device().map(|d| d.ordinal());
-            let Some(device) = device else {
-                return Err(to_py(
-                    py,
-                    Error::Invalid("copies to a device need a pool pinned on that device".into()),
-                ));
-            };
+            let device = pool_device(py, self.cache.pool())?;
             let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
             let stream = super::stream_arg(py, Some(stream), device)?.unwrap_or(0);
             let slot = slot.get();

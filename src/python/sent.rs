@@ -6,9 +6,17 @@
 
 use pyo3::prelude::*;
 
-use super::{guarded, IntoPy};
+use super::{guarded, to_py, IntoPy};
 use crate::cuda::Event;
 use crate::error::Error;
+use crate::pool::Pool;
+
+/// The ordinal of the device `pool`'s arena was pinned for, which copies to a device need.
+pub(crate) fn pool_device(py: Python<'_>, pool: &Pool) -> PyResult<usize> {
+    pool.arena().device().map(|d| d.ordinal()).ok_or_else(|| {
+        to_py(py, Error::Invalid("copies to a device need a pool pinned on that device".into()))
+    })
+}
 
 /// Checks that `target` is a contiguous CUDA tensor on `device` with at least `nbytes`
 /// bytes; returns its data's device address.

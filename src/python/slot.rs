@@ -14,9 +14,8 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::sent::{device_target, PySent};
+use super::sent::{device_target, pool_device, PySent};
 use super::{current_stream, guarded, stream_arg, to_py, IntoPy};
-use crate::error::Error;
 use crate::lease::{Lease, LeasePin, OwnedPin};
 use crate::pool::Pool;
 use crate::slots::Ticket;
@@ -126,12 +125,7 @@ impl PySlot {
     ) -> PyResult<PySent> {
         guarded(|| {
             let pool = Arc::clone(self.lease.pool());
-            let Some(device) = pool.arena().device().map(|d| d.ordinal()) else {
-                return Err(to_py(
-                    py,
-                    Error::Invalid("copies to a device need a pool pinned on that device".into()),
-                ));
-            };
+            let device = pool_device(py, &pool)?;
             let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
             let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
             let _pin = self.pin(py, &pool)?; // refused once released

@@ -37,6 +37,10 @@ from .._native import Copying, Sent, Slot
 from .._wire import codec
 from .._wire.handle import BatchHandle
 
+#: Copies a slot's first bytes to a device tensor on a stream, in one call without the GIL
+#: (``Slot.copy_to_device``, or a segment's copy in and on, see ``Receiver.take``).
+Fill = Callable[[Slot, torch.Tensor, int, torch.cuda.Stream], Sent]
+
 
 class OnDevice:
     """A batch already copied to the GPU on the copy stream; ``wait()`` hands it over to the
@@ -237,7 +241,7 @@ class Delivery:
         specs: list[codec.LeafSpec],
         slot: Slot,
         need: int,
-        fill: Callable[[Slot, torch.Tensor, int, torch.cuda.Stream], Sent],
+        fill: Fill,
     ) -> OnDevice:
         """The batch of ``tree`` on the device: ``fill`` puts its first ``need`` bytes into
         ``slot`` and copies them on to the device on the loader's copy stream, in one call
@@ -252,7 +256,7 @@ class Delivery:
         specs: list[codec.LeafSpec],
         slot: Slot,
         need: int,
-        fill: Callable[[Slot, torch.Tensor, int, torch.cuda.Stream], Sent],
+        fill: Fill,
     ) -> OnDevice:
         assert self.copy_stream is not None and self.consumer is not None
         with torch.cuda.stream(self.copy_stream):
