@@ -207,6 +207,9 @@ class Delivery:
     ) -> Any:
         """The batch of ``tree`` over the first ``need`` bytes of ``memory`` (None when every
         leaf is empty)."""
+        if self.device is not None and isinstance(memory, Slot) and memory.device is not None:
+            # A zero-copy batch in a slot the driver pinned: on to the device in one call.
+            return self.send(tree, specs, memory, need, Slot.copy_to_device)
         self.batches += 1
         self.bytes += need
         if memory is None:
@@ -219,8 +222,6 @@ class Delivery:
             leaves = codec.host_leaves(specs, host, need)
             del host, memory
             return codec.rebuild(tree, leaves, self.kept)
-        if isinstance(memory, Slot) and memory.device is not None:  # (pinned by the driver)
-            return self._to_device(tree, specs, memory, need, Slot.copy_to_device)
         assert self.copy_stream is not None
         base = torch.frombuffer(host, dtype=torch.uint8, count=need)
         with torch.cuda.stream(self.copy_stream):
@@ -243,21 +244,11 @@ class Delivery:
         need: int,
         fill: Fill,
     ) -> OnDevice:
-        """The batch of ``tree`` on the device: ``fill`` puts its first ``need`` bytes into
-        ``slot`` and copies them on to the device on the loader's copy stream, in one call
-        without the GIL (see ``Receiver.take``)."""
+        """The batch of ``tree`` on the device: ``fill`` copies the first ``need`` bytes of
+        ``slot`` (putting them there first, for a segment's batch) to the device on the
+        loader's copy stream, in one call without the GIL (see ``Receiver.take``)."""
         self.batches += 1
         self.bytes += need
-        return self._to_device(tree, specs, slot, need, fill)
-
-    def _to_device(
-        self,
-        tree: Any,
-        specs: list[codec.LeafSpec],
-        slot: Slot,
-        need: int,
-        fill: Fill,
-    ) -> OnDevice:
         assert self.copy_stream is not None and self.consumer is not None
         with torch.cuda.stream(self.copy_stream):
             storage = torch.empty(need, dtype=torch.uint8, device=self.device)
