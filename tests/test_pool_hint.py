@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from loader_datasets import Lopsided, Paced, sum_collate
+from loader_datasets import Lopsided, Paced, Sized, sum_collate
 
 import pinpool
 from pinpool._main import receiver as receiver_module
@@ -78,6 +78,17 @@ def test_a_hinted_pool_holds_batches_whose_small_arrays_outweigh_the_streamed_on
         assert float(batch["small"][39][7][0]) == 8 * i + 7 + 39
     assert pool_threads == ["pinpool-pool-hint"]
     assert loader.stats()["overflow_batches"] == 0
+
+
+def test_only_a_workers_first_batch_is_hinted(pool_threads: list[str]) -> None:
+    """A worker whose first batch is small (not streamed) sends no hint for its later, big
+    batches: the first batch sizes the pool, as without hints."""
+    ds = Sized([1000] * 4 + [3 << 20] * 4)
+    loader = pinpool.DataLoader(ds, batch_size=4, num_workers=1, oversize="copy")
+    assert len(list(loader)) == 2
+    assert len(pool_threads) == 1 and pool_threads[0] != "pinpool-pool-hint", pool_threads
+    assert loader.pool is not None and loader.pool.slot_bytes == 2 << 20
+    assert loader.stats()["overflow_batches"] == 1  # the big batch, in ordinary memory
 
 
 def test_without_streamed_batches_the_first_batch_sizes_the_pool(

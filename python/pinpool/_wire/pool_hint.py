@@ -16,7 +16,7 @@ Invariants:
   sizes the pool, as before. A hint is checked (two positive ints) and its pool refused like
   any (``BatchTooLarge`` for an arena over the memory's share): the error is logged.
 - A worker never waits here: its end of the pipe is non-blocking, each worker process sends
-  at most one hint, and a full or closed pipe loses it.
+  at most one hint, for its first batch only, and a full or closed pipe loses it.
 - The main process's thread waits without the GIL, makes at most one pool, and ends (closing
   the pipe's reading end) once the pool exists, whoever made it, or the loader is closed.
   The writing end stays open in the main process until the loader is closed: workers started
@@ -68,7 +68,9 @@ class PoolHint:
     # -- in a worker ---------------------------------------------------------------------
 
     def send(self, nbytes: int, count: int) -> None:
-        """Tells the main process a batch's size (once per worker process; never waits)."""
+        """Tells the main process the size of this worker process's first batch (never
+        waits). Later calls, and calls after :meth:`pass_turn`, send nothing: the hint of a
+        later, larger batch could otherwise size the pool before the first batch does."""
         writer = self._writer
         if writer is None or self._sent_by == os.getpid():
             return
@@ -77,6 +79,10 @@ class PoolHint:
             writer.send_bytes(struct.pack(_FORMAT, nbytes, count))
         except (OSError, ValueError):
             pass  # full, closed, or the main process has stopped listening
+
+    def pass_turn(self) -> None:
+        """This worker process's first batch goes without a hint (it was not streamed)."""
+        self._sent_by = os.getpid()
 
     # -- in the main process -------------------------------------------------------------
 

@@ -31,7 +31,7 @@ class PinCollate:
     torch batches samples (``batch_size`` or ``batch_sampler`` given); ``ring_size`` is the
     number of segments each worker keeps for this loader; ``report_state``: each worker's
     batch goes out with its dataset's ``state_dict()`` (a resumable ``IterableDataset``);
-    ``pool_hint``: where a worker tells its first streamed batch's size early."""
+    ``pool_hint``: where a worker tells its first batch's size early (when it streams)."""
 
     def __init__(
         self,
@@ -80,6 +80,8 @@ class PinCollate:
             batch = default_convert(data)
         if not in_worker:
             return registry.lookup(self.token).encode_local(batch, count)
+        if self.pool_hint is not None:
+            self.pool_hint.pass_turn()  # (a first batch not streamed: no hint from later ones)
         p = codec.plan(batch)
         if self.keep_worker_memory:
             keep_freed_memory(p.nbytes)
