@@ -17,6 +17,7 @@ import mmap
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -72,15 +73,29 @@ class Resources:
     fds: int
     shm: int
     children: frozenset[int]
+    fd_targets: tuple[str, ...] = ()  # what each open fd is (for the message only)
 
     @staticmethod
     def now() -> Resources:
-        return Resources(open_fd_count(), shm_entry_count(), frozenset(child_pids()))
+        count = open_fd_count()
+        targets = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return Resources(count, shm_entry_count(), frozenset(child_pids()), tuple(targets))
 
     def leaks_since(self, before: Resources, kept_fds: int = 0) -> list[str]:
         out = []
         if self.fds > before.fds + kept_fds:
-            out.append(f"{self.fds - before.fds} more open fds (torch keeps {kept_fds})")
+            new = list(self.fd_targets)
+            for target in before.fd_targets:
+                if target in new:
+                    new.remove(target)
+            threads = sorted(t.name for t in threading.enumerate())
+            out.append(
+                f"{self.fds - before.fds} more open fds (torch keeps {kept_fds}): {new}; "
+                f"threads: {threads}"
+            )
         if self.shm > before.shm:
             out.append(f"{self.shm - before.shm} more /dev/shm entries")
         extra = self.children - before.children

@@ -38,7 +38,7 @@ from torch.utils.data import default_collate, default_convert
 
 from ._main import settings
 from ._main.delivery import finish
-from ._main.index_queue import write_directly
+from ._main.index_queue import DirectQueue, write_directly
 from ._main.receiver import Receiver
 from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, unsupported
 from ._main.tickets import TicketSampler
@@ -492,7 +492,14 @@ def _shut_down(inner: Any) -> None:
     shutdown = getattr(inner, "_shutdown_workers", None)
     if shutdown is None:
         return
-    shutdown()
+    try:
+        shutdown()
+    finally:
+        # torch closes the index queues last: should its shutdown stop before, their writer
+        # threads and descriptors still end now, not whenever the iterator is collected.
+        for q in getattr(inner, "_index_queues", ()):
+            if isinstance(q, DirectQueue):
+                q.close()
     data = getattr(inner, "_data_queue", None)
     if isinstance(data, queue.Queue):  # the pin thread's output (in-process, not a pipe)
         while True:

@@ -69,10 +69,14 @@ class DirectQueue(multiprocessing.queues.Queue):  # type: ignore[type-arg]
             lock.release()
 
     def close(self) -> None:
-        super().close()
-        self._reader.close()  # type: ignore[attr-defined]  # (a dead worker's pipe: EPIPE)
-        self._pin_writer.close()
-        self._writer.close()  # type: ignore[attr-defined]
+        """Closes the queue (again: a no-op); the writer's thread and descriptor end here
+        whatever happens first."""
+        try:
+            super().close()
+            self._reader.close()  # type: ignore[attr-defined]  # (a dead worker's pipe: EPIPE)
+        finally:
+            self._pin_writer.close()
+            self._writer.close()  # type: ignore[attr-defined]
 
 
 def write_directly(queue: Any) -> bool:
