@@ -181,7 +181,11 @@ def tag_worker(worker_id: int) -> None:
 
 class Killing(Indexed):
     """Kills its own worker process with SIGKILL at index ``bad`` (never in the main
-    process)."""
+    process), 0.3 s after the worker reaches it: by then the worker's result-queue feeder
+    thread has sent the worker's previous batch. Killed while that thread holds the queue's
+    write lock, the worker would leave the lock held for good, and torch's own shutdown,
+    which puts a message on that queue in the main process, would leave its feeder thread
+    (and the queue's pipe) waiting on it forever."""
 
     def __init__(self, n: int, bad: int) -> None:
         super().__init__(n)
@@ -189,6 +193,7 @@ class Killing(Indexed):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if i == self.bad and get_worker_info() is not None:
+            time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)
         return super().__getitem__(i)
