@@ -516,6 +516,15 @@ impl Arena {
         }
     }
 
+    /// Where each part after the first starts (none for `cuda-hostalloc`, one block): no slot
+    /// may straddle two parts, which are separate memfds and driver registrations.
+    pub fn part_starts(&self) -> Vec<usize> {
+        match self.region() {
+            Some(region) => region.parts().iter().skip(1).map(|p| p.offset).collect(),
+            None => Vec::new(),
+        }
+    }
+
     /// The memfd holding arena byte `offset`, and where that memfd starts in the arena and
     /// how long it is (so other processes can map it). None for `cuda-hostalloc`.
     pub fn part_at(&self, offset: usize) -> Option<(BorrowedFd<'_>, usize, usize)> {

@@ -4,7 +4,8 @@
 //! The core is plain Rust, testable with `cargo test` on a machine without a GPU:
 //!
 //! - [`arena`]: the one block of host memory (pinned through the CUDA driver, or plain);
-//! - [`slots`]: the slot state machine and free list;
+//! - [`slots`]: the slot state machine: each checkout's state and extent;
+//! - [`extents`]: where in the arena each slot's bytes go (first fit, no part crossed);
 //! - [`fence`]: what keeps a released slot out of circulation until the GPU is done with it;
 //! - [`pool`]: arena + slots + fences + copies, the object users hold;
 //! - [`lease`]: one checked-out slot held by one owner: pins and deferred release;
@@ -28,6 +29,7 @@ pub mod copy;
 pub mod cuda;
 pub mod device_choice;
 pub mod error;
+pub mod extents;
 pub mod fence;
 pub mod lease;
 pub mod numa;

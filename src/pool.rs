@@ -82,16 +82,20 @@ use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
 use crate::release;
 use crate::shm::{check_range, page_size, round_up, Mapping};
-use crate::slots::{Counts, SlotTable, Ticket};
+use crate::slots::{Bytes, Counts, Layout, SlotTable, Ticket};
 use crate::transport::reclaim::Reclaimer;
 
 /// What to build.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
-    /// Bytes per slot (rounded up to a page).
+    /// The largest slot (rounded up to a page): the arena's parts are whole multiples of it,
+    /// and a checkout that does not say its size gets this many bytes.
     pub slot_bytes: usize,
-    /// Number of slots.
+    /// The most slots out or fenced at once.
     pub num_slots: usize,
+    /// The arena's size, rounded up to a whole number of `slot_bytes`; `None`:
+    /// `slot_bytes * num_slots` (equal slots).
+    pub arena_bytes: Option<usize>,
     /// CUDA device ordinal, or `None` for no CUDA. (The Python layer's automatic choice,
     /// the rank's own device, is [`crate::device_choice::DeviceRequest::resolve`].)
     pub device: Option<usize>,
@@ -111,6 +115,7 @@ impl PoolConfig {
         PoolConfig {
             slot_bytes,
             num_slots,
+            arena_bytes: None,
             device: None,
             backend: None,
             copy_threads: 4,
@@ -152,6 +157,7 @@ impl Counters {
             segments_unmapped: self.final_unmapped.load(Ordering::Relaxed),
             pending_unmaps: 0,
             fence_errors: self.final_fence_errors.load(Ordering::Relaxed),
+            bytes: Bytes::default(),
         }
     }
 }
@@ -159,8 +165,8 @@ impl Counters {
 /// How [`Pool::claim`] may take a slot.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClaimRules {
-    /// Slots to leave free for other claims: only a claim that finds more than this many free
-    /// takes one at once.
+    /// Bytes to leave free in one range for other claims: only a claim that leaves this much
+    /// takes its slot at once.
     pub reserve: usize,
     /// How long to wait for a slot on its way; `None` waits as long as one is coming.
     pub timeout: Option<Duration>,
@@ -168,7 +174,8 @@ pub struct ClaimRules {
     /// held by a batch the consumer keeps alive: waiting could wait forever).
     pub overflow: bool,
     /// Never wait for what only the consumer can give back: answer [`Claim::Later`] when the
-    /// free and coming slots are no more than the reserve, or the timeout has passed.
+    /// free and coming bytes would not hold this slot and the reserve, or the timeout has
+    /// passed.
     pub defer: bool,
 }
 
@@ -208,6 +215,8 @@ pub struct Stats {
     pub pending_unmaps: u64,
     /// Fence queries that failed.
     pub fence_errors: u64,
+    /// The arena's bytes by state.
+    pub bytes: Bytes,
 }
 
 /// The slot pool.
@@ -215,6 +224,8 @@ pub struct Pool {
     /// Dropped by hand in `Drop`, and only once no GPU work can still read it.
     arena: ManuallyDrop<Arena>,
     slot_bytes: usize,
+    /// The longest part of the arena: no slot is longer.
+    largest_part: usize,
     /// Moved to the release thread with the arena (the fences are retired against it).
     table: ManuallyDrop<SlotTable>,
     /// These three own threads (and CUDA events): dropped by hand, in the creating process only.
@@ -248,9 +259,7 @@ impl Pool {
     /// Allocates the arena and starts the background threads.
     pub fn new(config: &PoolConfig) -> Result<Arc<Self>> {
         let slot_bytes = Self::checked_slot_bytes(config)?;
-        let arena_len = slot_bytes.checked_mul(config.num_slots).ok_or_else(|| {
-            Error::Invalid("slot_bytes * num_slots overflows the address space".into())
-        })?;
+        let arena_len = Self::arena_len(config, slot_bytes)?;
         SlotTable::check_len(config.num_slots)?; // before any memory is taken
         let arena = if config.background {
             Arena::new_partial(
@@ -264,7 +273,7 @@ impl Pool {
         } else {
             Arena::new(arena_len, slot_bytes, config.device, config.backend, fault_threads())?
         };
-        let table = SlotTable::with_ready(config.num_slots, arena.ready_len() / slot_bytes)?;
+        let table = Self::table_over(&arena, config.num_slots, slot_bytes)?;
         let fences = arena.device().map(|device| Box::new(CudaFences::new(device)) as _);
         let pool = Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)?;
         if pool.arena.ready_len() < pool.arena.len() {
@@ -280,12 +289,34 @@ impl Pool {
     /// A host pool whose releases with a stream are fenced by `fences` (tests, benchmarks).
     pub fn with_fences(config: &PoolConfig, fences: Box<dyn Fences>) -> Result<Arc<Self>> {
         let slot_bytes = Self::checked_slot_bytes(config)?;
-        let arena_len = slot_bytes
-            .checked_mul(config.num_slots)
-            .ok_or_else(|| Error::Invalid("slot_bytes * num_slots overflows".into()))?;
-        let table = SlotTable::new(config.num_slots)?;
+        let arena_len = Self::arena_len(config, slot_bytes)?;
+        SlotTable::check_len(config.num_slots)?;
         let arena = Arena::new(arena_len, slot_bytes, None, Some(Backend::Host), fault_threads())?;
+        let table = Self::table_over(&arena, config.num_slots, slot_bytes)?;
         Self::assemble(arena, slot_bytes, table, Some(fences), config.copy_threads)
+    }
+
+    /// The arena's length: `arena_bytes` rounded up to whole slots, else `num_slots` slots.
+    fn arena_len(config: &PoolConfig, slot_bytes: usize) -> Result<usize> {
+        let len = match config.arena_bytes {
+            Some(0) => return Err(Error::Invalid("arena_bytes must be positive".into())),
+            Some(n) => n.checked_next_multiple_of(slot_bytes),
+            None => slot_bytes.checked_mul(config.num_slots),
+        };
+        len.ok_or_else(|| Error::Invalid("the arena's size overflows the address space".into()))
+    }
+
+    /// The slot table over `arena`: `entries` slots at most, of any size up to the longest
+    /// part, `slot_bytes` by default; only the bytes ready now are free.
+    fn table_over(arena: &Arena, entries: usize, slot_bytes: usize) -> Result<SlotTable> {
+        SlotTable::with_layout(Layout {
+            entries,
+            arena: arena.len(),
+            unit: page_size(),
+            default_bytes: slot_bytes,
+            boundaries: arena.part_starts(),
+            ready: arena.ready_len(),
+        })
     }
 
     /// Checks everything in `config` that can be checked before memory is taken; returns the
@@ -326,11 +357,13 @@ impl Pool {
         copy_threads: usize,
     ) -> Result<Arc<Self>> {
         let n = table.len() as u64;
+        let largest_part = table.bytes().largest_part;
         // Copy threads run on the CPUs of the arena's NUMA node, when it was placed on one.
         let copier = Copier::on_cpus(copy_threads, arena.placement().thread_cpus())?;
         let pool = Arc::new(Pool {
             arena: ManuallyDrop::new(arena),
             slot_bytes,
+            largest_part,
             table: ManuallyDrop::new(table),
             fences: ManuallyDrop::new(fences.map(FenceTracker::new)),
             copier: ManuallyDrop::new(copier),
@@ -384,17 +417,25 @@ impl Pool {
         self.copier.threads()
     }
 
-    /// Takes a free slot without waiting.
+    /// Takes a free slot of `slot_bytes` without waiting.
     pub fn try_checkout(&self) -> Result<Option<Ticket>> {
+        self.try_checkout_bytes(self.slot_bytes, 0)
+    }
+
+    /// Takes a slot of `bytes` (rounded up to a page) without waiting, if there is room for
+    /// it with `keep` bytes left in one free range afterwards. A size no slot can ever have
+    /// is [`Error::BatchTooLarge`].
+    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Result<Option<Ticket>> {
         self.check_owner()?;
         if self.table.is_closed() {
             return Err(Error::Closed);
         }
-        let mut ticket = self.table.try_checkout();
+        self.check_size(bytes)?;
+        let mut ticket = self.table.try_checkout_bytes(bytes, keep);
         if ticket.is_none() {
             if let Some(f) = self.fences.as_ref() {
                 if f.try_retire_ready(&self.table) > 0 {
-                    ticket = self.table.try_checkout();
+                    ticket = self.table.try_checkout_bytes(bytes, keep);
                 }
             }
         }
@@ -409,29 +450,45 @@ impl Pool {
         Ok(ticket)
     }
 
-    /// Takes a slot by the DataLoader's rules (see [`Claim`] and [`ClaimRules`]), waiting
-    /// on the slot table's condition variable (not polling) while a slot is on its way.
-    pub fn claim(&self, rules: &ClaimRules) -> Result<Claim> {
+    /// Fails unless a slot of `bytes` fits in one of the arena's parts.
+    fn check_size(&self, bytes: usize) -> Result<()> {
+        let largest = self.largest_slot();
+        if bytes > largest {
+            return Err(Error::BatchTooLarge { needed: bytes, slot_bytes: largest });
+        }
+        Ok(())
+    }
+
+    /// The largest slot the arena can ever hold (its longest part).
+    pub fn largest_slot(&self) -> usize {
+        self.largest_part
+    }
+
+    /// Takes a slot of `bytes` by the DataLoader's rules (see [`Claim`] and [`ClaimRules`]),
+    /// waiting on the slot table's condition variable (not polling) while room is on its way.
+    ///
+    /// Room is on its way while a fenced slot or a part of the arena not ready yet exists:
+    /// both come back by themselves. Without either, nothing the pool can do makes room:
+    /// every other byte is held by a slot someone keeps (or the free bytes are cut into
+    /// pieces by such slots), and waiting could wait forever; then [`ClaimRules::overflow`]
+    /// advises [`Claim::Overflow`], and otherwise the claim waits up to its timeout.
+    pub fn claim(&self, bytes: usize, rules: &ClaimRules) -> Result<Claim> {
         let start = Instant::now();
         loop {
-            if self.table.free_len() > rules.reserve {
-                if let Some(t) = self.try_checkout()? {
-                    return Ok(Claim::Slot(t));
-                }
-            } else if let Some(f) = self.fences.as_ref() {
-                f.try_retire_ready(&self.table);
+            let epoch = self.table.epoch();
+            if let Some(t) = self.try_checkout_bytes(bytes, rules.reserve)? {
+                return Ok(Claim::Slot(t));
             }
-            let c = self.slot_counts();
-            // Fenced slots come back as the GPU finishes reading them, preparing ones as the
+            let (c, b) = (self.slot_counts(), self.table.bytes());
+            // Fenced slots come back as the GPU finishes reading them, preparing bytes as the
             // background thread makes them ready: both are worth waiting for.
-            let coming = c.fenced + c.preparing;
+            let coming = b.fenced + b.preparing;
+            let room_once_back = b.free + coming >= bytes.saturating_add(rules.reserve)
+                && self.table.spare_entries() + c.fenced > 0;
             let left = rules.timeout.map(|t| t.saturating_sub(start.elapsed()));
             let expired = left.is_some_and(|l| l.is_zero());
-            if rules.defer && (c.free + coming <= rules.reserve || expired) {
+            if rules.defer && (!room_once_back || expired) {
                 return Ok(Claim::Later);
-            }
-            if c.free > rules.reserve {
-                continue; // freed meanwhile
             }
             if coming == 0 && rules.overflow {
                 return Ok(Claim::Overflow);
@@ -442,41 +499,52 @@ impl Pool {
                     num_slots: self.num_slots(),
                 });
             }
-            if c.free > 0 {
-                // Only the reserve is free, and more than it is on its way: taking one of
-                // them leaves enough for the others once those arrive.
-                if let Some(t) = self.try_checkout()? {
+            if rules.reserve > 0 && room_once_back {
+                // Only the reserve stands in the way, and enough is on its way for the other
+                // claims once it arrives: take the room now.
+                if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
                     return Ok(Claim::Slot(t));
                 }
             }
             // Fences are polled by the fence thread every few hundred microseconds at most;
             // a release or a completed fence wakes this wait at once.
             let nap = Duration::from_millis(if coming > 0 { 1 } else { 50 });
-            self.table.wait(left.map_or(nap, |l| l.min(nap)));
+            self.table.wait(epoch, left.map_or(nap, |l| l.min(nap)));
         }
     }
 
-    /// Slots free right now (a snapshot; O(1)).
+    /// Slots of `slot_bytes` that could be checked out right now (a snapshot).
     pub fn free_slots(&self) -> usize {
-        self.table.free_len()
+        self.table.counts().free
     }
 
-    /// Takes a free slot, waiting up to `timeout` (forever with `None`).
+    /// Takes a free slot of `slot_bytes`, waiting up to `timeout` (forever with `None`).
     pub fn checkout(&self, timeout: Option<Duration>) -> Result<Ticket> {
-        if let Some(t) = self.try_checkout()? {
+        self.checkout_bytes(self.slot_bytes, timeout)
+    }
+
+    /// Takes a slot of `bytes`, waiting up to `timeout` (forever with `None`).
+    pub fn checkout_bytes(&self, bytes: usize, timeout: Option<Duration>) -> Result<Ticket> {
+        if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
             return Ok(t);
         }
         let start = Instant::now();
         self.counters.waits.fetch_add(1, Ordering::Relaxed);
-        let result = self.wait_for_slot(start, timeout);
+        let result = self.wait_for_slot(bytes, start, timeout);
         let waited = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.counters.wait_ns.fetch_add(waited, Ordering::Relaxed);
         result
     }
 
-    fn wait_for_slot(&self, start: Instant, timeout: Option<Duration>) -> Result<Ticket> {
+    fn wait_for_slot(
+        &self,
+        bytes: usize,
+        start: Instant,
+        timeout: Option<Duration>,
+    ) -> Result<Ticket> {
         loop {
-            if let Some(t) = self.try_checkout()? {
+            let epoch = self.table.epoch();
+            if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
                 return Ok(t);
             }
             let nap = match self.fences.as_ref().map(FenceTracker::pending) {
@@ -496,18 +564,34 @@ impl Pool {
                 }
                 None => nap,
             };
-            self.table.wait(nap);
+            self.table.wait(epoch, nap);
         }
+    }
+
+    /// Where the slot `ticket` holds lies in the arena, `(offset, len)`, if the ticket is
+    /// live.
+    pub fn extent(&self, ticket: Ticket) -> Result<(usize, usize)> {
+        self.table.extent(ticket).ok_or(Error::SlotReleased { index: ticket.index as usize })
+    }
+
+    /// Whether `ticket`'s slot was released and waits for its fence.
+    pub fn is_fenced(&self, ticket: Ticket) -> bool {
+        ticket.table == self.table.id()
+            && self.table.state(ticket.index as usize)
+                == Some((crate::slots::State::Fenced, ticket.generation))
+    }
+
+    /// The length of the slot `ticket` holds, if the ticket is live.
+    pub fn slot_len(&self, ticket: Ticket) -> Result<usize> {
+        self.extent(ticket).map(|e| e.1)
     }
 
     /// The first byte of the slot `ticket` holds, if the ticket is live.
     pub fn slot_ptr(&self, ticket: Ticket) -> Result<*mut u8> {
-        if !self.table.is_live(ticket) {
-            return Err(Error::SlotReleased { index: ticket.index as usize });
-        }
-        // SAFETY: index < num_slots (a live ticket names a real slot), so the offset is
-        // inside the arena (arena len = slot_bytes * num_slots).
-        Ok(unsafe { self.arena.base().add(ticket.index as usize * self.slot_bytes) })
+        let (offset, _) = self.extent(ticket)?;
+        // SAFETY: a live ticket's extent lies inside the arena (the slot table carves
+        // extents only from `[0, arena.len())`).
+        Ok(unsafe { self.arena.base().add(offset) })
     }
 
     /// Ends the checkout. With a stream (on a fenced pool) the slot returns once the work
@@ -554,8 +638,10 @@ impl Pool {
     /// `src` into the slot of `ticket`.
     fn copy_target(&self, ticket: Ticket, src: &Mapping, ranges: &[CopyRange]) -> Result<*mut u8> {
         self.check_owner()?;
-        validate_ranges(ranges, src.len(), self.slot_bytes)?;
-        self.slot_ptr(ticket)
+        let (offset, len) = self.extent(ticket)?;
+        validate_ranges(ranges, src.len(), len)?;
+        // SAFETY: as in `slot_ptr`: the extent lies inside the arena.
+        Ok(unsafe { self.arena.base().add(offset) })
     }
 
     /// [`Pool::copy_in`], then a copy of the slot's first `len` bytes to device memory at
@@ -575,7 +661,7 @@ impl Pool {
         len: usize,
         stream: StreamHandle,
     ) -> Result<Event> {
-        self.send_checks(len)?; // before the copy in: an error copies nothing
+        self.send_checks(ticket, len)?; // before the copy in: an error copies nothing
         self.copy_in(ticket, src, ranges)?;
         // SAFETY: forwarded from the caller.
         unsafe { self.send(ticket, dst, len, stream) }
@@ -595,7 +681,7 @@ impl Pool {
         len: usize,
         stream: StreamHandle,
     ) -> Result<Event> {
-        let device = self.send_checks(len)?;
+        let device = self.send_checks(ticket, len)?;
         let slot = self.slot_ptr(ticket)?;
         // SAFETY: the slot is pinned arena memory, live while the caller holds the ticket and
         // not reused before the fence the caller records on `stream`; `len` fits in it
@@ -603,16 +689,17 @@ impl Pool {
         unsafe { device.send(dst, slot, len, stream) }
     }
 
-    /// The device a copy of `len` bytes from a slot goes to: refused on a pool the driver
-    /// did not pin, or for more bytes than a slot holds.
-    fn send_checks(&self, len: usize) -> Result<&Arc<crate::cuda::Device>> {
+    /// The device a copy of `len` bytes from the slot of `ticket` goes to: refused on a pool
+    /// the driver did not pin, or for more bytes than the slot holds.
+    fn send_checks(&self, ticket: Ticket, len: usize) -> Result<&Arc<crate::cuda::Device>> {
         let Some(device) = self.arena.device() else {
             return Err(Error::Invalid(
                 "copies to a device need a pool of pinned memory on that device".into(),
             ));
         };
-        if len > self.slot_bytes {
-            return Err(Error::OutOfRange { what: "slot", offset: 0, len, size: self.slot_bytes });
+        let size = self.slot_len(ticket)?;
+        if len > size {
+            return Err(Error::OutOfRange { what: "slot", offset: 0, len, size });
         }
         Ok(device)
     }
@@ -766,7 +853,13 @@ impl Pool {
             pending_unmaps: self.reclaimer.pending()
                 + self.lingering.lock().unwrap_or_else(|e| e.into_inner()).len() as u64,
             fence_errors: self.fences.as_ref().map_or(0, FenceTracker::errors),
+            bytes: self.table.bytes(),
         }
+    }
+
+    /// The arena's bytes by state.
+    pub fn bytes(&self) -> Bytes {
+        self.table.bytes()
     }
 }
 
@@ -836,9 +929,7 @@ fn prepare_loop(pool: Weak<Pool>) {
         }
         match pool.arena.prepare_next(threads) {
             Ok(Some((offset, len))) => {
-                for index in offset / pool.slot_bytes..(offset + len) / pool.slot_bytes {
-                    pool.table.admit(index);
-                }
+                pool.table.admit(offset, len);
             }
             Ok(None) => return,
             Err(e) => {
@@ -1130,17 +1221,17 @@ mod tests {
         let fences = Arc::new(ManualFences::new());
         let pool = Pool::with_fences(&PoolConfig::host(4096, 2), Box::new(fences.clone())).unwrap();
         let quick = Some(Duration::from_millis(30));
-        let ahead = ClaimRules { reserve: 1, timeout: quick, overflow: false, defer: true };
+        let ahead = ClaimRules { reserve: 4096, timeout: quick, overflow: false, defer: true };
         let own = ClaimRules { reserve: 0, timeout: quick, overflow: true, defer: false };
         let strict = ClaimRules { reserve: 0, timeout: quick, overflow: false, defer: false };
         // Two free: ahead takes one, then leaves the last one to the consumer.
-        let Claim::Slot(a) = pool.claim(&ahead).unwrap() else { panic!("no slot") };
-        assert_eq!(pool.claim(&ahead).unwrap(), Claim::Later);
-        let Claim::Slot(b) = pool.claim(&own).unwrap() else { panic!("no slot") };
+        let Claim::Slot(a) = pool.claim(4096, &ahead).unwrap() else { panic!("no slot") };
+        assert_eq!(pool.claim(4096, &ahead).unwrap(), Claim::Later);
+        let Claim::Slot(b) = pool.claim(4096, &own).unwrap() else { panic!("no slot") };
         // Every slot held by the consumer, none on its way: later, overflow, or a timeout.
-        assert_eq!(pool.claim(&ahead).unwrap(), Claim::Later);
-        assert_eq!(pool.claim(&own).unwrap(), Claim::Overflow);
-        assert!(matches!(pool.claim(&strict), Err(Error::Exhausted { .. })));
+        assert_eq!(pool.claim(4096, &ahead).unwrap(), Claim::Later);
+        assert_eq!(pool.claim(4096, &own).unwrap(), Claim::Overflow);
+        assert!(matches!(pool.claim(4096, &strict), Err(Error::Exhausted { .. })));
         // A slot on its way behind a fence: waited for, not overflowed, and a completed
         // fence wakes the waiter.
         pool.release(a, Some(11)).unwrap();
@@ -1148,7 +1239,7 @@ mod tests {
             let pool = Arc::clone(&pool);
             std::thread::spawn(move || {
                 let rules = ClaimRules { timeout: Some(Duration::from_secs(30)), ..own };
-                pool.claim(&rules)
+                pool.claim(4096, &rules)
             })
         };
         std::thread::sleep(Duration::from_millis(20));

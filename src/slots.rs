@@ -1,61 +1,67 @@
-//! The slot table: the state of every slot and the free list.
+//! The slot table: every checkout's state and extent, and the arena's free bytes.
+//!
+//! A slot is one checkout of a piece of the arena: an extent of exactly the bytes asked for
+//! (rounded up to a page), carved from the arena by [`crate::extents`]. The table has a fixed
+//! number of entries (the most slots that can be out or fenced at once); an entry names its
+//! slot's extent while it is checked out or fenced, and nothing while free.
 //!
 //! (See "the life of a slot" in [`crate::pool`] for where each transition is made.)
 //!
 //! Invariants:
-//! - Every slot is in exactly one state: `Preparing`, `Free`, `CheckedOut` or `Fenced`, held
-//!   in one atomic word together with the slot's generation.
-//! - `Preparing` is where a slot starts when its memory is still being faulted in and pinned
-//!   in the background ([`SlotTable::with_ready`]); it leaves that state once, to `Free`,
-//!   through [`SlotTable::admit`], and never returns to it.
-//! - A slot's index is in the free queue exactly when the slot is `Free`; the queue has room
-//!   for every slot, so a push never fails.
+//! - Every entry is in exactly one state: `Free`, `CheckedOut` or `Fenced`, held in one atomic
+//!   word together with the entry's generation. Every transition is made under the table's
+//!   lock, which also guards the extent map and the counts; readers of one word
+//!   ([`SlotTable::is_live`], [`SlotTable::state`]) need no lock.
+//! - An entry that is `CheckedOut` or `Fenced` owns its extent's bytes: they are in no free
+//!   range, so no two live extents overlap. The bytes go back to the extent map exactly when
+//!   the entry becomes `Free`: at a release without a fence, or at
+//!   [`SlotTable::complete_fence`], which the pool calls once the slot's fence has completed.
+//!   No byte is handed out again before its fence has completed.
 //! - A checkout moves `Free -> CheckedOut` and bumps the generation; the [`Ticket`] it returns
-//!   (table id + index + generation) names that one checkout; another table refuses it. Every later transition compares the whole
-//!   word, so a second release, or a release through a stale ticket, is refused with
-//!   [`Error::SlotReleased`] and can never put an index in the free queue twice.
-//! - `Fenced -> Free` happens only through [`SlotTable::complete_fence`], which the pool calls
-//!   once the slot's fence has completed; `Fenced -> CheckedOut` only through
-//!   [`SlotTable::unfence`], when a fence recorded at release time could not be recorded.
-//! - Waiting never misses a wake-up: a pusher that sees a waiter notifies under the lock the
-//!   waiter holds while it re-checks the queue, and every wait is bounded by a timeout anyway.
+//!   (table id + index + generation) names that one checkout; another table refuses it. Every
+//!   later transition compares the whole word, so a second release, or a release through a
+//!   stale ticket, is refused with [`Error::SlotReleased`] and frees no byte twice.
+//!   `Fenced -> CheckedOut` happens only through [`SlotTable::unfence`], when a fence recorded
+//!   at release time could not be recorded.
+//! - Bytes that are not ready yet (the arena's parts still being faulted in and pinned in the
+//!   background) are in no free range until [`SlotTable::admit`] adds them, once.
+//! - Waiting never misses a wake-up: every change that frees bytes or an entry bumps an epoch
+//!   under the lock, and [`SlotTable::wait`] sleeps only while the epoch is the one its caller
+//!   saw, re-checked under that lock; every wait is bounded by a timeout anyway.
 
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crossbeam_queue::ArrayQueue;
-
 use crate::error::{Error, Result};
+use crate::extents::ExtentMap;
+use crate::shm::page_size;
 
 /// Names one checkout of one slot of one table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Ticket {
     /// The table (pool) that issued it: a ticket is refused by every other table.
     pub table: u32,
-    /// The slot's position in the arena.
+    /// The table entry it holds.
     pub index: u32,
-    /// Which checkout of that slot this is.
+    /// Which checkout of that entry this is.
     pub generation: u32,
 }
 
-/// A slot's state.
+/// A table entry's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
-    /// Its memory is not ready yet: not in the free list, never handed out.
-    Preparing,
-    /// In the free list, ready to be checked out.
+    /// Holds nothing; ready to name the next checkout.
     Free,
     /// Held by a user.
     CheckedOut,
-    /// Released, but GPU work recorded on its fence may still read it.
+    /// Released, but GPU work recorded on its fence may still read its extent.
     Fenced,
 }
 
 const FREE: u64 = 0;
 const OUT: u64 = 1;
 const FENCED: u64 = 2;
-const PREPARING: u64 = 3;
 
 fn word(generation: u32, state: u64) -> u64 {
     (u64::from(generation) << 2) | state
@@ -65,34 +71,75 @@ fn split(w: u64) -> (u32, State) {
     let state = match w & 3 {
         FREE => State::Free,
         OUT => State::CheckedOut,
-        FENCED => State::Fenced,
-        _ => State::Preparing,
+        _ => State::Fenced,
     };
     ((w >> 2) as u32, state)
 }
 
-/// How many slots are in each state.
+/// How many slots are in each state, counted in slots of the table's default size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
-    /// Ready to hand out.
+    /// How many more checkouts of the default size would succeed now.
     pub free: usize,
     /// Held by users.
     pub checked_out: usize,
     /// Waiting for their fence.
     pub fenced: usize,
-    /// Not ready yet (their memory is still being prepared).
+    /// Default-size slots' worth of bytes not ready yet.
     pub preparing: usize,
+}
+
+/// The arena's bytes by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bytes {
+    /// The whole arena.
+    pub arena: usize,
+    /// In free ranges.
+    pub free: usize,
+    /// The longest free range: the largest slot a checkout could get now.
+    pub largest_free: usize,
+    /// How many free ranges there are.
+    pub holes: usize,
+    /// In checked-out slots.
+    pub checked_out: usize,
+    /// In fenced slots.
+    pub fenced: usize,
+    /// Not ready yet.
+    pub preparing: usize,
+    /// The largest slot the arena can ever hold (its longest part).
+    pub largest_part: usize,
+}
+
+/// What the lock guards.
+struct Inner {
+    map: ExtentMap,
+    /// Free entries (a stack: the most recently used is reused first).
+    spare: Vec<u32>,
+    /// Each entry's extent `(offset, len)`, valid while it is checked out or fenced.
+    extents: Vec<(usize, usize)>,
+    /// Byte ranges not ready yet.
+    unready: Vec<(usize, usize)>,
+    out: usize,
+    fenced: usize,
+    out_bytes: usize,
+    fenced_bytes: usize,
 }
 
 static NEXT_TABLE_ID: AtomicU32 = AtomicU32::new(1);
 
-/// The states of `n` slots and their free list.
+/// The entries of one pool and the free bytes of its arena.
 pub struct SlotTable {
     id: u32,
     words: Box<[AtomicU64]>,
-    free: ArrayQueue<u32>,
-    waiters: AtomicUsize,
-    lock: Mutex<()>,
+    /// Each entry's extent's offset, readable without the lock by a live ticket's holder
+    /// (written before the word becomes `CheckedOut`, with release ordering).
+    offsets: Box<[AtomicU64]>,
+    lens: Box<[AtomicU64]>,
+    /// The size of a checkout that does not say (a "slot" of the equal-slot API).
+    default_bytes: usize,
+    inner: Mutex<Inner>,
+    epoch: AtomicU64,
+    waiters: AtomicU64,
     wake: Condvar,
     closed: AtomicBool,
 }
@@ -103,36 +150,83 @@ impl std::fmt::Debug for SlotTable {
     }
 }
 
+/// How a table's arena is laid out.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// Table entries: the most slots out or fenced at once.
+    pub entries: usize,
+    /// The arena's length (a multiple of `unit`).
+    pub arena: usize,
+    /// The allocation unit (the page size).
+    pub unit: usize,
+    /// The size of a checkout that does not say.
+    pub default_bytes: usize,
+    /// Where the arena's parts start (no slot crosses one).
+    pub boundaries: Vec<usize>,
+    /// Bytes from the start that are ready now.
+    pub ready: usize,
+}
+
 impl SlotTable {
-    /// `n` free slots (n > 0).
+    /// `n` slots of one page each, all ready (n > 0).
     pub fn new(n: usize) -> Result<Self> {
         Self::with_ready(n, n)
     }
 
-    /// `n` slots (n > 0), of which the first `ready` are free and the rest `Preparing` until
-    /// [`SlotTable::admit`]ted.
+    /// `n` one-page slots (n > 0), of which the first `ready` pages are ready and the rest
+    /// not until [`SlotTable::admit`]ted.
     pub fn with_ready(n: usize, ready: usize) -> Result<Self> {
+        let unit = page_size();
+        let arena = n.checked_mul(unit).ok_or_else(|| Error::Invalid("too many slots".into()))?;
+        Self::with_layout(Layout {
+            entries: n,
+            arena,
+            unit,
+            default_bytes: unit,
+            boundaries: Vec::new(),
+            ready: ready.min(n) * unit,
+        })
+    }
+
+    /// A table over an arena laid out as `layout` says.
+    pub fn with_layout(layout: Layout) -> Result<Self> {
+        let n = layout.entries;
         Self::check_len(n)?;
-        let ready = ready.min(n);
-        let free = ArrayQueue::new(n);
-        for i in 0..ready {
-            // Cannot fail: the queue has room for n entries.
-            let _ = free.push(i as u32);
+        let unit = layout.unit;
+        let mut map = ExtentMap::new(layout.arena, unit, &layout.boundaries)?;
+        let ready = layout.ready.min(layout.arena) / unit * unit;
+        if ready > 0 {
+            map.free(0, ready)?;
         }
+        let unready =
+            if ready < layout.arena { vec![(ready, layout.arena - ready)] } else { Vec::new() };
+        let default_bytes = map
+            .round(layout.default_bytes)
+            .ok_or_else(|| Error::Invalid("slot size too large".into()))?;
         Ok(SlotTable {
             id: NEXT_TABLE_ID.fetch_add(1, Ordering::Relaxed),
-            words: (0..n)
-                .map(|i| AtomicU64::new(word(0, if i < ready { FREE } else { PREPARING })))
-                .collect(),
-            free,
-            waiters: AtomicUsize::new(0),
-            lock: Mutex::new(()),
+            words: (0..n).map(|_| AtomicU64::new(word(0, FREE))).collect(),
+            offsets: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            lens: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            default_bytes,
+            inner: Mutex::new(Inner {
+                map,
+                spare: (0..n as u32).rev().collect(),
+                extents: vec![(0, 0); n],
+                unready,
+                out: 0,
+                fenced: 0,
+                out_bytes: 0,
+                fenced_bytes: 0,
+            }),
+            epoch: AtomicU64::new(0),
+            waiters: AtomicU64::new(0),
             wake: Condvar::new(),
             closed: AtomicBool::new(false),
         })
     }
 
-    /// Fails unless a table can have `n` slots.
+    /// Fails unless a table can have `n` entries.
     pub fn check_len(n: usize) -> Result<()> {
         if n == 0 || n > u32::MAX as usize {
             return Err(Error::Invalid(format!("num_slots must be in 1..=2^32-1, got {n}")));
@@ -140,32 +234,40 @@ impl SlotTable {
         Ok(())
     }
 
-    /// Makes a `Preparing` slot free (its memory is ready). Returns false, changing nothing,
-    /// if the slot does not exist or is not `Preparing`.
-    pub fn admit(&self, index: usize) -> bool {
-        let Some(cell) = self.words.get(index) else { return false };
-        let admitted = cell
-            .compare_exchange(
-                word(0, PREPARING),
-                word(0, FREE),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .is_ok();
-        if admitted {
-            self.push_free(index as u32);
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes `[offset, offset + len)` (bytes not ready until now) free. Returns false,
+    /// changing nothing, unless that range lies inside what is not ready yet.
+    pub fn admit(&self, offset: usize, len: usize) -> bool {
+        let mut inner = self.lock();
+        let Some(end) = offset.checked_add(len).filter(|_| len > 0) else { return false };
+        let Some(i) = inner.unready.iter().position(|&(o, l)| o <= offset && end <= o + l) else {
+            return false;
+        };
+        if inner.map.free(offset, len).is_err() {
+            return false; // (not whole units)
         }
-        admitted
+        let (o, l) = inner.unready.remove(i);
+        if o < offset {
+            inner.unready.push((o, offset - o));
+        }
+        if end < o + l {
+            inner.unready.push((end, o + l - end));
+        }
+        self.freed(&inner);
+        true
     }
 
-    /// How many slots are in the free queue (a snapshot; O(1)).
-    pub fn free_len(&self) -> usize {
-        self.free.len()
-    }
-
-    /// Number of slots.
+    /// Number of entries: the most slots out or fenced at once.
     pub fn len(&self) -> usize {
         self.words.len()
+    }
+
+    /// Always false: a table has at least one entry.
+    pub fn is_empty(&self) -> bool {
+        false
     }
 
     /// This table's id, carried by every ticket it issues.
@@ -173,34 +275,37 @@ impl SlotTable {
         self.id
     }
 
-    /// Always false: a table has at least one slot.
-    pub fn is_empty(&self) -> bool {
-        false
+    /// The size of a checkout that does not say how many bytes it needs.
+    pub fn default_bytes(&self) -> usize {
+        self.default_bytes
     }
 
-    /// Takes a free slot, if there is one. Never blocks.
+    /// Takes a slot of the default size, if there is room now. Never blocks.
     pub fn try_checkout(&self) -> Option<Ticket> {
-        loop {
-            let index = self.free.pop()?;
-            let cell = &self.words[index as usize];
-            let current = cell.load(Ordering::Acquire);
-            let (generation, state) = split(current);
-            if state != State::Free {
-                // Unreachable while the invariants hold; skip rather than hand it out.
-                debug_assert!(false, "slot {index} in the free list while {state:?}");
-                continue;
-            }
-            let next = generation.wrapping_add(1);
-            if cell
-                .compare_exchange(current, word(next, OUT), Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                return Some(Ticket { table: self.id, index, generation: next });
-            }
-        }
+        self.try_checkout_bytes(self.default_bytes, 0)
     }
 
-    /// The current state and generation of slot `index`.
+    /// Takes a slot of `bytes` (rounded up to a page), if an entry is free and a free range
+    /// holds it with `keep` bytes left in one range afterwards. Never blocks.
+    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Option<Ticket> {
+        let mut inner = self.lock();
+        let index = *inner.spare.last()?;
+        let (offset, len) = inner.map.alloc(bytes, keep)?;
+        inner.spare.pop();
+        let cell = &self.words[index as usize];
+        let (generation, state) = split(cell.load(Ordering::Acquire));
+        debug_assert_eq!(state, State::Free, "entry {index} spare while {state:?}");
+        let next = generation.wrapping_add(1);
+        inner.extents[index as usize] = (offset, len);
+        inner.out += 1;
+        inner.out_bytes += len;
+        self.offsets[index as usize].store(offset as u64, Ordering::Relaxed);
+        self.lens[index as usize].store(len as u64, Ordering::Relaxed);
+        cell.store(word(next, OUT), Ordering::Release);
+        Some(Ticket { table: self.id, index, generation: next })
+    }
+
+    /// The current state and generation of entry `index`.
     pub fn state(&self, index: usize) -> Option<(State, u32)> {
         self.words.get(index).map(|w| {
             let (g, s) = split(w.load(Ordering::Acquire));
@@ -208,58 +313,87 @@ impl SlotTable {
         })
     }
 
-    /// Whether `ticket` names the slot's current, unreleased checkout.
+    /// Whether `ticket` names the entry's current, unreleased checkout.
     pub fn is_live(&self, ticket: Ticket) -> bool {
         ticket.table == self.id
             && self.state(ticket.index as usize) == Some((State::CheckedOut, ticket.generation))
     }
 
-    /// Ends the checkout `ticket`. With `fenced`, the slot waits in `Fenced` until
-    /// [`SlotTable::complete_fence`]; otherwise it is free at once.
+    /// The extent `(offset, len)` of a live ticket's slot.
+    pub fn extent(&self, ticket: Ticket) -> Option<(usize, usize)> {
+        if !self.is_live(ticket) {
+            return None;
+        }
+        let i = ticket.index as usize;
+        // (Stored before the word that made the ticket live, which `is_live` acquired.)
+        let extent = (
+            self.offsets[i].load(Ordering::Relaxed) as usize,
+            self.lens[i].load(Ordering::Relaxed) as usize,
+        );
+        // Still the same checkout: the entry cannot have been reused in between.
+        self.is_live(ticket).then_some(extent)
+    }
+
+    /// Ends the checkout `ticket`. With `fenced`, the slot waits in `Fenced` (its bytes
+    /// held) until [`SlotTable::complete_fence`]; otherwise its bytes are free at once.
     pub fn release(&self, ticket: Ticket, fenced: bool) -> Result<()> {
         let cell = self.cell(ticket)?;
-        let target = if fenced { FENCED } else { FREE };
-        cell.compare_exchange(
-            word(ticket.generation, OUT),
-            word(ticket.generation, target),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        )
-        .map_err(|_| Error::SlotReleased { index: ticket.index as usize })?;
-        if !fenced {
-            self.push_free(ticket.index);
+        let mut inner = self.lock();
+        if cell.load(Ordering::Acquire) != word(ticket.generation, OUT) {
+            return Err(Error::SlotReleased { index: ticket.index as usize });
+        }
+        let (_, len) = inner.extents[ticket.index as usize];
+        inner.out -= 1;
+        inner.out_bytes -= len;
+        if fenced {
+            cell.store(word(ticket.generation, FENCED), Ordering::Release);
+            inner.fenced += 1;
+            inner.fenced_bytes += len;
+        } else {
+            self.give_back(&mut inner, ticket);
         }
         Ok(())
     }
 
-    /// Frees a fenced slot once its fence has completed. Returns false if `ticket` is not
-    /// the slot's current fenced checkout (already completed, or stale).
+    /// Frees a fenced slot's entry and bytes once its fence has completed. Returns false if
+    /// `ticket` is not the entry's current fenced checkout (already completed, or stale).
     pub fn complete_fence(&self, ticket: Ticket) -> bool {
         let Ok(cell) = self.cell(ticket) else { return false };
-        let done = cell
-            .compare_exchange(
-                word(ticket.generation, FENCED),
-                word(ticket.generation, FREE),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .is_ok();
-        if done {
-            self.push_free(ticket.index);
+        let mut inner = self.lock();
+        if cell.load(Ordering::Acquire) != word(ticket.generation, FENCED) {
+            return false;
         }
-        done
+        let (_, len) = inner.extents[ticket.index as usize];
+        inner.fenced -= 1;
+        inner.fenced_bytes -= len;
+        self.give_back(&mut inner, ticket);
+        true
+    }
+
+    /// Returns an entry and its bytes (it was checked out or fenced; counts already moved).
+    fn give_back(&self, inner: &mut Inner, ticket: Ticket) {
+        let i = ticket.index as usize;
+        let (offset, len) = std::mem::take(&mut inner.extents[i]);
+        self.words[i].store(word(ticket.generation, FREE), Ordering::Release);
+        // Cannot fail: the entry owned exactly these bytes (see the invariants).
+        let freed = inner.map.free(offset, len);
+        debug_assert!(freed.is_ok(), "{freed:?}");
+        inner.spare.push(ticket.index);
+        self.freed(inner);
     }
 
     /// Undoes a fenced [`SlotTable::release`] whose fence could not be recorded: the slot is
     /// checked out again under the same ticket.
     pub fn unfence(&self, ticket: Ticket) {
-        if let Ok(cell) = self.cell(ticket) {
-            let _ = cell.compare_exchange(
-                word(ticket.generation, FENCED),
-                word(ticket.generation, OUT),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
+        let Ok(cell) = self.cell(ticket) else { return };
+        let mut inner = self.lock();
+        if cell.load(Ordering::Acquire) == word(ticket.generation, FENCED) {
+            let (_, len) = inner.extents[ticket.index as usize];
+            inner.fenced -= 1;
+            inner.fenced_bytes -= len;
+            inner.out += 1;
+            inner.out_bytes += len;
+            cell.store(word(ticket.generation, OUT), Ordering::Release);
         }
     }
 
@@ -270,32 +404,37 @@ impl SlotTable {
             .ok_or(Error::SlotReleased { index: ticket.index as usize })
     }
 
-    fn push_free(&self, index: u32) {
-        // Cannot fail: an index is pushed only on a transition into Free (see invariants).
-        let _ = self.free.push(index);
-        fence(Ordering::SeqCst);
-        if self.waiters.load(Ordering::Relaxed) > 0 {
-            let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.wake.notify_one();
+    /// Something became free: a new epoch, and waiters woken (under the lock they re-check
+    /// the epoch under).
+    fn freed(&self, _inner: &Inner) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.wake.notify_all();
         }
     }
 
-    /// Sleeps until a slot may have become free, the table is closed, or `timeout` passes.
-    pub fn wait(&self, timeout: Duration) {
-        let guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.waiters.fetch_add(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
-        if self.free.is_empty() && !self.is_closed() {
+    /// A number that changes whenever bytes or an entry become free: read it before a try,
+    /// and pass it to [`SlotTable::wait`].
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// Sleeps until something was freed since `seen` (an [`SlotTable::epoch`]), the table is
+    /// closed, or `timeout` passes.
+    pub fn wait(&self, seen: u64, timeout: Duration) {
+        let guard = self.lock();
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        if self.epoch.load(Ordering::SeqCst) == seen && !self.is_closed() {
             let _ = self.wake.wait_timeout(guard, timeout);
         }
-        self.waiters.fetch_sub(1, Ordering::Relaxed);
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// Wakes every waiter; afterwards [`SlotTable::is_closed`] is true.
     pub fn close(&self) {
+        let inner = self.lock();
         self.closed.store(true, Ordering::SeqCst);
-        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.wake.notify_all();
+        self.freed(&inner);
     }
 
     /// Whether [`SlotTable::close`] was called.
@@ -303,18 +442,36 @@ impl SlotTable {
         self.closed.load(Ordering::SeqCst)
     }
 
-    /// How many slots are in each state (a snapshot; exact when nothing moves).
+    /// How many slots are in each state (exact: taken under the lock).
     pub fn counts(&self) -> Counts {
-        let mut c = Counts::default();
-        for w in self.words.iter() {
-            match split(w.load(Ordering::Acquire)).1 {
-                State::Free => c.free += 1,
-                State::CheckedOut => c.checked_out += 1,
-                State::Fenced => c.fenced += 1,
-                State::Preparing => c.preparing += 1,
-            }
+        let inner = self.lock();
+        let unready: usize = inner.unready.iter().map(|r| r.1).sum();
+        Counts {
+            free: inner.spare.len().min(inner.map.fits(self.default_bytes)),
+            checked_out: inner.out,
+            fenced: inner.fenced,
+            preparing: unready / self.default_bytes,
         }
-        c
+    }
+
+    /// The arena's bytes by state (exact: taken under the lock).
+    pub fn bytes(&self) -> Bytes {
+        let inner = self.lock();
+        Bytes {
+            arena: inner.map.len(),
+            free: inner.map.free_bytes(),
+            largest_free: inner.map.largest_free(),
+            holes: inner.map.holes(),
+            checked_out: inner.out_bytes,
+            fenced: inner.fenced_bytes,
+            preparing: inner.unready.iter().map(|r| r.1).sum(),
+            largest_part: inner.map.largest_part(),
+        }
+    }
+
+    /// Free entries: how many more slots can be out at once.
+    pub fn spare_entries(&self) -> usize {
+        self.lock().spare.len()
     }
 }
 
@@ -323,20 +480,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn preparing_slots_are_handed_out_only_once_admitted() {
+    fn bytes_not_ready_are_handed_out_only_once_admitted() {
+        let u = page_size();
         let t = SlotTable::with_ready(3, 1).unwrap();
         assert_eq!(t.counts(), Counts { free: 1, checked_out: 0, fenced: 0, preparing: 2 });
         let a = t.try_checkout().unwrap();
-        assert_eq!(a.index, 0);
-        assert!(t.try_checkout().is_none(), "a preparing slot was handed out");
-        assert!(t.admit(2));
-        assert!(!t.admit(2), "admitted twice");
-        assert!(!t.admit(0), "a checked-out slot was admitted");
-        assert!(!t.admit(7), "a slot that does not exist was admitted");
-        assert_eq!(t.try_checkout().unwrap().index, 2);
+        assert_eq!(t.extent(a), Some((0, u)));
+        assert!(t.try_checkout().is_none(), "bytes not ready were handed out");
+        assert!(t.admit(2 * u, u));
+        assert!(!t.admit(2 * u, u), "admitted twice");
+        assert!(!t.admit(0, u), "ready bytes admitted again");
+        assert!(!t.admit(7 * u, u), "bytes past the arena admitted");
+        assert_eq!(t.extent(t.try_checkout().unwrap()), Some((2 * u, u)));
         assert!(t.try_checkout().is_none());
-        assert!(t.admit(1));
-        assert_eq!(t.try_checkout().unwrap().index, 1);
+        assert!(t.admit(u, u));
+        assert_eq!(t.extent(t.try_checkout().unwrap()), Some((u, u)));
         assert_eq!(t.counts(), Counts { free: 0, checked_out: 3, fenced: 0, preparing: 0 });
     }
 
@@ -355,7 +513,35 @@ mod tests {
         // The stale ticket cannot release the new checkout.
         assert!(t.release(a, false).is_err());
         assert!(t.is_live(c));
+        assert!(t.extent(a).is_none());
         assert_eq!(t.counts(), Counts { free: 0, checked_out: 2, fenced: 0, preparing: 0 });
+    }
+
+    #[test]
+    fn slots_of_any_size_share_the_arena() {
+        let u = page_size();
+        let t = SlotTable::with_layout(Layout {
+            entries: 8,
+            arena: 16 * u,
+            unit: u,
+            default_bytes: u,
+            boundaries: vec![8 * u],
+            ready: 16 * u,
+        })
+        .unwrap();
+        let big = t.try_checkout_bytes(7 * u + 1, 0).unwrap();
+        assert_eq!(t.extent(big), Some((0, 8 * u)));
+        assert!(t.try_checkout_bytes(9 * u, 0).is_none(), "larger than a part");
+        let small = t.try_checkout_bytes(1, 0).unwrap();
+        assert_eq!(t.extent(small), Some((8 * u, u)));
+        assert!(t.try_checkout_bytes(4 * u, 4 * u).is_none(), "would leave less than `keep`");
+        let b = t.bytes();
+        assert_eq!((b.checked_out, b.free, b.largest_free, b.largest_part), (9 * u, 7 * u, 7 * u, 8 * u));
+        t.release(big, true).unwrap();
+        assert!(t.try_checkout_bytes(8 * u, 0).is_none(), "a fenced slot's bytes reused");
+        assert_eq!(t.bytes().fenced, 8 * u);
+        assert!(t.complete_fence(big));
+        assert_eq!(t.extent(t.try_checkout_bytes(8 * u, 0).unwrap()), Some((0, 8 * u)));
     }
 
     #[test]

@@ -32,6 +32,11 @@ use pinpool::slots::{Counts, SlotTable, State};
 use pinpool::{Error, Result, Ticket};
 use proptest::prelude::*;
 
+/// The arena's page size: the tables here have one-page slots.
+fn page() -> usize {
+    pinpool::shm::page_size()
+}
+
 /// `table.state(i)` of every slot, at one moment.
 type SlotStates = Vec<Option<(State, u32)>>;
 
@@ -113,7 +118,7 @@ enum Op {
     FailRecord(bool),
     /// Make later fence queries fail (or stop failing).
     FailQuery(bool),
-    /// `table.admit(index)`: the memory of a slot (maybe not a preparing one) became ready.
+    /// `table.admit(page)`: one page of the arena (maybe one ready already) became ready.
     Admit(usize),
 }
 
@@ -151,7 +156,6 @@ fn op() -> impl Strategy<Value = Op> {
 /// The model's view of one slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
-    Preparing,
     Free,
     Out,
     Fenced,
@@ -172,6 +176,10 @@ struct Model {
     slots: Vec<Slot>,
     /// Generation of each slot's latest checkout (0 before the first).
     generation: Vec<u32>,
+    /// The page of the arena each slot holds while it is out or fenced.
+    page: Vec<Option<usize>>,
+    /// Which pages of the arena are ready.
+    ready: Vec<bool>,
     /// Every ticket ever handed out, in order.
     issued: Vec<Ticket>,
     /// The ticket most recently released successfully.
@@ -196,8 +204,10 @@ impl Model {
     fn new(n: usize, ready: usize, table: u32) -> Self {
         Model {
             table,
-            slots: (0..n).map(|i| if i < ready { Slot::Free } else { Slot::Preparing }).collect(),
+            slots: vec![Slot::Free; n],
             generation: vec![0; n],
+            page: vec![None; n],
+            ready: (0..n).map(|i| i < ready).collect(),
             issued: Vec::new(),
             last_released: None,
             queued: Vec::new(),
@@ -224,11 +234,24 @@ impl Model {
     fn counts(&self) -> Counts {
         let count = |s| self.slots.iter().filter(|&&x| x == s).count();
         Counts {
-            free: count(Slot::Free),
+            free: count(Slot::Free).min(self.free_pages().len()),
             checked_out: count(Slot::Out),
             fenced: count(Slot::Fenced),
-            preparing: count(Slot::Preparing),
+            preparing: self.ready.iter().filter(|&&r| !r).count(),
         }
+    }
+
+    /// Pages that are ready and held by no slot, lowest first: a checkout takes the first.
+    fn free_pages(&self) -> Vec<usize> {
+        (0..self.ready.len())
+            .filter(|&p| self.ready[p] && !self.page.contains(&Some(p)))
+            .collect()
+    }
+
+    /// A slot goes back: its entry and its page.
+    fn free_slot(&mut self, i: usize) {
+        self.slots[i] = Slot::Free;
+        self.page[i] = None;
     }
 
     /// Tickets waiting on a fence: queued or in flight.
@@ -272,7 +295,7 @@ impl Model {
         }
     }
 
-    /// The slots a checkout may hand out.
+    /// The entries a checkout may use.
     fn free_slots(&self) -> Vec<usize> {
         (0..self.slots.len()).filter(|&i| self.slots[i] == Slot::Free).collect()
     }
@@ -294,7 +317,7 @@ impl Model {
     /// `table.complete_fence(t)`: 1 if it freed the slot.
     fn complete_fence(&mut self, t: Ticket) -> usize {
         if self.is_fenced_checkout(t) {
-            self.slots[t.index as usize] = Slot::Free;
+            self.free_slot(t.index as usize);
             1
         } else {
             0
@@ -397,9 +420,19 @@ impl Harness {
     /// Checks a ticket the table just handed out against the model, and records it.
     fn accept(&mut self, got: Option<Ticket>) -> std::result::Result<(), TestCaseError> {
         let free = self.model.free_slots();
+        let pages = self.model.free_pages();
         match got {
-            None => prop_assert!(free.is_empty(), "nothing handed out while {free:?} are free"),
+            None => prop_assert!(
+                free.is_empty() || pages.is_empty(),
+                "nothing handed out while entries {free:?} and pages {pages:?} are free"
+            ),
             Some(t) => {
+                prop_assert!(!pages.is_empty(), "a slot handed out with no page ready and free");
+                prop_assert_eq!(
+                    self.table.extent(t),
+                    Some((pages[0] * page(), page())),
+                    "not the first free page"
+                );
                 let i = t.index as usize;
                 prop_assert!(i < self.model.slots.len(), "index {i} out of range");
                 prop_assert_eq!(
@@ -417,6 +450,7 @@ impl Harness {
                 );
                 prop_assert_ne!(t.generation, self.model.generation[i], "generation not bumped");
                 self.model.slots[i] = Slot::Out;
+                self.model.page[i] = Some(pages[0]);
                 self.model.generation[i] = t.generation;
                 self.model.issued.push(t);
             }
@@ -444,7 +478,7 @@ impl Harness {
                 }
                 if got.is_none() {
                     let t0 = Instant::now();
-                    self.table.wait(Duration::from_millis(1));
+                    self.table.wait(self.table.epoch(), Duration::from_millis(1));
                     prop_assert!(t0.elapsed() < Duration::from_secs(5), "wait overslept");
                     got = self.table.try_checkout();
                 }
@@ -455,7 +489,7 @@ impl Harness {
                 let got = self.table.release(t, false);
                 if self.model.is_live(t) {
                     prop_assert_eq!(got, Ok(()));
-                    self.model.slots[t.index as usize] = Slot::Free;
+                    self.model.free_slot(t.index as usize);
                     self.model.last_released = Some(t);
                 } else {
                     prop_assert_eq!(got, Err(Error::SlotReleased { index: t.index as usize }));
@@ -507,11 +541,11 @@ impl Harness {
                 self.manual.fail_records(on);
                 self.model.fail_record = on;
             }
-            Op::Admit(i) => {
-                let want = self.model.slots.get(i) == Some(&Slot::Preparing);
-                prop_assert_eq!(self.table.admit(i), want, "admit({})", i);
+            Op::Admit(p) => {
+                let want = self.model.ready.get(p) == Some(&false);
+                prop_assert_eq!(self.table.admit(p * page(), page()), want, "admit(page {})", p);
                 if want {
-                    self.model.slots[i] = Slot::Free;
+                    self.model.ready[p] = true;
                 }
             }
             Op::FailQuery(on) => {
@@ -536,7 +570,6 @@ impl Harness {
                 Slot::Free => State::Free,
                 Slot::Out => State::CheckedOut,
                 Slot::Fenced => State::Fenced,
-                Slot::Preparing => State::Preparing,
             };
             prop_assert_eq!(self.table.state(i), Some((want, m.generation[i])), "slot {}", i);
         }
@@ -553,6 +586,9 @@ impl Harness {
         let mut live_indices = Vec::new();
         for &t in &m.issued {
             prop_assert_eq!(self.table.is_live(t), m.is_live(t), "is_live({:?})", t);
+            let held = m.page[t.index as usize];
+            let want = if m.is_live(t) { held.map(|p| (p * page(), page())) } else { None };
+            prop_assert_eq!(self.table.extent(t), want, "extent({:?})", t);
             if m.is_live(t) {
                 live_indices.push(t.index);
             }
@@ -650,7 +686,7 @@ proptest! {
             h.model.issued.iter().copied().filter(|&t| h.model.is_live(t)).collect();
         for t in live {
             prop_assert_eq!(h.table.release(t, false), Ok(()));
-            h.model.slots[t.index as usize] = Slot::Free;
+            h.model.free_slot(t.index as usize);
         }
         for i in 0..n {
             h.step(&Op::Admit(i))?;
@@ -793,14 +829,20 @@ fn every_failed_fence_query_counts_an_error() {
 }
 
 #[test]
-fn wait_returns_at_once_when_a_slot_is_free_or_the_table_is_closed() {
+fn wait_returns_at_once_when_something_was_freed_or_the_table_is_closed() {
     let table = SlotTable::new(1).unwrap();
+    let seen = table.epoch();
+    let held = table.try_checkout().unwrap();
+    table.release(held, false).unwrap();
     let t0 = Instant::now();
-    table.wait(Duration::from_secs(30));
-    assert!(t0.elapsed() < Duration::from_secs(5), "waited although a slot was free");
-    let _held = table.try_checkout().unwrap();
+    table.wait(seen, Duration::from_secs(30));
+    assert!(t0.elapsed() < Duration::from_secs(5), "waited although a slot was freed since");
+    let t0 = Instant::now();
+    table.wait(table.epoch(), Duration::from_millis(30));
+    assert!(t0.elapsed() >= Duration::from_millis(30), "woke with nothing freed");
+    let seen = table.epoch();
     table.close();
     let t0 = Instant::now();
-    table.wait(Duration::from_secs(30));
+    table.wait(seen, Duration::from_secs(30));
     assert!(t0.elapsed() < Duration::from_secs(5), "waited although the table is closed");
 }

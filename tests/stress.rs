@@ -613,8 +613,9 @@ fn slot_table_threads_never_share_a_slot() {
                 let mut rng = Rng::new(7 + me as u64);
                 let mut done = 0;
                 while done < rounds {
+                    let seen = table.epoch();
                     let Some(t) = table.try_checkout() else {
-                        table.wait(Duration::from_millis(10));
+                        table.wait(seen, Duration::from_millis(10));
                         continue;
                     };
                     take_owner(&owners, t.index, me);
@@ -651,7 +652,7 @@ fn close_wakes_every_table_waiter() {
                 entered.wait();
                 let t0 = Instant::now();
                 // Far longer than the test may take: only the close can end it early.
-                table.wait(Duration::from_secs(60));
+                table.wait(table.epoch(), Duration::from_secs(60));
                 t0.elapsed()
             })
         })

@@ -40,6 +40,7 @@ from ._main import settings
 from ._main.delivery import finish
 from ._main.index_queue import DirectQueue, write_directly
 from ._main.receiver import Receiver
+from ._main.sizing import Sizing
 from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, unsupported
 from ._main.tickets import TicketSampler
 from ._native import PinPool
@@ -61,21 +62,27 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     - ``device``: None (default) yields pinned CPU batches, views into slots; a CUDA device
       yields batches already on it, safe to use on the consumer's current stream.
-    - ``pool``: an existing :class:`~pinpool.PinPool` to use (default: one made at the first
-      batch, with ``slot_bytes`` (default: the first batch's size plus 25%, rounded up to
-      2 MiB) and ``num_slots`` (default: batches in flight plus 4)).
+    - ``arena_bytes``, ``max_batch_bytes``: the size of the fixed arena batches land in, and
+      the largest batch it takes. Batches of any size up to that land in it, each taking its
+      own bytes. Default (see ``pinpool._main.sizing``): room for the batches in flight
+      plus 4 at 1.25 times the first batch's size, at least 64 MiB, at most half the memory
+      available; the largest batch is half the arena.
+    - ``pool``: an existing :class:`~pinpool.PinPool` to use; ``slot_bytes`` and
+      ``num_slots``: the older sizing, ``num_slots`` batches of up to ``slot_bytes`` each.
     - ``copy_threads``: threads copying batches into slots (default: up to 8).
-    - ``overflow``: what happens to a batch when every slot is held by a batch the consumer
+    - ``overflow``: what happens to a batch when the arena is held by batches the consumer
       keeps alive (``list(loader)`` does that): ``"copy"`` (default) puts it in ordinary,
       unpinned memory, counted in ``stats()["overflow_batches"]``; ``"wait"`` waits up to
       ``slot_timeout`` seconds (None: forever) for one to die, then raises
       :class:`~pinpool.PoolExhausted`. Slots still fenced by GPU work are always waited for.
-    - ``oversize``: a batch larger than a slot raises :class:`~pinpool.BatchTooLarge` naming
-      both sizes (``"error"``, default), or goes into ordinary memory (``"copy"``).
+    - ``oversize``: a batch larger than the largest the arena takes raises
+      :class:`~pinpool.BatchTooLarge` naming the setting (``"error"``, default), or goes
+      into ordinary memory (``"copy"``).
     - ``zero_copy``: workers write batches straight into arena slots handed out with the
       indices (map-style datasets with batching and ``num_workers > 0``; the pool must be a
-      memfd: ``cuda-register`` or ``host``). The first batch, batches that find no free slot
-      when dispatched and batches too large for a slot go through copy mode, counted in
+      memfd: ``cuda-register`` or ``host``). A ticket is sized from the largest batch seen so
+      far. The first batch, batches that find no room when dispatched and batches larger
+      than their ticket go through copy mode (into a slot of their own size), counted in
       ``stats()["zero_copy_fallbacks"]``.
     - ``keep_worker_memory``: workers keep memory their items were made in (up to twice the
       largest batch, at most 1 GiB each) for the next batch's items, rather than give it
@@ -121,6 +128,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         pool: PinPool | None = None,
+        arena_bytes: int | None = None,
+        max_batch_bytes: int | None = None,
         slot_bytes: int | None = None,
         num_slots: int | None = None,
         device: Any = None,
@@ -140,6 +149,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             collate_fn = None  # torch's default: pinpool's own, bit for bit, streamed
         out_device, pool_device = settings.check_pool_settings(
             pool=pool,
+            arena_bytes=arena_bytes,
+            max_batch_bytes=max_batch_bytes,
             slot_bytes=slot_bytes,
             num_slots=num_slots,
             copy_threads=copy_threads,
@@ -150,21 +161,26 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         )
         in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
         token = uuid.uuid4().hex
-        # Without slot_bytes= the pool is sized from the first batch: a worker tells that
-        # size as soon as it knows it (_wire.pool_hint).
-        hint = PoolHint() if num_workers > 0 and slot_bytes is None and pool is None else None
+        sizing = Sizing(
+            arena_bytes=arena_bytes,
+            max_batch_bytes=max_batch_bytes,
+            slot_bytes=slot_bytes,
+            num_slots=num_slots,
+            in_flight=in_flight,
+        )
+        # Without sizes the pool is sized from the first batch: a worker tells that size as
+        # soon as it knows it (_wire.pool_hint).
+        hint = PoolHint() if num_workers > 0 and not sizing.known and pool is None else None
         receiver = Receiver(
             token,
             pool=pool,
-            slot_bytes=slot_bytes,
-            num_slots=num_slots if num_slots is not None else in_flight + 4,
+            sizing=sizing,
             pool_device=pool_device,
             device=out_device,
             copy_threads=copy_threads,
             slot_timeout=slot_timeout,
             overflow=overflow,
             oversize=oversize,
-            batch_size=batch_size if batch_sampler is None else None,
             pool_hint=hint,
         )
         auto_collation = batch_size is not None or batch_sampler is not None
@@ -219,6 +235,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # loader, which must not get this one's internals.
         self.__dict__.update(
             pool=pool,
+            arena_bytes=arena_bytes,
+            max_batch_bytes=max_batch_bytes,
             slot_bytes=slot_bytes,
             num_slots=num_slots,
             device=device,
@@ -239,7 +257,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         )
         _keep_for_lightning(self)
         registry.register(token, receiver)
-        if slot_bytes is not None or pool is not None:
+        if sizing.known or pool is not None:
             receiver.ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
         weakref.finalize(self, _close, receiver)
 
@@ -320,7 +338,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             base = EpochSampler(base, self._pin_resume, self)  # (before any ticket)
         if getattr(self, "_pin_tickets", False):
             receiver = self._pin_receiver
-            return TicketSampler(base, lambda owner: receiver.tickets.assign(receiver.pool, owner))
+            return TicketSampler(base, receiver.assign_ticket)
         return base
 
     @property
@@ -330,14 +348,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def stats(self) -> dict[str, Any]:
         """The pool's counters plus the loader's own (``batches``, ``bytes``,
-        ``overflow_batches``, ``zero_copy_batches``, ``zero_copy_fallbacks``,
-        ``segments_cached``)."""
+        ``overflow_batches``, ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which
+        ``zero_copy_no_ticket`` and ``zero_copy_ticket_too_small``), ``segments_cached``)."""
         return self._pin_receiver.stats()
 
 
 #: pinpool's own __init__ arguments, beside torch's.
 PINPOOL_ARGUMENTS = (
     "pool",
+    "arena_bytes",
+    "max_batch_bytes",
     "slot_bytes",
     "num_slots",
     "device",

@@ -14,7 +14,12 @@ use crate::device_choice::DeviceRequest;
 use crate::error::Error;
 use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig, Stats};
 
-/// A fixed arena of (pinned) host memory cut into equal slots.
+/// A fixed arena of (pinned) host memory, handed out as slots of any size.
+///
+/// `slot_bytes`: the largest slot (and the size of a checkout that does not say); the arena's
+/// parts are whole multiples of it. `num_slots`: the most slots out or fenced at once.
+/// `arena_bytes`: the arena's size, rounded up to whole `slot_bytes` (default:
+/// `slot_bytes * num_slots`, equal slots).
 ///
 /// `device`: an ordinal, `"cuda:N"` or a `torch.device` binds that GPU; `"cpu"` means no CUDA
 /// (host memory); `None` (the default) or `"cuda"` the rank's own GPU: the device of the CUDA
@@ -34,6 +39,8 @@ pub struct PyPinPool {
     memory: &'static str,
     slot_bytes: usize,
     num_slots: usize,
+    arena_bytes: usize,
+    largest_slot: usize,
     address: usize,
     copy_threads: usize,
     notes: Vec<String>,
@@ -158,6 +165,13 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("segments_unmapped", s.segments_unmapped)?;
     d.set_item("pending_unmaps", s.pending_unmaps)?;
     d.set_item("fence_errors", s.fence_errors)?;
+    d.set_item("arena_bytes", s.bytes.arena)?;
+    d.set_item("bytes_free", s.bytes.free)?;
+    d.set_item("bytes_checked_out", s.bytes.checked_out)?;
+    d.set_item("bytes_fenced", s.bytes.fenced)?;
+    d.set_item("bytes_preparing", s.bytes.preparing)?;
+    d.set_item("largest_free", s.bytes.largest_free)?;
+    d.set_item("free_ranges", s.bytes.holes)?;
     Ok(d)
 }
 
@@ -165,9 +179,10 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
 impl PyPinPool {
     #[new]
     #[pyo3(
-        signature = (slot_bytes, num_slots, device = None, backend = "auto", copy_threads = None, background = false),
-        text_signature = "(slot_bytes, num_slots, device=None, backend='auto', copy_threads=None, background=False)"
+        signature = (slot_bytes, num_slots, device = None, backend = "auto", copy_threads = None, background = false, arena_bytes = None),
+        text_signature = "(slot_bytes, num_slots, device=None, backend='auto', copy_threads=None, background=False, arena_bytes=None)"
     )]
+    #[allow(clippy::too_many_arguments)] // (Python's keyword arguments)
     fn new(
         py: Python<'_>,
         slot_bytes: usize,
@@ -176,6 +191,7 @@ impl PyPinPool {
         backend: &str,
         copy_threads: Option<usize>,
         background: bool,
+        arena_bytes: Option<usize>,
     ) -> PyResult<Self> {
         guarded(|| {
             let request = parse_device(py, device)?;
@@ -189,6 +205,7 @@ impl PyPinPool {
             let config = PoolConfig {
                 slot_bytes,
                 num_slots,
+                arena_bytes,
                 device: device.device,
                 backend,
                 copy_threads,
@@ -208,9 +225,11 @@ impl PyPinPool {
             logger.call_method1(
                 "debug",
                 (format!(
-                    "pool of {} slots of {} bytes: {} ({}){}; {}; ready in {:.3} s",
+                    "pool of {} bytes, slots of up to {} bytes, {} at once: {} ({}){}; {}; \
+                     ready in {:.3} s",
+                    pool.arena().len(),
+                    pool.largest_slot(),
                     pool.num_slots(),
-                    pool.slot_bytes(),
                     pool.backend().name(),
                     pool.residency().name(),
                     match (pool.arena().device(), device.why) {
@@ -228,6 +247,8 @@ impl PyPinPool {
                 memory: pool.residency().name(),
                 slot_bytes: pool.slot_bytes(),
                 num_slots: pool.num_slots(),
+                arena_bytes: pool.arena().len(),
+                largest_slot: pool.largest_slot(),
                 address: pool.arena().base() as usize,
                 copy_threads: pool.copy_threads(),
                 notes,
@@ -240,29 +261,39 @@ impl PyPinPool {
         })
     }
 
-    /// Takes a free slot, waiting (without the GIL) up to `timeout` seconds.
-    #[pyo3(signature = (timeout = None))]
-    fn checkout(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PySlot> {
+    /// Takes a slot of `nbytes` (default: `slot_bytes`), waiting (without the GIL) up to
+    /// `timeout` seconds for room.
+    #[pyo3(signature = (timeout = None, nbytes = None))]
+    fn checkout(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+        nbytes: Option<usize>,
+    ) -> PyResult<PySlot> {
         guarded(|| {
             let timeout = timeout_arg(py, timeout)?;
             let pool = self.get(py)?;
-            if let Some(t) = pool.try_checkout().py(py)? {
+            let bytes = nbytes.unwrap_or(self.slot_bytes);
+            if let Some(t) = pool.try_checkout_bytes(bytes, 0).py(py)? {
                 return Ok(self.wrap(pool, t));
             }
             let p = Arc::clone(&pool);
-            let ticket = py.detach(move || p.checkout(timeout)).py(py)?;
+            let ticket = py.detach(move || p.checkout_bytes(bytes, timeout)).py(py)?;
             Ok(self.wrap(pool, ticket))
         })
     }
 
-    /// Takes a slot by a loader's rules, waiting without the GIL while one is on its way:
-    /// a `Slot`, or `"later"` (with `defer`: free and coming slots are no more than
-    /// `reserve`, or `timeout` passed), or `"overflow"` (with `overflow`: nothing free and
-    /// nothing coming). Without `defer`, a timeout raises `PoolExhausted`.
-    #[pyo3(signature = (reserve = 0, timeout = None, overflow = false, defer = false))]
+    /// Takes a slot of `nbytes` (default: `slot_bytes`) by a loader's rules, waiting without
+    /// the GIL while room is on its way: a `Slot`, or `"later"` (with `defer`: the free and
+    /// coming bytes would not hold it and `reserve` more bytes, or `timeout` passed), or
+    /// `"overflow"` (with `overflow`: no room and nothing coming back). `reserve`: bytes to
+    /// leave free in one range for other claims. Without `defer`, a timeout raises
+    /// `PoolExhausted`.
+    #[pyo3(signature = (nbytes = None, reserve = 0, timeout = None, overflow = false, defer = false))]
     fn claim<'py>(
         &self,
         py: Python<'py>,
+        nbytes: Option<usize>,
         reserve: usize,
         timeout: Option<f64>,
         overflow: bool,
@@ -271,15 +302,14 @@ impl PyPinPool {
         guarded(|| {
             let rules = ClaimRules { reserve, timeout: timeout_arg(py, timeout)?, overflow, defer };
             let pool = self.get(py)?;
-            // The common case, a slot free beyond the reserve, keeps the GIL: handing it back
-            // and forth would cost more than the checkout.
-            if pool.free_slots() > rules.reserve {
-                if let Some(t) = pool.try_checkout().py(py)? {
-                    return Ok(Bound::new(py, self.wrap(pool, t))?.into_any());
-                }
+            let bytes = nbytes.unwrap_or(self.slot_bytes);
+            // The common case, room beyond the reserve, keeps the GIL: handing it back and
+            // forth would cost more than the checkout.
+            if let Some(t) = pool.try_checkout_bytes(bytes, rules.reserve).py(py)? {
+                return Ok(Bound::new(py, self.wrap(pool, t))?.into_any());
             }
             let p = Arc::clone(&pool);
-            Ok(match py.detach(move || p.claim(&rules)).py(py)? {
+            Ok(match py.detach(move || p.claim(bytes, &rules)).py(py)? {
                 Claim::Slot(t) => Bound::new(py, self.wrap(pool, t))?.into_any(),
                 Claim::Later => "later".into_pyobject(py)?.into_any(),
                 Claim::Overflow => "overflow".into_pyobject(py)?.into_any(),
@@ -287,16 +317,20 @@ impl PyPinPool {
         })
     }
 
-    /// Takes a free slot, or returns None at once if there is none, or (with `reserve`) if
-    /// no more than `reserve` are free: those are kept for other callers.
-    #[pyo3(signature = (reserve = 0))]
-    fn try_checkout(&self, py: Python<'_>, reserve: usize) -> PyResult<Option<PySlot>> {
+    /// Takes a slot of `nbytes` (default: `slot_bytes`), or returns None at once if there is
+    /// no room for it, or (with `reserve`) none that leaves `reserve` bytes free in one range
+    /// for other callers.
+    #[pyo3(signature = (nbytes = None, reserve = 0))]
+    fn try_checkout(
+        &self,
+        py: Python<'_>,
+        nbytes: Option<usize>,
+        reserve: usize,
+    ) -> PyResult<Option<PySlot>> {
         guarded(|| {
             let pool = self.get(py)?;
-            if reserve > 0 && pool.free_slots() <= reserve {
-                return Ok(None);
-            }
-            Ok(pool.try_checkout().py(py)?.map(|t| self.wrap(pool, t)))
+            let bytes = nbytes.unwrap_or(self.slot_bytes);
+            Ok(pool.try_checkout_bytes(bytes, reserve).py(py)?.map(|t| self.wrap(pool, t)))
         })
     }
 
@@ -370,13 +404,13 @@ impl PyPinPool {
         self.memory
     }
 
-    /// Bytes per slot (rounded up to a page).
+    /// The size of a checkout that does not say (rounded up to a page).
     #[getter]
     fn slot_bytes(&self) -> usize {
         self.slot_bytes
     }
 
-    /// Number of slots.
+    /// The most slots out or fenced at once.
     #[getter]
     fn num_slots(&self) -> usize {
         self.num_slots
@@ -385,22 +419,28 @@ impl PyPinPool {
     /// The whole arena's size in bytes.
     #[getter]
     fn arena_bytes(&self) -> usize {
-        self.slot_bytes * self.num_slots
+        self.arena_bytes
     }
 
-    /// The arena's first byte, as an integer: slot `i` starts at `address + i * slot_bytes`.
+    /// The largest slot the arena can ever hold (its longest part: at least `slot_bytes`).
+    #[getter]
+    fn largest_slot(&self) -> usize {
+        self.largest_slot
+    }
+
+    /// The arena's first byte, as an integer: a slot starts at `address + slot.offset`.
     /// (Kept after `close()`, when nothing is mapped there any more.)
     #[getter]
     fn address(&self) -> usize {
         self.address
     }
 
-    /// Where slot `index` lives in shared memory: `(fd, slot offset in that memfd, memfd
-    /// length)`, for worker processes that write batches straight into slots. None for
-    /// `cuda-hostalloc` (no memfd), or once closed.
-    fn slot_memfd(&self, index: usize) -> Option<(i32, usize, usize)> {
+    /// Where a slot lives in shared memory: `(fd, slot offset in that memfd, memfd length)`,
+    /// for worker processes that write batches straight into slots. None for
+    /// `cuda-hostalloc` (no memfd), a released slot, or once closed.
+    fn slot_memfd(&self, slot: &PySlot) -> Option<(i32, usize, usize)> {
         let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-        let at = index.checked_mul(pool.slot_bytes()).filter(|_| index < pool.num_slots())?;
+        let (at, _) = pool.extent(slot.ticket()).ok()?;
         let (fd, start, len) = pool.arena().part_at(at)?;
         Some((fd.as_raw_fd(), at - start, len))
     }
@@ -446,9 +486,11 @@ impl PyPinPool {
 
     fn __repr__(&self) -> String {
         format!(
-            "PinPool(slot_bytes={}, num_slots={}, backend={:?}, memory={:?}, device={}{})",
+            "PinPool(slot_bytes={}, num_slots={}, arena_bytes={}, backend={:?}, memory={:?}, \
+             device={}{})",
             self.slot_bytes,
             self.num_slots,
+            self.arena_bytes,
             self.backend,
             self.memory,
             // As Python writes it: an ordinal, or None.

@@ -26,12 +26,19 @@ pub struct PySlot {
     /// Shared with copies still running into the slot ([`OwnedPin`]).
     lease: Arc<Lease>,
     fence_device: Option<usize>,
+    /// Where the slot lies in the arena, `(offset, len)`: fixed for the checkout's life.
+    extent: (usize, usize),
 }
 
 impl PySlot {
+    /// Wraps `ticket`, a live checkout of `pool`.
     pub(crate) fn new(pool: Arc<Pool>, ticket: Ticket, fence_device: Option<usize>) -> Self {
-        PySlot { lease: Arc::new(Lease::new(pool, ticket)), fence_device }
+        // (A ticket just checked out is live; a stale one gets an empty extent, and every
+        // use of it is refused by the lease anyway.)
+        let extent = pool.extent(ticket).unwrap_or((0, 0));
+        PySlot { lease: Arc::new(Lease::new(pool, ticket)), fence_device, extent }
     }
+
 
     pub(crate) fn ticket(&self) -> Ticket {
         self.lease.ticket()
@@ -62,7 +69,7 @@ impl PySlot {
 
 #[pymethods]
 impl PySlot {
-    /// The slot's position in the arena.
+    /// The slot table's entry this checkout holds.
     #[getter]
     fn index(&self) -> u32 {
         self.lease.ticket().index
@@ -74,10 +81,16 @@ impl PySlot {
         self.lease.ticket().generation
     }
 
-    /// The slot's size in bytes.
+    /// The slot's size in bytes (what was asked for, rounded up to a page).
     #[getter]
     fn nbytes(&self) -> usize {
-        self.lease.pool().slot_bytes()
+        self.extent.1
+    }
+
+    /// Where the slot starts in the arena, in bytes (a multiple of the page size).
+    #[getter]
+    fn offset(&self) -> usize {
+        self.extent.0
     }
 
     /// The address of the slot's first byte.
@@ -172,7 +185,7 @@ impl PySlot {
     ) -> PyResult<()> {
         let this = slf.get();
         let ptr = this.lease.pin_held().map_err(|e| PyBufferError::new_err(e.to_string()))?;
-        let len = match isize::try_from(this.lease.pool().slot_bytes()) {
+        let len = match isize::try_from(this.extent.1) {
             Ok(len) => len,
             Err(_) => {
                 this.lease.unpin();
@@ -209,7 +222,7 @@ impl PySlot {
         format!(
             "Slot(index={}, nbytes={}, {})",
             self.lease.ticket().index,
-            self.lease.pool().slot_bytes(),
+            self.extent.1,
             if self.lease.is_released() { "released" } else { "checked out" }
         )
     }

@@ -37,6 +37,7 @@ from .._native import PinPool
 from . import settings
 from .delivery import finish
 from .receiver import Receiver
+from .sizing import Sizing
 
 __all__ = ["Pinned", "pinned"]
 
@@ -155,18 +156,20 @@ class Pinned(Generic[_T]):
                 stacklevel=3,
             )
         self._inner = loader
+        sizing = Sizing(
+            slot_bytes=slot_bytes,
+            num_slots=num_slots if num_slots is not None else DEFAULT_NUM_SLOTS,
+        )
         receiver = Receiver(
             uuid.uuid4().hex,
             pool=pool,
-            slot_bytes=slot_bytes,
-            num_slots=num_slots if num_slots is not None else DEFAULT_NUM_SLOTS,
+            sizing=sizing,
             pool_device=pool_device,
             device=out_device,
             copy_threads=copy_threads,
             slot_timeout=slot_timeout,
             overflow=overflow,
             oversize=oversize,
-            batch_size=None,  # a batch's sample count is not known here: no scaling up
         )
         self._receiver = receiver
         if slot_bytes is not None or pool is not None:

@@ -38,19 +38,15 @@ from .._native import (
     SegmentCache,
     Sent,
     Slot,
-    available_memory,
     check_segment,
     cuda_available,
 )
 from .._wire import codec, peer
-from .._wire.handle import ARRIVED, HELD, BatchHandle
+from .._wire.handle import ARRIVED, HELD, BatchHandle, SlotTicket
 from .._wire.pool_hint import PoolHint
-from . import settings
 from .delivery import Delivery, Landing, Local
+from .sizing import Plan, Sizing, ticket_bytes
 from .tickets import Tickets
-
-#: An arena sized automatically may take at most this share of the memory available.
-MEMORY_SHARE = 0.5
 
 _log = logging.getLogger("pinpool")
 
@@ -84,22 +80,19 @@ class Receiver:
         token: str,
         *,
         pool: PinPool | None,
-        slot_bytes: int | None,
-        num_slots: int,
+        sizing: Sizing,
         pool_device: int | None,
         device: torch.device | None,
         copy_threads: int | None,
         slot_timeout: float | None,
         overflow: str,
         oversize: str,
-        batch_size: int | None,
         pool_hint: PoolHint | None = None,
     ) -> None:
         self.token = token
         #: Where a worker tells the first batch's size early (None: the pool's size is known).
         self.pool_hint = pool_hint
         self.pid = os.getpid()  # finalizers run in a forked child do nothing
-        self._batch_size = batch_size
         self._overflow = overflow
         self._oversize = oversize
         self.overflow_batches = 0
@@ -114,8 +107,11 @@ class Receiver:
         self.closed = False
         self.pool = pool
         self.cache: SegmentCache | None = None
-        self._slot_bytes = slot_bytes
-        self._num_slots = num_slots
+        self.sizing = sizing
+        #: The pool's plan once it is made (None for a pool given by the caller).
+        self.plan: Plan | None = None
+        #: The largest batch seen so far, in bytes (zero-copy tickets are sized from it).
+        self.largest_seen = 0
         self._pool_device = pool_device
         self._copy_threads = copy_threads
         self._slot_timeout = slot_timeout
@@ -124,33 +120,32 @@ class Receiver:
 
     # -- the pool ---------------------------------------------------------------------------
 
-    def ensure(self, nbytes: int, count: int | None = None) -> tuple[PinPool, SegmentCache]:
-        """The pool and segment cache, made on first use. Without ``slot_bytes=``, slots hold
-        this batch plus headroom, scaled up to a full batch when this one has fewer samples
-        (the last batch of an epoch may well arrive first)."""
+    def ensure(self, nbytes: int) -> tuple[PinPool, SegmentCache]:
+        """The pool and segment cache, made on first use, sized for a first batch of
+        ``nbytes`` (see ``sizing``)."""
         pool, cache = self.pool, self.cache
         if pool is not None and cache is not None:
             return pool, cache  # made already: no lock needed
         with self._lock:
             if self.pool is None:
-                full = self._batch_size
-                if count and full and 0 < count < full:
-                    nbytes = nbytes * full // count
-                slot = self._slot_bytes or self._automatic_slot_bytes(nbytes)
+                plan = self.sizing.plan(nbytes)
                 self.pool = PinPool(
-                    slot,
-                    self._num_slots,
+                    plan.largest,
+                    plan.entries,
                     # (None: torch sees no CUDA device, so neither does the pool.)
                     device="cpu" if self._pool_device is None else self._pool_device,
                     copy_threads=self._copy_threads,
                     background=background_arena(self._pool_device),
+                    arena_bytes=plan.arena,
                 )
+                self.plan = plan
+                self.largest_seen = max(self.largest_seen, nbytes)
                 _log.info(
-                    "made the loader's pool at its first batch (%d bytes): %d slots of %d "
-                    "bytes, %s memory (%s), %d copy threads",
+                    "made the loader's pool at its first batch (%d bytes): an arena of %d "
+                    "bytes for batches of up to %d bytes, %s memory (%s), %d copy threads",
                     nbytes,
-                    self.pool.num_slots,
-                    self.pool.slot_bytes,
+                    self.pool.arena_bytes,
+                    self.pool.largest_slot,
                     self.pool.memory,
                     self.pool.backend,
                     self.pool.copy_threads,
@@ -159,6 +154,13 @@ class Receiver:
                 self.cache = SegmentCache(self.pool)
             return self.pool, self.cache
 
+    @property
+    def max_batch(self) -> int:
+        """The largest batch the pool takes (0 before it exists)."""
+        if self.plan is not None:
+            return self.plan.largest
+        return self.pool.largest_slot if self.pool is not None else 0
+
     def make_pool_ahead(self) -> None:
         """Has the pool made as soon as a worker tells the first batch's size, while that
         batch is still being made (``_wire.pool_hint``); a no-op once it exists."""
@@ -166,34 +168,13 @@ class Receiver:
             self.pool_hint.watch(self._ensure_hinted, lambda: self.pool is None and not self.closed)
 
     def _ensure_hinted(self, nbytes: int, count: int) -> None:
+        del count  # (sized from the bytes announced, never scaled by a sample count)
         with self._lock:
-            if self.closed or self.pool is not None:
-                return
-        self.ensure(nbytes, count)
+            if self.closed or self.pool is not None or nbytes <= 0:
+                return  # (a batch without arrays needs no pool)
+        self.ensure(nbytes)
         if self.closed and self.pool is not None and self._own_pool:
             self.pool.close()  # (closed while it was being made)
-
-    def _automatic_slot_bytes(self, nbytes: int) -> int:
-        """Slots for batches of ``nbytes``: that plus headroom, rounded up; refused (rather
-        than faulted in until the kernel kills the process) when the arena would take more
-        than its share of :data:`MEMORY_SHARE` of the memory available: the data-parallel
-        ranks on this host (``$LOCAL_WORLD_SIZE``) each make an arena like it."""
-        slot = codec.room_for(nbytes)
-        arena = slot * self._num_slots
-        available = available_memory()
-        ranks = settings.local_world_size()
-        share = MEMORY_SHARE / ranks
-        if available is not None and arena > available * share:
-            each = f" (this rank's share: {ranks} ranks on this host)" if ranks > 1 else ""
-            raise BatchTooLarge(
-                f"batches of {nbytes} bytes need an arena of {self._num_slots} slots of {slot} "
-                f"bytes ({arena / 2**30:.2f} GiB), more than {share:.0%} of the "
-                f"{available / 2**30:.2f} GiB of memory available{each}; pass smaller "
-                "num_slots= or slot_bytes= (with oversize='copy') to pinpool.DataLoader",
-                nbytes,
-                slot,
-            )
-        return slot
 
     # -- a batch from a worker --------------------------------------------------------------
 
@@ -242,6 +223,7 @@ class Receiver:
         slot = self.tickets.adopt(handle.slot)
         specs = codec.checked_specs(handle.specs, slot.nbytes)
         need = codec.extent(specs)
+        self.largest_seen = max(self.largest_seen, need)
         self.zero_copy_batches += 1
         if need == 0:
             slot.release()
@@ -332,7 +314,7 @@ class Receiver:
         try:
             # The segment is checked to be real before its claims size the pool.
             check_segment(key, own, total_len, nonce)
-            _, cache = self.ensure(nbytes, count)
+            _, cache = self.ensure(nbytes)
         except BaseException:
             os.close(own)
             raise
@@ -377,6 +359,8 @@ class Receiver:
         for sid in handle.retired:
             cache.retire((handle.worker, sid))
         if handle.unused is not None:
+            # A zero-copy batch too large for its ticket came through a segment instead.
+            self.tickets.too_small += 1
             self.tickets.unassign(handle.unused)
 
     # -- a batch collated here (num_workers=0) ----------------------------------------------
@@ -388,7 +372,8 @@ class Receiver:
         p = codec.plan(batch)
         if not p.specs:
             return Local(self.deliver(p.tree, p.specs, None, 0))
-        pool, _ = self.ensure(p.nbytes, count)
+        del count  # (sized from the bytes, never scaled by a sample count)
+        pool, _ = self.ensure(p.nbytes)
         memory = self._claim(pool, p.nbytes) if p.nbytes else None
         if memory is not None:
             codec.write(p, memory, threads)
@@ -397,52 +382,65 @@ class Receiver:
     # -- slots --------------------------------------------------------------------------------
 
     def _claim(self, pool: PinPool, need: int, ahead: bool = False) -> Any:
-        """A slot for ``need`` bytes, or (by the overflow rules) an ordinary buffer. The rules
+        """A slot of ``need`` bytes, or (by the overflow rules) an ordinary buffer. The rules
         are applied in Rust (``PinPool.claim``), which waits without the GIL.
 
         With ``ahead`` (torch's pin thread, taking a batch the consumer may not want yet),
-        the slot must not be the last one free (that one is kept for the batch the consumer
-        waits for, which may still be on its way), and nothing waits for the consumer: it
-        returns :data:`_LATER` instead of waiting, overflowing or raising."""
-        if need > pool.slot_bytes:
+        the slot must leave room for another batch as large as the largest seen (that room
+        is kept for the batch the consumer waits for, which may still be on its way), and
+        nothing waits for the consumer: it returns :data:`_LATER` instead of waiting,
+        overflowing or raising."""
+        largest = self.max_batch or pool.largest_slot
+        if need > largest:
             if ahead:
                 return _LATER  # the error or the ordinary buffer belongs to this batch's turn
             if self._oversize == "copy":
                 return self._overflow_buffer(need)
             raise BatchTooLarge(
-                f"a batch needs {need} bytes but the pool's slots hold {pool.slot_bytes}; "
-                f"pass slot_bytes= (at least {need}) to pinpool.DataLoader, or "
-                f"oversize='copy' to put such batches in ordinary memory",
+                f"a batch needs {need} bytes but the loader's arena takes batches of up to "
+                f"{largest} bytes; pass {self.sizing.setting_names()} (at least {need}) to "
+                "pinpool.DataLoader, or oversize='copy' to put such batches in ordinary memory",
                 need,
-                pool.slot_bytes,
+                largest,
             )
+        reserve = max(self.largest_seen, need) if ahead else 0
+        self.largest_seen = max(self.largest_seen, need)
         try:
             got = pool.claim(
-                reserve=1 if ahead else 0,
+                need,
+                reserve=reserve,
                 timeout=self._slot_timeout,
                 overflow=self._overflow == "copy" and not ahead,
                 defer=ahead,
             )
         except PoolExhausted:
             raise PoolExhausted(
-                f"no free slot after {self._slot_timeout} s: all {pool.num_slots} slots "
-                "are held by batches that are still alive; keep fewer batches, or pass "
-                "num_slots= to pinpool.DataLoader"
+                f"no room for a batch of {need} bytes after {self._slot_timeout} s: the "
+                f"arena ({pool.arena_bytes} bytes) is held by batches that are still alive; "
+                "keep fewer batches, or pass arena_bytes= to pinpool.DataLoader"
             ) from None
         if got == "later":
             return _LATER
         if got == "overflow":
-            # Every slot is held by a batch the consumer keeps alive: waiting could wait
+            # Every byte is held by batches the consumer keeps alive: waiting could wait
             # forever (list(loader) does this). Use ordinary memory for this one.
             return self._overflow_buffer(need)
         return got
+
+    def assign_ticket(self, owner: int) -> SlotTicket | None:
+        """A zero-copy ticket for the next batch of sampler ``owner``, sized from the
+        largest batch seen so far (``sizing.ticket_bytes``), leaving room for one batch that
+        size to come through copy mode; None sends the batch through copy mode."""
+        pool = self.pool
+        size = ticket_bytes(self.largest_seen, self.max_batch) if pool is not None else 0
+        return self.tickets.assign(pool, owner, size, reserve=self.largest_seen)
 
     def _overflow_buffer(self, need: int) -> torch.Tensor:
         self.overflow_batches += 1
         if self.overflow_batches == 1:
             _log.warning(
                 "a batch did not get a pinned slot and went into ordinary memory; see "
-                "DataLoader(overflow=..., oversize=..., num_slots=..., slot_bytes=...)"
+                "DataLoader(overflow=..., oversize=..., arena_bytes=..., max_batch_bytes=...)"
             )
         return torch.empty(need, dtype=torch.uint8)
 
@@ -486,7 +484,9 @@ class Receiver:
         out["bytes"] = self.deliver.bytes
         out["overflow_batches"] = self.overflow_batches
         out["zero_copy_batches"] = self.zero_copy_batches
-        out["zero_copy_fallbacks"] = self.tickets.fallbacks
+        out["zero_copy_fallbacks"] = self.tickets.fallbacks + self.tickets.too_small
+        out["zero_copy_no_ticket"] = self.tickets.fallbacks
+        out["zero_copy_ticket_too_small"] = self.tickets.too_small
         out["segments_cached"] = len(self.cache) if self.cache is not None else 0
         return out
 

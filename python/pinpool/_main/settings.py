@@ -89,6 +89,8 @@ def local_world_size() -> int:
 def check_pool_settings(
     *,
     pool: Any,
+    arena_bytes: Any = None,
+    max_batch_bytes: Any = None,
     slot_bytes: Any,
     num_slots: Any,
     copy_threads: Any,
@@ -104,6 +106,18 @@ def check_pool_settings(
     check_choice("oversize", oversize, ("copy", "error"))
     check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
     check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
+    check_int("arena_bytes", arena_bytes, 1, 1 << 50, none_ok=True)
+    check_int("max_batch_bytes", max_batch_bytes, 1, 1 << 50, none_ok=True)
+    if slot_bytes is not None and (arena_bytes is not None or max_batch_bytes is not None):
+        raise InvalidArgument(
+            "slot_bytes= (with num_slots=) sizes the arena in equal slots; pass either it or "
+            "arena_bytes=/max_batch_bytes=, not both"
+        )
+    if arena_bytes is not None and max_batch_bytes is not None and max_batch_bytes > arena_bytes:
+        raise InvalidArgument(
+            f"max_batch_bytes ({max_batch_bytes}) is larger than arena_bytes ({arena_bytes})"
+        )
+
     check_int("copy_threads", copy_threads, 1, MAX_COPY_THREADS, none_ok=True)
     check_timeout("slot_timeout", slot_timeout)
     out_device = cuda_device(device)

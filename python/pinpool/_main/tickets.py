@@ -2,9 +2,10 @@
 
 The arena is shared memory: a few memfds back to back (``cuda-register`` or ``host``
 backend). When torch asks the sampler for the next batch's indices, :class:`TicketSampler`
-checks a slot out (without waiting: the asking thread is the consumer) and tags the index
+checks a slot out (without waiting: the asking thread is the consumer), sized before the
+batch exists from the largest batch seen so far (``sizing.ticket_bytes``), and tags the index
 list with a :class:`~pinpool._wire.handle.SlotTicket`: the slot's place in shared memory and
-a random nonce. The worker writes the batch into that slot (``pinpool._worker.places``) and
+a random nonce. A batch that turns out larger goes through its worker's segment (counted). The worker writes the batch into that slot (``pinpool._worker.places``) and
 its handle names the slot; :meth:`Tickets.adopt` gives the slot back to the receiver only if
 it was handed out for that batch (index, generation and nonce).
 
@@ -35,15 +36,19 @@ class Tickets:
         self._assigned: dict[tuple[int, int], tuple[Slot, int, int]] = {}
         self._lock = threading.Lock()
         self.fallbacks = 0  # batches sent through copy mode for want of a slot
+        self.too_small = 0  # batches larger than their ticket, sent through copy mode
 
-    def assign(self, pool: PinPool | None, owner: int) -> SlotTicket | None:
-        """Checks out a slot for a batch about to be dispatched by sampler ``owner`` (never
-        waits: this runs on the consumer's thread). None sends the batch through copy mode."""
-        # Keep one slot free for batches that come through copy mode (the first ones, and any
-        # too large for their slot): they need a slot when they arrive, and tickets must not
-        # starve them.
-        slot = pool.try_checkout(reserve=1) if pool is not None else None
-        where = pool.slot_memfd(slot.index) if pool is not None and slot is not None else None
+    def assign(
+        self, pool: PinPool | None, owner: int, nbytes: int, reserve: int
+    ) -> SlotTicket | None:
+        """Checks out a slot of ``nbytes`` for a batch about to be dispatched by sampler
+        ``owner`` (never waits: this runs on the consumer's thread). None sends the batch
+        through copy mode."""
+        # Leave room for a batch that comes through copy mode (the first ones, and any too
+        # large for its ticket): it needs a slot when it arrives, and tickets must not starve
+        # it.
+        slot = pool.try_checkout(nbytes, reserve=reserve) if pool is not None else None
+        where = pool.slot_memfd(slot) if pool is not None and slot is not None else None
         if slot is None or pool is None or where is None:
             self.fallbacks += 1
             return None  # (a slot checked out above returns to the pool as it dies here)
@@ -52,7 +57,7 @@ class Tickets:
         with self._lock:
             self._assigned[(slot.index, slot.generation)] = (slot, nonce, owner)
         return SlotTicket(
-            slot.index, slot.generation, nonce, offset, pool.slot_bytes, os.getpid(), fd, part_len
+            slot.index, slot.generation, nonce, offset, slot.nbytes, os.getpid(), fd, part_len
         )
 
     def adopt(self, claim: Any) -> Slot:

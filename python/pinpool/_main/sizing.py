@@ -1,0 +1,143 @@
+"""How big a loader's arena is, and the largest batch it takes: decided once, when the pool
+is made (at the first batch, or when a worker tells that batch's size, or at once when the
+sizes were given).
+
+The arena is fixed: allocated once, never grown. Batches of any size up to the largest land
+in it, each taking exactly its own bytes (rounded up to a page; ``src/extents.rs``). Without
+settings the arena holds the batches in flight (``prefetch_factor x num_workers``, plus 4)
+at 1.25 times the first batch's size, and at least :data:`MIN_ARENA`, so that a first batch
+of a few kilobytes does not leave room only for batches like it (token rows padded to a
+short first batch, say); the largest batch is half the arena. An arena sized automatically
+takes at most :data:`MEMORY_SHARE` of the memory available, divided among the ranks on this
+host; past that it is made smaller (down to two of the first batch) rather than refused.
+
+Settings: ``arena_bytes=`` (the whole arena) and ``max_batch_bytes=`` (the largest batch; the
+arena is a whole number of them). ``slot_bytes=`` with ``num_slots=`` is the older form:
+``num_slots`` batches of up to ``slot_bytes`` each.
+
+Invariants: the plan's arena is a whole multiple of its largest batch, which is a whole
+number of pages; nothing here scales what a batch or a worker claims (a batch's sample
+count, a hint) beyond the bytes that arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+
+from .._errors import BatchTooLarge
+from .._native import available_memory
+from . import settings
+
+#: The smallest arena sized automatically.
+MIN_ARENA = 64 << 20
+#: An arena sized automatically may take at most this share of the memory available.
+MEMORY_SHARE = 0.5
+#: A batch's room: its size times this (the next batches may be a little larger).
+HEADROOM = 1.25
+#: Batches in flight beyond ``prefetch_factor x num_workers``: those the consumer holds.
+EXTRA_BATCHES = 4
+
+_PAGE = mmap.PAGESIZE
+
+
+def _pages(n: int) -> int:
+    return max(_PAGE, -(-int(n) // _PAGE) * _PAGE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a pool is made with."""
+
+    #: The largest batch (a whole number of pages).
+    largest: int
+    #: The arena's size (a whole number of ``largest``).
+    arena: int
+    #: The most batches out at once.
+    entries: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """A loader's size settings, as given (checked by ``settings.check_pool_settings``)."""
+
+    arena_bytes: int | None = None
+    max_batch_bytes: int | None = None
+    slot_bytes: int | None = None
+    num_slots: int | None = None
+    #: Batches in flight at once (``prefetch_factor x num_workers``, or 1).
+    in_flight: int = 1
+
+    @property
+    def known(self) -> bool:
+        """Whether the pool can be made before any batch is seen."""
+        return self.slot_bytes is not None or self.arena_bytes is not None
+
+    @property
+    def batches(self) -> int:
+        """Batches out at once: in flight plus the consumer's."""
+        return self.num_slots if self.num_slots is not None else self.in_flight + EXTRA_BATCHES
+
+    def setting_names(self) -> str:
+        """The settings a user changes to take larger batches."""
+        if self.slot_bytes is not None:
+            return "slot_bytes="
+        return "max_batch_bytes= (or arena_bytes=)"
+
+    def plan(self, first: int) -> Plan:
+        """The pool for a loader whose first batch has ``first`` bytes."""
+        if self.slot_bytes is not None:
+            largest = _pages(self.slot_bytes)
+            return Plan(largest, largest * self.batches, self.batches)
+        # Entries are cheap: room for many small batches held at once.
+        entries = max(2 * self.batches, 64) if self.num_slots is None else self.num_slots
+        room = _pages(max(1, first) * HEADROOM)
+        explicit = self.arena_bytes is not None or self.max_batch_bytes is not None
+        arena = self.arena_bytes or max(MIN_ARENA, room * self.batches)
+        if self.max_batch_bytes is not None:
+            largest = _pages(self.max_batch_bytes)
+        else:
+            largest = _pages(max(room, arena // 2))
+        if self.arena_bytes is None:
+            arena = max(arena, 2 * largest)  # a batch of the largest size never waits alone
+        arena = -(-arena // largest) * largest
+        cap = self._memory_cap()
+        if cap is not None and arena > cap:
+            if explicit:
+                raise BatchTooLarge(
+                    f"an arena of {arena / 2**30:.2f} GiB (batches of up to {largest} bytes) "
+                    f"is more than {self._share_text()} of memory available; pass smaller "
+                    "arena_bytes= or max_batch_bytes= to pinpool.DataLoader",
+                    first,
+                    largest,
+                )
+            # Smaller, but still two of the first batch.
+            largest = max(room, cap // 2 // _PAGE * _PAGE)
+            arena = 2 * largest
+            if arena > cap:
+                raise BatchTooLarge(
+                    f"batches of {first} bytes need an arena of at least {arena / 2**30:.2f} "
+                    f"GiB, more than {self._share_text()} of memory available; pass "
+                    "max_batch_bytes= with oversize='copy' to pinpool.DataLoader",
+                    first,
+                    largest,
+                )
+        return Plan(largest, arena, entries)
+
+    def _memory_cap(self) -> int | None:
+        available = available_memory()
+        if available is None:
+            return None
+        return int(available * MEMORY_SHARE / settings.local_world_size())
+
+    def _share_text(self) -> str:
+        ranks = settings.local_world_size()
+        each = f" (this rank's share: {ranks} ranks on this host)" if ranks > 1 else ""
+        return f"{MEMORY_SHARE / ranks:.0%}{each}"
+
+
+def ticket_bytes(largest_seen: int, largest: int) -> int:
+    """A zero-copy ticket's size, handed out before its batch is made: the largest batch seen
+    so far with headroom, at most the largest batch the arena takes. A batch that turns out
+    larger goes through its worker's segment and is copied into a slot of its own size."""
+    return min(largest, _pages(max(1, largest_seen) * HEADROOM))

@@ -1,0 +1,375 @@
+//! Where in the arena each checkout's bytes go: a first-fit allocator of byte ranges.
+//!
+//! (Steps 2 and 6 of "the life of a slot" in [`crate::pool`]: a checkout carves its bytes
+//! here, and they come back here once its fence has completed.)
+//!
+//! Why first fit in address order: a DataLoader's batches are mostly consumed in the order
+//! they were made, so the ranges freed first are the oldest, at the low end, and the next
+//! batch lands there again; a batch the consumer keeps (for logging, say) holds only its own
+//! bytes, and the others flow around it. A ring would stop at such a batch until it came
+//! back; size classes or a buddy scheme would round every batch up (to a power of two, as
+//! torch's caching allocator does) and waste up to half the arena. Address-ordered first fit
+//! keeps holes few (freed neighbours coalesce at once) and a live extent list short (the
+//! batches in flight), so a linear walk of the free list is cheap.
+//!
+//! Invariants:
+//! - Offsets and lengths are whole numbers of `unit` (the page size): every extent is
+//!   page-aligned and a worker process can map exactly it.
+//! - The free list is sorted by offset; its ranges are disjoint, non-empty, inside
+//!   `[0, len)`, and none crosses a boundary (the arena's parts: separate memfds and driver
+//!   registrations, which one copy or mapping must not straddle). Two free ranges that touch
+//!   are merged unless a boundary lies between them.
+//! - An extent handed out by [`ExtentMap::alloc`] lies inside one free range, which loses
+//!   exactly its bytes: no two live extents overlap. [`ExtentMap::free`] refuses a range that
+//!   overlaps free bytes (a double free), changing nothing.
+//! - `free_bytes` is the sum of the free list's lengths.
+//!
+//! What fragmentation can do: a request for `n` bytes may find `free_bytes() >= n` but no
+//! single range of `n` (see [`ExtentMap::largest_free`]). The allocator never moves a live
+//! extent; the caller decides (the pool waits while freed or fenced bytes are on their way,
+//! which coalesce with their neighbours as they come back).
+
+use crate::error::{Error, Result};
+
+/// Free byte ranges of an arena of `len` bytes.
+#[derive(Debug, Clone)]
+pub struct ExtentMap {
+    len: usize,
+    unit: usize,
+    /// Sorted by offset: `(offset, len)`.
+    free: Vec<(usize, usize)>,
+    /// Sorted offsets (other than 0) where a part starts.
+    boundaries: Vec<usize>,
+    free_bytes: usize,
+}
+
+impl ExtentMap {
+    /// An arena of `len` bytes (a multiple of `unit`, a power of two) with parts starting at
+    /// `boundaries`, of which nothing is free yet (see [`ExtentMap::free`]).
+    pub fn new(len: usize, unit: usize, boundaries: &[usize]) -> Result<Self> {
+        if unit == 0 || !unit.is_power_of_two() || len % unit != 0 {
+            return Err(Error::Invalid(format!(
+                "an arena of {len} bytes cannot be cut in units of {unit}"
+            )));
+        }
+        let mut bounds: Vec<usize> =
+            boundaries.iter().copied().filter(|&b| b > 0 && b < len).collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        if bounds.iter().any(|b| b % unit != 0) {
+            return Err(Error::Invalid("part boundaries must be whole units".into()));
+        }
+        Ok(ExtentMap { len, unit, free: Vec::with_capacity(16), boundaries: bounds, free_bytes: 0 })
+    }
+
+    /// The arena's length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the arena has no bytes (never: kept for clippy's `len` rule).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The allocation unit.
+    pub fn unit(&self) -> usize {
+        self.unit
+    }
+
+    /// `n` rounded up to whole units, or None past the address space.
+    pub fn round(&self, n: usize) -> Option<usize> {
+        n.max(1).checked_next_multiple_of(self.unit)
+    }
+
+    /// Free bytes, in all.
+    pub fn free_bytes(&self) -> usize {
+        self.free_bytes
+    }
+
+    /// The longest free range.
+    pub fn largest_free(&self) -> usize {
+        self.free.iter().map(|r| r.1).max().unwrap_or(0)
+    }
+
+    /// How many free ranges there are.
+    pub fn holes(&self) -> usize {
+        self.free.len()
+    }
+
+    /// How many extents of `size` bytes (rounded to units) fit in the free ranges as they are.
+    pub fn fits(&self, size: usize) -> usize {
+        match self.round(size) {
+            Some(s) => self.free.iter().map(|r| r.1 / s).sum(),
+            None => 0,
+        }
+    }
+
+    /// The longest part: no extent can be longer.
+    pub fn largest_part(&self) -> usize {
+        let mut last = 0;
+        let mut most = 0;
+        for &b in self.boundaries.iter().chain(std::iter::once(&self.len)) {
+            most = most.max(b - last);
+            last = b;
+        }
+        most
+    }
+
+    /// Takes `n` bytes (rounded up to units) from the first free range that holds them, with
+    /// at least `keep` bytes left in one range afterwards (in another range, or what remains
+    /// of this one). Returns the extent's `(offset, len)`, or None if there is no such range.
+    pub fn alloc(&mut self, n: usize, keep: usize) -> Option<(usize, usize)> {
+        let size = self.round(n)?;
+        let keep = if keep == 0 { 0 } else { self.round(keep)? };
+        let at = self.free.iter().position(|r| r.1 >= size)?;
+        if keep > 0 {
+            let rest = self.free[at].1 - size;
+            let elsewhere =
+                self.free.iter().enumerate().any(|(i, r)| i != at && r.1 >= keep);
+            if rest < keep && !elsewhere {
+                return None;
+            }
+        }
+        let (offset, len) = self.free[at];
+        if len == size {
+            self.free.remove(at);
+        } else {
+            self.free[at] = (offset + size, len - size);
+        }
+        self.free_bytes -= size;
+        Some((offset, size))
+    }
+
+    /// Gives back `[offset, offset + len)` (whole units, inside the arena, no byte of it free
+    /// already), merging it with free neighbours in the same part. A range that crosses parts
+    /// is split at their boundaries (the arena's bytes becoming ready part by part).
+    pub fn free(&mut self, offset: usize, len: usize) -> Result<()> {
+        let end = offset.checked_add(len).filter(|&e| e <= self.len);
+        let Some(end) = end.filter(|_| len > 0 && offset % self.unit == 0 && len % self.unit == 0)
+        else {
+            return Err(Error::OutOfRange { what: "arena", offset, len, size: self.len });
+        };
+        // Where it goes: after every free range that starts before it.
+        let at = self.free.partition_point(|r| r.0 < offset);
+        let overlaps_prev = at > 0 && {
+            let p = self.free[at - 1];
+            p.0 + p.1 > offset
+        };
+        let overlaps_next = at < self.free.len() && self.free[at].0 < end;
+        if overlaps_prev || overlaps_next {
+            return Err(Error::Invalid(format!(
+                "bytes [{offset}, {end}) of the arena were freed twice"
+            )));
+        }
+        // Cut at part boundaries, then insert the pieces in order.
+        let mut start = offset;
+        let mut index = at;
+        while start < end {
+            let next_bound = self.boundaries[self.boundaries.partition_point(|&b| b <= start)..]
+                .first()
+                .copied()
+                .unwrap_or(self.len)
+                .min(end);
+            index = self.insert(index, start, next_bound - start);
+            start = next_bound;
+        }
+        self.free_bytes += len;
+        Ok(())
+    }
+
+    /// Inserts a free range that lies inside one part at list position `at` (its sorted
+    /// place), merging it with neighbours in the same part; returns the position after it.
+    fn insert(&mut self, at: usize, offset: usize, len: usize) -> usize {
+        let end = offset + len;
+        let joins_prev = at > 0 && {
+            let p = self.free[at - 1];
+            p.0 + p.1 == offset && !self.is_boundary(offset)
+        };
+        let joins_next = at < self.free.len() && self.free[at].0 == end && !self.is_boundary(end);
+        match (joins_prev, joins_next) {
+            (true, true) => {
+                let next_len = self.free[at].1;
+                self.free[at - 1].1 += len + next_len;
+                self.free.remove(at);
+                at
+            }
+            (true, false) => {
+                self.free[at - 1].1 += len;
+                at
+            }
+            (false, true) => {
+                self.free[at] = (offset, len + self.free[at].1);
+                at + 1
+            }
+            (false, false) => {
+                self.free.insert(at, (offset, len));
+                at + 1
+            }
+        }
+    }
+
+    fn is_boundary(&self, offset: usize) -> bool {
+        self.boundaries.binary_search(&offset).is_ok()
+    }
+
+    /// The free ranges, in order (for tests and checks).
+    pub fn free_ranges(&self) -> &[(usize, usize)] {
+        &self.free
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const U: usize = 4096;
+
+    fn whole(len: usize, bounds: &[usize]) -> ExtentMap {
+        let mut m = ExtentMap::new(len, U, bounds).unwrap();
+        m.free(0, len).unwrap();
+        m
+    }
+
+    #[test]
+    fn first_fit_reuses_the_lowest_hole_and_coalesces() {
+        let mut m = whole(16 * U, &[]);
+        let a = m.alloc(U, 0).unwrap();
+        let b = m.alloc(3 * U - 1, 0).unwrap();
+        let c = m.alloc(2 * U, 0).unwrap();
+        assert_eq!((a, b, c), ((0, U), (U, 3 * U), (4 * U, 2 * U)));
+        m.free(a.0, a.1).unwrap();
+        m.free(c.0, c.1).unwrap();
+        assert_eq!(m.free_ranges(), &[(0, U), (4 * U, 12 * U)]);
+        // Too big for the first hole: the next one; then the first hole again.
+        assert_eq!(m.alloc(2 * U, 0), Some((4 * U, 2 * U)));
+        assert_eq!(m.alloc(1, 0), Some((0, U)));
+        m.free(0, U).unwrap();
+        m.free(U, 3 * U).unwrap();
+        m.free(4 * U, 2 * U).unwrap();
+        assert_eq!(m.free_ranges(), &[(0, 16 * U)]);
+        assert_eq!(m.free_bytes(), 16 * U);
+    }
+
+    #[test]
+    fn no_extent_crosses_a_part_boundary() {
+        let mut m = whole(8 * U, &[4 * U]);
+        assert_eq!(m.free_ranges(), &[(0, 4 * U), (4 * U, 4 * U)]);
+        assert_eq!(m.largest_part(), 4 * U);
+        assert_eq!(m.alloc(5 * U, 0), None, "larger than a part");
+        let a = m.alloc(3 * U, 0).unwrap();
+        assert_eq!(m.alloc(2 * U, 0), Some((4 * U, 2 * U)), "the rest of part 0 is too short");
+        m.free(a.0, a.1).unwrap();
+        m.free(4 * U, 2 * U).unwrap();
+        assert_eq!(m.free_ranges(), &[(0, 4 * U), (4 * U, 4 * U)], "merged across parts");
+    }
+
+    #[test]
+    fn double_and_bad_frees_are_refused() {
+        let mut m = whole(4 * U, &[]);
+        let a = m.alloc(U, 0).unwrap();
+        m.free(a.0, a.1).unwrap();
+        assert!(m.free(a.0, a.1).is_err());
+        assert!(m.free(3 * U, 2 * U).is_err(), "past the end");
+        assert!(m.free(1, U).is_err(), "not whole units");
+        assert!(m.free(0, 0).is_err());
+        assert!(m.free(usize::MAX - U + 1, U).is_err());
+        assert_eq!(m.free_bytes(), 4 * U);
+        assert!(m.alloc(usize::MAX, 0).is_none());
+    }
+
+    #[test]
+    fn keep_leaves_room_for_another() {
+        let mut m = whole(4 * U, &[]);
+        assert_eq!(m.alloc(3 * U, 2 * U), None, "would leave one unit");
+        assert_eq!(m.alloc(2 * U, 2 * U), Some((0, 2 * U)));
+        assert_eq!(m.alloc(U, 2 * U), None);
+        assert_eq!(m.alloc(U, U), Some((2 * U, U)));
+    }
+
+    /// One step of a random workload: allocate some units, or free the live extent at some
+    /// position in the list of live ones.
+    #[derive(Debug, Clone)]
+    enum Step {
+        Alloc(usize),
+        Free(usize),
+    }
+
+    fn steps() -> impl Strategy<Value = Vec<Step>> {
+        proptest::collection::vec(
+            prop_oneof![
+                3 => (1usize..=6 * U).prop_map(Step::Alloc),
+                1 => (1usize..=40 * U).prop_map(Step::Alloc),
+                3 => any::<usize>().prop_map(Step::Free),
+            ],
+            1..200,
+        )
+    }
+
+    proptest! {
+        #![proptest_config(crate::proptest_config(512))]
+
+        /// Random sizes, random free orders, random parts: live extents never overlap and
+        /// never cross a part; the free list stays sorted, disjoint, coalesced within parts;
+        /// the byte count adds up; an allocation fails only when no free range could hold it;
+        /// and once everything is freed, the whole arena is one range per part again.
+        #[test]
+        fn extents_stay_disjoint_and_every_byte_comes_back(
+            parts in proptest::collection::vec(1usize..=24, 1..4),
+            steps in steps(),
+        ) {
+            let len: usize = parts.iter().sum::<usize>() * U;
+            let bounds: Vec<usize> = parts
+                .iter()
+                .scan(0, |at, p| { *at += p * U; Some(*at) })
+                .collect();
+            let mut m = whole(len, &bounds);
+            let mut live: Vec<(usize, usize)> = Vec::new();
+            let part_of = |o: usize| bounds.partition_point(|&b| b <= o);
+            for step in steps {
+                match step {
+                    Step::Alloc(n) => {
+                        let largest = m.largest_free();
+                        match m.alloc(n, 0) {
+                            Some((o, l)) => {
+                                prop_assert_eq!(l, n.div_ceil(U) * U);
+                                prop_assert_eq!(part_of(o), part_of(o + l - 1));
+                                for &(p, q) in &live {
+                                    prop_assert!(o + l <= p || p + q <= o, "overlap");
+                                }
+                                live.push((o, l));
+                            }
+                            None => prop_assert!(largest < n.div_ceil(U) * U),
+                        }
+                    }
+                    Step::Free(i) if !live.is_empty() => {
+                        let (o, l) = live.swap_remove(i % live.len());
+                        m.free(o, l).unwrap();
+                    }
+                    Step::Free(_) => {}
+                }
+                let free = m.free_ranges();
+                prop_assert_eq!(free.iter().map(|r| r.1).sum::<usize>(), m.free_bytes());
+                prop_assert_eq!(
+                    m.free_bytes() + live.iter().map(|r| r.1).sum::<usize>(),
+                    len
+                );
+                for w in free.windows(2) {
+                    prop_assert!(w[0].0 + w[0].1 <= w[1].0, "unsorted or overlapping");
+                    if w[0].0 + w[0].1 == w[1].0 {
+                        prop_assert!(bounds.contains(&w[1].0), "touching ranges not merged");
+                    }
+                }
+                for &(o, l) in free {
+                    prop_assert_eq!(part_of(o), part_of(o + l - 1), "a free range crosses");
+                }
+            }
+            for (o, l) in live {
+                m.free(o, l).unwrap();
+            }
+            prop_assert_eq!(m.free_ranges().len(), parts.len());
+            prop_assert_eq!(m.free_bytes(), len);
+        }
+    }
+}
