@@ -8,7 +8,7 @@
 
 Without CUDA only the round trip (host backend) is measured. Prints a table, writes JSON.
 
-    python benchmarks/pool_bench.py --out benchmarks/results/pool.json
+    python benchmarks/pool_bench.py --out /tmp/pinpool-bench/pool.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 #   benchmarks/run_ranks.sh WHEEL OUTDIR STAGE...
 #
 # Stages: topology (GPUs, NUMA nodes, CPU layout), tests (the data-parallel, device-choice
-# and placement tests), train (the README's torchrun snippet on 2 ranks), bench RANKS ARGS...
+# and placement tests), train (the user guide's torchrun snippet on 2 ranks), bench RANKS ARGS...
 # (python -m pinpool.bench --ranks RANKS ARGS, into OUTDIR/ranksRANKS).
 set -uo pipefail
 wheel=$1 out=$2
@@ -31,11 +31,11 @@ while [ $# -gt 0 ]; do
       grep -E "passed|failed|FAILED|placement|arena" "$out/tests.log" | tail -n 20
       ;;
     train)
-      # The first python block under the README's data-parallel heading, as a file.
+      # The first python block under the user guide's data-parallel heading, as a file.
       python3 - >/tmp/train_ddp.py <<'PY'
 import re
-text = open("README.md").read()
-part = text[text.index("### Data-parallel: one rank per GPU"):]
+text = open("docs/guide.md").read()
+part = text[text.index("## Data-parallel: one rank per GPU"):]
 print(re.search(r"```python\n(.*?)```", part, re.S).group(1))
 PY
       python3 -m torch.distributed.run --standalone --nproc-per-node=2 /tmp/train_ddp.py \

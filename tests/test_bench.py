@@ -143,9 +143,21 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
     assert (out / "table.txt").read_text().strip() in proc.stdout
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(
+    0 < _gpus() < 2,
+    reason="two ranks need two GPUs (one per rank); this machine has one (without CUDA they "
+    "run on the CPU over gloo)",
+)
 def test_two_ranks_each_load_their_shard_and_rank_0_reports_the_totals(tmp_path: Path) -> None:
-    # Under torchrun (gloo here): both ranks run every loader, each over half the dataset.
+    # Under torchrun (NCCL on two GPUs, gloo without CUDA): both ranks run every loader, each
+    # over half the dataset.
     argv = ["--quick", "--ranks", "2", "--workload", "synthetic", "--modes", "throughput"]
     argv += ["--loaders", "torch", "pinpool", "--repeats", "1", "--steps", "20"]
     proc, out = run_bench(tmp_path, *argv)
@@ -201,3 +213,27 @@ def test_workers_started_by_a_forkserver_with_a_shorter_switch_interval(tmp_path
     assert result["config"]["start_method"] == "forkserver"
     assert any("forkserver" in n for n in result["notes"])
     assert "GIL switch interval set to 2 ms" in proc.stdout
+
+
+def test_more_ranks_than_gpus_is_one_line_and_a_failure(tmp_path: Path) -> None:
+    from pinpool.bench.ranks import missing_gpus
+
+    assert missing_gpus(2, 2) is None and missing_gpus(1, 8) is None
+    why = missing_gpus(2, 1)
+    assert why is not None and "\n" not in why
+    assert "--ranks 2 needs 2 GPUs" in why and "this machine has 1" in why
+    if not _gpus():
+        return  # without CUDA the ranks run on the CPU over gloo (the test above)
+    # On a GPU machine, one rank more than it has GPUs: refused before torchrun starts.
+    ranks = str(_gpus() + 1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pinpool.bench", "--quick", "--ranks", ranks],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"--ranks {ranks} needs {ranks} GPUs" in lines[0], proc.stderr

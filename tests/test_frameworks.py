@@ -184,7 +184,7 @@ def test_lightning_ddp_with_two_cpu_ranks(tmp_path: Path, how: str) -> None:
 def test_accelerate_keeps_its_loader_and_pinpool_pins_its_batches(
     tmp_path: Path, ranks: int
 ) -> None:
-    """accelerate rebuilds whatever loader ``prepare`` gets as its own class, so the README's
+    """accelerate rebuilds whatever loader ``prepare`` gets as its own class, so the user guide's
     way is a plain torch loader prepared by accelerate and wrapped by ``pinpool.pinned``: one
     process, and two CPU ranks under torchrun."""
     pytest.importorskip("accelerate")
@@ -245,17 +245,19 @@ def test_lightning_fit_with_batches_delivered_on_the_gpu() -> None:
     assert loader.pool.memory == "pinned", loader.pool.memory
 
 
-def readme_block(heading: str, index: int) -> str:
-    """The ``index``-th python code block under the README's ``heading``."""
-    text = (HERE.parent / "README.md").read_text()
-    section = text.split(f"\n{heading}\n", 1)[1].split("\n### ", 1)[0]
+def guide_block(heading: str, index: int) -> str:
+    """The ``index``-th python code block under the user guide's ``heading``."""
+    text = (HERE.parent / "docs" / "guide.md").read_text()
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n")[index + 1].split("```", 1)[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1], ids=["lightning", "accelerate"])
-def test_the_readme_snippets_run(index: int) -> None:
-    code = readme_block("### With Lightning and accelerate", index)
+def test_the_guide_snippets_run_and_count_their_batches(index: int) -> None:
+    # tests/test_docs.py runs them too; here each in an interpreter of its own, and what
+    # they print is checked.
+    code = guide_block("## Lightning and accelerate", index)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240

@@ -343,7 +343,7 @@ def test_readme_snippet(tmp_path: Any) -> None:
     expected = [_own(b) for b in whole]
     torch.manual_seed(0)
     got = []
-    # As in README.md, "Resuming mid-epoch":
+    # As in docs/guide.md, "Resuming mid-epoch":
     loader = pinpool.DataLoader(dataset, batch_size=4, num_workers=2, shuffle=True)
     for step, batch in enumerate(loader):
         got.append(_own(batch))

@@ -10,7 +10,7 @@ producer writes a batch into it), ``SegmentCache`` (the consumer maps producers'
 copies from them into slots, there and then, on a copy thread (``Copying``) or on to a GPU
 (``Sent``)), ``check_segment`` and ``SEGMENT_DATA_OFFSET``.
 
-See README.md for the DataLoader and the benchmarks.
+See README.md, and docs/ for the user guide, the design and the measurements.
 """
 
 from __future__ import annotations

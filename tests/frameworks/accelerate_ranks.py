@@ -1,4 +1,4 @@
-"""accelerate with pinpool, as the README shows it: accelerate's loader stays in charge of the
+"""accelerate with pinpool, as the user guide shows it: accelerate's loader stays in charge of the
 sampling (and of sharding between ranks), ``pinpool.pinned`` puts its batches in pinned slots.
 
     python tests/frameworks/accelerate_ranks.py OUT_DIR                  (one process)

@@ -188,7 +188,11 @@ def parser() -> argparse.ArgumentParser:
         "to give it up (sys.setswitchinterval; Python's default: 0.005)",
     )
     add("--data-dir", help="where the memmap file is made (a dir under the temp dir)")
-    add("--out", help="output dir (benchmarks/results/<date>-<host>/)")
+    add(
+        "--out",
+        help="output dir (default: pinpool-bench-results/<date>-<host>/ under the temp dir, "
+        f"{tempfile.gettempdir()})",
+    )
     add("--quick", action="store_true", help="a short run with small shapes (CI, tests)")
     return p
 
@@ -224,7 +228,9 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
     host = socket.gethostname().split(".")[0] or "run"
     host = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
-    out = args.out or os.path.join("benchmarks", "results", f"{stamp}-{host}")
+    # Outside any source tree unless asked: recorded runs are not part of the code.
+    default_out = os.path.join(tempfile.gettempdir(), "pinpool-bench-results", f"{stamp}-{host}")
+    out = args.out or default_out
     return Config(
         preset=preset,
         device=args.device if cuda else None,

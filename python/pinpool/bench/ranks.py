@@ -52,9 +52,17 @@ class Ranks:
         )
 
     def start(self, cuda: bool) -> str | None:
-        """Joins the process group; returns this rank's CUDA device (None without CUDA)."""
+        """Joins the process group; returns this rank's CUDA device (None without CUDA).
+        Exits (status 2, one line from local rank 0) when the host has fewer GPUs than
+        ranks: a started ``torchrun --nproc-per-node N -m pinpool.bench`` gets there."""
         device = None
         if cuda:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world) or self.world)
+            why = missing_gpus(local, torch.cuda.device_count())
+            if why is not None:
+                if self.local_rank == 0:
+                    print(f"pinpool.bench: {why}", file=sys.stderr, flush=True)
+                raise SystemExit(2)
             torch.cuda.set_device(self.local_rank)
             device = f"cuda:{self.local_rank}"
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -75,6 +83,18 @@ class Ranks:
     def end(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def missing_gpus(ranks: int, gpus: int) -> str | None:
+    """Why ``ranks`` ranks, one GPU each, cannot run on a host with ``gpus`` GPUs (None: they
+    can). One line, for the user."""
+    if gpus >= ranks:
+        return None
+    return (
+        f"--ranks {ranks} needs {ranks} GPUs (one per rank) but this machine has {gpus}; "
+        f"use --ranks {max(1, gpus)} or fewer, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run "
+        "the ranks on the CPU over gloo"
+    )
 
 
 def launch(argv: list[str], ranks: int) -> int:

@@ -36,7 +36,7 @@ import pinpool
 from .cli import STALL_ITEMS, Config, cpu_count, resolve
 from .loaders import BASELINE, LoaderSpec, check, same_here, spec_named
 from .measure import ComputeWork, Scenario, h2d_ceiling, run_once
-from .ranks import DataParallelStep, Ranks, launch, totals
+from .ranks import DataParallelStep, Ranks, launch, missing_gpus, totals
 from .report import summarize, table, write_all
 from .workloads import TOKEN_ROW, batch_nbytes, largest, make_dataset
 
@@ -254,13 +254,18 @@ def loader_notes(result: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pinpool.bench``: returns 0, or 1 if a run failed or it was interrupted."""
+    """``python -m pinpool.bench``: returns 0, 1 if a run failed or it was interrupted, 2 if
+    ``--ranks`` asks for more GPUs than the machine has (said in one line)."""
     argv = sys.argv[1:] if argv is None else argv
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator")
     tqdm.monitor_interval = 0  # no monitor thread: workers are forked from this process
     cfg = resolve(argv, torch.cuda.is_available())
     ranks = Ranks.from_env()
     if ranks is None and cfg.ranks > 1:
+        why = missing_gpus(cfg.ranks, torch.cuda.device_count()) if cfg.device else None
+        if why is not None:  # one line, not each rank's "invalid device ordinal"
+            print(f"pinpool.bench: {why}", file=sys.stderr)
+            return 2
         return launch(argv, cfg.ranks)  # this run, as cfg.ranks ranks under torchrun
     try:
         return _run(cfg, argv, ranks)
