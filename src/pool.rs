@@ -139,6 +139,7 @@ pub struct Counters {
     final_unmapped: AtomicU64,
     final_fence_errors: AtomicU64,
     num_slots: AtomicU64,
+    arena_bytes: AtomicU64,
 }
 
 impl Counters {
@@ -157,7 +158,10 @@ impl Counters {
             segments_unmapped: self.final_unmapped.load(Ordering::Relaxed),
             pending_unmaps: 0,
             fence_errors: self.final_fence_errors.load(Ordering::Relaxed),
-            bytes: Bytes::default(),
+            bytes: {
+                let arena = self.arena_bytes.load(Ordering::Relaxed) as usize;
+                Bytes { arena, free: arena, largest_free: 0, holes: 0, ..Bytes::default() }
+            },
         }
     }
 }
@@ -358,6 +362,7 @@ impl Pool {
     ) -> Result<Arc<Self>> {
         let n = table.len() as u64;
         let largest_part = table.bytes().largest_part;
+        let arena_len = arena.len();
         // Copy threads run on the CPUs of the arena's NUMA node, when it was placed on one.
         let copier = Copier::on_cpus(copy_threads, arena.placement().thread_cpus())?;
         let pool = Arc::new(Pool {
@@ -369,7 +374,11 @@ impl Pool {
             copier: ManuallyDrop::new(copier),
             reclaimer: ManuallyDrop::new(Reclaimer::start()?),
             owner: std::process::id(),
-            counters: Arc::new(Counters { num_slots: AtomicU64::new(n), ..Counters::default() }),
+            counters: Arc::new(Counters {
+                num_slots: AtomicU64::new(n),
+                arena_bytes: AtomicU64::new(arena_len as u64),
+                ..Counters::default()
+            }),
             retirer: OnceLock::new(),
             retirer_idle: AtomicBool::new(false),
             stopping: AtomicBool::new(false),

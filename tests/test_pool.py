@@ -46,6 +46,13 @@ STATS_KEYS = {
     "segments_unmapped",
     "pending_unmaps",
     "fence_errors",
+    "arena_bytes",
+    "bytes_free",
+    "bytes_checked_out",
+    "bytes_fenced",
+    "bytes_preparing",
+    "largest_free",
+    "free_ranges",
 }
 
 
@@ -772,8 +779,11 @@ def test_stats_keys_and_counts(make_pool) -> None:
     assert s["slots_free"] == 4
     assert s["slots_checked_out"] == 0
     assert s["slots_fenced"] == 0
-    for key in STATS_KEYS - {"slots_free", "wait_seconds"}:
+    whole = {"arena_bytes", "bytes_free", "largest_free"}
+    for key in STATS_KEYS - {"slots_free", "wait_seconds", "free_ranges"} - whole:
         assert s[key] == 0, key
+    assert {k: s[k] for k in whole} == dict.fromkeys(whole, 4 * PAGE)
+    assert s["free_ranges"] >= 1
     assert s["wait_seconds"] == 0.0
     assert isinstance(s["wait_seconds"], float)
 
@@ -782,6 +792,7 @@ def test_stats_keys_and_counts(make_pool) -> None:
     c = pool.checkout(timeout=1)
     s = pool.stats()
     assert (s["slots_free"], s["slots_checked_out"], s["checkouts"]) == (1, 3, 3)
+    assert (s["bytes_checked_out"], s["bytes_free"]) == (3 * PAGE, PAGE)
     assert s["waits"] == 0
     a.release()
     b.release()
