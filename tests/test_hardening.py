@@ -14,6 +14,7 @@ nothing.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import subprocess
@@ -470,3 +471,66 @@ def test_a_huge_timeout_waits_instead_of_panicking(make_pool: Any, timeout: floa
     assert lines[0].startswith("waited") and lines[0].endswith(" 0"), done.stdout
     assert float(lines[0].split()[1]) >= 0.2, done.stdout
     assert lines[1:3] == ["claimed 0", "flushed True"], done.stdout
+
+
+# --------------------------------------------------------------------------- out of fds
+
+
+def test_running_out_of_fds_is_not_reported_as_a_dead_worker() -> None:
+    # In a child: the whole process runs at its fd limit. The worker (this very process, as
+    # HandleFactory builds handles) is alive; the error must say so and name the limit.
+    code = textwrap.dedent(
+        f"""
+        import gc, os, resource, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import pinpool
+        from handles import HandleFactory
+        from loader_datasets import Indexed
+
+        loader = pinpool.DataLoader(Indexed(4), batch_size=2, slot_bytes=1 << 20, num_slots=2)
+        make = HandleFactory(loader)
+        batch = make.make().take()  # the pool is made, with the fds it needs
+        del batch
+        gc.collect()
+        make.write()
+        handle = make.make()  # another worker: its segment is opened through /proc
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+        held = []
+        try:
+            while True:
+                held.append(os.dup(0))
+        except OSError:
+            pass
+        try:
+            handle.take()
+        except pinpool.WorkerLost as exc:
+            print("lost:", exc)
+        except pinpool.PinPoolError as exc:
+            print("error:", exc)
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.strip()
+    assert out.startswith("error:"), out
+    assert "file descriptors" in out and "EMFILE" in out and "ulimit -n" in out, out
+    assert "exited" not in out.replace("not known to have exited", ""), out
+
+
+def test_a_process_that_cannot_be_looked_at_is_not_taken_for_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pinpool._wire import peer
+
+    assert peer.alive(os.getpid())
+    assert not peer.alive(_dead_pid())
+
+    def no_fds(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr("builtins.open", no_fds)
+    assert peer.alive(os.getpid()), "EMFILE said the process was dead"

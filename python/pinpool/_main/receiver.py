@@ -323,6 +323,8 @@ class Receiver:
         try:
             own = peer.open_fd_of(pid, fd)
         except OSError as exc:
+            if exc.errno in peer.OUT_OF_FDS:  # not a dead worker: say what to raise
+                raise peer.out_of_fds(exc, pid) from None
             if not peer.alive(pid):
                 raise WorkerLost(
                     f"DataLoader worker (pid {pid}) exited before the main process could "
