@@ -387,7 +387,7 @@ class Receiver:
         """Writes a batch collated (or received) in this process straight into a slot, its
         arrays of at least ``codec.GATHER_MIN`` bytes by ``threads`` copy threads without the
         GIL. A batch without arrays makes no pool (the first batch with arrays sizes it)."""
-        p = codec.plan(batch)
+        p = codec.plan(batch, keep_strides=True)  # torch's pin_memory keeps each layout
         if not p.specs:
             return Local(self.deliver(p.tree, p.specs, None, 0))
         pool, _ = self.ensure(p.nbytes, count)
