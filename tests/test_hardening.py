@@ -534,3 +534,22 @@ def test_a_process_that_cannot_be_looked_at_is_not_taken_for_dead(
 
     monkeypatch.setattr("builtins.open", no_fds)
     assert peer.alive(os.getpid()), "EMFILE said the process was dead"
+
+
+# --------------------------------------------------------------------------- trust model
+
+
+def test_memfds_are_owner_only(make_pool: Any) -> None:
+    # The kernel creates memfds with mode 0777; reopening one through /proc/<pid>/fd checks
+    # the mode, so owner-only keeps every other user out.
+    from pinpool._native import WorkerSegment
+
+    pool = make_pool(1 << 16, 2)
+    found = pool.slot_memfd(0)
+    assert found is not None, "a host arena is made of memfds"
+    segment = WorkerSegment(1 << 16)
+    for fd in (found[0], segment.fd):
+        mode = os.fstat(fd).st_mode & 0o7777
+        assert mode == 0o600, oct(mode)
+        # Still open to its owner through /proc, as the main process opens a worker's.
+        os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR))
