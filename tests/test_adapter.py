@@ -383,9 +383,9 @@ def _layouts() -> dict[str, torch.Tensor]:
         "expanded": torch.arange(4.0).reshape(4, 1).expand(4, 5),
         "negative_bit": torch._neg_view(x.t()),
         "sliced": x[:, ::2],
-        "channels_last": torch.arange(120.0).reshape(1, 2, 3, 20).to(
-            memory_format=torch.channels_last
-        ),
+        "channels_last": torch.arange(120.0)
+        .reshape(1, 2, 3, 20)
+        .to(memory_format=torch.channels_last),
         "int_permuted": torch.arange(60, dtype=torch.int16).reshape(3, 4, 5).permute(2, 0, 1),
         "contiguous": x.clone(),
     }
@@ -395,7 +395,8 @@ def _torchs_pinned_layout(t: torch.Tensor) -> tuple[Any, ...]:
     """What torch's ``Tensor.pin_memory()`` gives (``at::_pin_memory``): the same sizes and
     strides, at storage offset 0 of a storage exactly as long as the layout reaches, with
     no lazy negation (it copies into that layout)."""
-    reach = 0 if t.numel() == 0 else 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
+    pairs = zip(t.shape, t.stride(), strict=True)
+    reach = 0 if t.numel() == 0 else 1 + sum((d - 1) * s for d, s in pairs)
     return tuple(t.shape), t.stride(), 0, reach * t.element_size(), False
 
 

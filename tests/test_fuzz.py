@@ -1006,9 +1006,14 @@ def _value_paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]
     """Every path into the nested dicts of a state (not into a dataset's own state, whose
     meaning is the dataset's)."""
     out = [path] if path else []
-    if isinstance(value, dict) and path[-1:] not in (("dataset",),) and path[:2] != (
-        "workers",
-        "states",
+    if (
+        isinstance(value, dict)
+        and path[-1:] not in (("dataset",),)
+        and path[:2]
+        != (
+            "workers",
+            "states",
+        )
     ):
         for key, inner in value.items():
             out += _value_paths(inner, (*path, key))

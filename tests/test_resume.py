@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import copy
 import gc
-import sys
 import io
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 

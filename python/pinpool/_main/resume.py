@@ -323,9 +323,7 @@ def _check_generator_state(name: str, value: Any, like: torch.Generator) -> None
         raise _bad(name, f"is not a state of a {like.device} generator: {exc}") from None
 
 
-def _check_states(
-    where: str, states: Any, generators: dict[str, torch.Generator] | None
-) -> None:
+def _check_states(where: str, states: Any, generators: dict[str, torch.Generator] | None) -> None:
     """One set of random states: ``rng`` (torch's global CPU generator's) and
     ``generators`` (the loader's, by path)."""
     _check_generator_state(f"{where}['rng']", _field(states, "rng", object, where), _CPU)
