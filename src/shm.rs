@@ -403,6 +403,12 @@ fn sealed_memfd(name: &str, len: usize) -> Result<OwnedFd> {
     }
     // SAFETY: `raw` is a fresh fd that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // Owner-only, not the kernel's default 0777: reopening a memfd through
+    // `/proc/<pid>/fd/<n>` checks this mode, so no other user may, whatever else allows it.
+    // SAFETY: `fd` is a valid memfd; the mode is a plain integer.
+    if unsafe { libc::fchmod(fd.as_raw_fd(), 0o600) } != 0 {
+        return Err(Error::last_os("fchmod"));
+    }
     let size = libc::off_t::try_from(len).map_err(|_| Error::Invalid("region too large".into()))?;
     // SAFETY: `fd` is a valid memfd.
     if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {

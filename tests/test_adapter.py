@@ -370,3 +370,96 @@ def test_importing_pinpool_does_not_import_torch() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["Pinned"]
     assert "pinned" in pinpool.__all__ and "Pinned" in pinpool.__all__
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _layouts() -> dict[str, torch.Tensor]:
+    """Leaves that are not contiguous, each in its own way."""
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "transposed": x.t(),
+        "expanded": torch.arange(4.0).reshape(4, 1).expand(4, 5),
+        "negative_bit": torch._neg_view(x.t()),
+        "sliced": x[:, ::2],
+        "channels_last": torch.arange(120.0)
+        .reshape(1, 2, 3, 20)
+        .to(memory_format=torch.channels_last),
+        "int_permuted": torch.arange(60, dtype=torch.int16).reshape(3, 4, 5).permute(2, 0, 1),
+        "contiguous": x.clone(),
+    }
+
+
+def _torchs_pinned_layout(t: torch.Tensor) -> tuple[Any, ...]:
+    """What torch's ``Tensor.pin_memory()`` gives (``at::_pin_memory``): the same sizes and
+    strides, at storage offset 0 of a storage exactly as long as the layout reaches, with
+    no lazy negation (it copies into that layout)."""
+    pairs = zip(t.shape, t.stride(), strict=True)
+    reach = 0 if t.numel() == 0 else 1 + sum((d - 1) * s for d, s in pairs)
+    return tuple(t.shape), t.stride(), 0, reach * t.element_size(), False
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return (
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        t.untyped_storage().nbytes(),
+        t.is_neg(),
+    )
+
+
+def test_non_contiguous_leaves_keep_torchs_pinned_layout() -> None:
+    batch = _layouts()
+    loader = pinpool.pinned([batch, batch])
+    for got in loader:
+        for name, t in batch.items():
+            assert _layout(got[name]) == _torchs_pinned_layout(t), name
+            assert torch.equal(got[name], t.resolve_neg()), name
+            assert in_pool(loader.pool, got[name]), name
+        del got
+    # The slot is written in the leaf's layout: writing a pinned leaf changes only its element.
+    got = next(iter(loader))
+    got["transposed"][0, 1] = -1.0
+    assert got["transposed"][0, 1] == -1.0 and got["transposed"][1, 0] == 1.0
+
+
+def test_a_loader_without_workers_keeps_the_layouts_torch_gives() -> None:
+    # torch's loader (here, without an accelerator, it pins nothing) yields each leaf as the
+    # collate function made it; pinned, it would keep the layout too (see above).
+    dataset = Indexed(4)
+
+    def collate(samples: list[Any]) -> dict[str, torch.Tensor]:
+        return _layouts()
+
+    ref = torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=collate)
+    pin = pinpool.DataLoader(dataset, batch_size=2, collate_fn=collate)
+    for r, p in zip(ref, pin, strict=True):
+        for name in r:
+            assert p[name].stride() == r[name].stride(), name
+            assert torch.equal(p[name], r[name].resolve_neg()), name
+    del r, p
+
+
+def test_a_strided_marker_cannot_view_outside_its_leaf() -> None:
+    from pinpool import OutOfBounds
+    from pinpool._wire import codec
+
+    flat = torch.zeros(10)
+    bad = [
+        codec.Strided(codec.Leaf(0), (11,), (1,)),
+        codec.Strided(codec.Leaf(0), (2, 5), (5, 2)),
+        codec.Strided(codec.Leaf(0), (2,), (-1,)),
+        codec.Strided(codec.Leaf(0), (2,), (1, 1)),
+        codec.Strided(codec.Leaf(0), [2], [1]),  # type: ignore[arg-type]
+        codec.Strided(codec.Leaf(0), (2**40, 2**40), (0, 0)),
+        codec.Strided(codec.Leaf(1), (2,), (1,)),
+    ]
+    for marker in bad:
+        with pytest.raises(OutOfBounds):
+            codec.rebuild({"x": marker}, [flat])
+    with pytest.raises(OutOfBounds):
+        codec.rebuild(codec.Strided(codec.Leaf(0), (1,), (1,)), [np.zeros(4)])
+    ok = codec.rebuild(codec.Strided(codec.Leaf(0), (2, 5), (1, 2)), [flat])
+    assert ok.shape == (2, 5) and ok.stride() == (1, 2)

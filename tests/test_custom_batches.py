@@ -311,3 +311,111 @@ def test_codec_round_trip_of_a_dataclass() -> None:
     base = torch.zeros(p.nbytes, dtype=torch.uint8)
     codec.write(p, base)
     same(batch, codec.rebuild(p.tree, codec.host_leaves(p.specs, base.numpy(), p.nbytes)))
+
+
+# --------------------------------------------------------------------------- torch's hook wins
+
+
+@dataclasses.dataclass
+class PinningBatch:
+    """A dataclass that pins itself: torch's loader calls its ``pin_memory()`` (it does not
+    walk dataclasses), so pinpool must call it rather than walk its fields."""
+
+    x: torch.Tensor
+    idx: torch.Tensor
+    pins: int = 0
+
+    def pin_memory(self) -> PinningBatch:
+        if torch.accelerator.is_available():
+            self.x = self.x.pin_memory()
+        self.pins += 1
+        return self
+
+
+@dataclasses.dataclass
+class BrokenHook:
+    """A dataclass whose ``pin_memory`` is data, not a method: torch's call raises
+    ``TypeError``."""
+
+    x: torch.Tensor
+    pin_memory: bool = True
+
+
+def to_pinning(samples: list[dict[str, Any]]) -> PinningBatch:
+    return PinningBatch(
+        torch.stack([s["x"] for s in samples]), torch.tensor([s["idx"] for s in samples])
+    )
+
+
+def to_broken(samples: list[dict[str, Any]]) -> BrokenHook:
+    return BrokenHook(torch.stack([s["x"] for s in samples]))
+
+
+class NotCallableHook:
+    """Not a dataclass: an object whose ``pin_memory`` attribute is None."""
+
+    def __init__(self, samples: list[dict[str, Any]]) -> None:
+        self.x = torch.stack([s["x"] for s in samples])
+        self.pin_memory = None
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataclass_with_pin_memory_has_it_called(
+    monkeypatch: pytest.MonkeyPatch, num_workers: int
+) -> None:
+    monkeypatch.setattr(delivery, "torch_would_pin", lambda: True)
+    dataset = Indexed(6)
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": num_workers, "collate_fn": to_pinning}
+    ref = torch.utils.data.DataLoader(dataset, **kw)
+    pin: pinpool.DataLoader[Any] = pinpool.DataLoader(dataset, **kw)
+    n = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for r, p in zip(ref, pin, strict=True):
+            assert type(p) is PinningBatch
+            assert p.pins == 1, "its pin_memory() was not called exactly once"
+            same(r.x, p.x)
+            same(r.idx, p.idx)
+            assert not in_pool(pin.pool, p.x), "its fields were walked into the pool"
+            n += 1
+    assert n == 3
+    warned = ours(caught)
+    assert len(warned) == 1 and "PinningBatch" in warned[0], warned
+    # Where torch would not pin, the method is not called and the dataclass is not walked.
+    monkeypatch.setattr(delivery, "_warned", set())
+    monkeypatch.setattr(delivery, "torch_would_pin", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for p in pinpool.DataLoader(dataset, **kw):
+            assert p.pins == 0
+    del r, p
+
+
+def test_the_tree_walk_keeps_a_dataclass_with_pin_memory_whole() -> None:
+    batch = to_pinning([Indexed(3)[i] for i in range(2)])
+    p = codec.plan(batch)
+    assert p.specs == [] and p.tree is batch
+    assert map_leaves(batch, lambda o: KEEP, kept=lambda o: "kept") == "kept"
+    # Without the hook a dataclass is still walked.
+    assert len(codec.plan(to_dataclass([Indexed(3)[i] for i in range(2)])).specs) == 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("collate_fn", [to_broken, NotCallableHook], ids=["dataclass", "object"])
+def test_a_pin_memory_that_is_not_callable_raises_type_error(
+    monkeypatch: pytest.MonkeyPatch, collate_fn: Any, num_workers: int
+) -> None:
+    # torch's pin_memory calls it: 'bool' object is not callable.
+    monkeypatch.setattr(delivery, "torch_would_pin", lambda: True)
+    loader = pinpool.DataLoader(
+        Indexed(4), batch_size=2, num_workers=num_workers, collate_fn=collate_fn
+    )
+    with pytest.raises(TypeError, match="pin_memory"):
+        next(iter(loader))
+    # Where torch would not pin, it does not call it: the batch comes through as it is.
+    monkeypatch.setattr(delivery, "torch_would_pin", lambda: False)
+    monkeypatch.setattr(delivery, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = next(iter(pinpool.DataLoader(Indexed(4), batch_size=2, collate_fn=collate_fn)))
+    assert type(got) is collate_fn if isinstance(collate_fn, type) else type(got) is BrokenHook

@@ -1,6 +1,8 @@
 """Fuzzing what crosses the process boundary into the main process: the handles workers send
 (``BatchHandle``, naming a segment or, in zero-copy mode, a slot), as state tuples and as raw pickle
-bytes, and the 64-byte header of the shared-memory segments they name.
+bytes, and the 64-byte header of the shared-memory segments they name; and the resume states
+``DataLoader.load_state_dict`` takes (from a checkpoint file: clear errors at load, or a state
+that runs, never a late error or a hang).
 
 No input may crash the process, hang, read outside the segment it names, or allocate more
 than that segment justifies. Every handle goes to a real loader side (a ``pinpool.DataLoader``
@@ -28,6 +30,7 @@ hypothesis keeps the failures it finds in ``.hypothesis/`` and tries them first 
 from __future__ import annotations
 
 import contextlib
+import copy
 import faulthandler
 import fcntl
 import gc
@@ -960,3 +963,126 @@ def test_an_undamaged_handle_decodes(first: bool) -> None:
         raw = pickle.dumps(worker.handle(token, first))
         check_batch_handle(loader, worker, lambda: unpickled(raw), True, worker.batch)
         assert loader.stats()["batches"] == (1 if first else 2)
+
+
+# --------------------------------------------------------------------------- resume states
+
+
+class Positions(torch.utils.data.IterableDataset[Any]):
+    """An iterable dataset that resumes from its own ``state_dict()`` (each worker's copy its
+    own shard). Its state's contents are its own business: fuzzed states only replace whole
+    per-worker states, and it reads what it finds leniently."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.start = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = range(worker, 13, workers)
+        self.done, self.start = min(max(self.start, 0), len(mine)), 0
+        while self.done < len(mine):
+            self.done += 1
+            yield torch.full((3,), float(mine[self.done - 1]))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        start = state.get("done", 0)
+        self.start = start if type(start) is int else 0
+
+
+def _resume_loader(kind: str) -> pinpool.DataLoader:
+    if kind == "map":
+        return pinpool.DataLoader(
+            Indexed(13), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3)
+        )
+    return pinpool.DataLoader(Positions(), batch_size=3, num_workers=2 if kind == "workers" else 0)
+
+
+def _value_paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path into the nested dicts of a state (not into a dataset's own state, whose
+    meaning is the dataset's)."""
+    out = [path] if path else []
+    if (
+        isinstance(value, dict)
+        and path[-1:] not in (("dataset",),)
+        and path[:2]
+        != (
+            "workers",
+            "states",
+        )
+    ):
+        for key, inner in value.items():
+            out += _value_paths(inner, (*path, key))
+    elif isinstance(value, dict) and path == ("workers", "states"):
+        out += [(*path, key) for key in value]
+    return out
+
+
+#: What a state's value may be replaced with: anything, and things that look nearly right.
+RESUME_VALUES = st.one_of(
+    ANY,
+    st.just(torch.get_rng_state()),
+    st.integers(0, 256).map(lambda n: torch.randint(0, 256, (n,), dtype=torch.uint8)),
+    st.just(torch.zeros(5056, dtype=torch.uint8)),
+    st.dictionaries(st.sampled_from(["rng", "generators", "done", "states", "next"]), INTS),
+    st.integers(-3, 5),
+)
+_GONE = object()
+
+
+def test_resume_states() -> None:
+    """A real mid-epoch state (a shuffled map-style loader with a generator; an iterable
+    dataset's, with and without workers) with up to three values replaced by anything,
+    removed, or added: ``load_state_dict`` raises a clear ``InvalidArgument`` at once, or the
+    state loads and the next two epochs run to their ends, without an error or a hang."""
+    states = {}
+    for kind in ("map", "iterable", "workers"):
+        loader = _resume_loader(kind)
+        it = iter(loader)
+        next(it)
+        next(it)
+        states[kind] = loader.state_dict()
+        del it, loader
+    gc.collect()
+
+    @FUZZ
+    @given(st.data())
+    def fuzz(data: Any) -> None:
+        kind = data.draw(st.sampled_from(sorted(states)), label="loader")
+        state = copy.deepcopy(states[kind])
+        for _ in range(data.draw(st.integers(1, 3), label="changes")):
+            paths = _value_paths(state)
+            path = data.draw(st.sampled_from(paths), label="path")
+            value = data.draw(st.one_of(RESUME_VALUES, st.just(_GONE)), label="value")
+            where = state
+            for key in path[:-1]:
+                where = where[key]
+            if not isinstance(where, dict):
+                continue
+            if value is _GONE:
+                where.pop(path[-1], None)
+            else:
+                where[path[-1]] = value
+        if data.draw(st.booleans(), label="extra key"):
+            state.setdefault("workers", {})
+        loader = _resume_loader(kind)
+        with no_hang():
+            try:
+                loader.load_state_dict(state)
+            except pinpool.InvalidArgument as exc:
+                assert "state" in str(exc), exc
+                event("refused")
+                return
+            event("accepted")
+            for _ in range(2):
+                for batch in loader:
+                    rows = batch["x"] if kind == "map" else batch
+                    assert isinstance(rows, torch.Tensor) and 1 <= rows.shape[0] <= 3
+            del loader
+            gc.collect()
+
+    fuzz()

@@ -14,6 +14,7 @@ nothing.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import subprocess
@@ -25,6 +26,7 @@ import traceback
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_memfd
@@ -368,3 +370,186 @@ def test_thread_counts_are_bounded(make_pool: Any, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PINPOOL_COPY_THREADS", "3")
     assert make_pool(4096, 1).copy_threads == 3
     assert time.monotonic() - t0 < 30  # refused, not attempted
+
+
+# --------------------------------------------------------------------------- arguments that guessed
+
+
+def test_slot_views_refuse_what_they_would_have_to_guess(make_pool: Any) -> None:
+    pool = make_pool(4096, 1)
+    with pool.checkout() as slot:
+        # numpy reads dtype None as float64; a shape of 1.9 was truncated to 1.
+        with pytest.raises(InvalidArgument, match="dtype"):
+            slot.view(None, (4,))
+        with pytest.raises(InvalidArgument, match="dtype"):
+            slot.view(dtype=None, shape=(4,))
+        for shape in ((1.9,), 1.9, (2, "3"), "12", (True,), None):
+            with pytest.raises(InvalidArgument, match="shape"):
+                slot.view(torch.float32, shape)
+        # A negative offset: a clear error, not PyO3's OverflowError.
+        for offset in (-4, -(2**70), 4.0, "8"):
+            with pytest.raises(InvalidArgument, match="offset"):
+                slot.view(torch.float32, (1,), offset=offset)
+        # Integers of other kinds still work.
+        assert slot.view(torch.float32, (np.int64(2), 3), offset=np.int32(8)).shape == (2, 3)
+        assert slot.view("float32", np.int64(5)).shape == (5,)
+    with pool.checkout() as slot, pytest.raises(InvalidArgument, match="dtype"):
+        slot.view(None, (4,))  # the numpy path of the check too (below)
+
+
+def test_numpy_slot_views_refuse_a_dtype_of_none(
+    make_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pinpool._views as views
+
+    monkeypatch.setattr(views, "_HAVE_TORCH", False)
+    pool = make_pool(4096, 1)
+    with pool.checkout() as slot:
+        with pytest.raises(InvalidArgument, match="dtype"):
+            slot.view(None, (4,))
+        with pytest.raises(InvalidArgument, match="shape"):
+            slot.view(np.float32, (1.9,))
+        with pytest.raises(InvalidArgument, match="offset"):
+            slot.view(np.float32, (1,), offset=-4)
+
+
+def test_a_slot_view_honours_byte_order_or_refuses_it(make_pool: Any) -> None:
+    pool = make_pool(4096, 1)
+    with pool.checkout() as slot:
+        np.frombuffer(memoryview(slot), ">f4", 2)[:] = [1.0, -2.5]
+        swapped = ">f4" if sys.byteorder == "little" else "<f4"
+        with pytest.raises(InvalidArgument, match="byte order"):
+            slot.view(swapped, (2,))
+        with pytest.raises(InvalidArgument, match="byte order"):
+            slot.view(np.dtype(swapped), (2,))
+        # Native and byte-order-free dtypes are views as before.
+        native = "<f4" if sys.byteorder == "little" else ">f4"
+        assert slot.view(native, (2,)).dtype == torch.float32
+        assert slot.view("|u1", (2,)).dtype == torch.uint8
+        assert slot.view("=i4", (2,)).dtype == torch.int32
+        # numpy, without torch, keeps the byte order: big-endian 1.0 reads as 1.0.
+        assert np.frombuffer(memoryview(slot), ">f4", 2).tolist() == [1.0, -2.5]
+
+
+def test_negative_sizes_are_clear_errors(make_pool: Any) -> None:
+    with pytest.raises(InvalidArgument, match="slot_bytes"):
+        pinpool.PinPool(-1, 2, device="cpu")
+    with pytest.raises(InvalidArgument, match="num_slots"):
+        pinpool.PinPool(4096, -2, device="cpu")
+    with pytest.raises(InvalidArgument, match="slot_bytes"):
+        pinpool.DataLoader(Indexed(4), batch_size=2, slot_bytes=-1)
+    with pytest.raises(InvalidArgument, match="num_slots"):
+        pinpool.DataLoader(Indexed(4), batch_size=2, num_slots=-1)
+    pool = make_pool(4096, 1)
+    with pool.checkout() as slot, pytest.raises(InvalidArgument, match="offset"):
+        slot.view(torch.uint8, (4,), offset=-4)
+
+
+@pytest.mark.parametrize("timeout", [1e20, 1e300, float(2**64), 4e9])
+def test_a_huge_timeout_waits_instead_of_panicking(make_pool: Any, timeout: float) -> None:
+    # Run in a child: a panic prints its backtrace to stderr (checked empty) before it becomes
+    # "internal error in pinpool".
+    code = textwrap.dedent(
+        f"""
+        import threading, time, pinpool
+        pool = pinpool.PinPool(4096, 1, device="cpu")
+        held = pool.checkout()
+        threading.Timer(0.3, held.release).start()
+        t0 = time.monotonic()
+        slot = pool.checkout(timeout={timeout!r})
+        print("waited", round(time.monotonic() - t0, 1), slot.index)
+        slot.release()
+        claimed = pool.claim(timeout={timeout!r})
+        print("claimed", claimed.index)
+        print("flushed", pinpool.wait_for_releases(timeout={timeout!r}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "panick" not in done.stderr, done.stderr[-2000:]
+    lines = done.stdout.split("\n")
+    assert lines[0].startswith("waited") and lines[0].endswith(" 0"), done.stdout
+    assert float(lines[0].split()[1]) >= 0.2, done.stdout
+    assert lines[1:3] == ["claimed 0", "flushed True"], done.stdout
+
+
+# --------------------------------------------------------------------------- out of fds
+
+
+def test_running_out_of_fds_is_not_reported_as_a_dead_worker() -> None:
+    # In a child: the whole process runs at its fd limit. The worker (this very process, as
+    # HandleFactory builds handles) is alive; the error must say so and name the limit.
+    code = textwrap.dedent(
+        f"""
+        import gc, os, resource, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import pinpool
+        from handles import HandleFactory
+        from loader_datasets import Indexed
+
+        loader = pinpool.DataLoader(Indexed(4), batch_size=2, slot_bytes=1 << 20, num_slots=2)
+        make = HandleFactory(loader)
+        batch = make.make().take()  # the pool is made, with the fds it needs
+        del batch
+        gc.collect()
+        make.write()
+        handle = make.make()  # another worker: its segment is opened through /proc
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+        held = []
+        try:
+            while True:
+                held.append(os.dup(0))
+        except OSError:
+            pass
+        try:
+            handle.take()
+        except pinpool.WorkerLost as exc:
+            print("lost:", exc)
+        except pinpool.PinPoolError as exc:
+            print("error:", exc)
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.strip()
+    assert out.startswith("error:"), out
+    assert "file descriptors" in out and "EMFILE" in out and "ulimit -n" in out, out
+    assert "exited" not in out.replace("not known to have exited", ""), out
+
+
+def test_a_process_that_cannot_be_looked_at_is_not_taken_for_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pinpool._wire import peer
+
+    assert peer.alive(os.getpid())
+    assert not peer.alive(_dead_pid())
+
+    def no_fds(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr("builtins.open", no_fds)
+    assert peer.alive(os.getpid()), "EMFILE said the process was dead"
+
+
+# --------------------------------------------------------------------------- trust model
+
+
+def test_memfds_are_owner_only(make_pool: Any) -> None:
+    # The kernel creates memfds with mode 0777; reopening one through /proc/<pid>/fd checks
+    # the mode, so owner-only keeps every other user out.
+    from pinpool._native import WorkerSegment
+
+    pool = make_pool(1 << 16, 2)
+    found = pool.slot_memfd(0)
+    assert found is not None, "a host arena is made of memfds"
+    segment = WorkerSegment(1 << 16)
+    for fd in (found[0], segment.fd):
+        mode = os.fstat(fd).st_mode & 0o7777
+        assert mode == 0o600, oct(mode)
+        # Still open to its owner through /proc, as the main process opens a worker's.
+        os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR))

@@ -219,11 +219,15 @@ def test_bogus_backend_message_lists_the_choices() -> None:
 
 
 def test_negative_sizes_are_refused() -> None:
-    # Negative ints cannot become sizes; pyo3 refuses them before the pool sees them.
-    with pytest.raises((OverflowError, ValueError)):
+    # A clear InvalidArgument naming the argument, not PyO3's OverflowError.
+    with pytest.raises(InvalidArgument, match="slot_bytes"):
         pinpool.PinPool(-1, 1, device="cpu")
-    with pytest.raises((OverflowError, ValueError)):
+    with pytest.raises(InvalidArgument, match="num_slots"):
         pinpool.PinPool(4096, -1, device="cpu")
+    with pytest.raises(InvalidArgument, match="slot_bytes"):
+        pinpool.PinPool(2**70, 1, device="cpu")
+    with pytest.raises(TypeError):
+        pinpool.PinPool("4096", 1, device="cpu")
 
 
 @pytest.mark.parametrize("backend", ["cuda-register", "cuda-hostalloc"])

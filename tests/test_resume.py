@@ -10,8 +10,10 @@ global RNG has meanwhile moved on.
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch.utils.data
 from torch.utils._pytree import tree_flatten, tree_map
 
 import pinpool
+from pinpool import InvalidArgument
 
 N = 23  # samples: batches of 4 leave a partial one
 
@@ -358,3 +361,129 @@ def test_readme_snippet(tmp_path: Any) -> None:
     for batch in loader:
         got.append(_own(batch))
     _same(got, expected)
+
+
+# --------------------------------------------------------------------------- malformed states
+
+
+def _mid_epoch_state(make: Callable[[], pinpool.DataLoader], k: int = 2) -> dict[str, Any]:
+    loader = make()
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state = _through_bytes(loader.state_dict())
+    del it, loader
+    gc.collect()
+    return state
+
+
+def _shuffled() -> pinpool.DataLoader:
+    return pinpool.DataLoader(
+        Indexed(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+
+
+def _sharded() -> pinpool.DataLoader:
+    return pinpool.DataLoader(Sharded(), batch_size=3, num_workers=2)
+
+
+def _set(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    """A deep copy of ``state`` with ``path`` set to ``value`` (or deleted: ``_DELETE``)."""
+    out = copy.deepcopy(state)
+    where = out
+    for key in path[:-1]:
+        where = where[key]
+    if value is _DELETE:
+        del where[path[-1]]
+    else:
+        where[path[-1]] = value
+    return out
+
+
+_DELETE = object()
+GARBAGE_RNG = torch.arange(100, dtype=torch.uint8)
+
+MAP_STYLE_DAMAGE = [
+    (("rng",), _DELETE, r"\['rng'\] is missing"),
+    (("rng",), GARBAGE_RNG, r"\['rng'\] is not a state"),
+    (("rng",), "x", r"\['rng'\] must be a generator state"),
+    (("rng",), torch.zeros(5056, dtype=torch.float32), r"\['rng'\] is not a state"),
+    (("generators",), None, r"\['generators'\] must be dict"),
+    (("generators", "generator"), GARBAGE_RNG, r"\['generators'\]\['generator'\] is not"),
+    (("generators", "bogus"), GARBAGE_RNG, r"\['generators'\]\['bogus'\] is not one of"),
+    (("generators",), {}, r"\['generators'\] has \[\], this loader's are \['generator'\]"),
+    (("epoch",), "x", r"\['epoch'\] must be dict or None, not str"),
+    (("epoch", "yielded"), 2.5, r"\['epoch'\]\['yielded'\] must be int, not float"),
+    (("epoch", "yielded"), True, r"\['epoch'\]\['yielded'\] must be int, not bool"),
+    (("epoch", "yielded"), -1, r"\['epoch'\]\['yielded'\] must not be negative"),
+    (("epoch", "yielded"), _DELETE, r"\['epoch'\]\['yielded'\] is missing"),
+    (("epoch", "at_iter"), None, r"\['epoch'\]\['at_iter'\] must be dict"),
+    (("epoch", "at_pull", "rng"), GARBAGE_RNG, r"\['epoch'\]\['at_pull'\]\['rng'\] is not"),
+    (("epoch", "at_iter", "generators"), [], r"\['epoch'\]\['at_iter'\]\['generators'\]"),
+    (("iterator_kept",), "yes", r"\['iterator_kept'\] must be bool"),
+    (("iterable",), 0, r"\['iterable'\] must be bool, not int"),
+    (("num_workers",), None, r"\['num_workers'\] must be int"),
+]
+
+WORKER_DAMAGE = [
+    (("workers",), None, r"\['workers'\] must be dict, not NoneType"),
+    (("workers", "states"), "abc", r"\['workers'\]\['states'\] must be dict"),
+    (("workers", "states", 0), "x", r"\['workers'\]\['states'\]\[0\] must be the worker's"),
+    (("workers", "states", 1), ["done", 1], r"\['workers'\]\['states'\]\[1\] must be"),
+    (("workers", "states", 7), {"done": 1}, r"\['workers'\]\['states'\]\[7\] is not a worker"),
+    (("workers", "states", "0"), {"done": 1}, r"\['workers'\]\['states'\]\['0'\] is not a"),
+    (("workers", "next"), 2, r"\['workers'\]\['next'\] is not a worker"),
+    (("workers", "next"), "1", r"\['workers'\]\['next'\] must be int"),
+    (("epoch", "yielded"), 2.5, r"\['epoch'\]\['yielded'\] must be int"),
+]
+
+
+def _refused_and_unchanged(
+    make: Callable[[], pinpool.DataLoader], bad: dict[str, Any], match: str
+) -> None:
+    """Loading ``bad`` raises one clear error at once, and the loader is left as it was: its
+    next epoch is a whole, ordinary one, and nothing half-made raises from a finalizer."""
+    torch.manual_seed(0)
+    expected = [_own(b) for b in make()]
+    loader = make()
+    unraisable: list[Any] = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with pytest.raises(InvalidArgument, match=match) as info:
+            loader.load_state_dict(bad)
+        assert isinstance(info.value, ValueError)
+        del info
+        torch.manual_seed(0)
+        _same([_own(b) for b in loader], expected)
+        del loader
+        gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert unraisable == [], [str(u.exc_value) for u in unraisable]
+
+
+@pytest.mark.parametrize(("path", "value", "match"), MAP_STYLE_DAMAGE)
+def test_a_malformed_state_is_refused_at_load(path: Any, value: Any, match: str) -> None:
+    state = _mid_epoch_state(_shuffled)
+    _refused_and_unchanged(_shuffled, _set(state, path, value), match)
+
+
+@pytest.mark.parametrize(("path", "value", "match"), WORKER_DAMAGE)
+def test_a_malformed_worker_state_is_refused_at_load(path: Any, value: Any, match: str) -> None:
+    state = _mid_epoch_state(_sharded, k=3)
+    assert set(state["workers"]["states"]) == {0, 1}
+    _refused_and_unchanged(_sharded, _set(state, path, value), match)
+
+
+def test_an_iterable_dataset_state_must_be_the_datasets_dict() -> None:
+    def make() -> pinpool.DataLoader:
+        return pinpool.DataLoader(Counting(), batch_size=4)
+
+    state = _mid_epoch_state(make)
+    _refused_and_unchanged(make, _set(state, ("dataset",), "pos"), r"\['dataset'\] must be dict")
+    _refused_and_unchanged(make, _set(state, ("dataset",), _DELETE), r"\['dataset'\] is missing")
+    # The undamaged state still loads and resumes.
+    loader = make()
+    loader.load_state_dict(state)
+    assert len(list(loader)) == 4  # 23 items in batches of 4, 2 of them already yielded

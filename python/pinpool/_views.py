@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,20 +38,61 @@ PLAIN_TORCH_DTYPE_NAMES = (
 )
 
 
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if it is one (a numpy integer too; not a bool, a float or a string,
+    which a view would have to guess at), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    if any(int(d) < 0 for d in dims):
-        raise InvalidArgument(f"negative dimension in shape {dims}")
-    return tuple(int(d) for d in dims)
+    if _integer(shape) is not None:
+        dims: tuple[Any, ...] = (shape,)
+    elif isinstance(shape, (str, bytes)):
+        raise InvalidArgument(f"shape must be an int or a sequence of ints, not {shape!r}")
+    else:
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            raise InvalidArgument(
+                f"shape must be an int or a sequence of ints, not {shape!r}"
+            ) from None
+    out = tuple(_integer(d) for d in dims)
+    if any(d is None for d in out):
+        raise InvalidArgument(f"shape {shape!r} holds something other than integers")
+    if any(d < 0 for d in out):  # type: ignore[operator]
+        raise InvalidArgument(f"negative dimension in shape {out}")
+    return out  # type: ignore[return-value]
+
+
+def _offset(offset: Any) -> int:
+    found = _integer(offset)
+    if found is None or found < 0:
+        raise InvalidArgument(f"offset must be a non-negative integer, not {offset!r}")
+    return found
 
 
 def _torch_dtype(torch: Any, dtype: Any) -> Any:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype is None:  # (numpy reads None as float64)
+        raise InvalidArgument("a slot view needs a dtype, not None")
     try:  # numpy dtypes, numpy scalar types and their names ("float32", np.float32, "<f4")
         import numpy as np
 
-        name = np.dtype(dtype).name
+        found = np.dtype(dtype)
+        if not found.isnative:
+            # A torch tensor has no byte order: a view would read the bytes swapped.
+            raise InvalidArgument(
+                f"a slot view cannot have dtype {dtype!r}: torch tensors are in this "
+                "machine's byte order; view the bytes with the native dtype and swap them "
+                "(or use numpy on memoryview(slot))"
+            )
+        name = found.name
     except (TypeError, ImportError):
         name = getattr(dtype, "name", None) or str(dtype)
     found = getattr(torch, name, None)
@@ -76,6 +118,8 @@ def _plain_numpy_dtype(dtype: Any) -> Any:
         found = np.dtype(dtype)
     except TypeError:
         raise InvalidArgument(f"unknown dtype {dtype!r}") from None
+    if dtype is None:  # (numpy reads None as float64)
+        raise InvalidArgument("a slot view needs a dtype, not None")
     if found.hasobject or found.itemsize == 0:
         raise InvalidArgument(f"a slot view cannot have dtype {found}: it holds no plain bytes")
     return found
@@ -98,6 +142,7 @@ def slot_view(owner: Any, dtype: Any, shape: int | Sequence[int], offset: int = 
     view lives.
     """
     dims = _shape(shape)
+    offset = _offset(offset)
     count = math.prod(dims)
     if _HAVE_TORCH:
         import torch

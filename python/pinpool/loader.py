@@ -297,7 +297,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         :meth:`state_dict`) was taken; once it has drawn its order, torch's global RNG is as it
         was then."""
         check(self._pin_why_not())
-        return self._pin_resume.load_state_dict
+        return self._pin_load_state_dict
+
+    def _pin_load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pin_resume.load_state_dict(state, self)
 
     def _pin_state_dict(self) -> dict[str, Any]:
         kept = self.persistent_workers and self.num_workers > 0 and self._iterator is not None

@@ -177,15 +177,38 @@ fn recent_releases(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict
     })
 }
 
-/// Converts a `timeout=` argument in seconds: None (no limit) or a non-negative number.
+/// Timeouts from this long on mean "no limit": no wait can tell them apart, and a deadline
+/// this far out could not be computed (`Instant + Duration` overflows long before
+/// `Duration` does).
+pub(crate) const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Converts a `timeout=` argument in seconds: None (no limit) or a finite non-negative
+/// number; one of [`FOREVER`] or more is no limit too.
 pub(crate) fn timeout_arg(py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Duration>> {
     match timeout {
         Some(t) if !(t >= 0.0 && t.is_finite()) => Err(to_py(
             py,
             Error::Invalid(format!("timeout must be a non-negative number, got {t}")),
         )),
-        Some(t) => Ok(Some(Duration::from_secs_f64(t))),
+        Some(t) => Ok(Duration::try_from_secs_f64(t).ok().filter(|d| *d < FOREVER)),
         None => Ok(None),
+    }
+}
+
+/// Converts a size or count argument `name`: a non-negative int that fits a `usize`. A
+/// negative or huge int is an `InvalidArgument` naming the argument (not PyO3's
+/// `OverflowError`); anything else keeps Python's `TypeError`.
+pub(crate) fn size_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    match value.extract::<usize>() {
+        Ok(n) => Ok(n),
+        Err(_) if value.is_instance_of::<pyo3::types::PyInt>() => Err(to_py(
+            py,
+            Error::Invalid(format!(
+                "{name} must be a non-negative integer of at most {}, got {value}",
+                usize::MAX
+            )),
+        )),
+        Err(err) => Err(err),
     }
 }
 

@@ -1,11 +1,9 @@
 //! `PipeWriter`: a pipe written by a thread of its own (`crate::transport::pipe_writer`).
 
-use std::time::Duration;
-
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::{guarded, timeout_arg, IntoPy};
+use super::{guarded, timeout_arg, IntoPy, FOREVER};
 use crate::transport::pipe_writer::PipeWriter;
 
 /// Writes messages to a pipe on a thread of its own, framed as
@@ -33,7 +31,7 @@ impl PyPipeWriter {
     #[pyo3(signature = (timeout = 1.0))]
     fn close(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         guarded(|| {
-            let wait = timeout_arg(py, Some(timeout))?.unwrap_or(Duration::ZERO);
+            let wait = timeout_arg(py, Some(timeout))?.unwrap_or(FOREVER);
             Ok(py.detach(|| self.inner.close(wait)))
         })
     }

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::slot::PySlot;
-use super::{guarded, timeout_arg, to_py, IntoPy};
+use super::{guarded, size_arg, timeout_arg, to_py, IntoPy};
 use crate::arena::Backend;
 use crate::copy::MAX_COPY_THREADS;
 use crate::device_choice::DeviceRequest;
@@ -185,8 +185,8 @@ impl PyPinPool {
     #[allow(clippy::too_many_arguments)] // (Python's keyword arguments)
     fn new(
         py: Python<'_>,
-        slot_bytes: usize,
-        num_slots: usize,
+        slot_bytes: &Bound<'_, PyAny>,
+        num_slots: &Bound<'_, PyAny>,
         device: Option<DeviceArg<'_>>,
         backend: &str,
         copy_threads: Option<usize>,
@@ -194,6 +194,8 @@ impl PyPinPool {
         arena_bytes: Option<usize>,
     ) -> PyResult<Self> {
         guarded(|| {
+            let slot_bytes = size_arg(py, slot_bytes, "slot_bytes")?;
+            let num_slots = size_arg(py, num_slots, "num_slots")?;
             let request = parse_device(py, device)?;
             let backend = Backend::parse(backend).py(py)?;
             let copy_threads = match copy_threads {

@@ -112,16 +112,24 @@ impl PySlot {
     }
 
     /// A tensor (numpy array without torch) of `dtype` and `shape` viewing the slot's bytes
-    /// from `offset`. The view keeps the slot out of the pool until it dies.
-    #[pyo3(signature = (dtype, shape, offset = 0))]
+    /// from `offset`. The view keeps the slot out of the pool until it dies. Every argument
+    /// is checked in Python (`pinpool._views.slot_view`), a negative offset included.
+    #[pyo3(
+        signature = (dtype, shape, offset = None),
+        text_signature = "($self, dtype, shape, offset=0)"
+    )]
     fn view<'py>(
         slf: &Bound<'py, Self>,
         dtype: &Bound<'py, PyAny>,
         shape: &Bound<'py, PyAny>,
-        offset: usize,
+        offset: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         slf.get().lease.address().py(py)?; // refused once released
+        let offset = match offset {
+            Some(offset) => offset.clone(),
+            None => 0_usize.into_pyobject(py)?.into_any(),
+        };
         py.import("pinpool._views")?.getattr("slot_view")?.call1((slf, dtype, shape, offset))
     }
 

@@ -11,11 +11,12 @@ is released behind that copy (fenced on the copy stream), and the batch is wrapp
 stream wait for the copy.
 
 Objects the tree walk cannot look into (``_wire.tree``: anything but mappings, sequences,
-tuples, namedtuples and dataclasses) travel whole, their tensors through torch's own pickling,
-outside the pool. Those that define ``pin_memory()`` (torch's hook for custom batch types) are
-treated as torch's DataLoader treats them: their ``pin_memory()`` is called, where torch would
-call it (an accelerator is present), and a warning names their type, once per type and process
-(:func:`pinned_by_itself`).
+tuples, namedtuples and dataclasses without a ``pin_memory`` attribute) travel whole, their
+tensors through torch's own pickling, outside the pool. Those that have a ``pin_memory``
+attribute (torch's hook for custom batch types) are treated as torch's DataLoader treats them:
+their ``pin_memory()`` is called, where torch would call it (an accelerator is present), a
+``TypeError`` raised if it is not callable, and a warning names their type, once per type and
+process (:func:`pinned_by_itself`).
 
 Invariant: a slot is referenced only by the views made here (CPU) or by nothing once released
 behind the copy (device); numpy leaves cannot live on a GPU, so they are host copies there.
@@ -145,8 +146,9 @@ def pinned_by_itself(kind: type, called: bool) -> None:
     message = (
         f"pinpool: a batch holds a {kind.__module__}.{kind.__qualname__} object, which "
         "pinpool cannot look into: its tensors did not go through the loader's pool of "
-        f"pinned slots; {what}. To have them pinned through the pool, make it a dataclass, a "
-        "namedtuple, or a dict, list or tuple of tensors (warned once per type)."
+        f"pinned slots; {what}. To have them pinned through the pool, make it a dataclass (without "
+        "a pin_memory attribute), a namedtuple, or a dict, list or tuple of tensors (warned "
+        "once per type)."
     )
     with _warned_lock:
         # Warned by finish(), on the consumer's thread: this may be torch's pin thread.
@@ -186,17 +188,25 @@ class Delivery:
 
     def kept(self, obj: Any) -> Any:
         """What torch's ``pin_memory`` would make of ``obj``, an object the tree walk kept
-        whole: itself, or (an object with a ``pin_memory()`` method, not a tensor) what that
-        method returns, where torch would call it."""
-        if isinstance(obj, (torch.Tensor, type)):
-            return obj
-        pin = getattr(obj, "pin_memory", None)
-        if not callable(pin):
+        whole: itself, or (an object with a ``pin_memory`` attribute, not a tensor) what
+        calling it returns, where torch would call it (a ``TypeError`` if it is not
+        callable, as torch's call raises)."""
+        if isinstance(obj, (torch.Tensor, type)) or not hasattr(obj, "pin_memory"):
             return obj
         if self._pin_others is None:
             self._pin_others = torch_would_pin()
-        pinned_by_itself(type(obj), self._pin_others)
-        return pin() if self._pin_others else obj
+        if not self._pin_others:
+            pinned_by_itself(type(obj), False)
+            return obj
+        pin = obj.pin_memory
+        if not callable(pin):
+            raise TypeError(
+                f"the batch holds a {type(obj).__module__}.{type(obj).__qualname__} object "
+                f"whose pin_memory attribute is not callable ({type(pin).__name__!r} object): "
+                "torch's DataLoader calls it to pin the object"
+            )
+        pinned_by_itself(type(obj), True)
+        return pin()
 
     def __call__(
         self,

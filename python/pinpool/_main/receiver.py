@@ -305,6 +305,8 @@ class Receiver:
         try:
             own = peer.open_fd_of(pid, fd)
         except OSError as exc:
+            if exc.errno in peer.OUT_OF_FDS:  # not a dead worker: say what to raise
+                raise peer.out_of_fds(exc, pid) from None
             if not peer.alive(pid):
                 raise WorkerLost(
                     f"DataLoader worker (pid {pid}) exited before the main process could "
@@ -369,7 +371,7 @@ class Receiver:
         """Writes a batch collated (or received) in this process straight into a slot, its
         arrays of at least ``codec.GATHER_MIN`` bytes by ``threads`` copy threads without the
         GIL. A batch without arrays makes no pool (the first batch with arrays sizes it)."""
-        p = codec.plan(batch)
+        p = codec.plan(batch, keep_strides=True)  # torch's pin_memory keeps each layout
         if not p.specs:
             return Local(self.deliver(p.tree, p.specs, None, 0))
         del count  # (sized from the bytes, never scaled by a sample count)

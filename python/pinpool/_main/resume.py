@@ -51,6 +51,8 @@ from typing import Any
 import torch
 import torch.utils.data
 
+from .._errors import InvalidArgument
+
 #: The version of the state dict's layout.
 VERSION = 1
 
@@ -266,25 +268,120 @@ class Resume:
             else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("version") != VERSION:
-            version = state.get("version") if isinstance(state, dict) else None
-            raise ValueError(
-                f"not a pinpool DataLoader state of version {VERSION} (version {version!r})"
+    def load_state_dict(self, state: dict[str, Any], loader: Any = None) -> None:
+        """Takes ``state`` for the next iteration, once the whole of it is checked (against
+        ``loader``'s generators too, if given): a malformed state raises one
+        ``InvalidArgument`` (a ValueError) naming the field here, and leaves the loader as it
+        was, rather than failing at ``iter()`` or in a worker."""
+        version = state.get("version") if isinstance(state, dict) else None
+        if type(version) is not int or version != VERSION:
+            raise InvalidArgument(
+                f"not a pinpool DataLoader state of version {VERSION} (version {version!r:.80})"
             )
-        if state["iterable"] != self.iterable:
+        if _field(state, "iterable", bool) != self.iterable:
             kinds = ("a map-style", "an iterable")
-            raise ValueError(
+            raise InvalidArgument(
                 f"the state is {kinds[state['iterable']]} dataset's, "
                 f"this loader has {kinds[self.iterable]} dataset"
             )
-        if self.iterable and state.get("num_workers", 0) != self.num_workers:
-            raise ValueError(
+        num_workers = _field(state, "num_workers", int)
+        if self.iterable and num_workers != self.num_workers:
+            raise InvalidArgument(
                 f"the state is of an iterable dataset's loader with num_workers="
-                f"{state.get('num_workers', 0)}, this loader has {self.num_workers}: each "
+                f"{num_workers}, this loader has {self.num_workers}: each "
                 "worker resumes its own copy of the dataset"
             )
+        _check_state(state, self.iterable, self.num_workers, loader)
         self.pending = state
+
+
+def _bad(name: str, why: str) -> InvalidArgument:
+    return InvalidArgument(f"malformed DataLoader state: {name} {why}")
+
+
+def _field(mapping: dict[str, Any], key: str, kind: Any, where: str = "") -> Any:
+    """``mapping[key]``, checked to be a ``kind`` (ints and bools kept apart)."""
+    name = f"{where}[{key!r}]"
+    if key not in mapping:
+        raise _bad(name, "is missing")
+    value = mapping[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+        raise _bad(name, f"must be {names}, not {type(value).__name__} {value!r:.80}")
+    return value
+
+
+def _check_generator_state(name: str, value: Any, like: torch.Generator) -> None:
+    """``value`` must be a state ``like``'s kind of generator accepts (checked on a fresh
+    generator: nothing of the process's own RNGs changes)."""
+    if not isinstance(value, torch.Tensor):
+        raise _bad(name, f"must be a generator state (a uint8 tensor), not {type(value).__name__}")
+    try:
+        torch.Generator(device=like.device).set_state(value)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise _bad(name, f"is not a state of a {like.device} generator: {exc}") from None
+
+
+def _check_states(where: str, states: Any, generators: dict[str, torch.Generator] | None) -> None:
+    """One set of random states: ``rng`` (torch's global CPU generator's) and
+    ``generators`` (the loader's, by path)."""
+    _check_generator_state(f"{where}['rng']", _field(states, "rng", object, where), _CPU)
+    found = _field(states, "generators", dict, where)
+    for path, value in found.items():
+        name = f"{where}['generators'][{path!r}]"
+        if path not in _GENERATOR_PATHS:
+            raise _bad(name, f"is not one of a loader's generators {list(_GENERATOR_PATHS)}")
+        own = generators.get(path) if generators is not None else None
+        _check_generator_state(name, value, own if own is not None else _CPU)
+    if generators is not None and set(found) != set(generators):
+        raise _bad(
+            f"{where}['generators']",
+            f"has {sorted(found)}, this loader's are {sorted(generators)}: make the loader "
+            "with the same arguments as the one the state was taken from",
+        )
+
+
+def _check_state(state: dict[str, Any], iterable: bool, num_workers: int, loader: Any) -> None:
+    """Every field :meth:`Resume.start` (and the workers) will read, checked now."""
+    generators = _generators(loader) if loader is not None else None
+    _check_states("", state, generators)
+    _field(state, "iterator_kept", bool)
+    epoch = _field(state, "epoch", (dict, type(None)))
+    if epoch is None:
+        return
+    _check_states("['epoch']['at_iter']", _field(epoch, "at_iter", dict, "['epoch']"), generators)
+    at_pull = _field(epoch, "at_pull", (dict, type(None)), "['epoch']")
+    if at_pull is not None:
+        _check_states("['epoch']['at_pull']", at_pull, generators)
+    if _field(epoch, "yielded", int, "['epoch']") < 0:
+        raise _bad("['epoch']['yielded']", f"must not be negative, not {epoch['yielded']}")
+    if not iterable:
+        return
+    if num_workers == 0:
+        _field(state, "dataset", dict)  # the dataset's own state_dict() (torch's Stateful)
+        return
+    workers = _field(state, "workers", dict)
+    states = _field(workers, "states", dict, "['workers']")
+    for worker, worker_state in states.items():
+        name = f"['workers']['states'][{worker!r}]"
+        if isinstance(worker, bool) or not isinstance(worker, int):
+            raise _bad(name, "is not a worker id (an int)")
+        if not 0 <= worker < num_workers:
+            raise _bad(name, f"is not a worker of this loader's {num_workers}")
+        if not isinstance(worker_state, dict):
+            raise _bad(
+                name,
+                "must be the worker's dataset state_dict() (a dict, torch's Stateful "
+                f"protocol), not {type(worker_state).__name__} {worker_state!r:.80}",
+            )
+    following = _field(workers, "next", int, "['workers']")
+    if not 0 <= following < num_workers:
+        raise _bad("['workers']['next']", f"is not a worker of this loader's {num_workers}")
+
+
+#: A generator of the kind torch's global RNG is (states are checked on a fresh one).
+_CPU = torch.Generator()
 
 
 def _plain(states: States | None) -> dict[str, Any] | None:

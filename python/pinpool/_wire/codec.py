@@ -82,6 +82,35 @@ class LeafSpec(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class Strided:
+    """Marks a torch leaf that keeps a layout of its own, as torch's ``pin_memory`` keeps a
+    tensor's sizes and strides (``pinpool.pinned`` and batches collated in the main process):
+    ``leaf`` holds the layout's whole storage span, flat, viewed as ``shape`` and
+    ``strides`` (in elements). Checked before it is viewed, wherever the tree came from."""
+
+    leaf: Leaf
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+class Restrided:
+    """The source of a :class:`Strided` leaf: ``tensor``, written in its own layout."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    """Elements of storage a layout reaches (torch's ``computeStorageNbytes``, in elements):
+    0 when it holds no element."""
+    if any(d == 0 for d in shape):
+        return 0
+    return 1 + sum((d - 1) * st for d, st in zip(shape, strides, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
 class Placed:
     """An array already written at ``spec``'s place (by streaming collation)."""
 
@@ -199,9 +228,12 @@ class Plan:
     nbytes: int  # bytes from 0 to the end of the last leaf
 
 
-def plan(batch: Any, start: int = 0) -> Plan:
+def plan(batch: Any, start: int = 0, keep_strides: bool = False) -> Plan:
     """Finds the array leaves of ``batch`` and lays them out one after another from
-    ``start``; :class:`Placed` leaves keep the place they were written at (below ``start``)."""
+    ``start``; :class:`Placed` leaves keep the place they were written at (below ``start``).
+    With ``keep_strides``, a tensor that is not contiguous keeps its sizes and strides, as
+    torch's ``pin_memory`` keeps them (a :class:`Strided` leaf over its storage span);
+    otherwise every leaf is laid out contiguous."""
     sources: list[Any] = []
     specs: list[LeafSpec] = []
     end = start
@@ -216,11 +248,17 @@ def plan(batch: Any, start: int = 0) -> Plan:
         if described is None:
             return KEEP
         kind, dtype, shape, itemsize, sub = described
+        strides = None
+        if keep_strides and isinstance(obj, torch.Tensor) and not obj.is_contiguous():
+            strides = tuple(obj.stride())
+            shape, obj = (span(shape, strides),), Restrided(obj)
         nbytes = math.prod(shape) * itemsize
         offset = align(end)
         end = offset + nbytes
         specs.append(LeafSpec(offset, nbytes, kind, dtype, shape, sub))
         sources.append(obj)
+        if strides is not None:
+            return Strided(Leaf(len(specs) - 1), described.shape, strides)
         return Leaf(len(specs) - 1)
 
     tree = map_leaves(batch, leaf)
@@ -279,13 +317,26 @@ def write(p: Plan, buffer: Any, threads: int = 1) -> None:
                 continue
             dtype = TORCH_DTYPES[spec.dtype]
             dst = torch.frombuffer(chunk, dtype=dtype).view(spec.shape)
-            if isinstance(src, Stack):
+            if isinstance(src, Restrided):
+                _write_strided(dst, src.tensor)
+            elif isinstance(src, Stack):
                 torch.stack(src.tensors, 0, out=dst)
             else:
                 dst.copy_(src)
             del dst, chunk
     finally:
         mem.release()
+
+
+def _write_strided(flat: torch.Tensor, src: torch.Tensor) -> None:
+    """Writes ``src`` into ``flat`` (its storage span) in ``src``'s own layout. Where that
+    layout repeats elements (a stride of 0: ``expand``), each is written once: torch refuses
+    to write a tensor whose elements overlap."""
+    dst = flat.as_strided(src.shape, src.stride())
+    for dim, (size, stride) in enumerate(zip(src.shape, src.stride(), strict=True)):
+        if stride == 0 and size > 1:
+            dst, src = dst.narrow(dim, 0, 1), src.narrow(dim, 0, 1)
+    dst.copy_(src)  # (a lazily negated or conjugated source is resolved, as torch's pin does)
 
 
 def checked_specs(specs: Any, limit: int) -> list[LeafSpec]:
@@ -412,16 +463,38 @@ def device_leaf(storage: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
     return out if spec.subclass is None else out.as_subclass(spec.subclass)
 
 
+def _restrided(flat: Any, marker: Strided) -> torch.Tensor:
+    """``flat`` (a flat tensor leaf) viewed in ``marker``'s layout, checked to lie inside it."""
+    shape, strides = getattr(marker, "shape", None), getattr(marker, "strides", None)
+    if not (
+        isinstance(flat, torch.Tensor)
+        and flat.dim() == 1
+        and type(shape) is tuple
+        and type(strides) is tuple
+        and len(shape) == len(strides) <= _MAX_DIMS
+        and all(type(x) is int and x >= 0 for x in (*shape, *strides))
+        and math.prod(max(d, 1) for d in shape) < _MAX_EXTENT
+        and span(shape, strides) <= flat.numel()
+    ):
+        raise OutOfBounds(f"corrupt batch description: strided leaf {shape!r} {strides!r}")
+    return flat.as_strided(shape, strides, flat.storage_offset())
+
+
 def rebuild(tree: Any, views: list[Any], kept: Callable[[Any], Any] | None = None) -> Any:
     """The batch of ``tree`` with marker ``i`` replaced by ``views[i]``, and each object the
     walk cannot look into (see ``tree.map_leaves``) by ``kept(obj)`` if given."""
 
+    def view(obj: Any) -> Any:
+        index = getattr(obj, "index", None)  # unpickled: anything may be missing
+        if not isinstance(obj, Leaf) or type(index) is not int or not 0 <= index < len(views):
+            raise OutOfBounds(f"corrupt batch description: leaf {index!r} does not exist")
+        return views[index]
+
     def leaf(obj: Any) -> Any:
         if isinstance(obj, Leaf):
-            index = getattr(obj, "index", None)  # unpickled: anything may be missing
-            if type(index) is not int or not 0 <= index < len(views):
-                raise OutOfBounds(f"corrupt batch description: leaf {index!r} does not exist")
-            return views[index]
+            return view(obj)
+        if isinstance(obj, Strided):
+            return _restrided(view(getattr(obj, "leaf", None)), obj)
         return KEEP
 
     try:

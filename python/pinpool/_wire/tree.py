@@ -5,7 +5,9 @@ process replaces markers with views into a slot, and streaming collation marks e
 big arrays. Containers are rebuilt (copied, never mutated) the way torch's ``pin_memory``
 rebuilds them, so a batch comes back with the same types torch would give. Dataclass instances
 are walked into too (torch's ``pin_memory`` leaves them alone, unpinned): a copy of each, with
-its fields replaced.
+its fields replaced; except one with a ``pin_memory`` attribute, which torch's ``pin_memory``
+calls: like any other object the walk cannot look into, it is kept whole (``kept``), so that its
+own method runs, as in torch.
 
 Invariant: leaves are visited in a fixed order (mapping insertion order, positions, dataclass
 field order), the same on both sides of a process boundary.
@@ -35,8 +37,9 @@ def map_leaves(
 ) -> Any:
     """Returns ``data`` with every object for which ``leaf(obj)`` is not ``KEEP`` replaced.
 
-    By default mappings, namedtuples, tuples, sequences and dataclass instances are rebuilt;
-    numbers, None, strings and bytes are kept, and so is any other object, or, with ``kept``,
+    By default mappings, namedtuples, tuples, sequences and dataclass instances (those without
+    a ``pin_memory`` attribute) are rebuilt; numbers, None, strings and bytes are kept, and so
+    is any other object, or, with ``kept``,
     replaced by ``kept(obj)`` (objects the walk cannot look into). With ``exact``, only exact
     ``dict``, ``list``, ``tuple`` and namedtuples are walked into (what torch's
     ``default_collate`` walks into, for streaming collation): anything else is kept whole,
@@ -74,8 +77,9 @@ def map_leaves(
             return type(data)(values)  # type: ignore[call-arg]
         except TypeError:
             return values
-    # A dataclass instance (not a dataclass itself: the attribute is looked up on its type).
-    if hasattr(type(data), "__dataclass_fields__"):
+    # A dataclass instance (not a dataclass itself: the attribute is looked up on its type),
+    # unless it has torch's pinning hook: torch calls that, and so does ``kept``.
+    if hasattr(type(data), "__dataclass_fields__") and not hasattr(data, "pin_memory"):
         clone = _copy_or_none(data)
         if clone is not None:
             for field in dataclasses.fields(data):
