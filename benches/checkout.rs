@@ -3,6 +3,9 @@
 //! Groups:
 //! - `checkout+release`: one thread, a host pool (`try_checkout` + `release(None)`);
 //! - `checkout+release, 8 threads`: eight threads contending for one pool, time per operation;
+//! - `slots of random sizes`: the extent map alone (allocate + free of random sizes among a
+//!   few dozen live extents, freed in random order), and a pool's checkout + release of random
+//!   sizes with other slots held, on one thread and on eight;
 //! - `malloc+free`: `libc::malloc` + `free` of a slot's size, one byte touched;
 //! - `cuMemHostAlloc+cuMemFreeHost`: the same with pinned memory (needs a CUDA device);
 //! - `checkout+release fenced, instant fences`: a host pool whose releases with a stream go
@@ -29,6 +32,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use pinpool::copy::CopyRange;
 use pinpool::cuda::{self, Device, StreamHandle};
 use pinpool::fence::{FenceId, Fences, ManualFences};
+use pinpool::extents::ExtentMap;
 use pinpool::shm::Mapping;
 use pinpool::{Pool, PoolConfig, Result};
 
@@ -108,6 +112,81 @@ fn contended(c: &mut Criterion) {
     g.bench_function(format!("{} slots, blocking checkout", THREADS / 2), |b| {
         b.iter_custom(|iters| contended_run(&scarce, iters, true))
     });
+    g.finish();
+}
+
+/// A small, fast generator for sizes (xorshift); deterministic per seed.
+struct Sizes(u64);
+
+impl Sizes {
+    fn next(&mut self, below: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % below as u64) as usize
+    }
+}
+
+fn random_sizes(c: &mut Criterion) {
+    const PAGE: usize = 4096;
+    let mut g = c.benchmark_group("slots of random sizes");
+    // The extent map alone: 48 live extents of 1 byte to 2 MiB in a 256 MiB arena of 4
+    // parts; each iteration frees one at random and allocates one of a random size.
+    let arena = 256 * MIB;
+    let mut map = ExtentMap::new(arena, PAGE, &[64 * MIB, 128 * MIB, 192 * MIB]).unwrap();
+    map.free(0, arena).unwrap();
+    let mut sizes = Sizes(0x2545_f491_4f6c_dd1d);
+    let mut live: Vec<(usize, usize)> =
+        (0..48).filter_map(|_| map.alloc(1 + sizes.next(2 * MIB), 0)).collect();
+    g.bench_function("extent map: free one + allocate one, 48 live", |b| {
+        b.iter(|| {
+            let i = sizes.next(live.len());
+            let (o, l) = live.swap_remove(i);
+            map.free(o, l).unwrap();
+            live.push(map.alloc(black_box(1 + sizes.next(2 * MIB)), 0).expect("room"));
+        })
+    });
+    // A pool: checkout + release of a random size while 16 other slots are held.
+    let config = PoolConfig { arena_bytes: Some(arena), ..PoolConfig::host(64 * MIB, 64) };
+    let pool = Pool::new(&config).expect("host pool");
+    let held: Vec<_> = (0..16)
+        .map(|k| pool.try_checkout_bytes(1 + (k * 97 * PAGE) % (2 * MIB), 0).unwrap().unwrap())
+        .collect();
+    g.bench_function("pool: checkout + release, 16 held", |b| {
+        b.iter(|| {
+            let n = 1 + sizes.next(2 * MIB);
+            let t = pool.try_checkout_bytes(black_box(n), 0).unwrap().expect("room");
+            pool.release(black_box(t), None).unwrap();
+        })
+    });
+    g.bench_function(format!("pool: checkout + release, {THREADS} threads"), |b| {
+        b.iter_custom(|iters| {
+            let start = Arc::new(Barrier::new(THREADS + 1));
+            let workers: Vec<_> = (0..THREADS)
+                .map(|me| {
+                    let (pool, start) = (Arc::clone(&pool), Arc::clone(&start));
+                    thread::spawn(move || {
+                        let mut sizes = Sizes(0x9e37_79b9_7f4a_7c15 ^ me as u64);
+                        start.wait();
+                        for _ in 0..iters {
+                            let n = 1 + sizes.next(2 * MIB);
+                            let t = pool.checkout_bytes(n, None).unwrap();
+                            pool.release(black_box(t), None).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            start.wait();
+            let t0 = Instant::now();
+            for w in workers {
+                w.join().unwrap();
+            }
+            t0.elapsed() / THREADS as u32
+        })
+    });
+    for t in held {
+        pool.release(t, None).unwrap();
+    }
     g.finish();
 }
 
@@ -288,7 +367,7 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = uncontended, contended, malloc_free, pinned_alloc, fenced_instant, fenced_cuda,
+    targets = uncontended, contended, random_sizes, malloc_free, pinned_alloc, fenced_instant, fenced_cuda,
         release_queued, copy_into_slot
 }
 criterion_main!(benches);

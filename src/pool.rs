@@ -1,4 +1,4 @@
-//! The pool: an arena cut into fixed-size, page-aligned slots, handed out and taken back.
+//! The pool: one fixed arena, handed out as page-aligned slots of any size and taken back.
 //!
 //! Why one long module: [`Pool`] is the one object every user holds, and everything here
 //! (checkout and claim, release, copy-in, closing, the hand-over to the release thread) keeps
@@ -6,8 +6,10 @@
 //! note below that other modules point to, and about 250 are its tests.
 //!
 //! Invariants:
-//! - Slot `i` is the bytes `[i * slot_bytes, (i+1) * slot_bytes)` of the arena; `slot_bytes`
-//!   is a multiple of the page size, so every slot is page-aligned.
+//! - A slot is an extent of the arena: the bytes its checkout asked for, rounded up to a page,
+//!   inside one of the arena's parts (each a whole number of `slot_bytes`, the largest slot);
+//!   the slot table ([`crate::slots`]) and its extent map ([`crate::extents`]) keep live
+//!   extents disjoint.
 //! - A slot is written or read through this module only while its ticket is live
 //!   ([`SlotTable::is_live`]); every range copied in is checked against the source mapping and
 //!   the slot first, so no copy reads or writes outside either.
@@ -38,15 +40,26 @@
 //! DataLoader's modes (the Python halves are named after "Python:", in `python/pinpool/`):
 //!
 //! 1. **Made.** [`Pool::new`] makes the arena ([`crate::arena`]) and the slot table
-//!    ([`crate::slots`]). A slot starts `Free`, or `Preparing` when the pool makes the rest of
-//!    its arena in the background; [`SlotTable::admit`] frees it once its part is faulted in
-//!    (and registered with the driver).
-//! 2. **Checked out.** `Free -> CheckedOut`, with a new generation; the [`Ticket`] (table,
-//!    index, generation) names this one checkout. Copy mode: the main process checks it
-//!    out when a worker's batch arrives (Python: `Receiver._claim` in `_main/receiver.py`).
-//!    Zero-copy: it is checked out as torch dispatches a batch's indices (Python:
-//!    `_main/tickets.py`), and its place in the arena (memfd, offset, generation, a nonce)
-//!    travels to the worker with them.
+//!    ([`crate::slots`]): a fixed number of entries and the arena's free bytes. When the pool
+//!    makes the rest of its arena in the background, those bytes are free only once
+//!    [`SlotTable::admit`] adds them, as their part is faulted in (and registered).
+//! 2. **Checked out.** A free entry takes an extent of exactly the bytes asked for (rounded
+//!    up to a page), carved by address-ordered first fit ([`crate::extents`] says why: batches
+//!    are mostly consumed in order, so the oldest bytes free first and the next batch lands
+//!    there again; a batch kept for long holds only its own bytes, the others flow around
+//!    it; nothing is rounded to a power of two). `Free -> CheckedOut`, with a new generation;
+//!    the [`Ticket`] (table, index, generation) names this one checkout. Copy mode: the main
+//!    process checks it out when a worker's batch arrives, of that batch's size (Python:
+//!    `Receiver._claim` in `_main/receiver.py`). Zero-copy: it is checked out as torch
+//!    dispatches a batch's indices, before the batch exists, of a size guessed from the
+//!    recent batches (Python: `_main/tickets.py`, `_main/sizing.py`), and its place in the
+//!    arena (memfd, offset, length, generation, a nonce) travels to the worker with them; a
+//!    batch that does not fit comes through copy mode into a slot of its own size.
+//!    When there is no room: a claim waits while room is on its way (fenced slots, parts not
+//!    ready yet); when nothing is on its way, every other byte is held by batches someone
+//!    keeps (or cut by them into pieces too small), and [`Pool::claim`] says so rather than
+//!    wait forever (the loader then uses ordinary memory for that batch, counted, or waits
+//!    up to its timeout, as the user chose).
 //! 3. **Filled.** Copy mode: [`Pool::copy_in`] copies the batch from the worker's segment
 //!    ([`crate::transport::segment`]), every range checked against the segment and the slot. Zero-copy:
 //!    the worker writes the batch into its own mapping of the slot; the main process accepts
@@ -62,8 +75,9 @@
 //!    driver call on the releasing thread, which may hold the GIL.
 //! 6. **Fenced.** The fence thread (or a checkout that finds nothing free) records one event
 //!    per stream for everything queued and polls the events; when a slot's event completes,
-//!    `Fenced -> Free`, and the slot is back in the free list. A fence that fails frees its
-//!    slots only after a wait for the whole device.
+//!    `Fenced -> Free`, and its bytes go back to the extent map, merged with free neighbours.
+//!    No byte is handed out again before then. A fence that fails frees its slots only after
+//!    a wait for the whole device.
 //! 7. **Reused.** The next checkout bumps the generation again: every ticket of an earlier
 //!    checkout (a stale handle, a second release) is refused with `SlotReleased`.
 //! 8. **Freed.** When the last reference to the pool goes, the release thread
@@ -1070,10 +1084,11 @@ impl Remains {
     }
 }
 
-/// A background pool makes at least this much of its arena (and at least one slot) ready
-/// before it returns: small arenas, which take a few milliseconds, are made whole, and a big
-/// one has a few slots for the first batches (torch itself pins each of them as it comes).
-const READY_FIRST: usize = 64 << 20;
+/// A background pool makes at least this much of its arena (and at least one part, so the
+/// largest slot) ready before it returns: small arenas are made whole, and a big one has room
+/// for the first batches (torch itself pins each of them as it comes); a pool dropped soon
+/// never faults the rest in.
+const READY_FIRST: usize = 16 << 20;
 
 /// How long dropping a pool waits for pending fences before leaking the arena instead.
 const DROP_FENCE_WAIT: Duration = Duration::from_secs(30);

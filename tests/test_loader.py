@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import math
+import mmap
 import time
 import traceback
 from typing import Any
@@ -43,6 +44,7 @@ from loader_datasets import (
 
 import pinpool
 from pinpool import BatchTooLarge, InvalidArgument, PoolExhausted
+from pinpool._main.sizing import MIN_ARENA
 
 MiB = 1 << 20
 
@@ -75,8 +77,16 @@ def drain(batches: Any, key: Any) -> list[Any] | str:
 
 
 def in_slot_bytes(batch: Any) -> int:
-    """Bytes of the batch's arrays (those a slot must hold)."""
-    return sum(leaf.nbytes for leaf in array_leaves(batch))
+    """Bytes of the batch's arrays (those a slot must hold): a tensor that keeps a strided
+    layout takes its storage as far as its strides reach."""
+
+    def size(leaf: Any) -> int:
+        if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0:
+            return leaf.nbytes
+        reach = sum((n - 1) * abs(s) for n, s in zip(leaf.shape, leaf.stride(), strict=True))
+        return max(leaf.nbytes, (reach + 1) * leaf.element_size())
+
+    return sum(size(leaf) for leaf in array_leaves(batch))
 
 
 def check_live_batch(pin: Any, batch: Any) -> None:
@@ -523,6 +533,7 @@ def test_batches_are_views_into_the_pools_arena() -> None:
     # Every array of the batch lies in one slot, the first where the slot starts; each views
     # only its own bytes (its storage is no larger than the array).
     start = min(t.data_ptr() for t in array_leaves(batch))
+    size = sum(t.nbytes for t in array_leaves(batch))
     for t in array_leaves(batch):
         assert t.untyped_storage().nbytes() == t.nbytes
         assert start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + pool.slot_bytes
@@ -536,9 +547,11 @@ def test_batches_are_views_into_the_pools_arena() -> None:
     del second, it
     gc.collect()
     assert pin.stats()["slots_checked_out"] == 0
-    # The batch's buffer was one of the pool's slots: check every slot out and look.
-    slots = [pool.checkout() for _ in range(pool.num_slots)]
+    # The batch's buffer was one of the pool's slots, of the batch's own size: check as many
+    # out and look.
+    slots = [pool.checkout(timeout=5, nbytes=size) for _ in range(pool.num_slots)]
     assert start in {s.address for s in slots}
+    assert {s.nbytes for s in slots} == {-(-size // mmap.PAGESIZE) * mmap.PAGESIZE}
     for s in slots:
         s.release()
 
@@ -562,7 +575,7 @@ def test_one_leaf_keeps_the_slot(num_workers: int) -> None:
     gc.collect()
     stats = pin.stats()
     assert stats["slots_checked_out"] == 0
-    assert stats["slots_free"] == pin.pool.num_slots
+    assert stats["bytes_free"] == stats["arena_bytes"] == pin.pool.arena_bytes
 
 
 def test_numpy_leaf_keeps_the_slot() -> None:
@@ -597,7 +610,7 @@ def test_overflow_wait_raises_pool_exhausted(num_workers: int) -> None:
     kept.append(next(it))
     kept.append(next(it))
     t0 = time.monotonic()
-    with pytest.raises(PoolExhausted, match="no free slot") as info:
+    with pytest.raises(PoolExhausted, match="no room for a batch") as info:
         kept.append(next(it))
     waited = time.monotonic() - t0
     forget(info)
@@ -647,20 +660,22 @@ def test_overflow_copy_keeps_going(num_workers: int) -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_oversize_error_names_both_sizes(num_workers: int) -> None:
+def test_oversize_error_names_both_sizes_and_the_setting(num_workers: int) -> None:
     ds = Sized([1000] * 4 + [8 * MiB] * 4)
     pin = pinpool.DataLoader(ds, batch_size=4, num_workers=num_workers)
     it = iter(pin)
     first = next(it)
     assert first.shape == (4, 1000)
-    slot = pin.pool.slot_bytes
-    assert slot == 2 * MiB  # the first batch's size plus headroom, rounded up to 2 MiB
+    # Sized for a small first batch: the smallest arena, batches of up to half of it.
+    largest = pin.pool.largest_slot
+    assert largest == MIN_ARENA // 2 < 32 * MiB
     with pytest.raises(BatchTooLarge) as info:
         next(it)
     err = forget(info)
     assert err.needed == 32 * MiB
-    assert err.slot_bytes == slot
-    assert str(32 * MiB) in str(err) and str(slot) in str(err)
+    assert err.slot_bytes == largest
+    assert str(32 * MiB) in str(err) and str(largest) in str(err)
+    assert "max_batch_bytes=" in str(err)
     assert isinstance(err, ValueError)
     del first, it
     gc.collect()
@@ -669,13 +684,15 @@ def test_oversize_error_names_both_sizes(num_workers: int) -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_oversize_copy_yields_the_big_batch(num_workers: int) -> None:
-    ds = Sized([1000] * 4 + [3 * MiB] * 4)
+    ds = Sized([1000] * 4 + [5 * MiB] * 4)
     pin = compare_loaders(
         ds, pin_kw={"oversize": "copy"}, overflow=1, batch_size=4, num_workers=num_workers
     )
-    # The big batch went into ordinary memory; the slots kept their size.
-    assert pin.pool.slot_bytes == 2 * MiB
-    assert pin.stats()["bytes"] == 4 * 1000 + 4 * 3 * MiB
+    # The big batch (past the largest the arena takes) went into ordinary memory; the arena
+    # kept its size.
+    assert pin.pool.largest_slot == MIN_ARENA // 2 < 20 * MiB
+    assert pin.pool.arena_bytes == MIN_ARENA
+    assert pin.stats()["bytes"] == 4 * 1000 + 4 * 5 * MiB
 
 
 def test_explicit_pool_slot_bytes_and_num_slots() -> None:
@@ -696,11 +713,18 @@ def test_explicit_pool_slot_bytes_and_num_slots() -> None:
     assert pin.pool.device == (torch.cuda.current_device() if torch.cuda.is_available() else None)
 
 
-def test_default_num_slots_follows_prefetch() -> None:
-    pin = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=2, prefetch_factor=3)
+def test_default_arena_follows_prefetch() -> None:
+    """The default arena holds the batches in flight (prefetch x workers) plus 4, each 1.25
+    times the first batch, at least the smallest arena; as many batches can be out."""
+    row = 2 * MiB
+    pin = pinpool.DataLoader(Sized([row] * 8), batch_size=2, num_workers=2, prefetch_factor=3)
     for _ in pin:
         pass
-    assert pin.pool.num_slots == 3 * 2 + 4
+    batches = 3 * 2 + 4
+    assert pin.pool.num_slots >= batches
+    room = -(-int(2 * row * 1.25) // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert batches * room > MIN_ARENA
+    assert pin.pool.arena_bytes >= batches * room
 
 
 def test_stats_keys() -> None:

@@ -17,6 +17,7 @@ from loader_datasets import Lopsided, Paced, Sized, sum_collate
 
 import pinpool
 from pinpool._main import receiver as receiver_module
+from pinpool._main.sizing import MIN_ARENA
 from pinpool._wire.pool_hint import PoolHint
 
 
@@ -83,11 +84,13 @@ def test_a_hinted_pool_holds_batches_whose_small_arrays_outweigh_the_streamed_on
 def test_only_a_workers_first_batch_is_hinted(pool_threads: list[str]) -> None:
     """A worker whose first batch is small (not streamed) sends no hint for its later, big
     batches: the first batch sizes the pool, as without hints."""
-    ds = Sized([1000] * 4 + [3 << 20] * 4)
+    ds = Sized([1000] * 4 + [5 << 20] * 4)
     loader = pinpool.DataLoader(ds, batch_size=4, num_workers=1, oversize="copy")
     assert len(list(loader)) == 2
     assert len(pool_threads) == 1 and pool_threads[0] != "pinpool-pool-hint", pool_threads
-    assert loader.pool is not None and loader.pool.slot_bytes == 2 << 20
+    # Sized for a small first batch: the smallest arena, its largest batch half of it.
+    assert loader.pool is not None and loader.pool.arena_bytes == MIN_ARENA
+    assert loader.pool.largest_slot == MIN_ARENA // 2 < 20 << 20
     assert loader.stats()["overflow_batches"] == 1  # the big batch, in ordinary memory
 
 

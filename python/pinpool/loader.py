@@ -40,8 +40,8 @@ from ._main import settings
 from ._main.delivery import finish
 from ._main.index_queue import DirectQueue, write_directly
 from ._main.receiver import Receiver
-from ._main.sizing import Sizing
 from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, unsupported
+from ._main.sizing import Sizing
 from ._main.tickets import TicketSampler
 from ._native import PinPool
 from ._wire import registry
@@ -65,7 +65,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     - ``arena_bytes``, ``max_batch_bytes``: the size of the fixed arena batches land in, and
       the largest batch it takes. Batches of any size up to that land in it, each taking its
       own bytes. Default (see ``pinpool._main.sizing``): room for the batches in flight
-      plus 4 at 1.25 times the first batch's size, at least 64 MiB, at most half the memory
+      plus 4 at 1.25 times the first batch's size, at least 32 MiB, at most half the memory
       available; the largest batch is half the arena.
     - ``pool``: an existing :class:`~pinpool.PinPool` to use; ``slot_bytes`` and
       ``num_slots``: the older sizing, ``num_slots`` batches of up to ``slot_bytes`` each.

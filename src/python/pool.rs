@@ -191,10 +191,11 @@ impl PyPinPool {
         backend: &str,
         copy_threads: Option<usize>,
         background: bool,
-        arena_bytes: Option<usize>,
+        arena_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         guarded(|| {
             let slot_bytes = size_arg(py, slot_bytes, "slot_bytes")?;
+            let arena_bytes = arena_bytes.map(|n| size_arg(py, n, "arena_bytes")).transpose()?;
             let num_slots = size_arg(py, num_slots, "num_slots")?;
             let request = parse_device(py, device)?;
             let backend = Backend::parse(backend).py(py)?;
@@ -270,12 +271,15 @@ impl PyPinPool {
         &self,
         py: Python<'_>,
         timeout: Option<f64>,
-        nbytes: Option<usize>,
+        nbytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySlot> {
         guarded(|| {
             let timeout = timeout_arg(py, timeout)?;
             let pool = self.get(py)?;
-            let bytes = nbytes.unwrap_or(self.slot_bytes);
+            let bytes = match nbytes {
+                Some(n) => size_arg(py, n, "nbytes")?,
+                None => self.slot_bytes,
+            };
             if let Some(t) = pool.try_checkout_bytes(bytes, 0).py(py)? {
                 return Ok(self.wrap(pool, t));
             }
@@ -295,7 +299,7 @@ impl PyPinPool {
     fn claim<'py>(
         &self,
         py: Python<'py>,
-        nbytes: Option<usize>,
+        nbytes: Option<&Bound<'_, PyAny>>,
         reserve: usize,
         timeout: Option<f64>,
         overflow: bool,
@@ -304,7 +308,10 @@ impl PyPinPool {
         guarded(|| {
             let rules = ClaimRules { reserve, timeout: timeout_arg(py, timeout)?, overflow, defer };
             let pool = self.get(py)?;
-            let bytes = nbytes.unwrap_or(self.slot_bytes);
+            let bytes = match nbytes {
+                Some(n) => size_arg(py, n, "nbytes")?,
+                None => self.slot_bytes,
+            };
             // The common case, room beyond the reserve, keeps the GIL: handing it back and
             // forth would cost more than the checkout.
             if let Some(t) = pool.try_checkout_bytes(bytes, rules.reserve).py(py)? {
@@ -326,12 +333,15 @@ impl PyPinPool {
     fn try_checkout(
         &self,
         py: Python<'_>,
-        nbytes: Option<usize>,
+        nbytes: Option<&Bound<'_, PyAny>>,
         reserve: usize,
     ) -> PyResult<Option<PySlot>> {
         guarded(|| {
             let pool = self.get(py)?;
-            let bytes = nbytes.unwrap_or(self.slot_bytes);
+            let bytes = match nbytes {
+                Some(n) => size_arg(py, n, "nbytes")?,
+                None => self.slot_bytes,
+            };
             Ok(pool.try_checkout_bytes(bytes, reserve).py(py)?.map(|t| self.wrap(pool, t)))
         })
     }

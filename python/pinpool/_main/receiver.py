@@ -24,6 +24,7 @@ at the first batch (or at once when its sizes are known).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -45,7 +46,7 @@ from .._wire import codec, peer
 from .._wire.handle import ARRIVED, HELD, BatchHandle, SlotTicket
 from .._wire.pool_hint import PoolHint
 from .delivery import Delivery, Landing, Local
-from .sizing import Plan, Sizing, ticket_bytes
+from .sizing import Plan, Sizing, room_kept, ticket_bytes
 from .tickets import Tickets
 
 _log = logging.getLogger("pinpool")
@@ -110,8 +111,10 @@ class Receiver:
         self.sizing = sizing
         #: The pool's plan once it is made (None for a pool given by the caller).
         self.plan: Plan | None = None
-        #: The largest batch seen so far, in bytes (zero-copy tickets are sized from it).
+        #: The largest batch seen so far, in bytes, and the last few batches' sizes (zero-copy
+        #: tickets and the room claims ahead leave are sized from them).
         self.largest_seen = 0
+        self._recent: collections.deque[int] = collections.deque(maxlen=32)
         self._pool_device = pool_device
         self._copy_threads = copy_threads
         self._slot_timeout = slot_timeout
@@ -139,7 +142,8 @@ class Receiver:
                     arena_bytes=plan.arena,
                 )
                 self.plan = plan
-                self.largest_seen = max(self.largest_seen, nbytes)
+                if nbytes > 0:
+                    self._seen(nbytes)
                 _log.info(
                     "made the loader's pool at its first batch (%d bytes): an arena of %d "
                     "bytes for batches of up to %d bytes, %s memory (%s), %d copy threads",
@@ -223,7 +227,7 @@ class Receiver:
         slot = self.tickets.adopt(handle.slot)
         specs = codec.checked_specs(handle.specs, slot.nbytes)
         need = codec.extent(specs)
-        self.largest_seen = max(self.largest_seen, need)
+        self._seen(need)
         self.zero_copy_batches += 1
         if need == 0:
             slot.release()
@@ -405,8 +409,8 @@ class Receiver:
                 need,
                 largest,
             )
-        reserve = max(self.largest_seen, need) if ahead else 0
-        self.largest_seen = max(self.largest_seen, need)
+        self._seen(need)
+        reserve = room_kept(self.largest_seen, pool.arena_bytes) if ahead else 0
         try:
             got = pool.claim(
                 need,
@@ -429,13 +433,24 @@ class Receiver:
             return self._overflow_buffer(need)
         return got
 
+    def _seen(self, need: int) -> None:
+        self.largest_seen = max(self.largest_seen, need)
+        self._recent.append(need)
+
     def assign_ticket(self, owner: int) -> SlotTicket | None:
-        """A zero-copy ticket for the next batch of sampler ``owner``, sized from the
-        largest batch seen so far (``sizing.ticket_bytes``), leaving room for one batch that
-        size to come through copy mode; None sends the batch through copy mode."""
+        """A zero-copy ticket for the next batch of sampler ``owner``, sized from the last
+        few batches (``sizing.ticket_bytes``), leaving room for batches that come through
+        copy mode (``sizing.room_kept``); None sends the batch through copy mode."""
         pool = self.pool
-        size = ticket_bytes(self.largest_seen, self.max_batch) if pool is not None else 0
-        return self.tickets.assign(pool, owner, size, reserve=self.largest_seen)
+        if pool is None:
+            return self.tickets.assign(None, owner, 0, 0)
+        arena = pool.arena_bytes
+        # Most of the recent batches fit (three in four): a long tail's rare giants go through
+        # copy mode rather than make every ticket giant.
+        ordered = sorted(self._recent) or [self.largest_seen]
+        recent = ordered[len(ordered) * 3 // 4]
+        size = ticket_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
+        return self.tickets.assign(pool, owner, size, room_kept(self.largest_seen, arena))
 
     def _overflow_buffer(self, need: int) -> torch.Tensor:
         self.overflow_batches += 1
@@ -494,8 +509,9 @@ class Receiver:
 
 
 def background_arena(device: int | None) -> bool:
-    """Whether the loader's arena is made ready in the background (the first 64 MiB at once,
-    the rest while the first batches flow) or whole before the first batch is delivered.
+    """Whether the loader's arena is made ready in the background (the first 16 MiB, at
+    least one part, at once, the rest while the first batches flow) or whole before the
+    first batch is delivered.
 
     Whole, wherever the arena is pinned through the CUDA driver: on the H200, registering the
     rest while batches flowed stalled the main thread for 4 to 7 ms at a time (timed steps,

@@ -30,7 +30,7 @@ from .._native import available_memory
 from . import settings
 
 #: The smallest arena sized automatically.
-MIN_ARENA = 64 << 20
+MIN_ARENA = 32 << 20
 #: An arena sized automatically may take at most this share of the memory available.
 MEMORY_SHARE = 0.5
 #: A batch's room: its size times this (the next batches may be a little larger).
@@ -136,8 +136,19 @@ class Sizing:
         return f"{MEMORY_SHARE / ranks:.0%}{each}"
 
 
-def ticket_bytes(largest_seen: int, largest: int) -> int:
-    """A zero-copy ticket's size, handed out before its batch is made: the largest batch seen
-    so far with headroom, at most the largest batch the arena takes. A batch that turns out
-    larger goes through its worker's segment and is copied into a slot of its own size."""
-    return min(largest, _pages(max(1, largest_seen) * HEADROOM))
+def ticket_bytes(recent: int, largest: int, arena: int, in_flight: int) -> int:
+    """A zero-copy ticket's size, handed out before its batch is made: the largest of the
+    last few batches with headroom, at most the largest batch the arena takes, and at most an
+    equal share of the arena among the batches in flight and two more (the tickets of a
+    long-tailed workload must not take the arena from the batches that come through copy
+    mode). A batch that turns out larger goes through its worker's segment and is copied
+    into a slot of its own size (counted)."""
+    share = max(_PAGE, arena // (in_flight + 2) // _PAGE * _PAGE)
+    return min(largest, share, _pages(max(1, recent) * HEADROOM))
+
+
+def room_kept(largest_seen: int, arena: int) -> int:
+    """Bytes a claim made ahead of the consumer (a zero-copy ticket, a batch taken by the pin
+    thread) leaves free in one range: two of the largest batch seen (the one the consumer
+    holds while it asks for the next, and that next one), at most half the arena."""
+    return min(2 * largest_seen, arena // 2)

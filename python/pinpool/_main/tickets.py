@@ -3,9 +3,10 @@
 The arena is shared memory: a few memfds back to back (``cuda-register`` or ``host``
 backend). When torch asks the sampler for the next batch's indices, :class:`TicketSampler`
 checks a slot out (without waiting: the asking thread is the consumer), sized before the
-batch exists from the largest batch seen so far (``sizing.ticket_bytes``), and tags the index
+batch exists from the recent batches' sizes (``sizing.ticket_bytes``), and tags the index
 list with a :class:`~pinpool._wire.handle.SlotTicket`: the slot's place in shared memory and
-a random nonce. A batch that turns out larger goes through its worker's segment (counted). The worker writes the batch into that slot (``pinpool._worker.places``) and
+a random nonce. A batch that turns out larger goes through its worker's segment (counted).
+The worker writes the batch into that slot (``pinpool._worker.places``) and
 its handle names the slot; :meth:`Tickets.adopt` gives the slot back to the receiver only if
 it was handed out for that batch (index, generation and nonce).
 
