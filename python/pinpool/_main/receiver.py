@@ -200,6 +200,8 @@ class Receiver:
         if not handle._state:
             raise PinPoolError("this batch handle was taken or dropped already")
         pending = None
+        if handle.slot is None and handle.segment is None and handle.worker is None:
+            return self._inline(handle)
         try:
             if handle.slot is not None:
                 memory, specs, need = self._adopt(handle)
@@ -219,6 +221,13 @@ class Receiver:
         self.drop(handle, handed_back=pending is not None)
         batch = self.deliver(handle.tree, specs, memory, need)
         return batch if pending is None else Landing(batch, pending)
+
+    def _inline(self, handle: BatchHandle) -> Any:
+        """A batch without arrays, carried whole by its handle: no memory, no pool."""
+        handle._state = 0
+        if handle.specs:
+            raise OutOfBounds("corrupt batch handle: arrays, but no slot nor segment")
+        return self.deliver(handle.tree, [], None, 0)
 
     def _adopt(self, handle: BatchHandle) -> tuple[Slot | None, list[codec.LeafSpec], int]:
         """Zero-copy: the slot the worker wrote the batch into, checked."""
@@ -332,7 +341,7 @@ class Receiver:
         """Takes hold of a copy-mode handle's segment as the handle arrives, ahead of taking
         its batch (its worker may exit or die before the consumer reaches it). An error is
         left for :meth:`take` to raise, in turn."""
-        if handle._state == ARRIVED and handle.slot is None:
+        if handle._state == ARRIVED and handle.slot is None and handle.segment is not None:
             try:
                 self._receive(handle)
             except Exception:

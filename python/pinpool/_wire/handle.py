@@ -80,7 +80,8 @@ class BatchHandle:
     - or the segment: ``worker`` (its ring's key), ``segment`` (its number in the ring),
       ``origin`` ((pid, fd) to open it through ``/proc``, on its first use only),
       ``total_len`` and ``nonce`` (its header's), ``retired`` (segments of the ring the worker
-      dropped) and ``unused`` (the claim of a zero-copy slot the batch did not fit).
+      dropped) and ``unused`` (the claim of a zero-copy slot the batch did not fit);
+    - or neither: a batch without arrays, carried whole in ``tree`` (``specs`` empty).
     """
 
     __slots__ = (

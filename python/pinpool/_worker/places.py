@@ -194,7 +194,11 @@ def write(
     threads: int = 1,
 ) -> BatchHandle:
     """Writes the batch planned as ``p`` into its place (the ticket's slot if it fits, else a
-    segment; big arrays copied with ``threads`` threads) and returns its handle."""
+    segment; big arrays copied with ``threads`` threads) and returns its handle. A batch
+    without arrays and without a ticket needs no place: its handle carries it whole (and the
+    main process makes no pool for it)."""
+    if not p.specs and ticket is None:
+        return BatchHandle(token, p, count)
     place = Place(token, ring_size, ticket, p.nbytes)
     try:
         codec.write(p, place.memory, threads)
