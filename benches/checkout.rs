@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pinpool::copy::CopyRange;
 use pinpool::cuda::{self, Device, StreamHandle};
-use pinpool::fence::{FenceId, Fences, ManualFences};
 use pinpool::extents::ExtentMap;
+use pinpool::fence::{FenceId, Fences, ManualFences};
 use pinpool::shm::Mapping;
 use pinpool::{Pool, PoolConfig, Result};
 

@@ -125,8 +125,7 @@ impl ExtentMap {
         let at = self.free.iter().position(|r| r.1 >= size)?;
         if keep > 0 {
             let rest = self.free[at].1 - size;
-            let elsewhere =
-                self.free.iter().enumerate().any(|(i, r)| i != at && r.1 >= keep);
+            let elsewhere = self.free.iter().enumerate().any(|(i, r)| i != at && r.1 >= keep);
             if rest < keep && !elsewhere {
                 return None;
             }

@@ -536,7 +536,10 @@ mod tests {
         assert_eq!(t.extent(small), Some((8 * u, u)));
         assert!(t.try_checkout_bytes(4 * u, 4 * u).is_none(), "would leave less than `keep`");
         let b = t.bytes();
-        assert_eq!((b.checked_out, b.free, b.largest_free, b.largest_part), (9 * u, 7 * u, 7 * u, 8 * u));
+        assert_eq!(
+            (b.checked_out, b.free, b.largest_free, b.largest_part),
+            (9 * u, 7 * u, 7 * u, 8 * u)
+        );
         t.release(big, true).unwrap();
         assert!(t.try_checkout_bytes(8 * u, 0).is_none(), "a fenced slot's bytes reused");
         assert_eq!(t.bytes().fenced, 8 * u);

@@ -71,10 +71,7 @@ const SLOT: usize = 16 << 12;
 
 fn pool_with_manual_fences() -> (Arc<Pool>, Arc<ManualFences>) {
     let fences = Arc::new(ManualFences::new());
-    let config = PoolConfig {
-        arena_bytes: Some(PARTS * SLOT),
-        ..PoolConfig::host(SLOT, 64)
-    };
+    let config = PoolConfig { arena_bytes: Some(PARTS * SLOT), ..PoolConfig::host(SLOT, 64) };
     let pool = Pool::with_fences(&config, Box::new(Arc::clone(&fences))).unwrap();
     (pool, fences)
 }

@@ -243,9 +243,7 @@ impl Model {
 
     /// Pages that are ready and held by no slot, lowest first: a checkout takes the first.
     fn free_pages(&self) -> Vec<usize> {
-        (0..self.ready.len())
-            .filter(|&p| self.ready[p] && !self.page.contains(&Some(p)))
-            .collect()
+        (0..self.ready.len()).filter(|&p| self.ready[p] && !self.page.contains(&Some(p))).collect()
     }
 
     /// A slot goes back: its entry and its page.

@@ -39,7 +39,6 @@ impl PySlot {
         PySlot { lease: Arc::new(Lease::new(pool, ticket)), fence_device, extent }
     }
 
-
     pub(crate) fn ticket(&self) -> Ticket {
         self.lease.ticket()
     }
