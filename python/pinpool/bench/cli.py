@@ -56,8 +56,8 @@ TOKEN_PRESETS: dict[str, dict[str, int]] = {
 }
 
 #: The varlen workload per preset: rows per batch, workers, steps. Rows are 16 to 40,000 int64
-#: tokens (a long tail), padded per batch with an int64 mask: a batch of 16 is 23 KB to 10.2 MB,
-#: 0.35 MB median, 1.9 MB on average (see workloads.VARLEN_ALPHA).
+#: tokens (a long tail), padded per batch with an int64 mask: over the gpu preset's 2032 batches
+#: one of 16 rows is 15 KB to 10.2 MB, 0.36 MB median, 1.6 MB on average (workloads.VARLEN_ALPHA).
 VARLEN_PRESETS: dict[str, dict[str, int]] = {
     "gpu": {"varlen_batch_size": 16, "varlen_workers": min(8, cpu_count()), "varlen_steps": 2000},
     "cpu": {"varlen_batch_size": 16, "varlen_workers": 2, "varlen_steps": 300},
