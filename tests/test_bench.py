@@ -3,7 +3,7 @@
 Runs the benchmark as a user would, in a subprocess (on a machine without CUDA it measures
 the host-side path only), then checks the JSON's top-level keys and contents (the stall
 scenario's phases, time to first batch, time inside next(), the tokens workload, what ran
-where), the PNGs, and the table printed at the end.
+where), the PNGs, and the table printed at the end; and the varlen workload's own figures.
 """
 
 from __future__ import annotations
@@ -237,3 +237,51 @@ def test_more_ranks_than_gpus_is_one_line_and_a_failure(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"--ranks {ranks} needs {ranks} GPUs" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_varlen_workload_reports_pinned_memory_held_and_pinpool_counters(tmp_path: Path) -> None:
+    # Dynamic padding: rows of 16 to 40,000 tokens padded per batch, every loader over the
+    # same batches. A few steps only: counts and bytes are compared here, the batches' bits
+    # elsewhere.
+    argv = ["--quick", "--workloads", "varlen", "--modes", "throughput", "--repeats", "1"]
+    argv += ["--varlen-steps", "12", "--varlen-workers", "2", "--warmup", "4"]
+    proc, out = run_bench(tmp_path, *argv)
+    result = json.loads((out / "results.json").read_text())
+    assert list(result["scenarios"]) == ["varlen/throughput"]
+    scenario = result["scenarios"]["varlen/throughput"]
+    assert scenario["workload"] == "varlen" and scenario["shape"] == [16, 40_000]
+    runs = result["runs"]
+    assert runs and not [r for r in runs if r.get("error")]
+    assert {r["loader"] for r in runs} == set(result["loaders"]) >= {"torch-pinned", "pinpool"}
+    host_only = result["meta"]["host_only"]
+    for run in runs:
+        assert {"pinned_held_bytes", "pinned_held_mib", "pinned_held"} <= set(run)
+        assert {"overflow_batches", "zero_copy_fallbacks", "gb_per_s", "next_ms_p99"} <= set(run)
+        assert run["gb_per_s"] > 0 and run["probe_samples"] > 0
+        if run["loader"].startswith("pinpool"):
+            # The arena is fixed: what it holds at the end is its size.
+            assert run["pinned_held_bytes"] >= run["pool"]["arena_bytes"] > 0
+            assert run["overflow_batches"] == 0, run["loader_stats"]
+            assert run["zero_copy_fallbacks"] >= 0
+            assert run["loader_stats"]["batches"] == scenario["warmup"] + 12
+        else:
+            assert run["overflow_batches"] is None and run["zero_copy_fallbacks"] is None
+            if host_only:
+                assert run["pinned_held_bytes"] is None and run["pinned_held"] == "n/a (no CUDA)"
+            else:
+                assert run["pinned_held_bytes"] >= 0
+    # Every loader delivered the same batches: as many, and as many bytes.
+    assert {(r["steps"], r["bytes"]) for r in runs} == {(12, runs[0]["bytes"])}
+    by_loader = result["summary"]["varlen/throughput"]
+    assert by_loader["torch-pinned"]["gb_per_s"]["ratio"] == pytest.approx(1.0)
+    assert by_loader["pinpool"]["gb_per_s"]["ratio"] > 0
+    assert by_loader["pinpool"]["overflow_batches"]["median"] == 0
+    assert "pinned_held_mib" in by_loader["pinpool"]
+
+    # The table: the batches' range, and the new rows, with n/a where there is no CUDA.
+    assert "varlen/throughput: varlen, batch 16 rows of 16..40000 int64 tokens" in proc.stdout
+    for label in ("pinned MiB held at the end", "overflow batches", "zero-copy fallbacks"):
+        assert label in proc.stdout
+    if host_only:
+        assert "n/a (no CUDA)" in proc.stdout

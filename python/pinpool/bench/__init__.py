@@ -14,6 +14,14 @@ mode (images only); then ``stall``: big batches over a loader's whole life, with
 main-thread stall of each phase reported on its own (construction, first batch, the rest of
 the first epoch, a second epoch, ``del``, ``gc.collect()``).
 
+Asked for by name (``--workloads varlen``), ``varlen``: batches of varying size, the usual NLP
+"dynamic padding": token rows of 16 to 40,000 int64 tokens (a seeded long tail, the same for
+every loader) padded per batch to its longest row, with an int64 attention mask, so one epoch's
+batches vary by 100x and more (``--varlen-batch-size``, ``--varlen-workers``,
+``--varlen-steps``). Besides throughput and stalls it reports, per loader, the pinned host
+memory held at the end of the epoch (torch's caching host allocator, in use and cached; pinpool's
+fixed arena) and pinpool's overflow batches and zero-copy fallbacks.
+
 Modules: :mod:`.cli` (arguments, presets), :mod:`.workloads` (datasets), :mod:`.loaders`
 (the loaders compared), :mod:`.measure` (one run and its metrics), :mod:`.runner` (the
 whole run), :mod:`.report` (table, JSON, plots).

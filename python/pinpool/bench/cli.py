@@ -6,6 +6,8 @@ box), and a tiny ``quick`` preset with ``--quick``. Explicit arguments always wi
 
 The ``tokens`` workload has its own batch size, workers and steps (``--token-*``, presets in
 :data:`TOKEN_PRESETS`): its batches are small, so it needs many more steps than the images.
+So has the ``varlen`` workload (``--varlen-*``, presets in :data:`VARLEN_PRESETS`), which runs
+only when asked for (``--workloads varlen``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ TOKEN_PRESETS: dict[str, dict[str, int]] = {
     "quick": {"token_batch_size": 8, "token_workers": 2, "token_steps": 100},
 }
 
+#: The varlen workload per preset: rows per batch, workers, steps. Rows are 16 to 40,000 int64
+#: tokens (a long tail), padded per batch with an int64 mask: over the gpu preset's 2032 batches
+#: one of 16 rows is 15 KB to 10.2 MB, 0.36 MB median, 1.6 MB on average (workloads.VARLEN_ALPHA).
+VARLEN_PRESETS: dict[str, dict[str, int]] = {
+    "gpu": {"varlen_batch_size": 16, "varlen_workers": min(8, cpu_count()), "varlen_steps": 2000},
+    "cpu": {"varlen_batch_size": 16, "varlen_workers": 2, "varlen_steps": 300},
+    "quick": {"varlen_batch_size": 16, "varlen_workers": 2, "varlen_steps": 60},
+}
+
 #: Items per batch in the stall scenario; each item is big_batch_mib / STALL_ITEMS.
 STALL_ITEMS = 8
 #: Workloads run when --workload is not given.
@@ -85,6 +96,10 @@ class Config:
     token_workers: int
     token_steps: int
     token_warmup: int
+    varlen_batch_size: int
+    varlen_workers: int
+    varlen_steps: int
+    varlen_warmup: int
     data_dir: str
     out: str
     ranks: int  # data-parallel ranks (1: a plain run)
@@ -113,9 +128,13 @@ def parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add(
         "--workload",
+        "--workloads",
         nargs="+",
         help=f"one or more of {', '.join(WORKLOADS)} ({' '.join(DEFAULT_WORKLOADS)}); tokens "
-        "runs in throughput mode only",
+        "and varlen run in throughput mode only. varlen: token rows of 16 to 40,000 tokens "
+        "(a seeded long tail) padded per batch to its longest row, so batch sizes vary by "
+        "100x and more; it also reports the pinned host memory each loader holds at the end "
+        "and pinpool's overflow batches and zero-copy fallbacks",
     )
     add("--modes", nargs="+", help=f"measurements to run: {', '.join(MODES)} (all)")
     add(
@@ -132,6 +151,10 @@ def parser() -> argparse.ArgumentParser:
 
     def token_preset(key: str) -> str:
         values = [TOKEN_PRESETS[p][key] for p in ("gpu", "cpu", "quick")]
+        return f"(gpu / cpu / --quick preset: {' / '.join(map(str, values))})"
+
+    def varlen_preset(key: str) -> str:
+        values = [VARLEN_PRESETS[p][key] for p in ("gpu", "cpu", "quick")]
         return f"(gpu / cpu / --quick preset: {' / '.join(map(str, values))})"
 
     add("--batch-size", type=int, help=f"items per batch {preset('batch_size')}")
@@ -161,6 +184,17 @@ def parser() -> argparse.ArgumentParser:
         help=f"DataLoader workers, tokens workload {token_preset('token_workers')}",
     )
     add("--token-steps", type=int, help=f"batches per run, tokens {token_preset('token_steps')}")
+    add(
+        "--varlen-batch-size",
+        type=int,
+        help=f"rows per batch, varlen workload {varlen_preset('varlen_batch_size')}",
+    )
+    add(
+        "--varlen-workers",
+        type=int,
+        help=f"DataLoader workers, varlen workload {varlen_preset('varlen_workers')}",
+    )
+    add("--varlen-steps", type=int, help=f"batches per run, varlen {varlen_preset('varlen_steps')}")
     add("--prefetch-factor", type=int, default=2, help="batches in flight per worker (2)")
     add("--compute-ms", type=float, default=30.0, help="GPU work per step, compute loop (30)")
     add("--repeats", type=int, help=f"runs of each loader, alternating {preset('repeats')}")
@@ -211,6 +245,10 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         value = getattr(args, name)
         return int(TOKEN_PRESETS[preset][name] if value is None else value)
 
+    def pick_varlen(name: str) -> int:
+        value = getattr(args, name)
+        return int(VARLEN_PRESETS[preset][name] if value is None else value)
+
     shape = tuple(int(d) for d in args.shape.split(",")) if args.shape else base["shape"]
     workers = pick("workers")
     stall_workers = min(2, workers)
@@ -221,6 +259,8 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
     stall_warmup = asked or max(3, stall_workers * cycle)
     token_workers = pick_token("token_workers")
     token_warmup = asked or max(base["warmup"], token_workers * cycle)
+    varlen_workers = pick_varlen("varlen_workers")
+    varlen_warmup = asked or max(base["warmup"], varlen_workers * cycle)
     steps = pick("steps")
     big = pick("big_batch_mib")
     # Stall scenario: STALL_ITEMS images of shape (3, s, s) adding up to about big MiB.
@@ -255,6 +295,10 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         token_workers=token_workers,
         token_steps=pick_token("token_steps"),
         token_warmup=token_warmup,
+        varlen_batch_size=pick_varlen("varlen_batch_size"),
+        varlen_workers=varlen_workers,
+        varlen_steps=pick_varlen("varlen_steps"),
+        varlen_warmup=varlen_warmup,
         data_dir=args.data_dir or os.path.join(tempfile.gettempdir(), "pinpool-bench"),
         out=out,
         ranks=max(1, args.ranks),

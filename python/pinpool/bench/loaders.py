@@ -81,9 +81,11 @@ def build(
     prefetch_factor: int,
     device: str | None,
     sampler: Any = None,
+    collate_fn: Any = None,
 ) -> torch.utils.data.DataLoader[Any]:
-    """A fresh loader for ``spec``, over ``sampler``'s indices if given (a rank's shard);
-    raises :class:`Unsupported` for an unknown kwarg."""
+    """A fresh loader for ``spec``, over ``sampler``'s indices if given (a rank's shard),
+    batches made by ``collate_fn`` if given (else torch's default); raises
+    :class:`Unsupported` for an unknown kwarg."""
     if spec.needs_cuda and device is None:
         raise Unsupported("needs a CUDA device")
     if spec.kind == "pinpool":
@@ -93,6 +95,8 @@ def build(
     else:
         cls = torch.utils.data.DataLoader
     kwargs: dict[str, Any] = {k: (device if v == DEVICE else v) for k, v in spec.kwargs.items()}
+    if collate_fn is not None:
+        kwargs["collate_fn"] = collate_fn
     try:
         return cls(
             dataset,

@@ -26,7 +26,17 @@ and ends the epoch: the dataset holds ``warmup + steps`` batches):
   the main process but the probe's, workers excluded) / steps;
 - ``pinned_mib``: for torch loaders the peak of torch's pinned host allocator
   (``allocated_bytes.peak``; its cache is emptied and its peak reset before the loader is
-  made); for pinpool loaders the pool's ``arena_bytes`` plus that peak.
+  made); for pinpool loaders the pool's ``arena_bytes`` plus that peak;
+- ``pinned_held_bytes`` (and ``pinned_held_mib``): the pinned host memory the loader's
+  process holds at the end of the epoch, before the loader is deleted: for torch loaders
+  what torch's caching host allocator holds (``allocated_bytes.current`` of
+  ``torch.cuda.host_memory_stats()``: its blocks in use and cached, at their rounded sizes);
+  for pinpool loaders the pool's ``arena_bytes`` (fixed) plus that (normally 0). Without
+  CUDA torch pins nothing: None for torch loaders (``pinned_held`` says ``n/a (no CUDA)``),
+  the arena's size for pinpool's (ordinary host memory there); ``pinned_held`` says which;
+- ``overflow_batches``, ``zero_copy_fallbacks``: pinpool loaders only (None for torch's),
+  from ``loader.stats()`` at the end: batches that went to unpinned memory, and batches a
+  zero-copy loader moved through copy mode instead.
 
 The stall scenario also follows the loader's whole life: the probe runs from before
 construction to the end, the loader goes through a second whole epoch after the first, then
@@ -60,7 +70,7 @@ import torch
 import pinpool
 
 from .loaders import LoaderSpec, build, transfer
-from .workloads import batch_nbytes, largest
+from .workloads import batch_nbytes, collate_of, largest
 
 MIB = 1 << 20
 
@@ -303,6 +313,56 @@ def host_pinned() -> dict[str, int] | None:
     return {k.replace(".", "_"): int(stats[k]) for k in keys}
 
 
+#: The key of ``torch.cuda.host_memory_stats()`` read as the pinned bytes torch's caching host
+#: allocator holds: "bytes of pinned blocks owned by the allocator (active + cached)", at the
+#: power-of-two sizes it asked CUDA for (torch 2.11 to 2.15, CachingHostAllocator.h's
+#: HostStats::allocated_bytes; its host stats have no reserved_bytes, which is the device
+#: allocator's name for the same thing and is read if a later torch has it instead).
+HOST_HELD_KEYS = ("allocated_bytes.current", "reserved_bytes.current")
+
+
+def host_pinned_held() -> int | None:
+    """The pinned bytes torch's caching host allocator holds now (in use and cached), or None
+    without CUDA (or where torch does not say)."""
+    fn = getattr(torch.cuda, "host_memory_stats", None) or getattr(
+        torch.cuda.memory, "host_memory_stats", None
+    )
+    if fn is None or not torch.cuda.is_available():
+        return None
+    stats = fn()
+    if not stats:  # CUDA not initialised yet in this process: nothing pinned
+        return 0
+    for key in HOST_HELD_KEYS:
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
+def pinned_held(stats: Any, pool: dict[str, Any] | None, torch_held: int | None) -> dict[str, Any]:
+    """What a loader holds at the end: ``pinned_held_bytes``, ``pinned_held`` (where the
+    figure comes from, or why there is none), and pinpool's ``overflow_batches`` and
+    ``zero_copy_fallbacks`` (None for torch's loaders)."""
+    if pool is not None:
+        held: int | None = int(pool["arena_bytes"]) + (torch_held or 0)
+        how = f"pool.arena_bytes (backend {pool['backend']})"
+        if torch_held:
+            how += " + torch host allocator's allocated_bytes.current"
+        elif torch_held is None:
+            how += ": no CUDA, not pinned"
+    elif torch_held is None:
+        held, how = None, "n/a (no CUDA)"
+    else:
+        held, how = torch_held, "torch.cuda.host_memory_stats()['allocated_bytes.current']"
+    stats = stats or {}
+    return {
+        "pinned_held_bytes": held,
+        "pinned_held_mib": None if held is None else held / MIB,
+        "pinned_held": how,
+        "overflow_batches": stats.get("overflow_batches") if pool is not None else None,
+        "zero_copy_fallbacks": stats.get("zero_copy_fallbacks") if pool is not None else None,
+    }
+
+
 def _pool_info(pool: Any) -> dict[str, Any] | None:
     """A pinpool loader's pool, as plain figures (None for torch loaders)."""
     if pool is None:
@@ -396,6 +456,7 @@ def run_once(
             prefetch_factor=plan.prefetch_factor,
             device=None if device is None else str(device),
             sampler=sampler,
+            collate_fn=collate_of(dataset),
         )
         t_built = time.perf_counter()
         it = iter(loader)
@@ -440,6 +501,7 @@ def run_once(
             if batches != epoch:
                 raise RuntimeError(f"the second epoch had {batches} batches, not {epoch}")
         pinned = host_pinned()
+        torch_held = host_pinned_held()
         pool = _pool_info(getattr(loader, "pool", None))
         stats = loader.stats() if hasattr(loader, "stats") else None
         t_del = time.perf_counter()
@@ -494,6 +556,7 @@ def run_once(
         "torch_host_pinned": pinned,
         "pool": pool,
         "loader_stats": stats,
+        **pinned_held(stats, pool, torch_held),
         "leaked_workers": len(multiprocessing.active_children()),
     }
     if life:

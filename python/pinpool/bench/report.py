@@ -39,6 +39,9 @@ METRICS = {
     "probe_max_ms": "probe late ms, max",
     "cpu_ms_per_batch": "CPU ms/batch",
     "pinned_mib": "pinned MiB",
+    "pinned_held_mib": "pinned MiB held at the end",
+    "overflow_batches": "overflow batches (unpinned)",
+    "zero_copy_fallbacks": "zero-copy fallbacks",
     "time_to_first_batch_s": "time to first batch, ms",
 }
 #: Phase metric key -> (phase, key in the run's ``phases[phase]``).
@@ -53,12 +56,24 @@ METRICS.update(
 )
 #: Shown multiplied by this (a share in percent, seconds in ms).
 SCALE = {"idle_share": 100.0, "idle_share_copy_busy": 100.0, "time_to_first_batch_s": 1e3}
+#: Counts: shown as whole numbers where they are (a median of two may be a half).
+COUNTS = {"overflow_batches", "zero_copy_fallbacks"}
 _COMMON = ["step_ms_max", "probe_p99_ms", "probe_max_ms", "cpu_ms_per_batch", "pinned_mib"]
 _NEXT = ["next_ms_median", "next_ms_p99"]
-#: The metrics shown for each mode, headline first (tokens: for its workload).
+#: The metrics shown for each mode, headline first (tokens, varlen: for their workloads).
 SHOWN = {
     "throughput": ["gb_per_s", "batches_per_s", *_NEXT, "time_to_first_batch_s", *_COMMON],
     "tokens": ["gb_per_s", "us_per_batch", *_NEXT, "time_to_first_batch_s", *_COMMON],
+    "varlen": [
+        "gb_per_s",
+        "us_per_batch",
+        *_NEXT,
+        "time_to_first_batch_s",
+        *_COMMON,
+        "pinned_held_mib",
+        "overflow_batches",
+        "zero_copy_fallbacks",
+    ],
     "compute": [
         "steps_per_s",
         "idle_share",
@@ -109,6 +124,10 @@ LEGEND = [
     "    in a process of its own; late there too, the machine's CPUs were all busy, rather",
     "    than the loader's process held up). gc.collect() walks the whole process's heap,",
     "    torch's included: the loader's own share is what exceeds the others' there.",
+    "  pinned MiB: the most pinned host memory held during the run; held at the end: what is",
+    "    still held when the epoch is over (torch: its caching host allocator's blocks, in use",
+    "    and cached; pinpool: its fixed arena). Overflow batches: pinpool batches that went to",
+    "    unpinned memory; zero-copy fallbacks: zero-copy batches moved through copy mode.",
 ]
 
 
@@ -151,19 +170,32 @@ def _num(v: float | None, key: str = "") -> str:
     if v is None:
         return "-"
     v = v * SCALE.get(key, 1.0)
+    if key in COUNTS and float(v).is_integer():
+        return str(int(v))
     a = abs(v)
     return f"{v:.0f}" if a >= 100 else f"{v:.1f}" if a >= 10 else f"{v:.2f}"
 
 
-def _cell(m: dict[str, Any] | None, key: str, same: bool = False) -> str:
-    """``median [min..max] xR``; ``x-`` where the loader is the baseline itself here."""
+def _cell(m: dict[str, Any] | None, key: str, same: bool = False, missing: str = "-") -> str:
+    """``median [min..max] xR``; ``x-`` where the loader is the baseline itself here;
+    ``missing`` where it has no figure."""
     if m is None:
-        return "-"
+        return missing
     pct = "%" if key.startswith("idle_share") else ""
     text = f"{_num(m['median'], key)}{pct} [{_num(m['min'], key)}..{_num(m['max'], key)}]"
     if same:
         return f"{text} x-"
     return text if m["ratio"] is None else f"{text} x{m['ratio']:.2f}"
+
+
+def _missing(result: dict[str, Any], loader: str, key: str) -> str:
+    """What a table cell says where a loader has no figure: why, for pinned memory held
+    without CUDA, else ``-``."""
+    if key == "pinned_held_mib":
+        for run in result["runs"]:
+            if run["loader"] == loader and str(run.get("pinned_held") or "").startswith("n/a"):
+                return str(run["pinned_held"])
+    return "-"
 
 
 def _phase_cell(metrics: dict[str, Any], phase: str) -> str:
@@ -228,11 +260,18 @@ def table(result: dict[str, Any]) -> str:
             lines.append("  (no successful runs)")
             continue
         rows = [["", *loaders]]
-        shown = SHOWN["tokens" if info["workload"] == "tokens" else info["mode"]]
+        workload = info["workload"]
+        shown = SHOWN[workload if workload in ("tokens", "varlen") else info["mode"]]
         for key in shown:
             if any(key in by_loader[n] for n in loaders):
                 rows.append(
-                    [METRICS[key], *(_cell(by_loader[n].get(key), key, n in same) for n in loaders)]
+                    [
+                        METRICS[key],
+                        *(
+                            _cell(by_loader[n].get(key), key, n in same, _missing(result, n, key))
+                            for n in loaders
+                        ),
+                    ]
                 )
         if info["mode"] == "stall" and any(
             k in by_loader[n] for n in loaders for k in PHASE_METRICS

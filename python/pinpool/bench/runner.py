@@ -1,7 +1,8 @@
 """Runs the whole benchmark: plans the scenarios, alternates the loaders, writes the report.
 
 Scenarios: each workload in ``throughput`` mode, then in ``compute`` mode (CUDA only; not
-the ``tokens`` workload, whose batches take microseconds next to the compute step), then the
+the ``tokens`` and ``varlen`` workloads, whose batches take microseconds next to the compute
+step), then the
 ``stall`` scenario (synthetic images, big batches, the loader's whole life: construction,
 first batch, two epochs, ``del`` and ``gc.collect()``, each phase's worst main-thread stall on
 its own). Within a scenario the loaders take turns: ``for repeat: for loader:``, each run with
@@ -38,7 +39,18 @@ from .loaders import BASELINE, LoaderSpec, check, same_here, spec_named
 from .measure import ComputeWork, Scenario, h2d_ceiling, run_once
 from .ranks import DataParallelStep, Ranks, launch, missing_gpus, totals
 from .report import summarize, table, write_all
-from .workloads import TOKEN_ROW, batch_nbytes, largest, make_dataset
+from .workloads import (
+    TOKEN_ROW,
+    VARLEN_ALPHA,
+    VARLEN_MAX,
+    VARLEN_MIN,
+    VARLEN_SEED,
+    VarlenRows,
+    batch_nbytes,
+    collate_of,
+    largest,
+    make_dataset,
+)
 
 
 def source() -> dict[str, Any]:
@@ -130,6 +142,14 @@ def plan_scenarios(cfg: Config) -> dict[str, Scenario]:
                         cfg.prefetch_factor, cfg.token_warmup, cfg.token_steps,
                     )  # fmt: skip
                 continue
+            if workload == "varlen":
+                if mode == "throughput":
+                    out[f"{workload}/{mode}"] = Scenario(
+                        workload, mode, cfg.varlen_batch_size, (VARLEN_MIN, VARLEN_MAX),
+                        cfg.varlen_workers, cfg.prefetch_factor, cfg.varlen_warmup,
+                        cfg.varlen_steps,
+                    )  # fmt: skip
+                continue
             out[f"{workload}/{mode}"] = Scenario(
                 workload, mode, cfg.batch_size, cfg.shape, cfg.workers,
                 cfg.prefetch_factor, cfg.warmup, cfg.steps,
@@ -142,8 +162,29 @@ def plan_scenarios(cfg: Config) -> dict[str, Scenario]:
     return out
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.0f} KB"
+
+
+def describe_varlen(sc: Scenario, dataset: VarlenRows, cfg: Config) -> str:
+    """One line for the varlen workload: the rows, the padded batches' sizes over the epoch."""
+    sizes = dataset.batch_bytes(sc.batch_size)
+    return (
+        f"varlen, batch {sc.batch_size} rows of {sc.shape[0]}..{sc.shape[1]} int64 tokens "
+        f"(Pareto tail, alpha {VARLEN_ALPHA:g}, seed {VARLEN_SEED}), padded per batch to its "
+        f"longest row: input_ids + int64 attention_mask = {_size(sizes.min())} to "
+        f"{_size(sizes.max())} ({sizes.max() / sizes.min():.0f}x), median "
+        f"{_size(float(np.median(sizes)))}, mean {_size(float(sizes.mean()))} over the epoch; "
+        f"{sc.workers} workers x prefetch {sc.prefetch_factor}, {sc.steps} steps after "
+        f"{sc.warmup} warm-up, {f'then .to({cfg.device})' if cfg.device else 'no device copy'}, "
+        "no compute"
+    )
+
+
 def describe(sc: Scenario, dataset: Any, cfg: Config) -> str:
     """One line: the batch, the workers, the steps, what the consumer does."""
+    if isinstance(dataset, VarlenRows):
+        return describe_varlen(sc, dataset, cfg)
     item = dataset[0]
     nbytes = batch_nbytes(item) * sc.batch_size
     dtype = str(largest(item).dtype).removeprefix("torch.")
@@ -156,7 +197,7 @@ def describe(sc: Scenario, dataset: Any, cfg: Config) -> str:
     if sc.mode == "stall":
         steps = f"2 epochs of {sc.warmup + sc.steps} batches (timed steps: the last {sc.steps} "
         steps += "of epoch 1)"
-    size = f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.0f} KB"
+    size = _size(nbytes)
     return (
         f"{sc.workload}, batch {sc.batch_size} x {'x'.join(map(str, sc.shape))} {dtype} = "
         f"{size}, {sc.workers} workers x prefetch {sc.prefetch_factor}, {steps}, "
@@ -192,7 +233,11 @@ def run_all(
             sc.description = describe(sc, dataset, cfg)
             if device is not None and sc.mode != "compute":
                 bar.set_description(f"{name}: pinned H2D ceiling")
-                nbytes = batch_nbytes(default_collate([dataset[i] for i in range(sc.batch_size)]))
+                if isinstance(dataset, VarlenRows):  # batches of every size: the mean one
+                    nbytes = int(dataset.batch_bytes(sc.batch_size).mean())
+                else:
+                    collate = collate_of(dataset) or default_collate
+                    nbytes = batch_nbytes(collate([dataset[i] for i in range(sc.batch_size)]))
                 result["h2d_ceiling_gbps"][name] = h2d_ceiling(nbytes, device)
             if sc.mode == "compute" and work is None and device is not None:
                 bar.set_description("calibrating GPU work")
@@ -332,6 +377,14 @@ def _run(cfg: Config, argv: list[str], ranks: Ranks | None) -> int:
         )
     if "tokens" in cfg.workloads and "compute" in cfg.modes and cfg.device is not None:
         notes.append("tokens runs in throughput mode only: a compute step would hide its batches")
+    if "varlen" in cfg.workloads:
+        if "throughput" not in cfg.modes:
+            notes.append("varlen runs in throughput mode only: not run (--modes)")
+        elif cfg.device is None:
+            notes.append(
+                "varlen: no CUDA, so torch holds no pinned memory (pinned held: n/a); "
+                "pinpool's arena is ordinary host memory here, its size is shown"
+            )
     if "memmap" in cfg.workloads:
         notes.append(f"memmap reads a file under {cfg.data_dir} (page cache once written)")
     result: dict[str, Any] = {

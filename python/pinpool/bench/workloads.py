@@ -10,6 +10,12 @@
   :data:`TOKEN_ROW` int64 token ids (a context of 8192 plus the next token), sliced from one
   preallocated array, so a batch of 8 is 512 KiB and the loader's per-batch cost, not the
   dataset, is what is measured. It has its own batch size, workers and steps (``--token-*``).
+- ``varlen``: variable-size batches, the usual NLP "dynamic padding": each item is one row of
+  int64 token ids whose length is drawn once, from a seeded long-tailed (Pareto) distribution
+  between :data:`VARLEN_MIN` and :data:`VARLEN_MAX` tokens, and :func:`pad_collate` pads each
+  batch to its own longest row (``input_ids`` and an int64 ``attention_mask``), so batch sizes
+  vary by 100x and more within an epoch. Every loader sees the same batches, in the same
+  order. It has its own batch size, workers and steps (``--varlen-*``).
 
 Also the helpers that walk a batch: its tensors, its size in bytes, the move to a device.
 """
@@ -25,12 +31,23 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-WORKLOADS = ("synthetic", "memmap", "nested", "ceiling", "tokens")
+WORKLOADS = ("synthetic", "memmap", "nested", "ceiling", "tokens", "varlen")
 
 #: int64 values per item of the tokens workload.
 TOKEN_ROW = 8193
 #: The tokens workload slices its rows from this many preallocated int64 values (32 MiB).
 TOKEN_POOL = 1 << 22
+
+#: Row lengths of the varlen workload, in tokens: a Pareto tail from VARLEN_MIN, shape
+#: VARLEN_ALPHA (a row is longer than x tokens with probability (VARLEN_MIN / x) ** VARLEN_ALPHA:
+#: half the rows are at most 43 tokens, one in 18 over 1,000, one in 240 at VARLEN_MAX),
+#: clipped at VARLEN_MAX, drawn from VARLEN_SEED.
+VARLEN_MIN = 16
+VARLEN_MAX = 40_000
+VARLEN_ALPHA = 0.7
+VARLEN_SEED = 25
+#: The varlen workload slices its rows from this many preallocated int64 values (8 MiB).
+VARLEN_POOL = 1 << 20
 
 #: The memmap file holds at most this much; item indices wrap around beyond it.
 MEMMAP_MAX_BYTES = 8 << 30
@@ -100,6 +117,64 @@ class TokenRows(Dataset[Any]):
         return self.data[start : start + self.row]
 
 
+def varlen_lengths(
+    length: int,
+    low: int = VARLEN_MIN,
+    high: int = VARLEN_MAX,
+    alpha: float = VARLEN_ALPHA,
+    seed: int = VARLEN_SEED,
+) -> np.ndarray:
+    """``length`` row lengths (int64) from ``low`` to ``high`` tokens with a Pareto tail of
+    shape ``alpha`` (see :data:`VARLEN_ALPHA`), the same for the same arguments."""
+    u = 1.0 - np.random.default_rng(seed).random(length)  # in (0, 1]
+    return np.clip(np.floor(low * u ** (-1.0 / alpha)), low, high).astype(np.int64)
+
+
+def pad_collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Dynamic padding, as NLP training scripts collate: the rows (1-d int64 token ids of
+    different lengths) padded with 0 to the batch's longest one, and the attention mask (1 on
+    a row's tokens, 0 on its padding), both ``(len(rows), longest)`` int64."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    input_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    positions = torch.arange(input_ids.shape[1], dtype=torch.int64)
+    attention_mask = (positions < lengths[:, None]).to(torch.int64)
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class VarlenRows(Dataset[Any]):
+    """One row of int64 token ids per item, of a length from :func:`varlen_lengths` (drawn
+    once, here, so every loader and every worker sees the same rows): a view into a
+    preallocated ``arange`` (shared with forked workers, never written after start-up).
+    Batches are made by :attr:`collate_fn` (:func:`pad_collate`)."""
+
+    collate_fn = staticmethod(pad_collate)
+
+    def __init__(self, length: int, low: int = VARLEN_MIN, high: int = VARLEN_MAX) -> None:
+        self.length = length
+        self.lengths = varlen_lengths(length, low, high)
+        self.data = torch.arange(max(VARLEN_POOL, 2 * high), dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Any:
+        n = int(self.lengths[i])
+        start = (i * 7919) % (len(self.data) - n + 1)
+        return self.data[start : start + n]
+
+    def batch_bytes(self, batch_size: int) -> np.ndarray:
+        """Bytes of each whole batch of ``batch_size`` rows, in order (``drop_last``), as
+        :func:`batch_nbytes` counts them: two int64 arrays of rows x the longest row."""
+        whole = len(self.lengths) // batch_size * batch_size
+        longest = self.lengths[:whole].reshape(-1, batch_size).max(axis=1)
+        return longest * batch_size * 2 * 8
+
+
+def collate_of(dataset: Any) -> Any:
+    """The collate function a workload's batches are made with (None: torch's default)."""
+    return getattr(dataset, "collate_fn", None)
+
+
 class MemmapImages(Dataset[Any]):
     """``(image, label)`` where the image views item ``i`` of a uint8 ``numpy.memmap``.
 
@@ -148,10 +223,13 @@ def ensure_memmap(data_dir: str, items: int, shape: tuple[int, ...]) -> str:
 
 
 def make_dataset(name: str, length: int, shape: tuple[int, ...], data_dir: str) -> Dataset[Any]:
-    """Workload ``name`` with ``length`` items of image ``shape`` (tokens: rows of ``shape``)."""
+    """Workload ``name`` with ``length`` items of image ``shape`` (tokens: rows of ``shape``;
+    varlen: rows of ``shape[0]`` to ``shape[1]`` tokens)."""
     item_bytes = math.prod(shape)
     if name == "tokens":
         return TokenRows(length, row=shape[0])
+    if name == "varlen":
+        return VarlenRows(length, low=shape[0], high=shape[1])
     if name == "synthetic":
         return SyntheticImages(length, shape)
     if name == "nested":
