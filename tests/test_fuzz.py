@@ -35,6 +35,7 @@ import faulthandler
 import fcntl
 import gc
 import math
+import mmap
 import os
 import pickle
 import resource
@@ -56,6 +57,7 @@ from loader_datasets import Indexed, Pair, assert_same
 import pinpool
 import pinpool._main.receiver
 from pinpool import PinPoolError
+from pinpool._main import sizing
 from pinpool._main.delivery import finish
 from pinpool._main.receiver import Receiver
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
@@ -449,20 +451,23 @@ class Allocations:
 @contextlib.contextmanager
 def watch_allocations(capacity: int, batch: int = BATCH) -> Iterator[Allocations]:
     """While active, the loader may make a pool no larger than a segment of ``capacity``
-    bytes justifies (the pool it would make for a batch of that size, scaled to ``batch``
-    samples when the batch says it has fewer), and an overflow buffer no larger than the
-    segment. Anything larger is recorded and refused (:class:`Overallocation`)."""
-    granule, headroom = _codec.GRANULE, _codec.HEADROOM
-    slot = max(granule, -(-int(capacity * batch * headroom) // granule) * granule)
-    seen = Allocations(pool_limit=slot * NUM_SLOTS, buffer_limit=capacity)
+    bytes justifies (the arena it would make for batches of that size, never scaled by
+    what a handle says of its sample count: at most the smallest arena, or ``NUM_SLOTS``
+    batches of that size with headroom), and an overflow buffer no larger than the segment.
+    Anything larger is recorded and refused (:class:`Overallocation`)."""
+    del batch  # (a sample count no longer scales anything)
+    room = -(-int(capacity * sizing.HEADROOM) // mmap.PAGESIZE) * mmap.PAGESIZE
+    limit = max(sizing.MIN_ARENA, room * NUM_SLOTS)
+    seen = Allocations(pool_limit=limit, buffer_limit=capacity)
     real_pool = pinpool._main.receiver.PinPool
     real_buffer = Receiver._overflow_buffer
 
     def make_pool(slot_bytes: int, num_slots: int, **kwargs: Any) -> Any:
-        if slot_bytes * num_slots > seen.pool_limit:
+        arena = kwargs.get("arena_bytes") or slot_bytes * num_slots
+        if arena > seen.pool_limit:
             seen.refused.append(
-                f"a pool of {num_slots} slots of {slot_bytes} bytes, for a segment of "
-                f"{capacity} bytes (at most {seen.pool_limit} bytes in all)"
+                f"an arena of {arena} bytes, for a segment of {capacity} bytes (at most "
+                f"{seen.pool_limit} bytes)"
             )
             raise Overallocation(seen.refused[-1])
         return real_pool(slot_bytes, num_slots, **kwargs)
@@ -671,7 +676,7 @@ def forget_arena_mappings() -> None:
 def one_slot_handle(data: Any, worker: Worker) -> None:
     with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3) as loader:
         receiver = loader._pin_receiver
-        ticket = receiver.tickets.assign(receiver.pool, 1)
+        ticket = receiver.tickets.assign(receiver.pool, 1, CAPACITY, 0)
         assert ticket is not None
         try:
             sent = places.write(receiver.token, 4, worker.plan, ticket, None)

@@ -35,6 +35,7 @@ from loader_datasets import Exiting, Indexed, ReadyBatches, ready_batch
 
 import pinpool
 from pinpool import InvalidArgument, OutOfBounds, PinPoolError, WorkerLost
+from pinpool._main.sizing import MIN_ARENA
 from pinpool._wire.handle import BatchHandle
 
 MiB = 1 << 20
@@ -317,13 +318,13 @@ def test_a_handle_claiming_more_than_its_segment_sizes_nothing() -> None:
         del h
     # An honest handle still makes a pool sized from its batch.
     assert make.make().take()["a"].tolist() == list(range(10))
-    assert loader.pool is not None and loader.pool.slot_bytes <= 2 * MiB
+    assert loader.pool is not None and loader.pool.arena_bytes == MIN_ARENA
 
 
 def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pinpool._main.receiver
+    import pinpool._main.sizing
 
-    monkeypatch.setattr(pinpool._main.receiver, "available_memory", lambda: 16 * MiB)
+    monkeypatch.setattr(pinpool._main.sizing, "available_memory", lambda: 16 * MiB)
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     with pytest.raises(pinpool.BatchTooLarge, match="memory available") as info:
         loader._pin_receiver.ensure(4 * MiB)
@@ -334,18 +335,21 @@ def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.Monk
 def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import pinpool._main.receiver
+    import pinpool._main.sizing
 
-    monkeypatch.setattr(pinpool._main.receiver, "available_memory", lambda: 64 * MiB)
-    # 5 slots of about 2 MiB: within half of 64 MiB for one rank, over a quarter of that for 4.
+    monkeypatch.setattr(pinpool._main.sizing, "available_memory", lambda: 64 * MiB)
+    # Batches of 5 MiB: an arena of two of them (12.5 MiB with headroom) is over a quarter of
+    # half of 64 MiB (4 ranks), and within half of it for one rank (made smaller than its
+    # default, 5 batches or the smallest arena, to fit).
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     with pytest.raises(pinpool.BatchTooLarge, match="4 ranks on this host") as info:
-        loader._pin_receiver.ensure(1 * MiB)
+        loader._pin_receiver.ensure(5 * MiB)
     del info
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    pool, _ = loader._pin_receiver.ensure(1 * MiB)
-    assert pool.slot_bytes * pool.num_slots <= 32 * MiB
+    pool, _ = loader._pin_receiver.ensure(5 * MiB)
+    assert pool.arena_bytes <= 32 * MiB
+    assert pool.largest_slot >= 5 * MiB
 
 
 def test_a_pool_larger_than_memory_is_refused_before_it_is_touched() -> None:
@@ -545,7 +549,8 @@ def test_memfds_are_owner_only(make_pool: Any) -> None:
     from pinpool._native import WorkerSegment
 
     pool = make_pool(1 << 16, 2)
-    found = pool.slot_memfd(0)
+    with pool.checkout() as slot:
+        found = pool.slot_memfd(slot)
     assert found is not None, "a host arena is made of memfds"
     segment = WorkerSegment(1 << 16)
     for fd in (found[0], segment.fd):

@@ -33,7 +33,7 @@ import pinpool
 pools = [pinpool.PinPool(4096, 2) for _ in range(3)]  # no device visible
 assert all(p.memory != "pinned" and p.notes for p in pools), [p.notes for p in pools]
 warnings = [m for m in records if "CUDA" in m]
-debug = [m for m in records if m.startswith("pool of 2 slots")]
+debug = [m for m in records if m.startswith("pool of 8192 bytes")]
 print(len(warnings), len(debug))
 """
 

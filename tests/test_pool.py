@@ -953,15 +953,16 @@ def test_try_checkout_with_a_reserve_leaves_that_many_free(make_pool) -> None:
 
 @pytest.mark.slow
 def test_a_background_pool_readies_its_slots_while_it_is_used() -> None:
-    """``background=True``: the constructor makes the first 64 MiB (at least one slot) ready
-    and returns; the other slots are ``preparing`` until the background thread has faulted
-    them in, and checkouts wait for them instead of failing."""
+    """``background=True``: the constructor makes the first 16 MiB (at least one part, so one
+    slot of the largest size) ready and returns; the other slots are ``preparing`` until the
+    background thread has faulted them in, and checkouts wait for them instead of
+    failing."""
     slot_bytes, n = 32 << 20, 32
     pool = pinpool.PinPool(slot_bytes, n, device="cpu", background=True)
     try:
         s = pool.stats()
         assert s["slots_free"] + s["slots_preparing"] == n
-        assert s["slots_free"] >= 2, s
+        assert s["slots_free"] >= 1, s
         slots = [pool.checkout(timeout=60) for _ in range(n)]
         assert sorted(x.index for x in slots) == list(range(n))
         assert pool.stats()["slots_preparing"] == 0

@@ -150,7 +150,8 @@ def _check_resume(
     gc.collect()
     pool = fresh.pool
     if pool is not None:
-        assert pool.stats()["slots_free"] == pool.num_slots
+        stats = pool.stats()
+        assert (stats["bytes_checked_out"], stats["bytes_fenced"]) == (0, 0), stats
     return fresh
 
 

@@ -100,7 +100,8 @@ def in_pool(pool: Any, t: torch.Tensor) -> bool:
 def arena_identity(pool: Any) -> list[int]:
     """The device and inode of the memfd behind the pool's first slot: two processes with
     these equal would share one arena."""
-    where = pool.slot_memfd(0)
+    with pool.checkout(timeout=30, nbytes=1) as slot:
+        where = pool.slot_memfd(slot)
     assert where is not None, "the pool has no memfd behind its slots"
     st = os.fstat(where[0])
     return [st.st_dev, st.st_ino]

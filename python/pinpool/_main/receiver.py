@@ -418,8 +418,7 @@ class Receiver:
                 need,
                 largest,
             )
-        self._seen(need)
-        reserve = room_kept(self.largest_seen, pool.arena_bytes) if ahead else 0
+        reserve = room_kept(max(self.largest_seen, need), pool.arena_bytes) if ahead else 0
         try:
             got = pool.claim(
                 need,
@@ -435,7 +434,8 @@ class Receiver:
                 "keep fewer batches, or pass arena_bytes= to pinpool.DataLoader"
             ) from None
         if got == "later":
-            return _LATER
+            return _LATER  # (seen in its turn)
+        self._seen(need)
         if got == "overflow":
             # Every byte is held by batches the consumer keeps alive: waiting could wait
             # forever (list(loader) does this). Use ordinary memory for this one.
