@@ -454,11 +454,15 @@ class Receiver:
         if pool is None:
             return self.tickets.assign(None, owner, 0, 0)
         arena = pool.arena_bytes
-        # Most of the recent batches fit (three in four): a long tail's rare giants go through
-        # copy mode rather than make every ticket giant.
-        ordered = sorted(self._recent) or [self.largest_seen]
-        recent = ordered[len(ordered) * 3 // 4]
-        size = ticket_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
+        if self.sizing.slot_bytes is not None:
+            size = self.max_batch  # equal slots (slot_bytes=): a ticket is one
+        else:
+            # Most of the recent batches fit (three in four): a long tail's rare giants go
+            # through copy mode rather than make every ticket giant. None seen yet: the
+            # largest, as far as the share allows.
+            ordered = sorted(self._recent) or [self.max_batch]
+            recent = ordered[len(ordered) * 3 // 4]
+            size = ticket_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
         return self.tickets.assign(pool, owner, size, room_kept(self.largest_seen, arena))
 
     def _overflow_buffer(self, need: int) -> torch.Tensor:

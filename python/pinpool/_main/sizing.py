@@ -137,8 +137,9 @@ class Sizing:
 
 
 def ticket_bytes(recent: int, largest: int, arena: int, in_flight: int) -> int:
-    """A zero-copy ticket's size, handed out before its batch is made: the largest of the
-    last few batches with headroom, at most the largest batch the arena takes, and at most an
+    """A zero-copy ticket's size, handed out before its batch is made: ``recent`` (a size
+    most recent batches fit in) with headroom, at most the largest batch the arena takes, and
+    at most an
     equal share of the arena among the batches in flight and two more (the tickets of a
     long-tailed workload must not take the arena from the batches that come through copy
     mode). A batch that turns out larger goes through its worker's segment and is copied
