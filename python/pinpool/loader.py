@@ -66,7 +66,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
       the largest batch it takes. Batches of any size up to that land in it, each taking its
       own bytes. Default (see ``pinpool._main.sizing``): room for the batches in flight
       plus 4 at 1.25 times the first batch's size, at least 32 MiB, at most half the memory
-      available; the largest batch is half the arena.
+      available; the largest batch is half the arena (at most 128 MiB, unless the first
+      batch is larger).
     - ``pool``: an existing :class:`~pinpool.PinPool` to use; ``slot_bytes`` and
       ``num_slots``: the older sizing, ``num_slots`` batches of up to ``slot_bytes`` each.
     - ``copy_threads``: threads copying batches into slots (default: up to 8).

@@ -7,7 +7,8 @@ in it, each taking exactly its own bytes (rounded up to a page; ``src/extents.rs
 settings the arena holds the batches in flight (``prefetch_factor x num_workers``, plus 4)
 at 1.25 times the first batch's size, and at least :data:`MIN_ARENA`, so that a first batch
 of a few kilobytes does not leave room only for batches like it (token rows padded to a
-short first batch, say); the largest batch is half the arena. An arena sized automatically
+short first batch, say); the largest batch is half the arena, at most
+:data:`LARGEST_DEFAULT` unless the first batch is larger. An arena sized automatically
 takes at most :data:`MEMORY_SHARE` of the memory available, divided among the ranks on this
 host; past that it is made smaller (down to two of the first batch) rather than refused.
 
@@ -37,6 +38,11 @@ MEMORY_SHARE = 0.5
 HEADROOM = 1.25
 #: Batches in flight beyond ``prefetch_factor x num_workers``: those the consumer holds.
 EXTRA_BATCHES = 4
+#: The default largest batch is half the arena, but at most this much (or the first batch
+#: with headroom, if that is larger): the arena's parts are whole multiples of the largest
+#: batch, and a big arena in many parts is faulted in and registered with the driver by as
+#: many threads at once (in two parts, it is slower to make: docs/performance.md).
+LARGEST_DEFAULT = 128 << 20
 
 _PAGE = mmap.PAGESIZE
 
@@ -97,7 +103,7 @@ class Sizing:
         if self.max_batch_bytes is not None:
             largest = _pages(self.max_batch_bytes)
         else:
-            largest = _pages(max(room, arena // 2))
+            largest = _pages(max(room, min(arena // 2, LARGEST_DEFAULT)))
         if self.arena_bytes is None:
             arena = max(arena, 2 * largest)  # a batch of the largest size never waits alone
         arena = -(-arena // largest) * largest
