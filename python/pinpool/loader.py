@@ -65,7 +65,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     - ``arena_bytes``, ``max_batch_bytes``: the size of the fixed arena batches land in, and
       the largest batch it takes. Batches of any size up to that land in it, each taking its
       own bytes. Default (see ``pinpool._main.sizing``): room for the batches in flight
-      plus 4 at 1.25 times the first batch's size, at least 32 MiB, at most half the memory
+      plus 4 at 1.25 times the first batch's size, at least 64 MiB, at most half the memory
       available; the largest batch is half the arena (at most 128 MiB, unless the first
       batch is larger).
     - ``pool``: an existing :class:`~pinpool.PinPool` to use; ``slot_bytes`` and

@@ -31,7 +31,7 @@ from .._native import available_memory
 from . import settings
 
 #: The smallest arena sized automatically.
-MIN_ARENA = 32 << 20
+MIN_ARENA = 64 << 20
 #: An arena sized automatically may take at most this share of the memory available.
 MEMORY_SHARE = 0.5
 #: A batch's room: its size times this (the next batches may be a little larger).
@@ -157,5 +157,7 @@ def ticket_bytes(recent: int, largest: int, arena: int, in_flight: int) -> int:
 def room_kept(largest_seen: int, arena: int) -> int:
     """Bytes a claim made ahead of the consumer (a zero-copy ticket, a batch taken by the pin
     thread) leaves free in one range: two of the largest batch seen (the one the consumer
-    holds while it asks for the next, and that next one), at most half the arena."""
-    return min(2 * largest_seen, arena // 2)
+    holds while it asks for the next, and that next one), so that the consumer, who takes
+    batches in order and cannot wait for those taken ahead of it, finds room; at most all but
+    one of them."""
+    return min(2 * largest_seen, max(0, arena - largest_seen))
