@@ -250,8 +250,9 @@ pub struct Pool {
     fences: ManuallyDrop<Option<FenceTracker>>,
     copier: ManuallyDrop<Copier>,
     reclaimer: ManuallyDrop<Reclaimer>,
-    /// The process that made the pool.
+    /// The process that made the pool, and the fork count there ([`crate::forks`]).
     owner: u32,
+    owner_forks: u64,
     counters: Arc<Counters>,
     retirer: OnceLock<std::thread::Thread>,
     /// Set while the fence thread sleeps with nothing to do: only then does a release wake it.
@@ -355,6 +356,11 @@ impl Pool {
 
     /// Fails unless this is the process that made the pool (see the module's invariants).
     fn check_owner(&self) -> Result<()> {
+        // The fork count first: no system call. (A process id check alone would cost one per
+        // checkout.)
+        if crate::forks::current() == self.owner_forks {
+            return Ok(());
+        }
         let me = std::process::id();
         if me == self.owner {
             return Ok(());
@@ -388,6 +394,7 @@ impl Pool {
             copier: ManuallyDrop::new(copier),
             reclaimer: ManuallyDrop::new(Reclaimer::start()?),
             owner: std::process::id(),
+            owner_forks: crate::forks::current(),
             counters: Arc::new(Counters {
                 num_slots: AtomicU64::new(n),
                 arena_bytes: AtomicU64::new(arena_len as u64),

@@ -30,8 +30,12 @@
 //!   saw, re-checked under that lock; every wait is bounded by a timeout anyway.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
+
+// parking_lot's lock spins briefly before it sleeps: the table's critical sections are a few
+// dozen instructions, and several threads (the pin thread, the consumer, copy threads that
+// release) take it at once.
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::extents::ExtentMap;
@@ -235,7 +239,7 @@ impl SlotTable {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.lock()
     }
 
     /// Makes `[offset, offset + len)` (bytes not ready until now) free. Returns false,
@@ -422,11 +426,12 @@ impl SlotTable {
     /// Sleeps until something was freed since `seen` (an [`SlotTable::epoch`]), the table is
     /// closed, or `timeout` passes.
     pub fn wait(&self, seen: u64, timeout: Duration) {
-        let guard = self.lock();
+        let mut guard = self.lock();
         self.waiters.fetch_add(1, Ordering::SeqCst);
         if self.epoch.load(Ordering::SeqCst) == seen && !self.is_closed() {
-            let _ = self.wake.wait_timeout(guard, timeout);
+            let _ = self.wake.wait_for(&mut guard, timeout);
         }
+        drop(guard);
         self.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 
