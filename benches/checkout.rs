@@ -67,27 +67,19 @@ fn uncontended(c: &mut Criterion) {
     g.finish();
 }
 
-/// `THREADS` threads each doing `iters` checkout + release; returns the time per operation
-/// (wall time / `THREADS`, so that criterion's per-iteration figure is per operation).
-fn contended_run(pool: &Arc<Pool>, iters: u64, blocking: bool) -> Duration {
+/// `THREADS` threads each doing `op` `iters` times (each with a size generator of its own);
+/// returns the time per operation (wall time / `THREADS`, so that criterion's per-iteration
+/// figure is per operation).
+fn on_threads(pool: &Arc<Pool>, iters: u64, op: fn(&Pool, &mut Sizes)) -> Duration {
     let start = Arc::new(Barrier::new(THREADS + 1));
     let workers: Vec<_> = (0..THREADS)
-        .map(|_| {
+        .map(|me| {
             let (pool, start) = (Arc::clone(pool), Arc::clone(&start));
             thread::spawn(move || {
+                let mut sizes = Sizes(0x9e37_79b9_7f4a_7c15 ^ me as u64);
                 start.wait();
                 for _ in 0..iters {
-                    let t = if blocking {
-                        pool.checkout(None).unwrap()
-                    } else {
-                        loop {
-                            if let Some(t) = pool.try_checkout().unwrap() {
-                                break t;
-                            }
-                            std::hint::spin_loop();
-                        }
-                    };
-                    pool.release(black_box(t), None).unwrap();
+                    op(&pool, &mut sizes);
                 }
             })
         })
@@ -100,17 +92,40 @@ fn contended_run(pool: &Arc<Pool>, iters: u64, blocking: bool) -> Duration {
     t0.elapsed() / THREADS as u32
 }
 
+/// A slot of the pool's size, taken without waiting (spinning until one is free).
+fn spin_checkout_release(pool: &Pool, _: &mut Sizes) {
+    let t = loop {
+        if let Some(t) = pool.try_checkout().unwrap() {
+            break t;
+        }
+        std::hint::spin_loop();
+    };
+    pool.release(black_box(t), None).unwrap();
+}
+
+/// A slot of the pool's size, waiting for one.
+fn blocking_checkout_release(pool: &Pool, _: &mut Sizes) {
+    let t = pool.checkout(None).unwrap();
+    pool.release(black_box(t), None).unwrap();
+}
+
+/// A slot of a random size up to 2 MiB, waiting for room.
+fn random_checkout_release(pool: &Pool, sizes: &mut Sizes) {
+    let t = pool.checkout_bytes(1 + sizes.next(2 * MIB), None).unwrap();
+    pool.release(black_box(t), None).unwrap();
+}
+
 fn contended(c: &mut Criterion) {
     let mut g = c.benchmark_group(format!("checkout+release, {THREADS} threads"));
     // Enough slots that no thread ever waits: only the free list is contended.
     let roomy = Pool::new(&PoolConfig::host(MIB, 2 * THREADS)).expect("host pool");
     g.bench_function(format!("{} slots, try_checkout", 2 * THREADS), |b| {
-        b.iter_custom(|iters| contended_run(&roomy, iters, false))
+        b.iter_custom(|iters| on_threads(&roomy, iters, spin_checkout_release))
     });
     // Fewer slots than threads: checkouts block and releases wake them.
     let scarce = Pool::new(&PoolConfig::host(MIB, THREADS / 2)).expect("host pool");
     g.bench_function(format!("{} slots, blocking checkout", THREADS / 2), |b| {
-        b.iter_custom(|iters| contended_run(&scarce, iters, true))
+        b.iter_custom(|iters| on_threads(&scarce, iters, blocking_checkout_release))
     });
     g.finish();
 }
@@ -160,29 +175,7 @@ fn random_sizes(c: &mut Criterion) {
         })
     });
     g.bench_function(format!("pool: checkout + release, {THREADS} threads"), |b| {
-        b.iter_custom(|iters| {
-            let start = Arc::new(Barrier::new(THREADS + 1));
-            let workers: Vec<_> = (0..THREADS)
-                .map(|me| {
-                    let (pool, start) = (Arc::clone(&pool), Arc::clone(&start));
-                    thread::spawn(move || {
-                        let mut sizes = Sizes(0x9e37_79b9_7f4a_7c15 ^ me as u64);
-                        start.wait();
-                        for _ in 0..iters {
-                            let n = 1 + sizes.next(2 * MIB);
-                            let t = pool.checkout_bytes(n, None).unwrap();
-                            pool.release(black_box(t), None).unwrap();
-                        }
-                    })
-                })
-                .collect();
-            start.wait();
-            let t0 = Instant::now();
-            for w in workers {
-                w.join().unwrap();
-            }
-            t0.elapsed() / THREADS as u32
-        })
+        b.iter_custom(|iters| on_threads(&pool, iters, random_checkout_release))
     });
     for t in held {
         pool.release(t, None).unwrap();
