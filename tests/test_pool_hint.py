@@ -84,13 +84,13 @@ def test_a_hinted_pool_holds_batches_whose_small_arrays_outweigh_the_streamed_on
 def test_only_a_workers_first_batch_is_hinted(pool_threads: list[str]) -> None:
     """A worker whose first batch is small (not streamed) sends no hint for its later, big
     batches: the first batch sizes the pool, as without hints."""
-    ds = Sized([1000] * 4 + [5 << 20] * 4)
+    ds = Sized([1000] * 4 + [9 << 20] * 4)
     loader = pinpool.DataLoader(ds, batch_size=4, num_workers=1, oversize="copy")
     assert len(list(loader)) == 2
     assert len(pool_threads) == 1 and pool_threads[0] != "pinpool-pool-hint", pool_threads
     # Sized for a small first batch: the smallest arena, its largest batch half of it.
     assert loader.pool is not None and loader.pool.arena_bytes == MIN_ARENA
-    assert loader.pool.largest_slot == MIN_ARENA // 2 < 20 << 20
+    assert loader.pool.largest_slot == MIN_ARENA // 2 < 36 << 20
     assert loader.stats()["overflow_batches"] == 1  # the big batch, in ordinary memory
 
 
@@ -157,3 +157,43 @@ def test_a_failing_hint_is_logged_and_its_thread_ends(caplog: pytest.LogCaptureF
     assert not hint._thread.is_alive()
     assert "could not make the pool ahead" in caplog.text
     hint.close()
+
+
+def test_a_wrong_hint_is_undone_by_the_first_batch(caplog: pytest.LogCaptureFixture) -> None:
+    """A hint may only speed the first batch up: a pool made from one that was too small
+    for the real first batch, or far larger than it needs, is made again from the real one,
+    as long as nothing has used it."""
+    loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
+    receiver = loader._pin_receiver
+    receiver._ensure_hinted(1, 1)  # "a 1-byte batch"
+    small = receiver.pool
+    assert small is not None and small.arena_bytes == MIN_ARENA
+    real = 33 << 20  # larger than any batch that pool takes
+    assert small.largest_slot < real
+    with caplog.at_level(logging.WARNING, logger="pinpool"):
+        pool, _ = receiver.ensure(real)
+    assert pool is not small and small.closed
+    assert pool.largest_slot >= real
+    assert "made again" in caplog.text
+    # A later batch never remakes it, even one the pool cannot take (its error is the
+    # claim's, naming the setting).
+    assert receiver.ensure(1)[0] is pool
+
+    # "A 64 MiB batch", then a real one of 1 KiB: the arena it would have made is the
+    # smallest, and the hinted one is made again, that small.
+    loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
+    receiver = loader._pin_receiver
+    receiver._ensure_hinted(64 << 20, 1)
+    big = receiver.pool
+    assert big is not None and big.arena_bytes > 4 * MIN_ARENA
+    pool, _ = receiver.ensure(1024)
+    assert pool is not big and pool.arena_bytes == MIN_ARENA
+
+    # A hinted pool already in use stays.
+    loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
+    receiver = loader._pin_receiver
+    receiver._ensure_hinted(1, 1)
+    used = receiver.pool
+    assert used is not None
+    with used.checkout(nbytes=1):
+        assert receiver.ensure(real)[0] is used

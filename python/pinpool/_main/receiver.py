@@ -111,6 +111,8 @@ class Receiver:
         self.sizing = sizing
         #: The pool's plan once it is made (None for a pool given by the caller).
         self.plan: Plan | None = None
+        #: The pool was made from a worker's hint, and no real batch has arrived since.
+        self._provisional = False
         #: The largest batch seen so far, in bytes, and the last few batches' sizes (zero-copy
         #: tickets and the room claims ahead leave are sized from them).
         self.largest_seen = 0
@@ -123,13 +125,23 @@ class Receiver:
 
     # -- the pool ---------------------------------------------------------------------------
 
-    def ensure(self, nbytes: int) -> tuple[PinPool, SegmentCache]:
+    def ensure(self, nbytes: int, hinted: bool = False) -> tuple[PinPool, SegmentCache]:
         """The pool and segment cache, made on first use, sized for a first batch of
-        ``nbytes`` (see ``sizing``)."""
+        ``nbytes`` (see ``sizing``).
+
+        A pool made from a worker's hint (``hinted``) is provisional until a real batch, whose
+        bytes a checked segment or this process backs, arrives: if the hint was wrong (the
+        real batch larger than the pool takes, or the pool more than twice what the real
+        batch would have made) and nothing has used the pool yet, it is made again from the
+        real batch. A hint speeds the first batch up; it cannot fail it, nor keep an arena
+        its batches do not need."""
         pool, cache = self.pool, self.cache
-        if pool is not None and cache is not None:
+        if pool is not None and cache is not None and not self._provisional:
             return pool, cache  # made already: no lock needed
         with self._lock:
+            if self._provisional and not hinted:
+                self._provisional = False
+                self._replace_if_wrong(nbytes)
             if self.pool is None:
                 plan = self.sizing.plan(nbytes)
                 self.pool = PinPool(
@@ -142,7 +154,8 @@ class Receiver:
                     arena_bytes=plan.arena,
                 )
                 self.plan = plan
-                if nbytes > 0:
+                self._provisional = hinted
+                if nbytes > 0 and not hinted:
                     self._seen(nbytes)
                 _log.info(
                     "made the loader's pool at its first batch (%d bytes): an arena of %d "
@@ -157,6 +170,27 @@ class Receiver:
             if self.cache is None:
                 self.cache = SegmentCache(self.pool)
             return self.pool, self.cache
+
+    def _replace_if_wrong(self, nbytes: int) -> None:
+        """Drops a pool made from a hint that the first real batch, of ``nbytes``, shows
+        wrong, if nothing has used it (see :meth:`ensure`). Called under the lock."""
+        pool, plan = self.pool, self.plan
+        if pool is None or plan is None or not self._own_pool:
+            return
+        real = self.sizing.plan(nbytes)
+        if plan.largest >= nbytes and plan.arena <= 2 * real.arena:
+            return  # right, or near enough
+        if pool.stats()["checkouts"] or (self.cache is not None and len(self.cache)):
+            return  # used already: it stays
+        _log.warning(
+            "a worker announced batches of a size the first batch did not have: the pool made "
+            "ahead (%d bytes, batches of up to %d) is made again for the real one (%d bytes)",
+            plan.arena,
+            plan.largest,
+            nbytes,
+        )
+        pool.close()
+        self.pool = self.cache = self.plan = None
 
     @property
     def max_batch(self) -> int:
@@ -176,7 +210,7 @@ class Receiver:
         with self._lock:
             if self.closed or self.pool is not None or nbytes <= 0:
                 return  # (a batch without arrays needs no pool)
-        self.ensure(nbytes)
+        self.ensure(nbytes, hinted=True)
         if self.closed and self.pool is not None and self._own_pool:
             self.pool.close()  # (closed while it was being made)
 
