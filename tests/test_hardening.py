@@ -321,6 +321,16 @@ def test_a_handle_claiming_more_than_its_segment_sizes_nothing() -> None:
     assert loader.pool is not None and loader.pool.arena_bytes == MIN_ARENA
 
 
+def test_a_handles_sample_count_scales_nothing() -> None:
+    """A handle for a real 64 KiB segment that says it holds 1 sample, on a loader of 2**20
+    samples a batch: the arena is sized from the bytes that arrived (the smallest arena), not
+    a million times them (nor is an honest short last batch arriving first scaled up)."""
+    loader = pinpool.DataLoader(Indexed(4), batch_size=1 << 20)
+    make = HandleFactory(loader)
+    assert make.make(count=1).take()["a"].tolist() == list(range(10))
+    assert loader.pool is not None and loader.pool.arena_bytes == MIN_ARENA
+
+
 def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     import pinpool._main.sizing
 
