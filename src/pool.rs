@@ -513,8 +513,9 @@ impl Pool {
             // Fenced slots come back as the GPU finishes reading them, preparing bytes as the
             // background thread makes them ready: both are worth waiting for.
             let coming = b.fenced + b.preparing;
+            let entries_needed = if rules.reserve > 0 { 2 } else { 1 };
             let room_once_back = b.free + coming >= bytes.saturating_add(rules.reserve)
-                && self.table.spare_entries() + c.fenced > 0;
+                && self.table.spare_entries() + c.fenced >= entries_needed;
             let left = rules.timeout.map(|t| t.saturating_sub(start.elapsed()));
             let expired = left.is_some_and(|l| l.is_zero());
             if rules.defer && (!room_once_back || expired) {

@@ -290,9 +290,13 @@ impl SlotTable {
     }
 
     /// Takes a slot of `bytes` (rounded up to a page), if an entry is free and a free range
-    /// holds it with `keep` bytes left in one range afterwards. Never blocks.
+    /// holds it with `keep` bytes left in one range afterwards; with `keep`, one free entry
+    /// is left too. Never blocks.
     pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Option<Ticket> {
         let mut inner = self.lock();
+        if keep > 0 && inner.spare.len() < 2 {
+            return None; // the last entry is kept with the bytes
+        }
         let index = *inner.spare.last()?;
         let (offset, len) = inner.map.alloc(bytes, keep)?;
         inner.spare.pop();
@@ -550,6 +554,19 @@ mod tests {
         assert_eq!(t.bytes().fenced, 8 * u);
         assert!(t.complete_fence(big));
         assert_eq!(t.extent(t.try_checkout_bytes(8 * u, 0).unwrap()), Some((0, 8 * u)));
+    }
+
+    #[test]
+    fn a_claim_that_keeps_room_keeps_the_last_entry_too() {
+        let t = SlotTable::new(4).unwrap();
+        let a = t.try_checkout_bytes(1, 1).unwrap();
+        let b = t.try_checkout_bytes(1, 1).unwrap();
+        let c = t.try_checkout_bytes(1, 1).unwrap();
+        assert!(t.try_checkout_bytes(1, 1).is_none(), "the last entry was taken");
+        let d = t.try_checkout_bytes(1, 0).unwrap();
+        for x in [a, b, c, d] {
+            t.release(x, false).unwrap();
+        }
     }
 
     #[test]

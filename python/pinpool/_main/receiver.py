@@ -497,7 +497,9 @@ class Receiver:
             ordered = sorted(self._recent) or [self.max_batch]
             recent = ordered[len(ordered) * 3 // 4]
             size = ticket_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
-        return self.tickets.assign(pool, owner, size, room_kept(self.largest_seen, arena))
+        # (Never no reserve: the last entry and some bytes stay for copy-mode batches.)
+        reserve = max(1, room_kept(self.largest_seen, arena))
+        return self.tickets.assign(pool, owner, size, reserve)
 
     def _overflow_buffer(self, need: int) -> torch.Tensor:
         self.overflow_batches += 1
