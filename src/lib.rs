@@ -16,6 +16,7 @@
 //! - [`release`]: the thread that frees a dropped pool's arena, so no caller waits for it;
 //! - [`background`]: pinpool's threads give way to the training thread;
 //! - [`forks`]: whether this is still the process that made a pool, without a system call;
+//! - [`fork_private`]: a forked child gets the arenas as private copy-on-write memory;
 //! - [`cuda`]: the few driver calls we need, loaded at run time, never panicking;
 //! - [`device_choice`]: which device a pool binds to when none is named (the rank's own);
 //! - [`topology`]: the machine's NUMA nodes as sysfs tells them, and the node of a GPU;
@@ -32,6 +33,7 @@ pub mod device_choice;
 pub mod error;
 pub mod extents;
 pub mod fence;
+pub mod fork_private;
 pub mod forks;
 pub mod lease;
 pub mod numa;

@@ -22,6 +22,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
+use crate::fork_private;
 
 /// The system page size.
 pub fn page_size() -> usize {
@@ -41,6 +42,8 @@ pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
     fd: Option<OwnedFd>,
+    /// A writable mapping is read-only in forked children (see `fork_private`).
+    read_only_in_children: Option<fork_private::Registration>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; who may read or write which bytes
@@ -99,7 +102,9 @@ impl Mapping {
             return Err(Error::last_os("mmap"));
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(Error::Os { call: "mmap", errno: 0 })?;
-        Ok(Mapping { ptr, len, fd: Some(fd) })
+        let read_only_in_children =
+            writable.then(|| fork_private::register_read_only(ptr.as_ptr() as usize, len));
+        Ok(Mapping { ptr, len, fd: Some(fd), read_only_in_children })
     }
 
     /// The first byte of the mapping.
@@ -169,6 +174,8 @@ pub struct Region {
     base: NonNull<u8>,
     len: usize,
     parts: Vec<Part>,
+    /// Forked children get each part privately (see `fork_private`); dropped before unmapping.
+    private_in_children: Vec<fork_private::Registration>,
 }
 
 /// One memfd of a [`Region`].
@@ -252,10 +259,12 @@ impl Region {
         }
         let base = NonNull::new(raw.cast::<u8>()).ok_or(Error::Os { call: "mmap", errno: 0 })?;
         // From here on, dropping `region` unmaps the whole reservation.
-        let mut region = Region { base, len, parts: Vec::new() };
+        let mut region = Region { base, len, parts: Vec::new(), private_in_children: Vec::new() };
         let mut offset = 0;
         for part_len in lens {
             let fd = sealed_memfd(name, part_len)?;
+            let addr = base.as_ptr() as usize + offset;
+            region.private_in_children.push(fork_private::register(addr, part_len, fd.as_raw_fd()));
             // SAFETY: `[base+offset, +part_len)` lies inside our reservation (the lengths sum
             // to len); MAP_FIXED replaces exactly that part of it with the memfd.
             let at = unsafe {
@@ -386,9 +395,18 @@ fn populate_part(
 
 impl Drop for Region {
     fn drop(&mut self) {
+        // Children forked from here on leave the range alone (see `fork_private`).
+        for registration in &self.private_in_children {
+            registration.unmapping();
+        }
         // SAFETY: `[base, base+len)` is exactly our reservation, with the parts mapped over
-        // it; unmapping the range removes them all. The fds close when `parts` drops.
+        // it; unmapping the range removes them all.
         unsafe { unmap_in_chunks(self.base.as_ptr(), self.len) };
+        // The memfds go before their registrations, the descriptor numbers after them.
+        for part in &self.parts {
+            fork_private::let_go_of(part.fd.as_raw_fd());
+        }
+        self.private_in_children.clear();
     }
 }
 
@@ -458,7 +476,8 @@ fn touch_pages(addr: usize, len: usize, page: usize) -> std::result::Result<(), 
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` describe exactly the mapping created in `map`, unmapped only here.
+        self.read_only_in_children = None; // (before the range can be reused)
+                                           // SAFETY: `ptr`/`len` describe exactly the mapping created in `map`, unmapped only here.
         unsafe { unmap_in_chunks(self.ptr.as_ptr(), self.len) };
     }
 }

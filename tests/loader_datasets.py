@@ -379,3 +379,37 @@ class ReadyBatches(Dataset):
 def ready_batch(batch: Any) -> Any:
     """A collate function that keeps what the dataset made (it is already a batch)."""
     return batch
+
+
+def arena_reach() -> tuple[int, int]:
+    """What this process can reach of a pinpool arena right now: the bytes it has mapped
+    writable and shared from one, and the descriptors it holds of one."""
+    mapped = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "pinpool-arena" in fields[5] and fields[1][1] == "w":
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                mapped += hi - lo if fields[1][3] == "s" else 0
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "pinpool-arena" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # (the listing's own descriptor, closed by now)
+    return mapped, fds
+
+
+class ArenaWatcher(Dataset):
+    """Each sample is ``[index, arena bytes mapped, arena descriptors]`` as its worker saw
+    them while making it (an earlier batch of this worker's is written by then)."""
+
+    def __init__(self, n: int, pad: int = 16384) -> None:
+        self.n, self.pad = n, pad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        mapped, fds = arena_reach()
+        return {"seen": torch.tensor([i, mapped, fds]), "pad": torch.zeros(self.pad)}

@@ -666,13 +666,6 @@ def test_batch_handle_fields(decoy: int) -> None:
     fuzz()
 
 
-def forget_arena_mappings() -> None:
-    """Drops the worker side's mappings of arenas (a worker process's, normally: here each
-    example's loader has its own arena, and an fd number reused would find a stale one)."""
-    for key in [k for k in places._ARENAS if k[0] == os.getpid()]:
-        places._ARENAS.pop(key).close()
-
-
 def one_slot_handle(data: Any, worker: Worker) -> None:
     with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3) as loader:
         receiver = loader._pin_receiver
@@ -693,7 +686,6 @@ def one_slot_handle(data: Any, worker: Worker) -> None:
         finally:
             # The loader takes back a slot whose batch never came (the iterator's end).
             receiver.tickets.unassign(ticket.claim)
-            forget_arena_mappings()
         assert_slots_back(loader)
 
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 from conftest import make_memfd
 from handles import HandleFactory
-from loader_datasets import Exiting, Indexed, ReadyBatches, ready_batch
+from loader_datasets import ArenaWatcher, Exiting, Indexed, ReadyBatches, ready_batch
 
 import pinpool
 from pinpool import InvalidArgument, OutOfBounds, PinPoolError, WorkerLost
@@ -568,3 +568,93 @@ def test_memfds_are_owner_only(make_pool: Any) -> None:
         assert mode == 0o600, oct(mode)
         # Still open to its owner through /proc, as the main process opens a worker's.
         os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR))
+
+
+# --------------------------------------------------------------------------- zero-copy reach
+
+
+@pytest.mark.parametrize("context", ["forkserver", "fork"])
+def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -> None:
+    """A zero-copy worker maps its ticket's slot only while writing the batch: when it starts
+    the next batch it holds no writable mapping and no descriptor of the main process's
+    arena, so nothing it does then can reach a batch the consumer holds. Streamed batches
+    are written sample by sample, so only a batch's first sample is made before its slot is
+    mapped. With ``fork`` the workers of the second epoch start after the arena exists."""
+    gc.collect()
+    pinpool.wait_for_releases(timeout=60)
+    for stream in (False, True):
+        loader = pinpool.DataLoader(
+            ArenaWatcher(48),
+            batch_size=4,
+            num_workers=2,
+            zero_copy=True,
+            multiprocessing_context=context,
+            stream_samples=stream,
+        )
+        for _epoch in range(2):
+            seen = torch.cat([b["seen"] for b in loader])
+            assert sorted(seen[:, 0].tolist()) == list(range(48))
+            if stream:
+                seen = seen[seen[:, 0] % 4 == 0]
+            reached = seen[seen[:, 1:].sum(1) > 0]
+            assert len(reached) == 0, f"made while the arena was reachable: {reached.tolist()}"
+        assert loader.stats()["zero_copy_batches"] >= 12, loader.stats()
+        # (A child forked while an arena is being freed may inherit it as it was: nothing
+        # uses that arena any more, but it would count here.)
+        del loader
+        pinpool.wait_for_releases(timeout=60)
+
+
+def test_a_tickets_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
+    """The worker's side of a ticket maps only the slot's pages, and only from the file the
+    ticket names: another file behind the descriptor, an unsealed one, one of another length
+    or a slot outside it is refused with the reason, and nothing stays open."""
+    from pinpool._wire.handle import SlotTicket
+    from pinpool._worker.places import map_slot
+
+    pool = make_pool(1 << 20, 4, arena_bytes=8 << 20)
+    pool.checkout(nbytes=1 << 20).release()  # (the slot below starts past the first page)
+    first = pool.checkout(nbytes=4096)
+    slot = pool.checkout(nbytes=3 * 4096)
+    where = pool.slot_memfd(slot)
+    assert where is not None
+    fd, offset, part_len = where
+    good = SlotTicket(1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino)
+    fds = len(os.listdir("/proc/self/fd"))
+    mapped, at = map_slot(good)
+    assert len(mapped) - at == slot.nbytes < part_len and at < 4096
+    mapped[at : at + 5] = b"hello"
+    assert bytes(slot.view(np.uint8, (5,))) == b"hello"
+    mapped.close()
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+    unsealed = make_memfd(part_len, seal=False)
+    with tempfile.TemporaryFile() as plain:
+        plain.truncate(part_len)
+        cases = {
+            "another file": good._replace(arena_ino=good.arena_ino + 1),
+            "unsealed": good._replace(arena_fd=unsealed, arena_ino=os.fstat(unsealed).st_ino),
+            "plain file": good._replace(
+                arena_fd=plain.fileno(), arena_ino=os.fstat(plain.fileno()).st_ino
+            ),
+            "length": good._replace(arena_len=part_len + 4096),
+            "outside": good._replace(offset=part_len - 4096),
+            "negative": good._replace(offset=-4096),
+            "empty": good._replace(nbytes=0),
+        }
+        reasons = {
+            "another file": "no longer names",
+            "unsealed": "not sealed",
+            "plain file": "not sealed",
+            "length": "not",
+            "outside": "outside",
+            "negative": "outside",
+            "empty": "outside",
+        }
+        for name, ticket in cases.items():
+            with pytest.raises(PinPoolError, match=reasons[name]):
+                map_slot(ticket)
+            assert len(os.listdir("/proc/self/fd")) == fds + 2, name  # (the two files above)
+    os.close(unsealed)
+    slot.release()
+    first.release()

@@ -54,11 +54,20 @@ class Tickets:
             self.fallbacks += 1
             return None  # (a slot checked out above returns to the pool as it dies here)
         fd, offset, part_len = where
+        ino = os.fstat(fd).st_ino
         nonce = random.getrandbits(63)
         with self._lock:
             self._assigned[(slot.index, slot.generation)] = (slot, nonce, owner)
         return SlotTicket(
-            slot.index, slot.generation, nonce, offset, slot.nbytes, os.getpid(), fd, part_len
+            slot.index,
+            slot.generation,
+            nonce,
+            offset,
+            slot.nbytes,
+            os.getpid(),
+            fd,
+            part_len,
+            ino,
         )
 
     def adopt(self, claim: Any) -> Slot:

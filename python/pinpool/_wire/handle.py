@@ -35,6 +35,7 @@ class SlotTicket(NamedTuple):
     arena_pid: int  # the process whose fd this is
     arena_fd: int  # the memfd (one part of the arena) holding the slot
     arena_len: int  # that memfd's length
+    arena_ino: int  # that memfd's inode number: the fd still names the same file
 
     @property
     def claim(self) -> tuple[int, int, int]:

@@ -11,19 +11,31 @@ with. The first time a segment is used, its handle says where the main process c
 small for a batch are retired: the worker drops its mapping and the next handle tells the
 main process to drop its own.
 
+A ticket's slot is reached the same way (``/proc/<main pid>/fd/<fd>``), checked before
+anything is mapped: the file is the one the ticket names (its inode), sealed against
+shrinking (nothing can truncate it under the mapping) and of the announced length, and the
+slot lies inside it. Only the slot's own pages are mapped, for as long as the batch is being
+written: once its handle is made (or the batch abandoned) the worker holds no mapping and no
+descriptor of the main process's memory, so a stray write in a worker cannot reach a batch
+the consumer holds (see the trust model in ``docs/design.md``).
+
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
-handle made) or unclaimed; the arena is mapped once per worker process.
+handle made) or unclaimed; an arena mapping lives exactly as long as its place, and covers
+only the ticket's slot.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import random
+import stat
 import threading
 from dataclasses import dataclass, field
 
+from .._errors import PinPoolError
 from .._native import WorkerSegment
 from .._wire import codec, peer
 from .._wire.handle import BatchHandle, SlotTicket
@@ -71,7 +83,6 @@ class _Ring:
 
 
 _RINGS: dict[tuple[int, str], _Ring] = {}
-_ARENAS: dict[tuple[int, int, int, int], mmap.mmap] = {}
 _LOCK = threading.Lock()
 
 
@@ -85,25 +96,44 @@ def ring_for(token: str, limit: int) -> _Ring:
         return ring
 
 
-def arena_for(ticket: SlotTicket) -> mmap.mmap:
-    """This worker's mapping of the part of the main process's arena holding the ticket's
-    slot."""
-    key = (os.getpid(), ticket.arena_pid, ticket.arena_fd, ticket.arena_len)
-    with _LOCK:
-        mapped = _ARENAS.get(key)
-        if mapped is None:
-            fd = peer.open_fd_of(ticket.arena_pid, ticket.arena_fd)
-            try:
-                if os.fstat(fd).st_size != ticket.arena_len:
-                    raise RuntimeError("the arena behind the ticket has an unexpected size")
-                # Populate the page tables now, once, rather than fault on every first write
-                # into each slot (costly under a hypervisor).
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                mapped = mmap.mmap(fd, ticket.arena_len, flags)
-            finally:
-                os.close(fd)
-            _ARENAS[key] = mapped
-        return mapped
+def _refuse(ticket: SlotTicket, why: str) -> PinPoolError:
+    return PinPoolError(
+        f"the slot handed out with this batch's indices (fd {ticket.arena_fd} of process "
+        f"{ticket.arena_pid}) cannot be written: {why}"
+    )
+
+
+def _check_part(fd: int, ticket: SlotTicket) -> None:
+    """Raises unless ``fd`` is the arena part ``ticket`` names and its slot lies inside."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_ino != ticket.arena_ino:
+        raise _refuse(ticket, "that descriptor no longer names the arena the ticket was made for")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # (not a memfd)
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise _refuse(ticket, "the file is not sealed against shrinking")
+    if info.st_size != ticket.arena_len:
+        raise _refuse(ticket, f"the file holds {info.st_size} bytes, not {ticket.arena_len}")
+    offset, nbytes = ticket.offset, ticket.nbytes
+    if not (0 <= offset and 0 < nbytes and offset + nbytes <= info.st_size):
+        raise _refuse(ticket, f"bytes {offset}..{offset + nbytes} lie outside the file")
+
+
+def map_slot(ticket: SlotTicket) -> tuple[mmap.mmap, int]:
+    """A writable mapping of the pages holding the ticket's slot, and where the slot starts in
+    it. The descriptor opened to make it is closed before this returns."""
+    fd = peer.open_fd_of(ticket.arena_pid, ticket.arena_fd)
+    try:
+        _check_part(fd, ticket)
+        start = ticket.offset - ticket.offset % mmap.ALLOCATIONGRANULARITY
+        # Populate the page tables in one call rather than fault on every page written.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, ticket.offset + ticket.nbytes - start, flags, offset=start)
+    finally:
+        os.close(fd)
+    return mapped, ticket.offset - start
 
 
 def _release(view: memoryview) -> None:
@@ -123,12 +153,14 @@ class Place:
         self.token = token
         self.ring = ring_for(token, ring_size)
         self.ticket = ticket
+        self._mapping: mmap.mmap | None = None
         self._arena: memoryview | None = None
         self.segment: WorkerSegment | None = None
         self.sid = -1
         if ticket is not None and nbytes <= ticket.nbytes:
-            self._arena = memoryview(arena_for(ticket))
-            self.memory = self._arena[ticket.offset : ticket.offset + ticket.nbytes]
+            self._mapping, at = map_slot(ticket)
+            self._arena = memoryview(self._mapping)
+            self.memory = self._arena[at : at + ticket.nbytes]
         else:
             self.sid, self.segment = self.ring.acquire(nbytes)
             self.memory = memoryview(self.segment).cast("B")
@@ -183,6 +215,12 @@ class Place:
         if self._arena is not None:
             _release(self._arena)
             self._arena = None
+        if self._mapping is not None:
+            mapping, self._mapping = self._mapping, None
+            try:
+                mapping.close()
+            except BufferError:  # a view is still held (by a traceback): it goes with it
+                pass
 
 
 def write(
