@@ -2,7 +2,8 @@
 (``BatchHandle``, naming a segment or, in zero-copy mode, a slot), as state tuples and as raw pickle
 bytes, and the 64-byte header of the shared-memory segments they name; and the resume states
 ``DataLoader.load_state_dict`` takes (from a checkpoint file: clear errors at load, or a state
-that runs, never a late error or a hang).
+that runs, never a late error or a hang); and the pool hints a worker sends before its first
+batch (a warning at most, a pool no larger than the batches it announces justify).
 
 No input may crash the process, hang, read outside the segment it names, or allocate more
 than that segment justifies. Every handle goes to a real loader side (a ``pinpool.DataLoader``
@@ -1083,3 +1084,96 @@ def test_resume_states() -> None:
             gc.collect()
 
     fuzz()
+
+
+# --------------------------------------------------------------------------- pool hints
+
+#: The largest arena a hint may make here; a larger request is recorded and refused before
+#: anything is allocated (a real hint may cost what the batches it announces would).
+HINT_ARENA_LIMIT = 512 << 20
+
+HINT_VALUES = st.one_of(
+    st.integers(-(1 << 63), (1 << 63) - 1),
+    st.integers(-4, 1 << 16),
+    st.integers(1 << 16, 64 << 20),
+    st.sampled_from([0, 1, PAGE - 1, PAGE, PAGE + 1, 1 << 40, (1 << 63) - 1]),
+)
+
+
+def test_pool_hints() -> None:
+    """What a worker's process may write into the pool-hint pipe: any bytes, or two int64s of
+    any value. The hint's thread ends at once, logging at most a warning; it makes at most one
+    pool, sized for the bytes announced (never for a sample count, never beyond the memory's
+    share); and the first real batch is taken, in a pool no more than twice what that batch
+    alone would have made unless the pool was used meanwhile."""
+
+    made: list[int] = []
+    real_pool = pinpool._main.receiver.PinPool
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        arena = kwargs.get("arena_bytes") or 0
+        made.append(arena)
+        if arena > HINT_ARENA_LIMIT:
+            raise pinpool.BatchTooLarge("refused by the test", arena, HINT_ARENA_LIMIT)
+        return real_pool(*args, **kwargs)
+
+    # Each example makes a pool or two: fewer of them in the bounded run.
+    @settings(FUZZ, max_examples=FUZZ.max_examples if _EXAMPLES else 40)
+    @given(st.data())
+    def fuzz(data: Any) -> None:
+        if data.draw(st.booleans(), label="packed"):
+            announced = data.draw(HINT_VALUES, label="bytes")
+            count = data.draw(HINT_VALUES, label="samples")
+            payload = struct.pack("<qq", announced, count)
+        else:
+            payload = data.draw(st.binary(max_size=80), label="raw")
+            announced = count = None
+        real = data.draw(st.integers(1, 32 << 20), label="real batch")
+        made.clear()
+        fds = open_fd_count()
+        with no_hang():
+            one_hint(payload, announced, count, real, made)
+        gc.collect()
+        assert open_fd_count() <= fds
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(setattr, pinpool._main.receiver, "PinPool", real_pool)
+        pinpool._main.receiver.PinPool = watched  # type: ignore[misc,assignment]
+        fuzz()
+
+
+def one_hint(
+    payload: bytes, announced: int | None, count: int | None, real: int, made: list[int]
+) -> None:
+    """One example of :func:`test_pool_hints`: ``payload`` into a fresh loader's hint pipe,
+    then a real first batch of ``real`` bytes."""
+    from pinpool._wire.pool_hint import PoolHint
+
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
+    receiver = loader._pin_receiver
+    hint = PoolHint()
+    try:
+        hint.watch(receiver._ensure_hinted, lambda: receiver.pool is None)
+        assert hint._writer is not None
+        hint._writer.send_bytes(payload)
+        thread = hint._thread
+        assert thread is not None
+        thread.join(10)
+        assert not thread.is_alive(), "the hint's thread did not end"
+        hinted = receiver.pool
+        assert len(made) <= 1
+        if hinted is not None:
+            assert announced is not None and announced > 0
+            assert made == [receiver.sizing.plan(announced).arena]
+            assert hinted.arena_bytes == made[0] <= HINT_ARENA_LIMIT
+        elif announced is not None and announced > 0 and count is not None and count > 0:
+            # Refused, and logged: by the sizing (over the memory's share) or here.
+            assert all(arena > HINT_ARENA_LIMIT for arena in made), made
+        else:
+            assert not made, made
+        pool, _ = receiver.ensure(real)
+        assert pool.largest_slot >= real
+        assert pool.arena_bytes <= 2 * receiver.sizing.plan(real).arena
+    finally:
+        hint.close()
+        receiver.close()

@@ -104,12 +104,19 @@ class PoolHint:
             while not self._closed and wanted():
                 if not reader.poll(_POLL_S):  # (without the GIL)
                     continue
-                nbytes, count = struct.unpack(_FORMAT, reader.recv_bytes(64))
+                raw = reader.recv_bytes(64)
+                if len(raw) != struct.calcsize(_FORMAT):
+                    _log.warning(
+                        "pinpool: a worker sent a malformed pool hint (%d bytes)", len(raw)
+                    )
+                    return
+                nbytes, count = struct.unpack(_FORMAT, raw)
                 if nbytes > 0 and count > 0 and not self._closed:
                     make(nbytes, count)
                 return
         except Exception as exc:  # a hint is only a hint: the first batch sizes the pool
-            _log.warning("pinpool: could not make the pool ahead of the first batch: %s", exc)
+            # (the message only: a record holding the exception would keep its frames alive)
+            _log.warning("pinpool: could not make the pool ahead of the first batch: %s", str(exc))
         finally:
             with self._lock:
                 self._reader = None
