@@ -282,6 +282,41 @@ def test_host_backend_on_a_gpu_machine_is_not_pinned(cuda_pool) -> None:
         del view
 
 
+def test_a_forked_child_reads_a_registered_arena_and_writes_only_its_own_copy(cuda_pool) -> None:
+    """A child forked after a pinned (driver-registered) arena exists reads the batches it
+    inherited, and what it writes there stays its own: the parent's bytes, and their copy to
+    the GPU, are unchanged (``src/fork_private.rs``)."""
+    import ctypes
+
+    pool = cuda_pool(2 * MiB, 2)
+    assert pool.backend == "cuda-register"
+    slot = pool.checkout()
+    host = slot.view(torch.uint8, (slot.nbytes,))
+    src = byte_pattern(slot.nbytes, seed=3)
+    host.copy_(src)
+    expected = checksum(src)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            seen = ctypes.string_at(slot.address, slot.nbytes)
+            if sum(seen) == expected:
+                ctypes.memset(slot.address, 0, slot.nbytes)
+                code = 0 if ctypes.string_at(slot.address, 4) == b"\0\0\0\0" else 3
+            else:
+                code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert checksum(host) == expected, "the child's writes reached the parent's arena"
+    dev = host.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert checksum(dev.cpu()) == expected
+    del host, dev
+    slot.release()
+
+
 # --------------------------------------------------------------------------- asynchronous copies
 
 
