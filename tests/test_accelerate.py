@@ -38,17 +38,29 @@ from accelerate.utils import DataLoaderConfiguration
 SETTINGS: dict[str, Any] = {"slot_bytes": 1 << 20, "num_slots": 6, "copy_threads": 1}
 
 
-def ours(zero_copy: bool = False, seed: int = 1, **extra: Any) -> pinpool.DataLoader[Any]:
+class Numbers(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Tensors only (accelerate's dispatcher concatenates every leaf of the batches)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"idx": torch.tensor(i), "x": torch.full((3, 4), float(i))}
+
+
+def ours(zero_copy: bool = False, seed: int = 1, dataset: Any = None) -> pinpool.DataLoader[Any]:
     torch.manual_seed(seed)
     return pinpool.DataLoader(
-        Indexed(32), batch_size=4, shuffle=True, num_workers=2, zero_copy=zero_copy,
-        **SETTINGS, **extra,
+        Indexed(32) if dataset is None else dataset, batch_size=4, shuffle=True,
+        num_workers=2, zero_copy=zero_copy, **SETTINGS,
     )  # fmt: skip
 
 
-def plain() -> torch.utils.data.DataLoader[Any]:
+def plain(dataset: Any = None) -> torch.utils.data.DataLoader[Any]:
     torch.manual_seed(1)
-    return torch.utils.data.DataLoader(Indexed(32), batch_size=4, shuffle=True)
+    return torch.utils.data.DataLoader(
+        Indexed(32) if dataset is None else dataset, batch_size=4, shuffle=True
+    )
 
 
 def indices(loader: Any, seed: int | None = None) -> list[list[int]]:
@@ -236,9 +248,9 @@ def test_dispatching_keeps_the_pool(no_pinpool_warnings: None) -> None:
     # accelerate's default for an IterableDataset, and dispatch_batches=True: process 0
     # loads and sends each process its part.
     acc = accelerator(dispatch_batches=True)
-    shard = acc.prepare(ours())
+    shard = acc.prepare(ours(dataset=Numbers()))
     assert type(shard).__name__ == "DataLoaderDispatcher"
-    assert indices(shard, 2) == indices(acc.prepare(plain()), 2)
+    assert indices(shard, 2) == indices(acc.prepare(plain(Numbers())), 2)
     assert shard.stats()["batches"] == 8
 
 

@@ -183,10 +183,19 @@ def adopt(result: Any, template: Any) -> tuple[Any, str | None]:
         # would copy each one out of it (torch's ``.to("cpu:0")``, the device of CPU ranks,
         # copies a tensor on "cpu").
         result.device = None
+    # The pinpool loader's state counts the batches it yielded; accelerate's adapter takes it
+    # right before its look-ahead, when that is what its consumer was given (accelerate 1.15's
+    # own shard takes no correction either). An older accelerate's correction reads
+    # torchdata's keys, absent here, in any distributed run.
+    result.adjust_state_dict_for_prefetch = _as_taken
     _seed_generator(module, result)
     if hasattr(loader, "state_dict"):  # (False where the loader cannot resume)
         result.dl_state_dict = loader.state_dict()
     return result, None
+
+
+def _as_taken() -> None:
+    """A shard's ``adjust_state_dict_for_prefetch``: the state stays as the loader gave it."""
 
 
 def _seed_generator(module: Any, shard: Any) -> None:
