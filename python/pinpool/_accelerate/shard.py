@@ -269,8 +269,22 @@ def rebuild(base: Any, template: Any, placement: Any) -> Any:
 
 
 def prepare(accelerator: Any, loader: Any, *, device_placement: bool | None = None) -> Any:
-    """``accelerator.prepare_data_loader(loader)``, keeping pinpool's pool: see
-    ``pinpool.prepare``."""
+    """``accelerator.prepare_data_loader(loader, device_placement=...)``, keeping the pool
+    of ``loader`` (a ``pinpool.DataLoader``; any other loader goes to accelerate as it is).
+
+    With a pinpool loader, ``accelerator.prepare(loader)`` already does this (pinpool patches
+    accelerate's ``prepare_data_loader`` as accelerate is imported): accelerate's shard, with
+    a ``pinpool.DataLoader`` of the same settings under it. This call does the same where
+    that patch is off (``PINPOOL_ACCELERATE_HOOK=0``), and where accelerate is not the shape
+    pinpool knows (a warning says so when ``prepare`` drops the pool) it uses accelerate's
+    public methods only: accelerate's shard of a torch copy of ``loader``, without device
+    placement, wrapped by ``pinpool.pinned`` (batches copied into the pool on the iterating
+    thread, onto ``accelerator.device`` where accelerate would place them; no zero-copy, and
+    ``state_dict`` only as accelerate's shard has one).
+
+    >>> model, optimizer = accelerator.prepare(model, optimizer)
+    >>> loader = pinpool.prepare(accelerator, pinpool.DataLoader(dataset, batch_size=64))
+    """
     template = template_of(loader)
     if template is None:
         return accelerator.prepare_data_loader(loader, device_placement=device_placement)
