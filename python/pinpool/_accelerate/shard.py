@@ -208,10 +208,13 @@ def _seed_generator(module: Any, shard: Any) -> None:
     if not isinstance(seedable, type) or get_sampler is None:
         return
     try:
-        sampler = get_sampler(shard)
+        found = get_sampler(shard)
     except AttributeError:
         return
-    if isinstance(sampler, seedable) and sampler.generator is None:
+    if not isinstance(found, seedable):
+        return
+    sampler: Any = found
+    if sampler.generator is None:
         device = torch.get_default_device() if hasattr(torch, "get_default_device") else "cpu"
         sampler.generator = torch.Generator(device=device)
         sampler.generator.manual_seed(sampler.initial_seed)
@@ -329,9 +332,9 @@ def warn(why: str) -> None:
             return
         _warned = True
     inside = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep]
-    accelerate = sys.modules.get("accelerate")
-    if accelerate is not None and getattr(accelerate, "__file__", None):
-        inside.append(os.path.dirname(os.path.abspath(accelerate.__file__)) + os.sep)
+    where = getattr(sys.modules.get("accelerate"), "__file__", None)
+    if where:
+        inside.append(os.path.dirname(os.path.abspath(where)) + os.sep)
     level = 1
     frame: types.FrameType | None = sys._getframe(0)
     while frame is not None and frame.f_code.co_filename.startswith(tuple(inside)):
