@@ -180,27 +180,33 @@ def test_lightning_ddp_with_two_cpu_ranks(tmp_path: Path, how: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_accelerate_keeps_its_loader_and_pinpool_pins_its_batches(
-    tmp_path: Path, ranks: int
-) -> None:
-    """accelerate rebuilds whatever loader ``prepare`` gets as its own class, so the user guide's
-    way is a plain torch loader prepared by accelerate and wrapped by ``pinpool.pinned``: one
-    process, and two CPU ranks under torchrun."""
+def test_accelerate_prepare_keeps_the_pool_on_two_cpu_ranks(tmp_path: Path) -> None:
+    """``accelerator.prepare`` of a pinpool loader on two CPU ranks under torchrun (gloo),
+    copy then zero-copy in the one launch: each rank's batches come from its own pool, are
+    the ones accelerate's own shard gives that rank, and together cover the dataset once; a
+    state taken mid-epoch resumes the rank's rest. One process: tests/test_accelerate.py."""
     pytest.importorskip("accelerate")
     script = str(HERE / "frameworks" / "accelerate_ranks.py")
-    if ranks == 1:
-        command = [sys.executable, script]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script]
     reports = run_ranks(tmp_path, command)
-    assert [r["rank"] for r in reports] == list(range(ranks))
-    seen = sorted(i for r in reports for i in r["seen"])
-    assert seen == list(range(32)), "every sample once, across the ranks"
-    for r in reports:
-        assert r["steps"] == 8 // ranks and r["batches"] == r["steps"], r
-        assert r["in_pool"], "a batch outside the rank's pool"
-        assert not [w for w in r["warnings"] if "pinpool" in w.lower()], r["warnings"]
+    assert [(r["rank"], r["ranks"]) for r in reports] == [(0, 2), (1, 2)]
+    for mode in ("copy", "zero-copy"):
+        seen = sorted(i for r in reports for i in r[mode]["seen"])
+        assert seen == list(range(32)), f"{mode}: every sample once, across the ranks"
+        for r in reports:
+            got = r[mode]
+            assert r["hooked"], "accelerate imported before pinpool: patched at import"
+            assert got["loader"] == "pinpool.loader.DataLoader", got["loader"]
+            assert got["settings"] == [1 << 20, 7, 1, mode == "zero-copy"], got["settings"]
+            assert got["batches_seen"] == got["expected"], f"{mode}: not accelerate's shard"
+            assert got["steps"] == 4 and got["batches"] == 4, got
+            assert got["in_pool"], f"{mode}: a batch outside the rank's pool"
+            if mode == "zero-copy":
+                assert got["zero_copy_batches"] > 0, got
+            assert len(got["head"]) == 2 and len(got["rest"]) == 2
+            assert got["resumed"] == got["rest"], f"{mode}: resumed elsewhere"
+            assert got["resumed_batches"] == 2
+        assert not [w for r in reports for w in r["warnings"] if "pinpool" in w.lower()]
 
 
 class DeviceSteps(pl.LightningModule):

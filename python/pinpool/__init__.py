@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from . import _cuda_stream, _native
+from . import _accelerate, _cuda_stream, _native
 from ._errors import (
     BatchTooLarge,
     CudaError,
@@ -45,6 +45,7 @@ from ._native import (
 )
 
 if TYPE_CHECKING:
+    from ._accelerate.shard import prepare
     from ._main.adapter import Pinned, pinned
     from .loader import DataLoader
 
@@ -52,6 +53,10 @@ _native._set_stream_hook(_cuda_stream.current_stream)
 
 # A library's logger: silent unless the application configures logging.
 logging.getLogger("pinpool").addHandler(logging.NullHandler())
+
+# accelerate's prepare() keeps a pinpool loader's pool: its data_loader module is patched now
+# if imported, else as it is imported (pinpool._accelerate; PINPOOL_ACCELERATE_HOOK=0: not).
+_accelerate.install()
 
 __version__ = "0.1.0"
 
@@ -78,13 +83,14 @@ __all__ = [
     "cuda_available",
     "page_size",
     "pinned",
+    "prepare",
     "wait_for_releases",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # The DataLoader and pinned() need torch; importing pinpool alone must not.
-    if name in ("DataLoader", "pinned", "Pinned"):
+    # The DataLoader, pinned() and prepare() need torch; importing pinpool alone must not.
+    if name in ("DataLoader", "pinned", "Pinned", "prepare"):
         try:
             import torch  # noqa: F401
         except ModuleNotFoundError as exc:
@@ -96,6 +102,10 @@ def __getattr__(name: str) -> Any:
             from .loader import DataLoader
 
             return DataLoader
+        if name == "prepare":
+            from ._accelerate.shard import prepare
+
+            return prepare
         from ._main import adapter
 
         return getattr(adapter, name)

@@ -57,11 +57,13 @@ from .._errors import InvalidArgument
 VERSION = 1
 
 #: Where a loader's generators live (the same generator is recorded once, at its first path).
+#: The last is a sampler under a batch sampler's batch sampler: accelerate's sharding one.
 _GENERATOR_PATHS = (
     "generator",
     "sampler.generator",
     "batch_sampler.generator",
     "batch_sampler.sampler.generator",
+    "batch_sampler.batch_sampler.sampler.generator",
 )
 
 _END = object()
