@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: demo test build lint rust-test py-test fuzz bench wheel clean sanitize miri tsan
+.PHONY: demo test build lint rust-test py-test test-oldest fuzz bench wheel clean sanitize miri tsan
 
 demo: build
 	$(PY) -m pinpool.bench --out demo-results
@@ -41,6 +41,22 @@ py-test: build
 	$(PY) -m pytest -q --pin-thread --zero-copy tests/test_loader.py tests/test_loader_faults.py
 	# Once as an unprivileged user (`nobody`): no capability hides a permission failure.
 	VENV=$(VENV) tests/unprivileged.sh -q tests/test_loader.py tests/test_loader_faults.py tests/test_hardening.py
+
+# The CPU suite on the oldest torch pinpool supports (python/pinpool/_torch_versions.py), in a
+# venv of its own; `make test` runs the newest.
+OLD_VENV  ?= .venv-oldest
+OLD_STAMP := $(OLD_VENV)/.deps-installed
+
+$(OLD_STAMP): requirements-oldest.txt
+	python3 -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLD_VENV)/bin/python -m pip install -q -r requirements-oldest.txt
+	touch $@
+
+test-oldest: $(OLD_STAMP)
+	VIRTUAL_ENV=$(abspath $(OLD_VENV)) $(OLD_VENV)/bin/maturin develop --release -q
+	$(OLD_VENV)/bin/python -c 'import torch; print("torch", torch.__version__)'
+	$(OLD_VENV)/bin/python -m pytest -q
 
 # The fuzz tests at length (`make test` runs a bounded number of examples).
 fuzz: build

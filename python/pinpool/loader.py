@@ -36,6 +36,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import default_collate, default_convert
 
+from . import _torch_versions
 from ._main import settings
 from ._main.delivery import finish
 from ._main.index_queue import DirectQueue, write_directly
@@ -49,6 +50,8 @@ from ._wire.handle import BatchHandle, WorkerProgress
 from ._wire.pool_hint import PoolHint
 from ._worker.collate import PinCollate
 from ._worker.streaming import StreamingDataset
+
+_torch_versions.check(torch.__version__)
 
 __all__ = ["DataLoader", "PinCollate"]
 
