@@ -2,7 +2,8 @@
 //!
 //! Invariants:
 //! - The copier never decides what is safe to copy: callers validate every range against the
-//!   memory it names first (see `pool.rs`), then call the `unsafe` [`Copier::copy`].
+//!   memory it names first ([`crate::pool::validate_ranges`]), then call the `unsafe`
+//!   [`Copier::copy`].
 //! - Work runs on the copier's own threads, never on a Python thread's intra-op pool, so
 //!   torch's `set_num_threads(1)` in its pin thread does not throttle us.
 //! - Small copies run on the calling thread: a thread hand-off costs more than it saves.

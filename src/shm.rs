@@ -496,7 +496,7 @@ pub const MM_CALL_BYTES: usize = 4 << 20;
 /// `ptr` must be page-aligned and `[ptr, ptr + len)` mapped by the caller, who gives it up:
 /// nothing may touch it afterwards.
 pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
-    let pause = crate::background::is_background();
+    let pause = crate::priority::is_background();
     let mut end = len;
     while end > 0 {
         // Every piece starts a whole number of chunks (so of pages) past `ptr`.
@@ -511,7 +511,7 @@ pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
     }
 }
 
-/// How long a background thread ([`crate::background::is_background`]) waits between two
+/// How long a background thread ([`crate::priority::is_background`]) waits between two
 /// `munmap` calls of [`unmap_in_chunks`]. Without it the thread takes the address-space lock
 /// again the moment it lets it go, ahead of a thread already waiting for it, which the kernel
 /// wakes but lets wait until it has waited about 4 ms (its lock hand-off rule). On the H200
@@ -658,7 +658,7 @@ mod tests {
     fn a_background_thread_unmaps_everything_too() {
         // The same pieces, with a pause between them (the reclaimer's and release thread's way).
         std::thread::spawn(|| {
-            crate::background::become_background();
+            crate::priority::become_background();
             let len = 3 * MM_CALL_BYTES + 5 * page_size();
             let m = Mapping::memfd("pinpool-unmap-background", len).unwrap();
             assert_eq!(pages_mapped_from("pinpool-unmap-background"), len / page_size());
