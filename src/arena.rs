@@ -1,9 +1,5 @@
 //! The arena: one fixed block of host memory, allocated once at start-up and never grown.
 //!
-//! Why one long module: its three backends and the part-by-part preparation share one
-//! invariant (a byte is used only once it is mapped, faulted in and, on CUDA, registered), and
-//! it is easier to check in one place; about 70 of its lines are tests.
-//!
 //! The arena is a shared-memory [`Region`]: several sealed memfds mapped back to back (so
 //! fresh pages can be faulted in by many threads at once, and worker processes can map the
 //! slots), each part a whole number of slots, and on `cuda-register` each part registered with

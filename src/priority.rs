@@ -6,9 +6,9 @@
 //! core the moment it wakes up. So work that nobody waits for runs at a lower priority (a
 //! higher nice value): it takes the cores that are idle and gives way to the others.
 //!
-//! Copy threads stay at normal priority: a batch waits for its copy, and on the H200 a lower
-//! priority for them cost throughput (268 MB batches, 2 workers: 12.4 to 7.3 GB/s) without
-//! making the main thread's worst wake-up any better (5.6 vs 5.4 ms).
+//! Copy threads stay at normal priority: a batch waits for its copy, and a lower priority for
+//! them cost throughput without making the main thread's worst wake-up any better (the
+//! figures: "Copy threads at normal priority" in `docs/performance.md`).
 //!
 //! Invariants:
 //! - Only the calling thread's own priority changes, and only downwards, which needs no

@@ -476,17 +476,18 @@ fn touch_pages(addr: usize, len: usize, page: usize) -> std::result::Result<(), 
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        self.read_only_in_children = None; // (before the range can be reused)
-                                           // SAFETY: `ptr`/`len` describe exactly the mapping created in `map`, unmapped only here.
+        // Children forked from now on leave the range alone (before it can be reused).
+        self.read_only_in_children = None;
+        // SAFETY: `ptr`/`len` describe exactly the mapping created in `map`, unmapped only here.
         unsafe { unmap_in_chunks(self.ptr.as_ptr(), self.len) };
     }
 }
 
-/// Bytes per `munmap` or populating `madvise` call. Unmapping a populated 1 GiB memfd mapping in
-/// one call held a page `mmap` on another thread up for the whole call (56 to 58 ms on the
-/// H200, 58 to 78 ms on the 2-core dev box, `benchmarks/unmap_probe.py`); in 4 MiB calls, 0.6
-/// to 7.5 ms. Freeing a 2 GiB arena on the H200: 88 to 91 ms before, 16 ms after (the rest is
-/// the driver unregistering each part).
+/// Bytes per `munmap` or populating `madvise` call. Each call holds the process's
+/// address-space lock throughout, and every `mmap` or `munmap` on another thread (one made
+/// under the GIL too) waits for it: unmapping a populated mapping in one call holds them up
+/// for the whole call, in pieces of this size for one piece at a time. Freeing an arena gets
+/// quicker too (the figures: "Unmapping in 4 MiB pieces" in `docs/performance.md`).
 pub const MM_CALL_BYTES: usize = 4 << 20;
 
 /// Unmaps `[ptr, ptr + len)` in pieces of [`MM_CALL_BYTES`] bytes, the last piece first (each
@@ -514,11 +515,11 @@ pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
 /// How long a background thread ([`crate::priority::is_background`]) waits between two
 /// `munmap` calls of [`unmap_in_chunks`]. Without it the thread takes the address-space lock
 /// again the moment it lets it go, ahead of a thread already waiting for it, which the kernel
-/// wakes but lets wait until it has waited about 4 ms (its lock hand-off rule). On the H200
-/// that waiting thread was the training thread, in its own `munmap` while holding the GIL:
-/// every Python thread stopped for 5 to 8 ms while the reclaimer unmapped the segments of the
-/// workers of an epoch that had ended (`benchmarks/stall_trace.py --states`). A pause lets it
-/// go first; freeing on a background thread has no one waiting for it.
+/// wakes but lets wait until it has waited about 4 ms (its lock hand-off rule). That waiting
+/// thread can be the training thread, in its own `munmap` while holding the GIL: every Python
+/// thread then stops while the reclaimer unmaps the segments of an epoch that has ended ("The
+/// reclaimer's pause between unmaps" in `docs/performance.md`). A pause lets it go first;
+/// freeing on a background thread has no one waiting for it.
 pub const MM_PAUSE: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// Fails unless `fd` is a memfd sealed against shrinking (`F_SEAL_SHRINK`): any other file

@@ -4,8 +4,8 @@
 //!
 //! The DataLoader sends every batch's indices to a worker through such a pipe (its index
 //! queue). Writing them on the training thread costs that thread the write and the wake-up of
-//! the worker (86 us a batch on the H200 with 30 ms steps); queuing them here costs a channel
-//! send.
+//! the worker; queuing them here costs a channel send (the figures: "Indices written by a
+//! thread of their own" in `docs/performance.md`).
 //!
 //! Invariants:
 //! - Messages reach the pipe whole, in the order they were sent, each framed as
