@@ -556,15 +556,9 @@ impl Drop for Arena {
 /// Whether `mlock` of `len` more bytes may succeed: no limit, or the soft limit is high
 /// enough (a process with `CAP_IPC_LOCK` may lock past it; then `mlock` itself decides).
 fn lock_limit_allows(len: usize) -> bool {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `limit` is a valid, writable rlimit.
-    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0 {
-        return true;
-    }
-    // SAFETY: geteuid has no preconditions.
-    limit.rlim_cur == libc::RLIM_INFINITY
-        || len as u64 <= limit.rlim_cur
-        || unsafe { libc::geteuid() } == 0
+    // `None`: no limit.
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
+    limit.is_none_or(|soft| len as u64 <= soft) || rustix::process::geteuid().is_root()
 }
 
 /// `mlock`s `[offset, offset+len)` of `region`.

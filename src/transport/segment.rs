@@ -31,7 +31,7 @@
 //! - The cache holds its pool and its reclaimer; the pool knows nothing of segments.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -158,12 +158,7 @@ pub fn check_segment_fd(
     nonce: u64,
 ) -> Result<usize> {
     check_sealed(fd)?;
-    // SAFETY: `st` is plain old data, fully written by fstat on success.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `fd` is open and `st` a valid out-pointer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(Error::last_os("fstat"));
-    }
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat", e))?;
     let file_len = usize::try_from(st.st_size).unwrap_or(0);
     if file_len != total_len {
         return Err(Error::OutOfRange {
@@ -174,9 +169,7 @@ pub fn check_segment_fd(
         });
     }
     let mut header = [0u8; HEADER_LEN];
-    // SAFETY: `header` is a valid buffer of HEADER_LEN bytes; pread writes at most that many.
-    let got = unsafe { libc::pread(fd.as_raw_fd(), header.as_mut_ptr().cast(), HEADER_LEN, 0) };
-    let got = usize::try_from(got).map_err(|_| Error::last_os("pread"))?;
+    let got = rustix::io::pread(fd, &mut header, 0).map_err(|e| Error::os("pread", e))?;
     check_header(&header[..got], total_len, nonce)
         .map_err(|bad| bad_header(key, total_len, nonce, bad))
 }
@@ -184,12 +177,12 @@ pub fn check_segment_fd(
 /// A random 64-bit number from the kernel.
 fn random_u64() -> Result<u64> {
     let mut buf = [0u8; 8];
-    // SAFETY: `buf` is a valid writable buffer of 8 bytes.
-    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n != 8 {
-        return Err(Error::last_os("getrandom"));
+    let flags = rustix::rand::GetRandomFlags::empty();
+    match rustix::rand::getrandom(&mut buf, flags) {
+        Ok(8) => Ok(u64::from_ne_bytes(buf)),
+        Ok(_) => Err(Error::Invalid("getrandom returned fewer than 8 bytes".into())),
+        Err(e) => Err(Error::os("getrandom", e)),
     }
-    Ok(u64::from_ne_bytes(buf))
 }
 
 /// Ranges relative to the data area, made relative to the mapping.
