@@ -1,9 +1,5 @@
 //! The arena: one fixed block of host memory, allocated once at start-up and never grown.
 //!
-//! Why one long module: its three backends and the part-by-part preparation share one
-//! invariant (a byte is used only once it is mapped, faulted in and, on CUDA, registered), and
-//! it is easier to check in one place; about 70 of its lines are tests.
-//!
 //! The arena is a shared-memory [`Region`]: several sealed memfds mapped back to back (so
 //! fresh pages can be faulted in by many threads at once, and worker processes can map the
 //! slots), each part a whole number of slots, and on `cuda-register` each part registered with
@@ -560,15 +556,9 @@ impl Drop for Arena {
 /// Whether `mlock` of `len` more bytes may succeed: no limit, or the soft limit is high
 /// enough (a process with `CAP_IPC_LOCK` may lock past it; then `mlock` itself decides).
 fn lock_limit_allows(len: usize) -> bool {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `limit` is a valid, writable rlimit.
-    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0 {
-        return true;
-    }
-    // SAFETY: geteuid has no preconditions.
-    limit.rlim_cur == libc::RLIM_INFINITY
-        || len as u64 <= limit.rlim_cur
-        || unsafe { libc::geteuid() } == 0
+    // `None`: no limit.
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
+    limit.is_none_or(|soft| len as u64 <= soft) || rustix::process::geteuid().is_root()
 }
 
 /// `mlock`s `[offset, offset+len)` of `region`.

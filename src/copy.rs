@@ -2,7 +2,8 @@
 //!
 //! Invariants:
 //! - The copier never decides what is safe to copy: callers validate every range against the
-//!   memory it names first (see `pool.rs`), then call the `unsafe` [`Copier::copy`].
+//!   memory it names first ([`crate::pool::validate_ranges`]), then call the `unsafe`
+//!   [`Copier::copy`].
 //! - Work runs on the copier's own threads, never on a Python thread's intra-op pool, so
 //!   torch's `set_num_threads(1)` in its pin thread does not throttle us.
 //! - Small copies run on the calling thread: a thread hand-off costs more than it saves.
@@ -39,8 +40,9 @@ const PARALLEL_MIN: usize = 1 << 20;
 
 /// Below this many bytes in all, a copy is quicker than handing the GIL back and forth: a
 /// thread that releases it must win it back from threads that keep it up to the interpreter's
-/// switch interval (5 ms), where copying 1 MiB takes 20 to 300 us. The Python layer copies
-/// batches this small without releasing the GIL.
+/// switch interval, far longer than such a copy takes ("Small copies keep the GIL" in
+/// `docs/performance.md`). The Python layer copies batches this small without releasing the
+/// GIL.
 pub const KEEP_GIL_MAX: usize = PARALLEL_MIN;
 /// No chunk handed to a thread is smaller than this.
 const CHUNK_MIN: usize = 256 << 10;

@@ -28,6 +28,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// A failed system call's error (from `rustix`), wrapped.
+    pub fn os(call: &'static str, errno: rustix::io::Errno) -> Self {
+        Error::Os { call, errno: errno.raw_os_error() }
+    }
+
     /// The `errno` of the last failed libc call, wrapped.
     pub fn last_os(call: &'static str) -> Self {
         Error::Os { call, errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(0) }

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::cuda::{Device, Event, StreamHandle};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::slots::{SlotTable, Ticket};
 
 /// Names one recorded fence.
@@ -206,7 +206,7 @@ impl ManualFences {
 impl Fences for ManualFences {
     fn record(&self, stream: StreamHandle) -> Result<FenceId> {
         if self.fail_records.load(Ordering::Relaxed) {
-            return Err(crate::Error::Invalid(format!("cannot record on stream {stream}")));
+            return Err(Error::Invalid(format!("cannot record on stream {stream}")));
         }
         let mut fences = self.fences.lock().unwrap_or_else(|e| e.into_inner());
         fences.push((stream, false));

@@ -7,14 +7,16 @@
 //! - [`slots`]: the slot state machine: each checkout's state and extent;
 //! - [`extents`]: where in the arena each slot's bytes go (first fit, no part crossed);
 //! - [`fence`]: what keeps a released slot out of circulation until the GPU is done with it;
-//! - [`pool`]: arena + slots + fences + copies, the object users hold;
+//! - [`pool`]: arena + slot table + fences, checkout and release, the object users hold; its
+//!   claim policy ([`pool::claim`]), copies into slots and to the device
+//!   ([`pool::transfer`]), stats ([`pool::stats`]), background threads and teardown;
 //! - [`lease`]: one checked-out slot held by one owner: pins and deferred release;
 //! - [`copy`]: multi-threaded copies of byte ranges;
 //! - [`shm`]: sealed shared-memory files and their mappings (the arena's parts, segments);
-//! - [`transport`]: batches from worker processes in shared-memory segments, and unmapping
-//!   them on a background thread;
+//! - [`transport`]: batches from worker processes in shared-memory segments, and the
+//!   reclaimer that maps, counts and unmaps them on a background thread;
 //! - [`release`]: the thread that frees a dropped pool's arena, so no caller waits for it;
-//! - [`background`]: pinpool's threads give way to the training thread;
+//! - [`priority`]: pinpool's background threads give way to the training thread;
 //! - [`forks`]: whether this is still the process that made a pool, without a system call;
 //! - [`fork_private`]: a forked child gets the arenas as private copy-on-write memory;
 //! - [`cuda`]: the few driver calls we need, loaded at run time, never panicking;
@@ -26,7 +28,6 @@
 //! releases the GIL around anything that can block.
 
 pub mod arena;
-pub mod background;
 pub mod copy;
 pub mod cuda;
 pub mod device_choice;
@@ -38,6 +39,7 @@ pub mod forks;
 pub mod lease;
 pub mod numa;
 pub mod pool;
+pub mod priority;
 pub mod release;
 pub mod shm;
 pub mod slots;

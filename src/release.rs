@@ -173,7 +173,7 @@ pub fn recent() -> Vec<Freed> {
 
 /// The release thread's loop: take a job, run it without the lock, count it done.
 fn run() {
-    crate::background::become_background();
+    crate::priority::become_background();
     loop {
         let job = {
             let mut q = queue();
@@ -204,7 +204,7 @@ fn register_exit_hook() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::background::thread_id;
+    use crate::priority::thread_id;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
 

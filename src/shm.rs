@@ -18,17 +18,17 @@
 //!   thread does not wait for all of them.
 
 use std::ffi::CString;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+
+use rustix::fs::{MemfdFlags, Mode, SealFlags};
 
 use crate::error::{Error, Result};
 use crate::fork_private;
 
 /// The system page size.
 pub fn page_size() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+    rustix::param::page_size()
 }
 
 /// Rounds `n` up to a multiple of `align` (a power of two), or `None` on overflow.
@@ -58,7 +58,7 @@ impl std::fmt::Debug for Mapping {
     }
 }
 
-const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
 
 impl Mapping {
     /// Creates a sealed memfd of `len` bytes and maps it read-write, `MAP_SHARED`.
@@ -78,12 +78,7 @@ impl Mapping {
             return Err(Error::Invalid("cannot map an empty segment".into()));
         }
         check_sealed(fd.as_fd())?;
-        // SAFETY: `st` is plain old data, fully written by fstat on success.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: `fd` is a valid open descriptor and `st` a valid out-pointer.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(Error::last_os("fstat"));
-        }
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat", e))?;
         let file_len = usize::try_from(st.st_size).unwrap_or(0);
         if file_len < len {
             return Err(Error::OutOfRange { what: "segment file", offset: 0, len, size: file_len });
@@ -413,29 +408,15 @@ impl Drop for Region {
 /// A sealed (no shrinking, no growing), close-on-exec memfd of `len` bytes.
 fn sealed_memfd(name: &str, len: usize) -> Result<OwnedFd> {
     let cname = CString::new(name).map_err(|_| Error::Invalid("NUL in region name".into()))?;
-    // SAFETY: `cname` is a valid C string; the flags are plain integers.
-    let raw =
-        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if raw < 0 {
-        return Err(Error::last_os("memfd_create"));
-    }
-    // SAFETY: `raw` is a fresh fd that nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let fd =
+        rustix::fs::memfd_create(cname.as_c_str(), MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(|e| Error::os("memfd_create", e))?;
     // Owner-only, not the kernel's default 0777: reopening a memfd through
     // `/proc/<pid>/fd/<n>` checks this mode, so no other user may, whatever else allows it.
-    // SAFETY: `fd` is a valid memfd; the mode is a plain integer.
-    if unsafe { libc::fchmod(fd.as_raw_fd(), 0o600) } != 0 {
-        return Err(Error::last_os("fchmod"));
-    }
-    let size = libc::off_t::try_from(len).map_err(|_| Error::Invalid("region too large".into()))?;
-    // SAFETY: `fd` is a valid memfd.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
-        return Err(Error::last_os("ftruncate"));
-    }
-    // SAFETY: `fd` is a valid memfd created with MFD_ALLOW_SEALING.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
-        return Err(Error::last_os("fcntl(F_ADD_SEALS)"));
-    }
+    rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR).map_err(|e| Error::os("fchmod", e))?;
+    let size = i64::try_from(len).map_err(|_| Error::Invalid("region too large".into()))?;
+    rustix::fs::ftruncate(&fd, size as u64).map_err(|e| Error::os("ftruncate", e))?;
+    rustix::fs::fcntl_add_seals(&fd, SEALS).map_err(|e| Error::os("fcntl(F_ADD_SEALS)", e))?;
     Ok(fd)
 }
 
@@ -476,17 +457,18 @@ fn touch_pages(addr: usize, len: usize, page: usize) -> std::result::Result<(), 
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        self.read_only_in_children = None; // (before the range can be reused)
-                                           // SAFETY: `ptr`/`len` describe exactly the mapping created in `map`, unmapped only here.
+        // Children forked from now on leave the range alone (before it can be reused).
+        self.read_only_in_children = None;
+        // SAFETY: `ptr`/`len` describe exactly the mapping created in `map`, unmapped only here.
         unsafe { unmap_in_chunks(self.ptr.as_ptr(), self.len) };
     }
 }
 
-/// Bytes per `munmap` or populating `madvise` call. Unmapping a populated 1 GiB memfd mapping in
-/// one call held a page `mmap` on another thread up for the whole call (56 to 58 ms on the
-/// H200, 58 to 78 ms on the 2-core dev box, `benchmarks/unmap_probe.py`); in 4 MiB calls, 0.6
-/// to 7.5 ms. Freeing a 2 GiB arena on the H200: 88 to 91 ms before, 16 ms after (the rest is
-/// the driver unregistering each part).
+/// Bytes per `munmap` or populating `madvise` call. Each call holds the process's
+/// address-space lock throughout, and every `mmap` or `munmap` on another thread (one made
+/// under the GIL too) waits for it: unmapping a populated mapping in one call holds them up
+/// for the whole call, in pieces of this size for one piece at a time. Freeing an arena gets
+/// quicker too (the figures: "Unmapping in 4 MiB pieces" in `docs/performance.md`).
 pub const MM_CALL_BYTES: usize = 4 << 20;
 
 /// Unmaps `[ptr, ptr + len)` in pieces of [`MM_CALL_BYTES`] bytes, the last piece first (each
@@ -496,7 +478,7 @@ pub const MM_CALL_BYTES: usize = 4 << 20;
 /// `ptr` must be page-aligned and `[ptr, ptr + len)` mapped by the caller, who gives it up:
 /// nothing may touch it afterwards.
 pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
-    let pause = crate::background::is_background();
+    let pause = crate::priority::is_background();
     let mut end = len;
     while end > 0 {
         // Every piece starts a whole number of chunks (so of pages) past `ptr`.
@@ -511,23 +493,22 @@ pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
     }
 }
 
-/// How long a background thread ([`crate::background::is_background`]) waits between two
+/// How long a background thread ([`crate::priority::is_background`]) waits between two
 /// `munmap` calls of [`unmap_in_chunks`]. Without it the thread takes the address-space lock
 /// again the moment it lets it go, ahead of a thread already waiting for it, which the kernel
-/// wakes but lets wait until it has waited about 4 ms (its lock hand-off rule). On the H200
-/// that waiting thread was the training thread, in its own `munmap` while holding the GIL:
-/// every Python thread stopped for 5 to 8 ms while the reclaimer unmapped the segments of the
-/// workers of an epoch that had ended (`benchmarks/stall_trace.py --states`). A pause lets it
-/// go first; freeing on a background thread has no one waiting for it.
+/// wakes but lets wait until it has waited about 4 ms (its lock hand-off rule). That waiting
+/// thread can be the training thread, in its own `munmap` while holding the GIL: every Python
+/// thread then stops while the reclaimer unmaps the segments of an epoch that has ended ("The
+/// reclaimer's pause between unmaps" in `docs/performance.md`). A pause lets it go first;
+/// freeing on a background thread has no one waiting for it.
 pub const MM_PAUSE: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// Fails unless `fd` is a memfd sealed against shrinking (`F_SEAL_SHRINK`): any other file
 /// could be truncated under a mapping of it, and the next read would raise `SIGBUS`.
 pub fn check_sealed(fd: BorrowedFd<'_>) -> Result<()> {
-    // SAFETY: F_GET_SEALS on an open fd has no memory-safety preconditions; on a file that is
-    // not a memfd it fails with EINVAL.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+    // On a file that is not a memfd, F_GET_SEALS fails with EINVAL.
+    let sealed = rustix::fs::fcntl_get_seals(fd).is_ok_and(|s| s.contains(SealFlags::SHRINK));
+    if !sealed {
         return Err(Error::Invalid(
             "only a memfd sealed against shrinking (F_SEAL_SHRINK) can be mapped: any other \
              file could be truncated under the mapping, and reading it would crash"
@@ -561,9 +542,8 @@ mod tests {
         let again = Mapping::from_fd(dup, m.len(), false).unwrap();
         // SAFETY: reading inside the second mapping of the same file.
         assert_eq!(unsafe { *again.as_ptr().add(5) }, 42);
-        let fd = m.fd().unwrap().as_raw_fd();
-        // SAFETY: fcntl on a live fd.
-        assert_eq!(unsafe { libc::ftruncate(fd, 1) }, -1, "shrinking a sealed memfd must fail");
+        let shrunk = rustix::fs::ftruncate(m.fd().unwrap(), 1);
+        assert!(shrunk.is_err(), "shrinking a sealed memfd must fail");
     }
 
     #[test]
@@ -581,14 +561,9 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn from_fd_refuses_files_that_could_shrink() {
         // An unsealed memfd and a regular file: either could be truncated after mapping.
-        let name = CString::new("pinpool-test-unsealed").unwrap();
-        // SAFETY: memfd_create with a valid C string; the fd is owned just below.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(raw >= 0);
-        // SAFETY: `raw` is a fresh fd that nothing else owns.
-        let unsealed = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: ftruncate on a live fd.
-        assert_eq!(unsafe { libc::ftruncate(unsealed.as_raw_fd(), 8192) }, 0);
+        let unsealed =
+            rustix::fs::memfd_create("pinpool-test-unsealed", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&unsealed, 8192).unwrap();
         let err = Mapping::from_fd(unsealed, 4096, false).unwrap_err();
         assert!(err.to_string().contains("sealed"), "{err}");
         let file = std::fs::File::open("/proc/self/exe").unwrap();
@@ -658,7 +633,7 @@ mod tests {
     fn a_background_thread_unmaps_everything_too() {
         // The same pieces, with a pause between them (the reclaimer's and release thread's way).
         std::thread::spawn(|| {
-            crate::background::become_background();
+            crate::priority::become_background();
             let len = 3 * MM_CALL_BYTES + 5 * page_size();
             let m = Mapping::memfd("pinpool-unmap-background", len).unwrap();
             assert_eq!(pages_mapped_from("pinpool-unmap-background"), len / page_size());

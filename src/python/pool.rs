@@ -13,6 +13,7 @@ use crate::copy::MAX_COPY_THREADS;
 use crate::device_choice::DeviceRequest;
 use crate::error::Error;
 use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig, Stats};
+use crate::transport::reclaim::{Reclaimer, SegmentStats, SharedReclaimer};
 
 /// A fixed arena of (pinned) host memory, handed out as slots of any size.
 ///
@@ -34,6 +35,8 @@ pub struct PyPinPool {
     weak: Weak<Pool>,
     /// The counters, which outlive the pool (for `stats()` once it is gone).
     counters: Arc<Counters>,
+    /// The reclaimer this pool's segment caches share, and their counts (for `stats()`).
+    segments: SharedReclaimer,
     device: Option<usize>,
     backend: &'static str,
     memory: &'static str,
@@ -137,6 +140,11 @@ impl PyPinPool {
             .ok_or_else(|| to_py(py, Error::Closed))
     }
 
+    /// The reclaimer for a new segment cache of this pool.
+    pub(crate) fn reclaimer(&self, py: Python<'_>) -> PyResult<Arc<Reclaimer>> {
+        self.segments.get().py(py)
+    }
+
     fn wrap(&self, pool: Arc<Pool>, ticket: crate::slots::Ticket) -> PySlot {
         PySlot::new(pool, ticket, self.device_for_fences())
     }
@@ -149,7 +157,11 @@ impl PyPinPool {
     }
 }
 
-fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
+fn stats_dict<'py>(
+    py: Python<'py>,
+    s: &Stats,
+    segments: &SegmentStats,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("slots_free", s.slots.free)?;
     d.set_item("slots_checked_out", s.slots.checked_out)?;
@@ -161,9 +173,9 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("releases", s.releases)?;
     d.set_item("bytes_copied", s.bytes_copied)?;
     d.set_item("copies", s.copies)?;
-    d.set_item("segments_mapped", s.segments_mapped)?;
-    d.set_item("segments_unmapped", s.segments_unmapped)?;
-    d.set_item("pending_unmaps", s.pending_unmaps)?;
+    d.set_item("segments_mapped", segments.mapped)?;
+    d.set_item("segments_unmapped", segments.unmapped)?;
+    d.set_item("pending_unmaps", segments.pending)?;
     d.set_item("fence_errors", s.fence_errors)?;
     d.set_item("arena_bytes", s.bytes.arena)?;
     d.set_item("bytes_free", s.bytes.free)?;
@@ -258,6 +270,7 @@ impl PyPinPool {
                 placement: placement.summary(),
                 startup: pool.arena().timings().to_vec(),
                 counters: pool.counters(),
+                segments: SharedReclaimer::default(),
                 weak: Arc::downgrade(&pool),
                 pool: Mutex::new(Some(pool)),
             })
@@ -353,15 +366,15 @@ impl PyPinPool {
                 Some(pool) => pool.stats(),
                 None => self.counters.final_stats(),
             };
-            stats_dict(py, &snapshot)
+            stats_dict(py, &snapshot, &self.segments.stats())
         })
     }
 
     /// Waits (without the GIL) until every retired segment has been unmapped.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         guarded(|| {
-            let pool = self.get(py)?;
-            py.detach(|| pool.flush_unmaps());
+            let _pool = self.get(py)?;
+            py.detach(|| self.segments.flush());
             Ok(())
         })
     }
@@ -377,7 +390,7 @@ impl PyPinPool {
             if let Some(pool) = taken {
                 pool.close();
                 if wait {
-                    py.detach(|| pool.flush_unmaps());
+                    py.detach(|| self.segments.flush());
                 }
                 drop(pool); // cheap: the arena goes to the release thread
             }

@@ -242,7 +242,8 @@ pub struct PySegmentCache {
 impl PySegmentCache {
     #[new]
     fn new(py: Python<'_>, pool: &Bound<'_, PyPinPool>) -> PyResult<Self> {
-        Ok(PySegmentCache { cache: SegmentCache::new(pool.get().get(py)?) })
+        let pool = pool.get();
+        Ok(PySegmentCache { cache: SegmentCache::new(pool.get(py)?, pool.reclaimer(py)?) })
     }
 
     /// Maps the segment behind `fd` under `key`, after checking that it is a memfd sealed

@@ -1,7 +1,8 @@
 //! How a batch travels from a worker process to the main process in copy mode: the worker's
 //! reusable segments and the main process's cache of their mappings ([`segment`]), and the
-//! thread that unmaps retired ones off the caller's thread ([`reclaim`]); and the thread that
-//! writes each worker's batch indices to its pipe ([`pipe_writer`]).
+//! reclaimer that maps and counts them and unmaps retired ones off the caller's thread
+//! ([`reclaim`]); and the thread that writes each worker's batch indices to its pipe
+//! ([`pipe_writer`]). This module uses [`crate::pool`]; the pool never uses it.
 //!
 //! Invariants: see each module. Everything here maps only sealed memfds
 //! ([`crate::shm::check_sealed`]), and nothing here unmaps on a thread that may hold the GIL.

@@ -4,8 +4,8 @@
 //!
 //! The DataLoader sends every batch's indices to a worker through such a pipe (its index
 //! queue). Writing them on the training thread costs that thread the write and the wake-up of
-//! the worker (86 us a batch on the H200 with 30 ms steps); queuing them here costs a channel
-//! send.
+//! the worker; queuing them here costs a channel send (the figures: "Indices written by a
+//! thread of their own" in `docs/performance.md`).
 //!
 //! Invariants:
 //! - Messages reach the pipe whole, in the order they were sent, each framed as
@@ -21,7 +21,7 @@
 //! - Dropping the writer never waits; in a process forked from its owner (which has no copy
 //!   of the thread) it touches nothing.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -33,7 +33,8 @@ use crate::error::{Error, Result};
 /// gives the rest up (a reader that has stopped reading by then is not coming back).
 pub const GIVE_UP_AFTER: Duration = Duration::from_millis(200);
 /// How often a thread waiting on a full pipe looks whether the writer was closed.
-const POLL_MS: i32 = 20;
+const POLL_EVERY: rustix::event::Timespec =
+    rustix::event::Timespec { tv_sec: 0, tv_nsec: 20_000_000 };
 
 #[derive(Default)]
 struct State {
@@ -70,23 +71,19 @@ impl std::fmt::Debug for PipeWriter {
 impl PipeWriter {
     /// Starts a writer of the pipe `fd` (only borrowed: the writer writes to a duplicate).
     pub fn new(fd: RawFd) -> Result<Self> {
-        // SAFETY: F_DUPFD_CLOEXEC only reads `fd`; a bad descriptor fails with EBADF.
-        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-        if dup < 0 {
-            return Err(Error::last_os("fcntl(F_DUPFD_CLOEXEC)"));
+        if fd < 0 {
+            return Err(Error::os("fcntl(F_DUPFD_CLOEXEC)", rustix::io::Errno::BADF));
         }
-        // SAFETY: `dup` is a descriptor we just made and own alone.
-        let dup = unsafe { OwnedFd::from_raw_fd(dup) };
-        // SAFETY: an all-zero `stat` is a valid value of that plain C struct.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fstat writes into `st`, a properly sized stat buffer.
-        if unsafe { libc::fstat(dup.as_raw_fd(), &mut st) } != 0 {
-            return Err(Error::last_os("fstat"));
-        }
-        if st.st_mode & libc::S_IFMT != libc::S_IFIFO {
+        // SAFETY: only borrowed for the one `fcntl` below, which duplicates it; a number that
+        // is not open fails there with EBADF and touches no memory.
+        let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+        let dup = rustix::io::fcntl_dupfd_cloexec(borrowed, 0)
+            .map_err(|e| Error::os("fcntl(F_DUPFD_CLOEXEC)", e))?;
+        let st = rustix::fs::fstat(&dup).map_err(|e| Error::os("fstat", e))?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Fifo {
             return Err(Error::Invalid(format!("descriptor {fd} is not a pipe")));
         }
-        set_nonblocking(dup.as_raw_fd())?;
+        set_nonblocking(dup.as_fd())?;
         let (tx, rx) = channel::<Vec<u8>>();
         let shared = Arc::new(Shared {
             closing: AtomicBool::new(false),
@@ -180,21 +177,16 @@ fn header(len: usize) -> Vec<u8> {
     }
 }
 
-fn set_nonblocking(fd: RawFd) -> Result<()> {
-    // SAFETY: F_GETFL/F_SETFL on a descriptor we own change only its status flags.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
-            return Err(Error::last_os("fcntl(O_NONBLOCK)"));
-        }
-    }
-    Ok(())
+fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<()> {
+    let flags = rustix::fs::fcntl_getfl(fd).map_err(|e| Error::os("fcntl(F_GETFL)", e))?;
+    rustix::fs::fcntl_setfl(fd, flags | rustix::fs::OFlags::NONBLOCK)
+        .map_err(|e| Error::os("fcntl(O_NONBLOCK)", e))
 }
 
 /// The thread's loop: every message, in order, until the channel is closed and empty.
 fn write_all_messages(fd: &OwnedFd, rx: &Receiver<Vec<u8>>, shared: &Shared) -> Result<()> {
     for message in rx {
-        write_whole(fd.as_raw_fd(), &message, shared)?;
+        write_whole(fd.as_fd(), &message, shared)?;
         shared.written.fetch_add(1, Ordering::SeqCst);
     }
     Ok(())
@@ -202,31 +194,25 @@ fn write_all_messages(fd: &OwnedFd, rx: &Receiver<Vec<u8>>, shared: &Shared) -> 
 
 /// Writes all of `bytes`, waiting while the pipe is full (giving up [`GIVE_UP_AFTER`] after
 /// the writer was closed).
-fn write_whole(fd: RawFd, mut bytes: &[u8], shared: &Shared) -> Result<()> {
+fn write_whole(fd: BorrowedFd<'_>, mut bytes: &[u8], shared: &Shared) -> Result<()> {
+    use rustix::event::{PollFd, PollFlags};
+    use rustix::io::Errno;
     let mut closed_since: Option<Instant> = None;
     while !bytes.is_empty() {
-        // SAFETY: writes from a live slice to a descriptor this thread owns; partial writes
-        // and errors are handled below.
-        let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
-        if n >= 0 {
-            bytes = &bytes[n as usize..];
-            continue;
-        }
-        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-        match errno {
-            libc::EINTR => continue,
-            libc::EAGAIN => {
+        match rustix::io::write(fd, bytes) {
+            Ok(n) => bytes = &bytes[n..],
+            Err(Errno::INTR) => {}
+            Err(Errno::AGAIN) => {
                 if shared.closing.load(Ordering::SeqCst) {
                     let since = *closed_since.get_or_insert_with(Instant::now);
                     if since.elapsed() >= GIVE_UP_AFTER {
-                        return Err(Error::Os { call: "write (the pipe stayed full)", errno });
+                        return Err(Error::os("write (the pipe stayed full)", Errno::AGAIN));
                     }
                 }
-                let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
-                // SAFETY: polls one pollfd we own for at most POLL_MS.
-                unsafe { libc::poll(&mut pfd, 1, POLL_MS) };
+                let _ =
+                    rustix::event::poll(&mut [PollFd::new(&fd, PollFlags::OUT)], Some(&POLL_EVERY));
             }
-            _ => return Err(Error::Os { call: "write", errno }),
+            Err(e) => return Err(Error::os("write", e)),
         }
     }
     Ok(())
@@ -236,13 +222,11 @@ fn write_whole(fd: RawFd, mut bytes: &[u8], shared: &Shared) -> Result<()> {
 mod tests {
     use super::*;
     use std::io::Read;
+    use std::os::fd::AsRawFd;
 
     fn pipe() -> (std::fs::File, OwnedFd) {
-        let mut fds = [0; 2];
-        // SAFETY: pipe2 fills two descriptors we then own.
-        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
-        // SAFETY: both are fresh descriptors owned by nobody else.
-        unsafe { (std::fs::File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        (read.into(), write)
     }
 
     fn read_message(r: &mut std::fs::File) -> Vec<u8> {

@@ -24,12 +24,14 @@
 //!   the header's magic, capacity and nonce are checked when a segment is first mapped (so a
 //!   recycled fd number can never pass off another segment as this one; [`check_header`], a
 //!   pure function of the header bytes, property-tested over arbitrary bytes), and every
-//!   range is checked against the capacity before a copy (see `pool.rs`).
+//!   range is checked against the capacity before a copy ([`crate::pool::transfer`]).
 //! - The main process closes a segment's fd as soon as it is mapped; a mapping leaves the
-//!   cache only to the reclaimer thread, which unmaps it off the GIL.
+//!   cache only to the cache's reclaimer ([`crate::transport::reclaim`]), which unmaps it off
+//!   the GIL once no copy borrows it. Every method that lets go of a borrowed mapping reaps.
+//! - The cache holds its pool and its reclaimer; the pool knows nothing of segments.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -40,6 +42,7 @@ use crate::lease::OwnedPin;
 use crate::pool::Pool;
 use crate::shm::{check_sealed, page_size, round_up, Mapping};
 use crate::slots::Ticket;
+use crate::transport::reclaim::Reclaimer;
 
 /// Where batch data starts in a segment.
 pub const DATA_OFFSET: usize = 4096;
@@ -133,7 +136,6 @@ fn read_header(map: &Mapping) -> [u8; HEADER_LEN] {
     h
 }
 
-/// A random 64-bit number from the kernel.
 /// The error for a header [`check_header`] refused.
 fn bad_header(key: SegmentKey, total_len: usize, nonce: u64, bad: BadHeader) -> Error {
     Error::Invalid(match bad {
@@ -156,12 +158,7 @@ pub fn check_segment_fd(
     nonce: u64,
 ) -> Result<usize> {
     check_sealed(fd)?;
-    // SAFETY: `st` is plain old data, fully written by fstat on success.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `fd` is open and `st` a valid out-pointer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(Error::last_os("fstat"));
-    }
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat", e))?;
     let file_len = usize::try_from(st.st_size).unwrap_or(0);
     if file_len != total_len {
         return Err(Error::OutOfRange {
@@ -172,21 +169,20 @@ pub fn check_segment_fd(
         });
     }
     let mut header = [0u8; HEADER_LEN];
-    // SAFETY: `header` is a valid buffer of HEADER_LEN bytes; pread writes at most that many.
-    let got = unsafe { libc::pread(fd.as_raw_fd(), header.as_mut_ptr().cast(), HEADER_LEN, 0) };
-    let got = usize::try_from(got).map_err(|_| Error::last_os("pread"))?;
+    let got = rustix::io::pread(fd, &mut header, 0).map_err(|e| Error::os("pread", e))?;
     check_header(&header[..got], total_len, nonce)
         .map_err(|bad| bad_header(key, total_len, nonce, bad))
 }
 
+/// A random 64-bit number from the kernel.
 fn random_u64() -> Result<u64> {
     let mut buf = [0u8; 8];
-    // SAFETY: `buf` is a valid writable buffer of 8 bytes.
-    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n != 8 {
-        return Err(Error::last_os("getrandom"));
+    let flags = rustix::rand::GetRandomFlags::empty();
+    match rustix::rand::getrandom(&mut buf, flags) {
+        Ok(8) => Ok(u64::from_ne_bytes(buf)),
+        Ok(_) => Err(Error::Invalid("getrandom returned fewer than 8 bytes".into())),
+        Err(e) => Err(Error::os("getrandom", e)),
     }
-    Ok(u64::from_ne_bytes(buf))
 }
 
 /// Ranges relative to the data area, made relative to the mapping.
@@ -282,6 +278,8 @@ pub type SegmentKey = (u64, u32);
 /// The main process's mappings of worker segments.
 pub struct SegmentCache {
     pool: Arc<Pool>,
+    /// Maps and counts the segments, and unmaps the retired ones.
+    reclaimer: Arc<Reclaimer>,
     maps: Mutex<HashMap<SegmentKey, Arc<Mapping>>>,
 }
 
@@ -292,14 +290,22 @@ impl std::fmt::Debug for SegmentCache {
 }
 
 impl SegmentCache {
-    /// An empty cache whose copies go into `pool`'s slots.
-    pub fn new(pool: Arc<Pool>) -> Self {
-        SegmentCache { pool, maps: Mutex::new(HashMap::new()) }
+    /// An empty cache whose copies go into `pool`'s slots and whose segments `reclaimer` maps
+    /// and unmaps (one reclaimer may serve several caches: [`SharedReclaimer`]).
+    ///
+    /// [`SharedReclaimer`]: crate::transport::reclaim::SharedReclaimer
+    pub fn new(pool: Arc<Pool>, reclaimer: Arc<Reclaimer>) -> Self {
+        SegmentCache { pool, reclaimer, maps: Mutex::new(HashMap::new()) }
     }
 
     /// The pool whose slots copies go into.
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
+    }
+
+    /// The reclaimer that maps, counts and unmaps this cache's segments.
+    pub fn reclaimer(&self) -> &Arc<Reclaimer> {
+        &self.reclaimer
     }
 
     fn maps(&self) -> std::sync::MutexGuard<'_, HashMap<SegmentKey, Arc<Mapping>>> {
@@ -329,11 +335,11 @@ impl SegmentCache {
         }
         // Only a memfd sealed against shrinking is mapped (checked by `Mapping::from_fd`):
         // otherwise its sender could truncate it under our mapping and turn a read into SIGBUS.
-        let mut map = self.pool.map_segment(fd, total_len, true)?;
+        let mut map = self.reclaimer.map(fd, total_len, true)?;
         map.close_fd();
         // The mapping is at least DATA_OFFSET bytes long (checked above).
         if let Err(bad) = check_header(&read_header(&map), total_len, nonce) {
-            self.pool.retire_segment(map);
+            self.reclaimer.retire(map);
             return Err(bad_header(key, total_len, nonce, bad));
         }
         let old = self.maps().insert(key, Arc::new(map));
@@ -355,7 +361,7 @@ impl SegmentCache {
         let shifted = shift_to_data(&map, ranges)?;
         let result = self.pool.copy_in(ticket, &map, &shifted);
         drop(map);
-        self.pool.reap_lingering();
+        self.reclaimer.reap();
         result
     }
 
@@ -380,7 +386,7 @@ impl SegmentCache {
         let result =
             unsafe { self.pool.copy_in_and_send(ticket, &map, &shifted, dst, len, stream) };
         drop(map);
-        self.pool.reap_lingering();
+        self.reclaimer.reap();
         result
     }
 
@@ -400,11 +406,15 @@ impl SegmentCache {
         let map = self.get(key)?;
         let shifted = shift_to_data(&map, ranges)?;
         let ticket = pin.lease().ticket();
+        let reclaimer = Arc::clone(&self.reclaimer);
         // SAFETY: a pin keeps its lease's slot out of the pool until it is dropped (a release
         // meanwhile waits for it: `crate::lease`).
         unsafe {
-            self.pool.copy_in_background(ticket, pin, map, shifted, |map| {
-                state_word(map).store(STATE_FREE, Ordering::Release);
+            self.pool.copy_in_background(ticket, pin, map, shifted, move |map| {
+                // Back to its worker; and unmapped now if it was retired during the copy.
+                state_word(&map).store(STATE_FREE, Ordering::Release);
+                drop(map);
+                reclaimer.reap();
             })
         }
     }
@@ -425,7 +435,7 @@ impl SegmentCache {
         // SAFETY: forwarded from the caller.
         let result = unsafe { self.pool.copy_out(&map, dst, dst_len, &shifted) };
         drop(map);
-        self.pool.reap_lingering();
+        self.reclaimer.reap();
         result
     }
 
@@ -470,14 +480,14 @@ impl SegmentCache {
     }
 
     fn retire_arc(&self, map: Arc<Mapping>) {
-        self.pool.retire_shared_segment(map);
+        self.reclaimer.retire_shared(map);
     }
 }
 
 impl Drop for SegmentCache {
     fn drop(&mut self) {
         self.retire_all(None);
-        self.pool.reap_lingering();
+        self.reclaimer.reap();
     }
 }
 
@@ -487,6 +497,11 @@ mod tests {
     use crate::lease::Lease;
     use crate::pool::PoolConfig;
     use proptest::prelude::*;
+
+    /// A cache over `pool` with a reclaimer of its own.
+    fn cache_over(pool: &Arc<Pool>) -> SegmentCache {
+        SegmentCache::new(Arc::clone(pool), Arc::new(Reclaimer::start().unwrap()))
+    }
 
     fn dup(seg: &WorkerSegment) -> OwnedFd {
         seg.fd().unwrap().try_clone_to_owned().unwrap()
@@ -650,7 +665,7 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn worker_to_slot_round_trip() {
         let pool = Pool::new(&PoolConfig::host(1 << 16, 2)).unwrap();
-        let cache = SegmentCache::new(Arc::clone(&pool));
+        let cache = cache_over(&pool);
         let seg = WorkerSegment::create(10_000).unwrap();
         assert_eq!(read_header(&seg.map), encode_header(seg.capacity(), seg.nonce()));
         assert_eq!(check_header(&read_header(&seg.map), seg.total_len(), seg.nonce()), Ok(12_288));
@@ -669,8 +684,8 @@ mod tests {
         cache.release((7, 0)).unwrap();
         assert!(seg.try_claim(), "released by the main process, the worker may reuse it");
         assert!(cache.retire((7, 0)));
-        pool.flush_unmaps();
-        assert_eq!(pool.stats().segments_unmapped, 1);
+        cache.reclaimer().flush();
+        assert_eq!(cache.reclaimer().stats().unmapped, 1);
     }
 
     #[test]
@@ -678,7 +693,7 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
         let pool = Pool::new(&PoolConfig::host(1 << 20, 2)).unwrap();
-        let cache = SegmentCache::new(Arc::clone(&pool));
+        let cache = cache_over(&pool);
         let seg = WorkerSegment::create(600_000).unwrap();
         assert!(seg.try_claim());
         // SAFETY: test writes inside the segment's data area.
@@ -729,7 +744,7 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn corrupt_requests_are_errors() {
         let pool = Pool::new(&PoolConfig::host(1 << 16, 1)).unwrap();
-        let cache = SegmentCache::new(Arc::clone(&pool));
+        let cache = cache_over(&pool);
         let seg = WorkerSegment::create(4096).unwrap();
         // Claiming a longer file than exists.
         assert!(cache.insert((1, 1), dup(&seg), seg.total_len() + 4096, seg.nonce()).is_err());
@@ -746,9 +761,10 @@ mod tests {
         let wrap = [CopyRange { src: usize::MAX - 10, dst: 0, len: 20 }];
         assert!(cache.copy_to_slot((1, 3), t, &wrap).is_err());
         assert!(cache.copy_to_slot((9, 9), t, &[]).is_err(), "unknown segment");
+        let tally = cache.reclaimer().tally().clone();
         drop(cache);
-        pool.flush_unmaps();
-        let s = pool.stats();
-        assert_eq!(s.segments_mapped, s.segments_unmapped);
+        tally.flush();
+        let s = tally.stats();
+        assert_eq!(s.mapped, s.unmapped);
     }
 }

@@ -6,9 +6,9 @@
 //! core the moment it wakes up. So work that nobody waits for runs at a lower priority (a
 //! higher nice value): it takes the cores that are idle and gives way to the others.
 //!
-//! Copy threads stay at normal priority: a batch waits for its copy, and on the H200 a lower
-//! priority for them cost throughput (268 MB batches, 2 workers: 12.4 to 7.3 GB/s) without
-//! making the main thread's worst wake-up any better (5.6 vs 5.4 ms).
+//! Copy threads stay at normal priority: a batch waits for its copy, and a lower priority for
+//! them cost throughput without making the main thread's worst wake-up any better (the
+//! figures: "Copy threads at normal priority" in `docs/performance.md`).
 //!
 //! Invariants:
 //! - Only the calling thread's own priority changes, and only downwards, which needs no
@@ -40,29 +40,21 @@ pub fn is_background() -> bool {
 
 /// The calling thread's kernel thread id.
 pub fn thread_id() -> u64 {
-    // SAFETY: gettid takes no arguments and cannot fail.
-    unsafe { libc::syscall(libc::SYS_gettid) as u64 }
+    rustix::thread::gettid().as_raw_pid() as u64
 }
 
 /// Lowers the calling thread's priority to `nice` (never raises it).
 pub fn lower_priority(nice: i32) {
-    let tid = thread_id();
-    // SAFETY: getpriority/setpriority with PRIO_PROCESS and a thread id of this process only
-    // read and set that thread's nice value; errno reports failures, which are ignored.
-    unsafe {
-        *libc::__errno_location() = 0;
-        let current = libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t);
-        if *libc::__errno_location() == 0 && current < nice {
-            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice);
-        }
+    // PRIO_PROCESS with a thread id reads and sets that one thread's nice value (Linux).
+    let me = Some(rustix::thread::gettid());
+    if rustix::process::getpriority_process(me).is_ok_and(|current| current < nice) {
+        let _ = rustix::process::setpriority_process(me, nice);
     }
 }
 
-/// The calling thread's nice value.
+/// The calling thread's nice value (0 if it cannot be read).
 pub fn current_nice() -> i32 {
-    let tid = thread_id();
-    // SAFETY: reads this thread's own nice value.
-    unsafe { libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t) }
+    rustix::process::getpriority_process(Some(rustix::thread::gettid())).unwrap_or(0)
 }
 
 #[cfg(test)]

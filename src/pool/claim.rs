@@ -1,0 +1,149 @@
+//! The loader's claim policy: [`Pool::claim`] takes a slot by [`ClaimRules`], waiting only
+//! while room is on its way, and otherwise says what to do instead ([`Claim`]).
+//!
+//! (Step 2 of "the life of a slot" in [`crate::pool`], when there is no room.)
+//!
+//! Invariants:
+//! - A claim never waits for what only the consumer can give back: it waits only while a
+//!   fenced slot or a part of the arena not ready yet exists (both come back by themselves);
+//!   otherwise it answers [`Claim::Later`] (with [`ClaimRules::defer`]), [`Claim::Overflow`]
+//!   (with [`ClaimRules::overflow`]), or waits up to its timeout and fails with
+//!   [`Error::Exhausted`].
+//! - A slot taken at once leaves [`ClaimRules::reserve`] bytes free in one range for other
+//!   claims; it takes that room too only when enough is on its way to give the reserve back.
+//! - The wait is on the slot table's condition variable (a release or a completed fence wakes
+//!   it), never a busy poll; every slot it returns went through [`Pool::try_checkout_bytes`],
+//!   so every check of a checkout applies.
+
+use std::time::{Duration, Instant};
+
+use super::Pool;
+use crate::error::{Error, Result};
+use crate::slots::Ticket;
+
+/// How [`Pool::claim`] may take a slot.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClaimRules {
+    /// Bytes to leave free in one range for other claims: only a claim that leaves this much
+    /// takes its slot at once.
+    pub reserve: usize,
+    /// How long to wait for a slot on its way; `None` waits as long as one is coming.
+    pub timeout: Option<Duration>,
+    /// Advise [`Claim::Overflow`] when no slot is free and none is on its way (every slot is
+    /// held by a batch the consumer keeps alive: waiting could wait forever).
+    pub overflow: bool,
+    /// Never wait for what only the consumer can give back: answer [`Claim::Later`] when the
+    /// free and coming bytes would not hold this slot and the reserve, or the timeout has
+    /// passed.
+    pub defer: bool,
+}
+
+/// What [`Pool::claim`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// A slot, checked out.
+    Slot(Ticket),
+    /// Come back later (only with [`ClaimRules::defer`]).
+    Later,
+    /// Put this batch in ordinary memory (only with [`ClaimRules::overflow`]).
+    Overflow,
+}
+
+impl Pool {
+    /// Takes a slot of `bytes` by the DataLoader's rules (see [`Claim`] and [`ClaimRules`]),
+    /// waiting on the slot table's condition variable (not polling) while room is on its way.
+    ///
+    /// Room is on its way while a fenced slot or a part of the arena not ready yet exists:
+    /// both come back by themselves. Without either, nothing the pool can do makes room:
+    /// every other byte is held by a slot someone keeps (or the free bytes are cut into
+    /// pieces by such slots), and waiting could wait forever; then [`ClaimRules::overflow`]
+    /// advises [`Claim::Overflow`], and otherwise the claim waits up to its timeout.
+    pub fn claim(&self, bytes: usize, rules: &ClaimRules) -> Result<Claim> {
+        let start = Instant::now();
+        loop {
+            let epoch = self.table.epoch();
+            if let Some(t) = self.try_checkout_bytes(bytes, rules.reserve)? {
+                return Ok(Claim::Slot(t));
+            }
+            let (c, b) = (self.slot_counts(), self.table.bytes());
+            // Fenced slots come back as the GPU finishes reading them, preparing bytes as the
+            // background thread makes them ready: both are worth waiting for.
+            let coming = b.fenced + b.preparing;
+            let entries_needed = if rules.reserve > 0 { 2 } else { 1 };
+            let room_once_back = b.free + coming >= bytes.saturating_add(rules.reserve)
+                && self.table.spare_entries() + c.fenced >= entries_needed;
+            let left = rules.timeout.map(|t| t.saturating_sub(start.elapsed()));
+            let expired = left.is_some_and(|l| l.is_zero());
+            if rules.defer && (!room_once_back || expired) {
+                return Ok(Claim::Later);
+            }
+            if coming == 0 && rules.overflow {
+                return Ok(Claim::Overflow);
+            }
+            if expired {
+                return Err(Error::Exhausted {
+                    waited_ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
+                    num_slots: self.num_slots(),
+                });
+            }
+            if rules.reserve > 0 && room_once_back {
+                // Only the reserve stands in the way, and enough is on its way for the other
+                // claims once it arrives: take the room now.
+                if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
+                    return Ok(Claim::Slot(t));
+                }
+            }
+            // Fences are polled by the fence thread every few hundred microseconds at most;
+            // a release or a completed fence wakes this wait at once.
+            let nap = Duration::from_millis(if coming > 0 { 1 } else { 50 });
+            self.table.wait(epoch, left.map_or(nap, |l| l.min(nap)));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::fence::ManualFences;
+    use crate::pool::PoolConfig;
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn claims_follow_the_loaders_rules() {
+        let fences = Arc::new(ManualFences::new());
+        let pool = Pool::with_fences(&PoolConfig::host(4096, 2), Box::new(fences.clone())).unwrap();
+        let quick = Some(Duration::from_millis(30));
+        let ahead = ClaimRules { reserve: 4096, timeout: quick, overflow: false, defer: true };
+        let own = ClaimRules { reserve: 0, timeout: quick, overflow: true, defer: false };
+        let strict = ClaimRules { reserve: 0, timeout: quick, overflow: false, defer: false };
+        // Two free: ahead takes one, then leaves the last one to the consumer.
+        let Claim::Slot(a) = pool.claim(4096, &ahead).unwrap() else { panic!("no slot") };
+        assert_eq!(pool.claim(4096, &ahead).unwrap(), Claim::Later);
+        let Claim::Slot(b) = pool.claim(4096, &own).unwrap() else { panic!("no slot") };
+        // Every slot held by the consumer, none on its way: later, overflow, or a timeout.
+        assert_eq!(pool.claim(4096, &ahead).unwrap(), Claim::Later);
+        assert_eq!(pool.claim(4096, &own).unwrap(), Claim::Overflow);
+        assert!(matches!(pool.claim(4096, &strict), Err(Error::Exhausted { .. })));
+        // A slot on its way behind a fence: waited for, not overflowed, and a completed
+        // fence wakes the waiter.
+        pool.release(a, Some(11)).unwrap();
+        let waiter = {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || {
+                let rules = ClaimRules { timeout: Some(Duration::from_secs(30)), ..own };
+                pool.claim(4096, &rules)
+            })
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!waiter.is_finished(), "did not wait for the fenced slot");
+        pool.retire_fences();
+        fences.complete_stream(11);
+        let Ok(Claim::Slot(c)) = waiter.join().unwrap() else { panic!("no slot after the fence") };
+        assert_eq!(c.index, a.index);
+        pool.release(b, None).unwrap();
+        pool.release(c, None).unwrap();
+    }
+}

@@ -1,0 +1,166 @@
+//! The pool's two background threads: `pinpool-prepare` makes the rest of a background pool's
+//! arena ready, part by part, and `pinpool-fences` records the fences of releases and frees
+//! the slots behind them as the GPU completes them.
+//!
+//! (Steps 1 and 6 of "the life of a slot" in [`crate::pool`].)
+//!
+//! Invariants:
+//! - Each holds only a `Weak` reference to the pool between rounds: neither keeps a dropped
+//!   pool alive, and each ends once the pool is dropped or stopping (the prepare thread also
+//!   once it is closed, or when nobody else holds it).
+//! - The prepare thread admits a part's bytes to the slot table only once that part is ready
+//!   (faulted in and, on CUDA, registered). A part that fails ends it, with its error kept
+//!   ([`Pool::prepare_error`]): those bytes are never handed out.
+//! - Where the prepare thread drops the pool's last reference, it holds a
+//!   [`release::Hold`] until then, so a flush of the release thread waits for the release it
+//!   queues.
+//! - The fence thread naps at most 1 ms while fences are pending; it sleeps longer only after
+//!   saying it is idle and looking once more, and a fenced release wakes it then
+//!   ([`Pool::release`]). Neither thread calls into Python.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use super::{fault_threads, Pool};
+use crate::error::{Error, Result};
+use crate::fence::FenceTracker;
+use crate::release;
+
+/// Starts the thread that makes the rest of `pool`'s arena ready, if any of it is not.
+pub(super) fn start_preparing(pool: &Arc<Pool>) -> Result<()> {
+    if pool.arena.ready_len() < pool.arena.len() {
+        let weak = Arc::downgrade(pool);
+        std::thread::Builder::new()
+            .name("pinpool-prepare".into())
+            .spawn(move || prepare_loop(weak))
+            .map_err(|e| Error::Invalid(format!("cannot start the prepare thread: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Starts the thread that retires `pool`'s fences, if it has any.
+pub(super) fn start_retiring(pool: &Arc<Pool>) -> Result<()> {
+    if pool.fences.is_some() {
+        let weak = Arc::downgrade(pool);
+        let handle = std::thread::Builder::new()
+            .name("pinpool-fences".into())
+            .spawn(move || retire_loop(weak))
+            .map_err(|e| Error::Invalid(format!("cannot start the fence thread: {e}")))?;
+        let _ = pool.retirer.set(handle.thread().clone());
+    }
+    Ok(())
+}
+
+/// Makes the arena's parts ready one by one, admitting each part's slots as it is. Stops when
+/// every part is ready, the pool is closed or dropped, or a part fails (its error is kept:
+/// [`Pool::prepare_error`]; those slots are never handed out).
+fn prepare_loop(pool: Weak<Pool>) {
+    crate::priority::become_background();
+    let mut pinned = false;
+    // Half the fault threads (a quarter of the cores): the workers are starting meanwhile.
+    let threads = fault_threads().div_ceil(2);
+    loop {
+        // Declared first, dropped last: if this thread drops the pool's last reference, the
+        // release is queued before a flush may stop waiting for it.
+        let _hold = release::hold();
+        let Some(pool) = pool.upgrade() else { return };
+        // Nobody else holds the pool any more: stop, and let it go now.
+        if pool.stopping.load(Ordering::Acquire)
+            || pool.table.is_closed()
+            || Arc::strong_count(&pool) == 1
+        {
+            return;
+        }
+        if !pinned {
+            // Near the arena's memory, like the threads it starts to fault it in.
+            pool.arena.placement().pin_calling_thread();
+            pinned = true;
+        }
+        match pool.arena.prepare_next(threads) {
+            Ok(Some((offset, len))) => {
+                pool.table.admit(offset, len);
+            }
+            Ok(None) => return,
+            Err(e) => {
+                let _ = pool.prepare_error.set(e.to_string());
+                return;
+            }
+        }
+    }
+}
+
+/// Frees the slots behind completed fences, napping longer while none complete, until the pool
+/// is dropped or stopping.
+fn retire_loop(pool: Weak<Pool>) {
+    const MIN_NAP: Duration = Duration::from_micros(20);
+    const MAX_NAP: Duration = Duration::from_millis(1);
+    let mut nap = MIN_NAP;
+    loop {
+        let idle = {
+            let Some(pool) = pool.upgrade() else { return };
+            if pool.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            let retired = pool.retire_fences();
+            nap = if retired > 0 { MIN_NAP } else { (nap * 2).min(MAX_NAP) };
+            let pending = || pool.fences.as_ref().map_or(0, FenceTracker::pending);
+            // Announce the idle sleep first, then look again, so no release slips between.
+            pool.retirer_idle.store(pending() == 0, Ordering::SeqCst);
+            pool.retirer_idle.load(Ordering::SeqCst) && pending() == 0
+        };
+        if idle {
+            nap = MIN_NAP;
+            std::thread::park_timeout(Duration::from_millis(50));
+        } else {
+            std::thread::park_timeout(nap);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::fence::ManualFences;
+    use crate::pool::{PoolConfig, READY_FIRST};
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn fenced_release_is_retired_by_the_background_thread() {
+        let fences = Arc::new(ManualFences::new());
+        let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
+        let t = pool.checkout(None).unwrap();
+        pool.release(t, Some(5)).unwrap();
+        assert_eq!(pool.try_checkout().unwrap(), None);
+        assert_eq!(pool.stats().slots.fenced, 1);
+        fences.complete_stream(5);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while pool.stats().slots.free == 0 {
+            assert!(Instant::now() < deadline, "the fence thread never retired the slot");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(pool.try_checkout().unwrap().is_some());
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_background_pool_hands_out_every_slot_once_ready() {
+        let n = 24;
+        let config = PoolConfig { background: true, ..PoolConfig::host(8 << 20, n) };
+        let pool = Pool::new(&config).unwrap();
+        let c = pool.stats().slots;
+        assert!(c.free >= READY_FIRST / (8 << 20), "the first slots are not ready: {c:?}");
+        assert_eq!(c.free + c.preparing, n);
+        let mut seen: Vec<u32> =
+            (0..n).map(|_| pool.checkout(Some(Duration::from_secs(30))).unwrap().index).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..n as u32).collect::<Vec<_>>());
+        assert_eq!(pool.stats().slots.preparing, 0);
+        assert_eq!(pool.arena().ready_len(), pool.arena().len());
+        assert!(pool.prepare_error().is_none());
+    }
+}
