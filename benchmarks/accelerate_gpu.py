@@ -35,6 +35,13 @@ class Images(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return torch.full((3, 64, 64), float(i)), torch.tensor(i)
 
 
+def resolved(device: torch.device) -> torch.device:
+    """``device`` with its index ("cuda" is the current CUDA device, as tensors name it)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def in_pool(pool: Any, x: torch.Tensor) -> bool:
     start = x.untyped_storage().data_ptr()
     return pool is not None and pool.address <= start < pool.address + pool.arena_bytes
@@ -57,7 +64,7 @@ def run(accelerator: Accelerator, zero_copy: bool, placement: bool) -> list[str]
     seen: list[int] = []
     for images, labels in shard:
         if placement:
-            if images.device != accelerator.device:
+            if images.device != resolved(accelerator.device):
                 failures.append(f"a batch on {images.device}, not {accelerator.device}")
             moved = send_to_device(images, accelerator.device)
             if moved.data_ptr() != images.data_ptr():
