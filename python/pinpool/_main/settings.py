@@ -48,7 +48,10 @@ def cuda_device(device: Any) -> torch.device | None:
     if dev.type != "cuda":
         raise InvalidArgument(f"device must be None, 'cpu' or a CUDA device, not {device!r}")
     if not torch.cuda.is_available():
-        raise InvalidArgument(f"device={device!r} was asked for, but torch sees no CUDA device")
+        raise InvalidArgument(
+            f"device={device!r} was asked for, but torch sees no CUDA device: device=None "
+            "(the default) gives pinned CPU batches, in host memory where there is no GPU"
+        )
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
