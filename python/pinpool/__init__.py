@@ -43,6 +43,7 @@ from ._native import (
     page_size,
     wait_for_releases,
 )
+from ._stats import LoaderStats, PoolStats
 
 if TYPE_CHECKING:
     from ._main.adapter import Pinned, pinned
@@ -62,12 +63,14 @@ __all__ = [
     "CudaError",
     "DataLoader",
     "InvalidArgument",
+    "LoaderStats",
     "OutOfBounds",
     "PinPool",
     "PinPoolError",
     "Pinned",
     "PoolClosed",
     "PoolExhausted",
+    "PoolStats",
     "SegmentCache",
     "Sent",
     "Slot",

@@ -2,7 +2,13 @@
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal, final
+from typing import Any, Literal, SupportsIndex, final, overload
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pinpool._stats import PoolStats
 
 __all__ = [
     "SEGMENT_DATA_OFFSET",
@@ -80,7 +86,7 @@ class PinPool:
         overflow: bool = False,
         defer: bool = False,
     ) -> Slot | Literal["later", "overflow"]: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> PoolStats: ...
     def flush(self) -> None: ...
     def close(self, wait: bool = False) -> None: ...
     @property
@@ -138,7 +144,24 @@ class Slot:
     def released(self) -> bool: ...
     @property
     def device(self) -> int | None: ...
-    def view(self, dtype: Any, shape: int | Sequence[int], offset: int = 0) -> Any: ...
+    # A view is a torch tensor wherever torch is installed, a numpy array where it is not
+    # (``pinpool._views.slot_view``): a torch dtype says it is a tensor; any other dtype (a
+    # numpy dtype or scalar type, a name like "float32") leaves both open. For an array
+    # whatever is installed: ``numpy.frombuffer(slot, dtype)``.
+    @overload
+    def view(
+        self,
+        dtype: torch.dtype,
+        shape: SupportsIndex | Sequence[SupportsIndex],
+        offset: SupportsIndex = 0,
+    ) -> torch.Tensor: ...
+    @overload
+    def view(
+        self,
+        dtype: str | np.dtype[Any] | type[Any],
+        shape: SupportsIndex | Sequence[SupportsIndex],
+        offset: SupportsIndex = 0,
+    ) -> torch.Tensor | npt.NDArray[Any]: ...
     def copy_to_device(self, target: Any, nbytes: int, stream: Any) -> Sent:
         """Queues a copy of the slot's first ``nbytes`` bytes to ``target`` (a contiguous CUDA
         tensor on the pool's device with at least ``nbytes`` bytes) on ``stream`` (a

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import queue
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar
@@ -44,6 +45,7 @@ from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, u
 from ._main.sizing import Sizing
 from ._main.tickets import TicketSampler
 from ._native import PinPool
+from ._stats import LoaderStats
 from ._wire import registry
 from ._wire.handle import BatchHandle, WorkerProgress
 from ._wire.pool_hint import PoolHint
@@ -96,7 +98,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
       arrays into the batch's shared memory as soon as the sample is made, while they are
       still in the CPU's cache, instead of making every sample first and stacking them after
       (see ``pinpool._worker.streaming``; the batch is the same, bit for bit). Map-style
-      datasets with ``num_workers > 0``. In the workers, ``get_worker_info().dataset`` is
+      datasets with batching and ``num_workers > 0``: None (the default) streams there;
+      False never; True where it cannot apply warns.
+
+    A setting given that cannot apply warns once, saying why (``zero_copy=True`` without
+    workers, say: ``settings.ignored``), or raises when it contradicts another (sizes given
+    with ``pool=``). In the workers, ``get_worker_info().dataset`` is
       then a thin wrapper (attributes read or set on it are the dataset's); ``loader.dataset``
       is yours.
     """
@@ -110,7 +117,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: torch.utils.data.Dataset[_T_co],
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Any = None,
@@ -141,9 +148,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         zero_copy: bool = False,
         keep_worker_memory: bool = True,
         worker_copy_threads: int | None = None,
-        stream_samples: bool = True,
+        stream_samples: bool | None = None,
     ) -> None:
-        del pin_memory, pin_memory_device  # always pinned, on the pool's device
         if isinstance(collate_fn, PinCollate):  # a rebuilt loader handed pinpool's own back
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
@@ -190,7 +196,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             and num_workers > 0
             and not isinstance(dataset, torch.utils.data.IterableDataset)
         )
-        streams = stream_samples and collate_fn is None
+        streams = stream_samples is not False and collate_fn is None
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         resume = Resume(iterable, num_workers)
         # What torch's workers are given (loader.dataset stays the caller's own).
@@ -204,7 +210,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             ring_size=(prefetch_factor or 2) + 2,
             keep_worker_memory=keep_worker_memory,
             worker_copy_threads=settings.worker_copy_threads(worker_copy_threads, num_workers),
-            stream_samples=stream_samples,
+            stream_samples=stream_samples is not False,
             report_state=resume.worker_states and unsupported(dataset, iterable) is None,
             pool_hint=hint,
         )
@@ -257,6 +263,20 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _pin_wrap=False,
         )
         _keep_for_lightning(self)
+        # Every setting given does something here, or the caller hears why it does not.
+        for why in settings.ignored(
+            dataset=dataset,
+            num_workers=num_workers,
+            auto_collation=auto_collation,
+            collate_fn=collate_fn,
+            pool=pool,
+            zero_copy=zero_copy,
+            stream_samples=stream_samples,
+            worker_copy_threads=worker_copy_threads,
+            pin_memory=pin_memory,
+            pin_memory_device=pin_memory_device,
+        ):
+            warnings.warn(f"pinpool.DataLoader: {why}", UserWarning, stacklevel=2)
         registry.register(token, receiver)
         if sizing.known or pool is not None:
             receiver.ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
@@ -350,10 +370,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """The pool batches land in (None until the first batch when it is made lazily)."""
         return self._pin_receiver.pool
 
-    def stats(self) -> dict[str, Any]:
-        """The pool's counters plus the loader's own (``batches``, ``bytes``,
-        ``overflow_batches``, ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which
-        ``zero_copy_no_ticket`` and ``zero_copy_ticket_too_small``), ``segments_cached``)."""
+    def stats(self) -> LoaderStats:
+        """The loader's own counters (``batches``, ``bytes``, ``overflow_batches``,
+        ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which ``zero_copy_no_ticket`` and
+        ``zero_copy_ticket_too_small``), ``segments_cached``) plus its pool's, once the pool
+        exists (:class:`~pinpool.LoaderStats`)."""
         return self._pin_receiver.stats()
 
 
