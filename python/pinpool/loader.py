@@ -19,8 +19,8 @@ index sampler, shutdown and queues). Where each step of a batch's trip happens:
 Everything else (samplers, worker start-up and shutdown, errors, timeouts, ordering,
 persistent workers) is torch's own machinery, unchanged. Checkpoint and resume
 (``state_dict``/``load_state_dict``) is ``_main.resume``: the index sampler torch reads as its
-iterator starts records each epoch's random states, and a resumed epoch's skips the batches
-already yielded.
+iterator starts records each epoch's random states, the loader counts the samples it yields,
+and a resumed epoch's sampler skips the samples already yielded.
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             keep_worker_memory=keep_worker_memory,
             worker_copy_threads=settings.worker_copy_threads(worker_copy_threads, num_workers),
             stream_samples=stream_samples is not False,
-            report_state=resume.worker_states and unsupported(dataset, iterable) is None,
+            report_state=resume.worker_states
+            and unsupported(dataset, iterable, num_workers, in_order) is None,
             pool_hint=hint,
         )
         # torch's own attributes say what the caller asked for (loader.collate_fn is theirs,
@@ -284,7 +285,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __iter__(self) -> _PinnedIter:  # type: ignore[override]
         resume = self._pin_resume
-        resume.start(self.dataset)
+        resume.start(self)
         if resume.worker_start is not None and self._iterator is not None:
             # A resumed iterable dataset's workers load their states as they start: a
             # persistent iterator's workers have started.
@@ -303,8 +304,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     @property
     def state_dict(self) -> Callable[[], dict[str, Any]]:
         """``state_dict()``: where the loader is (mid-epoch or between epochs), as plain data:
-        after :meth:`load_state_dict` into a loader made with the same arguments, its next
-        iteration yields the batches this one had not yet yielded (``pinpool._main.resume``).
+        after :meth:`load_state_dict` into a loader made with the same arguments (the batch
+        size may differ), its next iteration starts at the first sample this one had not yet
+        yielded (``pinpool._main.resume``); a loader whose order differs refuses the state.
         An IterableDataset resumes from its own ``state_dict()`` (each worker's copy, with
         workers); one without ``state_dict()``/``load_state_dict()`` cannot resume: both
         attributes raise ``NotResumable``, a NotImplementedError and an AttributeError
@@ -328,7 +330,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return self._pin_resume.state_dict(self, self.dataset, kept)
 
     def _pin_why_not(self) -> str | None:
-        return unsupported(self.dataset, self._pin_resume.iterable)
+        resume = self._pin_resume
+        in_order = getattr(self, "in_order", True)
+        return unsupported(self.dataset, resume.iterable, self.num_workers, in_order)
 
     def _get_iterator(self) -> Any:
         # torch's iterator reads loader.dataset and loader.collate_fn once, as it starts, and
@@ -416,7 +420,7 @@ class _PinnedIter:
     def __init__(self, loader: DataLoader, inner: Iterator[Any], epoch: Epoch) -> None:
         self._loader = loader
         self._inner = inner
-        self._epoch = epoch  # counts the batches yielded, for state_dict()
+        self._epoch = epoch  # counts the batches and samples yielded, for state_dict()
         self._ended = False
         loader._pin_receiver.iterator = weakref.ref(inner)
 
@@ -433,11 +437,17 @@ class _PinnedIter:
             self._epoch.ended = True
             self._end()
             raise
-        if isinstance(item, WorkerProgress):
-            self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
-            item = item.batch
-        batch = finish(item)
-        self._epoch.yielded += 1
+        except BaseException:
+            # (torch may have passed a batch as it raised, a worker's exception: it is gone)
+            self._epoch.took(_taken(self._inner), raised=True)
+            raise
+        try:
+            if isinstance(item, WorkerProgress):
+                self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
+                item = item.batch
+            batch = finish(item)
+        finally:
+            self._epoch.took(_taken(self._inner), raised=False)
         return batch
 
     def _end(self) -> None:
@@ -523,6 +533,13 @@ class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
         for _ in range(self.__dict__.pop("_pin_first", 0)):
             next(cycle)
         self.__dict__["_pin_cycle"] = cycle
+
+
+def _taken(inner: Any) -> int | None:
+    """The index lists torch's iterator has passed this epoch, yielded or raised (in order):
+    its ``_rcvd_idx`` with workers; None without, where each is passed as it is drawn."""
+    taken = getattr(inner, "_rcvd_idx", None)
+    return taken if type(taken) is int else None
 
 
 def _profiler_enabled() -> bool:
