@@ -350,7 +350,7 @@ def test_readme_snippet(tmp_path: Any) -> None:
     expected = [_own(b) for b in whole]
     torch.manual_seed(0)
     got = []
-    # As in docs/guide.md, "Resuming mid-epoch":
+    # As in docs/guide.md, "Resuming mid-epoch" (there with another batch size):
     loader = pinpool.DataLoader(dataset, batch_size=4, num_workers=2, shuffle=True)
     for step, batch in enumerate(loader):
         got.append(_own(batch))
@@ -606,7 +606,7 @@ MISMATCHES = [
     (
         {"shuffle": True},
         {"shuffle": False},
-        r"its order came from the sampler torch\.utils\.data\.sampler\.RandomSampler "
+        r"the state's order came from the sampler torch\.utils\.data\.sampler\.RandomSampler "
         r"\(shuffle=True\), this loader's from the sampler "
         r"torch\.utils\.data\.sampler\.SequentialSampler \(shuffle=False\)",
     ),
@@ -616,12 +616,12 @@ MISMATCHES = [
     (
         {"sampler": torch.utils.data.RandomSampler(Indexed(), replacement=True)},
         {"shuffle": True},
-        r"its sampler's replacement was True, this loader's is False",
+        r"the state's sampler's replacement was True, this loader's is False",
     ),
     (
         {"sampler": torch.utils.data.RandomSampler(Indexed(), num_samples=12)},
         {"shuffle": True},
-        r"its sampler's length was 12, this loader's is 23",
+        r"the state's sampler's length was 12, this loader's is 23",
     ),
     ({"sampler": _distributed(2)}, {"sampler": _distributed(4)}, r"length was 12, this .* 6"),
     ({"sampler": _distributed(rank=0)}, {"sampler": _distributed(rank=1)}, r"rank was 0, .* 1"),

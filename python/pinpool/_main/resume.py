@@ -341,22 +341,22 @@ def _order_differs(taken: dict[str, Any], now: dict[str, Any]) -> str | None:
     The samplers' epochs are left out: the caller sets it after loading (``set_epoch``)."""
     if taken["dataset_length"] != now["dataset_length"]:
         return (
-            f"it was taken over a dataset of {taken['dataset_length']} samples, this "
+            f"the state was taken over a dataset of {taken['dataset_length']} samples, this "
             f"loader's has {now['dataset_length']}"
         )
     what = {"samples": "sampler", "batches": "batch sampler"}
     was, is_ = taken["sampler"], now["sampler"]
     if taken["by"] != now["by"] or was["class"] != is_["class"]:
         return (
-            f"its order came from the {what[taken['by']]} {was['class']}"
+            f"the state's order came from the {what[taken['by']]} {was['class']}"
             f"{_SHUFFLE.get(was['class'], '')}, this loader's from the {what[now['by']]} "
             f"{is_['class']}{_SHUFFLE.get(is_['class'], '')}"
         )
     for key in sorted((set(was) | set(is_)) - {"class", "epoch"}):
         if was.get(key) != is_.get(key):
             return (
-                f"its {what[taken['by']]}'s {key} was {was.get(key)!r}, this loader's is "
-                f"{is_.get(key)!r}"
+                f"the state's {what[taken['by']]}'s {key} was {was.get(key)!r}, this loader's "
+                f"is {is_.get(key)!r}"
             )
     return None
 
@@ -503,10 +503,9 @@ class Resume:
                 why = _order_differs(state["order"], order_of(loader))
                 if why is not None:
                     raise InvalidArgument(
-                        f"this loader cannot resume the state: {why}; its order would not be "
-                        "the state's, so it would not resume at the next unseen sample (make "
-                        "the loader as the one the state was taken from; the batch size may "
-                        "differ)"
+                        f"this loader cannot resume the state: {why}, so it would not resume "
+                        "at the next unseen sample; make the loader as the one the state was "
+                        "taken from (the batch size may differ)"
                     )
             elif version == 1:
                 warnings.warn(
