@@ -61,9 +61,11 @@ class PinPool:
     ``device``: an ordinal, ``"cuda:N"`` or a ``torch.device`` binds that GPU; ``"cpu"`` means
     no CUDA (host memory); ``None`` (the default) or ``"cuda"`` the rank's own GPU: the device
     of the CUDA context current on this thread (``torch.cuda.set_device``), else
-    ``$LOCAL_RANK`` modulo the device count, else device 0, else no CUDA (host memory, with a
-    note). On a machine with several NUMA nodes, the arena goes on its GPU's node and the copy
-    threads on that node's CPUs (``placement`` says where).
+    ``$LOCAL_RANK`` modulo the device count, else device 0. Where CUDA cannot be used,
+    ``None`` gives host memory (with a note); a device or CUDA backend asked for by name
+    raises ``InvalidArgument`` saying why. On a machine with several NUMA nodes, the arena
+    goes on its GPU's node and the copy threads on that node's CPUs (``placement`` says
+    where).
     """
 
     def __new__(
