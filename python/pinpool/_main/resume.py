@@ -398,11 +398,11 @@ class Resume:
         ``InvalidArgument``, changing nothing, when the loaded state's sampler was at another
         epoch (``set_epoch``) than the loader's is now."""
         state = self.pending
-        # What a state says of its order (version 2, map-style: checked at load).
+        # What a mid-epoch state says of its order (version 2, map-style: checked at load).
         order = None
-        if state is not None and state["version"] >= 2 and not self.iterable:
-            order = state["order"]
-            if state["epoch"] is not None:
+        if state is not None and state["epoch"] is not None:
+            if state["version"] >= 2 and not self.iterable:
+                order = state["order"]
                 _check_sampler_epoch(order, loader)
         self.pending = None
         self.current = Epoch(samples=None if self.iterable else 0)
