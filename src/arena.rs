@@ -12,7 +12,8 @@
 //!   pinned for the GPU, merely locked, or ordinary pageable memory; every fallback from what
 //!   was asked is explained in `notes()`.
 //! - Construction never panics: a missing driver, an absent device or a failed call is an
-//!   [`Error`], or (for `backend = auto`) a documented fallback to host memory.
+//!   [`Error`]. A device given is used or refused (the caller's `device=None` may fall back
+//!   to host memory before the arena is made: [`crate::device_choice`]).
 //! - Every byte of the arena is faulted in at start-up, so an arena larger than the memory
 //!   available (see [`available_memory`]) is refused before anything is mapped: faulting it
 //!   in would end in the kernel's out-of-memory killer, not in an error.
@@ -270,7 +271,6 @@ impl Arena {
                 )));
             }
         }
-        let mut notes = Vec::new();
         let mut timings = Vec::new();
         let backend = match (backend, device) {
             (Some(Backend::Host), _) => Backend::Host,
@@ -280,25 +280,14 @@ impl Arena {
                     b.name()
                 )))
             }
-            (Some(b), Some(_)) => b,
             (None, None) => Backend::Host,
-            (None, Some(ordinal)) => match cuda::device_count() {
-                Ok(n) if n > ordinal => Backend::CUDA_DEFAULT,
-                Ok(n) if n > 0 => {
-                    return Err(Error::Invalid(format!(
-                        "device {ordinal} does not exist: this machine has {n} CUDA device(s)"
-                    )))
-                }
-                Ok(_) => {
-                    notes.push("no CUDA device found: using host memory (not pinned)".into());
-                    Backend::Host
-                }
-                Err(e) => {
-                    notes.push(format!("CUDA unavailable ({e}): using host memory (not pinned)"));
-                    Backend::Host
-                }
-            },
+            // A device named is used or refused, never quietly replaced by host memory.
+            (backend, Some(ordinal)) => {
+                cuda::require_device(ordinal)?;
+                backend.unwrap_or(Backend::CUDA_DEFAULT)
+            }
         };
+        let mut notes = Vec::new();
         match backend {
             Backend::CudaHostAlloc => {
                 let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
@@ -628,11 +617,15 @@ mod tests {
         let err = Arena::new(4096, 4096, None, Some(Backend::CudaRegister), 1).unwrap_err();
         assert!(matches!(err, Error::Invalid(_)));
         if cuda::device_count().unwrap_or(0) == 0 {
-            let err = Arena::new(4096, 4096, Some(0), Some(Backend::CudaHostAlloc), 1).unwrap_err();
-            assert!(matches!(err, Error::Cuda { .. }), "{err}");
-            let a = Arena::new(4096, 4096, Some(0), None, 1).unwrap();
-            assert_eq!(a.backend(), Backend::Host);
-            assert!(!a.notes().is_empty());
+            // A device named, with or without a backend: refused, saying why, never host
+            // memory in its place.
+            for backend in [Some(Backend::CudaHostAlloc), Some(Backend::CudaRegister), None] {
+                let err = Arena::new(4096, 4096, Some(0), backend, 1).unwrap_err();
+                assert!(matches!(err, Error::Invalid(_)), "{err}");
+                let text = err.to_string();
+                assert!(text.contains("CUDA device 0 was asked for"), "{text}");
+                assert!(text.contains("device=\"cpu\""), "{text}");
+            }
         }
     }
 

@@ -4,8 +4,10 @@
 //! - `libcuda` is never touched before [`driver_present`] has confirmed it can be loaded, so a
 //!   machine without a GPU or a driver never reaches cudarc's "library not found" panic.
 //! - Every driver call runs inside [`guarded`], which turns a driver error into
-//!   [`Error::Cuda`] carrying the driver's error name, and an unexpected panic inside cudarc
-//!   into the same variant: no panic leaves this module.
+//!   [`Error::Cuda`] carrying the driver's own error name and code, and an unexpected panic
+//!   inside cudarc into [`Error::Invalid`] naming the call: no panic leaves this module, and
+//!   no name or code is made up. A driver that cannot be loaded at all made no call and has no
+//!   code: that is [`Error::NoDriver`], with the dynamic loader's own message.
 //! - Every call that needs a context first binds the device's *primary* context (the one torch
 //!   uses) to the calling thread, so our pinned memory and events live in torch's context.
 //! - Asking which context is current ([`current_context_device`]) changes nothing: it binds no
@@ -35,7 +37,7 @@ pub fn guarded<T>(
         Ok(Err(err)) => Err(driver_error(call, err)),
         Err(panic) => {
             let msg = crate::error::panic_message(&*panic);
-            Err(Error::Cuda { call, name: format!("PANIC_IN_DRIVER_BINDING: {msg}"), code: 0 })
+            Err(Error::Invalid(format!("internal error in pinpool's binding of {call}: {msg}")))
         }
     }
 }
@@ -46,35 +48,94 @@ fn driver_error(call: &'static str, err: DriverError) -> Error {
     }))
     .ok()
     .flatten()
-    .unwrap_or_else(|| format!("CUDA_ERROR_{}", err.0 as u32));
+    // (A code this driver has no name for: `cuGetErrorName` failed. The code is still its.)
+    .unwrap_or_else(|| "unnamed CUresult".to_owned());
     Error::Cuda { call, name, code: err.0 as u32 }
 }
 
-/// Whether `libcuda.so` can be loaded at all (checked once per process).
-pub fn driver_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| {
-        catch_unwind(|| {
-            // SAFETY: `is_culib_present` only tries to dlopen the driver library by its
-            // candidate names and drops the handle; it has no other precondition.
-            unsafe { sys::is_culib_present() }
+/// The driver library, by the name an error gives (the last of the names cudarc tries, and
+/// the one the driver's packages install).
+pub const DRIVER_LIBRARY: &str = "libcuda.so.1";
+
+/// Why `libcuda` cannot be loaded, in the dynamic loader's words, or None when it can
+/// (checked once per process).
+pub fn driver_load_error() -> Option<&'static str> {
+    static FAILURE: OnceLock<Option<String>> = OnceLock::new();
+    FAILURE
+        .get_or_init(|| {
+            let present = catch_unwind(|| {
+                // SAFETY: `is_culib_present` only tries to dlopen the driver library by its
+                // candidate names and drops the handle; it has no other precondition.
+                unsafe { sys::is_culib_present() }
+            })
+            .unwrap_or(false);
+            (!present).then(|| loader_message(DRIVER_LIBRARY))
         })
-        .unwrap_or(false)
-    })
+        .as_deref()
 }
 
-/// The number of CUDA devices, or an error saying why there are none to use.
+/// Whether `libcuda` can be loaded at all (checked once per process).
+pub fn driver_present() -> bool {
+    driver_load_error().is_none()
+}
+
+/// What the dynamic loader says when asked for `library` (which cudarc could not load).
+fn loader_message(library: &str) -> String {
+    let Ok(name) = std::ffi::CString::new(library) else {
+        return format!("{library:?} is not a library name");
+    };
+    // SAFETY: `name` is a NUL-terminated string that outlives the call; a handle returned is
+    // closed at once, and `dlerror` returns null or a NUL-terminated string owned by the
+    // loader, valid until the next `dl*` call on this thread, copied out before that.
+    unsafe {
+        let handle = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if !handle.is_null() {
+            libc::dlclose(handle);
+            return format!("{library} loads, but cudarc could not load the driver from it");
+        }
+        let message = libc::dlerror();
+        if message.is_null() {
+            "the dynamic loader gave no reason".to_owned()
+        } else {
+            CStr::from_ptr(message).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// The number of CUDA devices, or an error saying why there are none to use: the driver
+/// could not be loaded ([`Error::NoDriver`]), or `cuInit` or `cuDeviceGetCount` failed (the
+/// driver's own error; a machine with a driver and no GPU gives `CUDA_ERROR_NO_DEVICE`).
 pub fn device_count() -> Result<usize> {
-    if !driver_present() {
-        return Err(Error::Cuda {
-            call: "dlopen(libcuda.so)",
-            name: "CUDA_ERROR_NO_DRIVER".into(),
-            code: 0,
-        });
+    if let Some(reason) = driver_load_error() {
+        return Err(Error::NoDriver { library: DRIVER_LIBRARY, reason: reason.to_owned() });
     }
     guarded("cuInit", result::init)?;
     let n = guarded("cuDeviceGetCount", result::device::get_count)?;
     Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// What an error about a device asked for by name says about getting host memory instead.
+pub const HOST_MEMORY_HINT: &str = "device=\"cpu\" gives host memory, and device=None (the \
+     default) a GPU where there is one and host memory elsewhere";
+
+/// Checks that device `ordinal`, asked for by name, exists: [`Error::Invalid`] otherwise,
+/// saying why (the driver's own error, or why the driver could not be loaded) and how to get
+/// host memory instead. Nothing falls back to host memory quietly when a device was named.
+pub fn require_device(ordinal: usize) -> Result<()> {
+    match device_count() {
+        Ok(count) if ordinal < count => Ok(()),
+        Ok(0) => Err(Error::Invalid(format!(
+            "CUDA device {ordinal} was asked for, but the driver reports no CUDA device: \
+             {HOST_MEMORY_HINT}"
+        ))),
+        Ok(count) => Err(Error::Invalid(format!(
+            "CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)"
+        ))),
+        Err(e) => Err(Error::Invalid(format!(
+            "CUDA device {ordinal} was asked for, but CUDA cannot be used here ({e}): \
+             {HOST_MEMORY_HINT}"
+        ))),
+    }
 }
 
 /// The ordinal of the device whose context is current on the calling thread
@@ -140,14 +201,7 @@ impl std::fmt::Debug for Device {
 impl Device {
     /// Retains the primary context of device `ordinal`.
     pub fn open(ordinal: usize) -> Result<Arc<Self>> {
-        let count = device_count()?;
-        if ordinal >= count {
-            return Err(Error::Cuda {
-                call: "cuDeviceGet",
-                name: "CUDA_ERROR_INVALID_DEVICE".into(),
-                code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as u32,
-            });
-        }
+        require_device(ordinal)?;
         // cudarc makes the context current on this thread: the caller's own goes back.
         let _restore = Restore::now()?;
         let ctx = guarded("cuDevicePrimaryCtxRetain", || CudaContext::new(ordinal))?;

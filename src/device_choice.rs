@@ -7,7 +7,7 @@
 //!    makes device n's primary context current there);
 //! 2. `$LOCAL_RANK` modulo the number of devices (torchrun, Lightning and accelerate set it);
 //! 3. device 0, if there is one;
-//! 4. no CUDA: host memory, with a note saying why.
+//! 4. no CUDA: host memory, with a note saying why (`device=None` only: see below).
 //!
 //! Invariants:
 //! - [`choose`] is a pure function of what it is given (the current context's device, the text
@@ -15,9 +15,12 @@
 //!   the driver and the environment, and binds no context on the calling thread.
 //! - A request for no CUDA ([`DeviceRequest::Cpu`], or the `host` backend) never touches the
 //!   driver.
-//! - An automatic choice that finds no device falls back to host memory with the same note an
-//!   explicit device gets when CUDA is unavailable, unless a CUDA backend was asked for by
-//!   name: then it is an error, as it is for an explicit device.
+//! - Only `device=None` with `backend="auto"` falls back to host memory where CUDA cannot be
+//!   used, with a note saying why. CUDA asked for by name (`device="cuda"`, an ordinal,
+//!   `"cuda:N"`, a CUDA backend) is an [`Error::Invalid`] there, naming what was asked for,
+//!   why CUDA cannot be used (the driver's own error, or the loader's message when the
+//!   driver cannot be loaded) and how to get host memory instead: as `pinpool.DataLoader`
+//!   refuses `device="cuda"` where torch sees no GPU.
 //! - A `$LOCAL_RANK` that is set but is not a rank is an error, not silently device 0: every
 //!   rank would then share one GPU.
 
@@ -30,9 +33,12 @@ use crate::error::{Error, Result};
 pub enum DeviceRequest {
     /// No CUDA: host memory (`device="cpu"`).
     Cpu,
-    /// This device ordinal (`device=n`, `"cuda:n"`).
+    /// This device ordinal (`device=n`, `"cuda:n"`), which must exist.
     Ordinal(usize),
-    /// The rank's device, see the module's note (`device=None`, `"cuda"`).
+    /// The rank's device, see the module's note, which must exist (`device="cuda"`).
+    Cuda,
+    /// The rank's device, see the module's note, or host memory where there is none
+    /// (`device=None`).
     Automatic,
 }
 
@@ -113,39 +119,41 @@ impl DeviceRequest {
     /// one (see the module's note). `backend` is the backend asked for (None: `auto`).
     pub fn resolve(self, backend: Option<Backend>) -> Result<Resolved> {
         let plain = |device| Resolved { device, notes: Vec::new(), why: None };
-        match (self, backend) {
-            (DeviceRequest::Cpu, _) | (_, Some(Backend::Host)) => Ok(plain(None)),
-            (DeviceRequest::Ordinal(n), _) => Ok(plain(Some(n))),
-            (DeviceRequest::Automatic, backend) => {
-                let host = |note: String| Resolved { device: None, notes: vec![note], why: None };
-                let count = match cuda::device_count() {
-                    Ok(n) => n,
-                    // A CUDA backend asked for by name: the driver's own error, as for device=0.
-                    Err(e) if backend.is_some() => return Err(e),
-                    Err(e) => {
-                        return Ok(host(format!(
-                            "CUDA unavailable ({e}): using host memory (not pinned)"
-                        )))
-                    }
-                };
-                let local_rank = std::env::var("LOCAL_RANK").ok();
-                match choose(cuda::current_context_device(), local_rank.as_deref(), count)? {
-                    Some(c) => Ok(Resolved {
-                        device: Some(c.ordinal),
-                        notes: Vec::new(),
-                        why: Some(c.why),
-                    }),
-                    None => match backend {
-                        Some(b) => Err(Error::Invalid(format!(
-                            "backend {:?} needs a CUDA device, but this machine has none",
-                            b.name()
-                        ))),
-                        None => {
-                            Ok(host("no CUDA device found: using host memory (not pinned)".into()))
-                        }
-                    },
-                }
+        let host = |note: String| Resolved { device: None, notes: vec![note], why: None };
+        // What was asked for by name, if CUDA was, and how to get host memory instead.
+        let named = match (self, backend) {
+            (DeviceRequest::Cpu, _) | (_, Some(Backend::Host)) => return Ok(plain(None)),
+            // (The arena checks that the device exists: `cuda::require_device`.)
+            (DeviceRequest::Ordinal(n), _) => return Ok(plain(Some(n))),
+            (DeviceRequest::Cuda, _) => {
+                Some(("device=\"cuda\"".to_owned(), cuda::HOST_MEMORY_HINT.to_owned()))
             }
+            (DeviceRequest::Automatic, Some(b)) => Some((
+                format!("backend={:?}", b.name()),
+                "backend=\"auto\" (the default) uses host memory where there is no GPU".to_owned(),
+            )),
+            (DeviceRequest::Automatic, None) => None,
+        };
+        let count = match (cuda::device_count(), &named) {
+            (Ok(n), _) => n,
+            (Err(e), Some((what, hint))) => {
+                return Err(Error::Invalid(format!(
+                    "{what} was asked for, but CUDA cannot be used here ({e}): {hint}"
+                )))
+            }
+            (Err(e), None) => {
+                return Ok(host(format!("CUDA unavailable ({e}): using host memory (not pinned)")))
+            }
+        };
+        let local_rank = std::env::var("LOCAL_RANK").ok();
+        match (choose(cuda::current_context_device(), local_rank.as_deref(), count)?, named) {
+            (Some(c), _) => {
+                Ok(Resolved { device: Some(c.ordinal), notes: Vec::new(), why: Some(c.why) })
+            }
+            (None, Some((what, hint))) => Err(Error::Invalid(format!(
+                "{what} was asked for, but the driver reports no CUDA device: {hint}"
+            ))),
+            (None, None) => Ok(host("no CUDA device found: using host memory (not pinned)".into())),
         }
     }
 }
@@ -226,9 +234,33 @@ mod tests {
         let r = DeviceRequest::Automatic.resolve(None).unwrap();
         assert_eq!(r.device, None);
         assert!(r.notes.len() == 1 && r.notes[0].contains("CUDA"), "{:?}", r.notes);
+        // CUDA asked for by name: refused, naming what was asked and how to get host memory.
         for backend in [Backend::CudaRegister, Backend::CudaHostAlloc] {
             let err = DeviceRequest::Automatic.resolve(Some(backend)).unwrap_err();
-            assert!(matches!(err, Error::Cuda { .. } | Error::Invalid(_)), "{err}");
+            let text = err.to_string();
+            assert!(matches!(err, Error::Invalid(_)), "{err}");
+            assert!(text.contains(&format!("backend={:?} was asked for", backend.name())));
+            assert!(text.contains("backend=\"auto\""), "{text}");
         }
+        let err = DeviceRequest::Cuda.resolve(None).unwrap_err();
+        assert!(matches!(err, Error::Invalid(_)), "{err}");
+        assert!(err.to_string().contains("device=\"cuda\" was asked for"), "{err}");
+    }
+
+    #[test]
+    // Miri: loads the CUDA driver with dlopen, a foreign call Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn without_a_driver_the_loader_says_why_and_no_code_is_made_up() {
+        let Some(reason) = cuda::driver_load_error() else {
+            return; // checks a machine without libcuda
+        };
+        let err = cuda::device_count().unwrap_err();
+        assert!(matches!(err, Error::NoDriver { .. }), "{err}");
+        assert_eq!(err.to_string(), format!("libcuda.so.1 could not be loaded: {reason}"));
+        // The dynamic loader's own words name the library it could not find.
+        assert!(reason.contains("libcuda"), "{reason}");
+        let err = DeviceRequest::Cuda.resolve(None).unwrap_err().to_string();
+        assert!(err.contains("libcuda.so.1 could not be loaded: "), "{err}");
+        assert!(!err.contains("CUDA_ERROR"), "{err}");
     }
 }

@@ -15,8 +15,12 @@ pub enum Error {
     SlotReleased { index: usize },
     /// A batch needs more bytes than one slot holds.
     BatchTooLarge { needed: usize, slot_bytes: usize },
-    /// A CUDA driver call failed; `name` is the driver's error name (`CUDA_ERROR_...`).
+    /// A CUDA driver call failed; `name` and `code` are the driver's own (`CUDA_ERROR_...`,
+    /// its `CUresult`).
     Cuda { call: &'static str, name: String, code: u32 },
+    /// The CUDA driver library could not be loaded: no driver call was made, so there is no
+    /// driver error; `reason` is the dynamic loader's message.
+    NoDriver { library: &'static str, reason: String },
     /// A byte range falls outside the memory it names.
     OutOfRange { what: &'static str, offset: usize, len: usize, size: usize },
     /// The pool was closed.
@@ -55,6 +59,9 @@ impl fmt::Display for Error {
                  build the pool with larger slots"
             ),
             Error::Cuda { call, name, code } => write!(f, "{call} failed: {name} ({code})"),
+            Error::NoDriver { library, reason } => {
+                write!(f, "{library} could not be loaded: {reason}")
+            }
             Error::OutOfRange { what, offset, len, size } => write!(
                 f,
                 "{what}: range [{offset}, {offset}+{len}) lies outside the {size} bytes available"

@@ -7,6 +7,7 @@ import gc
 import itertools
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -84,17 +85,49 @@ def test_host_pool_with_device_cpu(make_pool) -> None:
     assert "PinPool(" in repr(pool) and "host" in repr(pool)
 
 
-@pytest.mark.skipif(pinpool.cuda_available(), reason="checks the no-CUDA fallback")
-def test_device_zero_falls_back_to_host_with_a_note(make_pool, caplog) -> None:
+#: How an error says why CUDA cannot be used: the dynamic loader's message when libcuda cannot
+#: be loaded (no driver call was made, so no driver code), else the driver's own name and code.
+WHY_NO_CUDA = r"libcuda\.so\.1 could not be loaded: \S|failed: CUDA_ERROR_[A-Z_]+ \([1-9]\d*\)"
+
+
+@pytest.mark.skipif(pinpool.cuda_available(), reason="checks behaviour without CUDA")
+@pytest.mark.parametrize(
+    ("device", "named"),
+    [
+        (0, "CUDA device 0"),
+        ("cuda:1", "CUDA device 1"),
+        (torch.device("cuda", 0), "CUDA device 0"),
+        ("cuda", 'device="cuda"'),
+        (torch.device("cuda"), 'device="cuda"'),
+    ],
+)
+def test_a_device_asked_for_without_cuda_is_refused_saying_why(device, named, caplog) -> None:
+    # A GPU named is used or refused, never quietly replaced by host memory: the error says
+    # what was asked for, why CUDA cannot be used, and how to get host memory instead.
     with caplog.at_level(logging.WARNING, logger="pinpool"):
-        pool = make_pool(4096, 2, device=0)
-    assert pool.backend == "host"
-    assert pool.memory != "pinned"
-    assert pool.device is None
-    assert pool.notes, "a fallback from the asked-for CUDA device must be explained"
-    assert any("CUDA" in note for note in pool.notes)
-    # The note is also logged, so users see it without inspecting the pool.
-    assert any("CUDA" in r.getMessage() for r in caplog.records if r.name == "pinpool")
+        with pytest.raises(InvalidArgument) as info:
+            pinpool.PinPool(4096, 2, device=device)
+    text = str(info.value)
+    assert text.startswith(f"{named} was asked for"), text
+    assert re.search(WHY_NO_CUDA, text), text
+    assert 'device="cpu" gives host memory' in text and "device=None" in text, text
+    assert "(0)" not in text and "NO_DRIVER" not in text, text  # no invented driver code
+    # The way out the message names works.
+    with pinpool.PinPool(4096, 2, device="cpu") as pool:
+        assert pool.backend == "host"
+
+
+@pytest.mark.skipif(pinpool.cuda_available(), reason="checks behaviour without CUDA")
+def test_the_pool_and_the_dataloader_refuse_a_missing_gpu_alike() -> None:
+    # Both raise InvalidArgument (a ValueError) when the loader or pool is made, and both
+    # take device=None to mean "a GPU where there is one".
+    for make in (
+        lambda device: pinpool.PinPool(4096, 1, device=device),
+        lambda device: pinpool.DataLoader(list(range(4)), batch_size=2, device=device),
+    ):
+        with pytest.raises(InvalidArgument, match="device=None"):
+            make("cuda")
+        make(None)
 
 
 @pytest.mark.skipif(pinpool.cuda_available(), reason="checks the no-CUDA fallback")
@@ -109,23 +142,25 @@ def test_default_device_falls_back_to_host() -> None:
 
 
 @pytest.mark.skipif(pinpool.cuda_available(), reason="checks the no-CUDA fallback")
-@pytest.mark.parametrize("device", [None, "cuda", torch.device("cuda")])
+@pytest.mark.parametrize("device", [None])
 @pytest.mark.parametrize("local_rank", [None, "0", "3", "not-a-rank"])
 def test_the_automatic_device_without_cuda_is_host_memory_with_a_note(
-    make_pool, monkeypatch, device, local_rank
+    make_pool, monkeypatch, device, local_rank, caplog
 ) -> None:
-    # `device=None` (the default) and "cuda" choose the rank's own GPU: with no GPU there is
-    # none to choose, so host memory, saying why, whatever LOCAL_RANK says (even nonsense:
-    # with no device it is never read).
+    # `device=None` (the default) chooses the rank's own GPU: with no GPU there is none to
+    # choose, so host memory, saying why, whatever LOCAL_RANK says (even nonsense: with no
+    # device it is never read). ("cuda", which names a GPU, is refused instead: above.)
     if local_rank is None:
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-    pool = make_pool(4096, 1, device=device)
+    with caplog.at_level(logging.WARNING, logger="pinpool"):
+        pool = make_pool(4096, 1, device=device)
     assert pool.device is None
     assert pool.backend == "host"
     assert pool.memory != "pinned"
     assert any("CUDA" in note for note in pool.notes), pool.notes
+    assert any(re.search(WHY_NO_CUDA, note) for note in pool.notes), pool.notes
     assert "PinPool(" in repr(pool) and "device=None" in repr(pool)
 
 
@@ -249,6 +284,9 @@ def test_explicit_cuda_backend_without_cuda_is_a_clean_error(backend, device) ->
         if isinstance(e, CudaError):
             assert e.name.startswith("CUDA_ERROR"), e.name
             assert str(e)
+        # Why CUDA cannot be used, in the driver's or the dynamic loader's own words.
+        assert re.search(WHY_NO_CUDA, str(e)), str(e)
+        assert "(0)" not in str(e) and "NO_DRIVER" not in str(e), str(e)
     else:
         pytest.fail(f"backend={backend!r} without CUDA must raise")
 

@@ -43,6 +43,7 @@ from ._native import (
     page_size,
     wait_for_releases,
 )
+from ._stats import LoaderStats, PoolStats
 
 if TYPE_CHECKING:
     from ._accelerate.shard import prepare
@@ -67,12 +68,14 @@ __all__ = [
     "CudaError",
     "DataLoader",
     "InvalidArgument",
+    "LoaderStats",
     "OutOfBounds",
     "PinPool",
     "PinPoolError",
     "Pinned",
     "PoolClosed",
     "PoolExhausted",
+    "PoolStats",
     "SegmentCache",
     "Sent",
     "Slot",

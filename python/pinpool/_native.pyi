@@ -2,7 +2,13 @@
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal, final
+from typing import Any, Literal, SupportsIndex, final, overload
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pinpool._stats import PoolStats
 
 __all__ = [
     "SEGMENT_DATA_OFFSET",
@@ -55,9 +61,11 @@ class PinPool:
     ``device``: an ordinal, ``"cuda:N"`` or a ``torch.device`` binds that GPU; ``"cpu"`` means
     no CUDA (host memory); ``None`` (the default) or ``"cuda"`` the rank's own GPU: the device
     of the CUDA context current on this thread (``torch.cuda.set_device``), else
-    ``$LOCAL_RANK`` modulo the device count, else device 0, else no CUDA (host memory, with a
-    note). On a machine with several NUMA nodes, the arena goes on its GPU's node and the copy
-    threads on that node's CPUs (``placement`` says where).
+    ``$LOCAL_RANK`` modulo the device count, else device 0. Where CUDA cannot be used,
+    ``None`` gives host memory (with a note); a device or CUDA backend asked for by name
+    raises ``InvalidArgument`` saying why. On a machine with several NUMA nodes, the arena
+    goes on its GPU's node and the copy threads on that node's CPUs (``placement`` says
+    where).
     """
 
     def __new__(
@@ -80,7 +88,7 @@ class PinPool:
         overflow: bool = False,
         defer: bool = False,
     ) -> Slot | Literal["later", "overflow"]: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> PoolStats: ...
     def flush(self) -> None: ...
     def close(self, wait: bool = False) -> None: ...
     @property
@@ -138,7 +146,24 @@ class Slot:
     def released(self) -> bool: ...
     @property
     def device(self) -> int | None: ...
-    def view(self, dtype: Any, shape: int | Sequence[int], offset: int = 0) -> Any: ...
+    # A view is a torch tensor wherever torch is installed, a numpy array where it is not
+    # (``pinpool._views.slot_view``): a torch dtype says it is a tensor; any other dtype (a
+    # numpy dtype or scalar type, a name like "float32") leaves both open. For an array
+    # whatever is installed: ``numpy.frombuffer(slot, dtype)``.
+    @overload
+    def view(
+        self,
+        dtype: torch.dtype,
+        shape: SupportsIndex | Sequence[SupportsIndex],
+        offset: SupportsIndex = 0,
+    ) -> torch.Tensor: ...
+    @overload
+    def view(
+        self,
+        dtype: str | np.dtype[Any] | type[Any],
+        shape: SupportsIndex | Sequence[SupportsIndex],
+        offset: SupportsIndex = 0,
+    ) -> torch.Tensor | npt.NDArray[Any]: ...
     def copy_to_device(self, target: Any, nbytes: int, stream: Any) -> Sent:
         """Queues a copy of the slot's first ``nbytes`` bytes to ``target`` (a contiguous CUDA
         tensor on the pool's device with at least ``nbytes`` bytes) on ``stream`` (a

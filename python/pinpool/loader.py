@@ -19,8 +19,8 @@ index sampler, shutdown and queues). Where each step of a batch's trip happens:
 Everything else (samplers, worker start-up and shutdown, errors, timeouts, ordering,
 persistent workers) is torch's own machinery, unchanged. Checkpoint and resume
 (``state_dict``/``load_state_dict``) is ``_main.resume``: the index sampler torch reads as its
-iterator starts records each epoch's random states, and a resumed epoch's skips the batches
-already yielded.
+iterator starts records each epoch's random states, the loader counts the samples it yields,
+and a resumed epoch's sampler skips the samples already yielded.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import queue
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar
@@ -45,6 +46,7 @@ from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, u
 from ._main.sizing import Sizing
 from ._main.tickets import TicketSampler
 from ._native import PinPool
+from ._stats import LoaderStats
 from ._wire import registry
 from ._wire.handle import BatchHandle, WorkerProgress
 from ._wire.pool_hint import PoolHint
@@ -99,7 +101,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
       arrays into the batch's shared memory as soon as the sample is made, while they are
       still in the CPU's cache, instead of making every sample first and stacking them after
       (see ``pinpool._worker.streaming``; the batch is the same, bit for bit). Map-style
-      datasets with ``num_workers > 0``. In the workers, ``get_worker_info().dataset`` is
+      datasets with batching and ``num_workers > 0``: None (the default) streams there;
+      False never; True where it cannot apply warns.
+
+    A setting given that cannot apply warns once, saying why (``zero_copy=True`` without
+    workers, say: ``settings.ignored``), or raises when it contradicts another (sizes given
+    with ``pool=``). In the workers, ``get_worker_info().dataset`` is
       then a thin wrapper (attributes read or set on it are the dataset's); ``loader.dataset``
       is yours.
     """
@@ -113,7 +120,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: torch.utils.data.Dataset[_T_co],
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Any = None,
@@ -144,9 +151,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         zero_copy: bool = False,
         keep_worker_memory: bool = True,
         worker_copy_threads: int | None = None,
-        stream_samples: bool = True,
+        stream_samples: bool | None = None,
     ) -> None:
-        del pin_memory, pin_memory_device  # always pinned, on the pool's device
         if isinstance(collate_fn, PinCollate):  # a rebuilt loader handed pinpool's own back
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
@@ -193,7 +199,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             and num_workers > 0
             and not isinstance(dataset, torch.utils.data.IterableDataset)
         )
-        streams = stream_samples and collate_fn is None
+        streams = stream_samples is not False and collate_fn is None
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         resume = Resume(iterable, num_workers)
         # What torch's workers are given (loader.dataset stays the caller's own).
@@ -207,8 +213,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             ring_size=(prefetch_factor or 2) + 2,
             keep_worker_memory=keep_worker_memory,
             worker_copy_threads=settings.worker_copy_threads(worker_copy_threads, num_workers),
-            stream_samples=stream_samples,
-            report_state=resume.worker_states and unsupported(dataset, iterable) is None,
+            stream_samples=stream_samples is not False,
+            report_state=resume.worker_states
+            and unsupported(dataset, iterable, num_workers, in_order) is None,
             pool_hint=hint,
         )
         # torch's own attributes say what the caller asked for (loader.collate_fn is theirs,
@@ -260,6 +267,20 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _pin_wrap=False,
         )
         _keep_for_lightning(self)
+        # Every setting given does something here, or the caller hears why it does not.
+        for why in settings.ignored(
+            dataset=dataset,
+            num_workers=num_workers,
+            auto_collation=auto_collation,
+            collate_fn=collate_fn,
+            pool=pool,
+            zero_copy=zero_copy,
+            stream_samples=stream_samples,
+            worker_copy_threads=worker_copy_threads,
+            pin_memory=pin_memory,
+            pin_memory_device=pin_memory_device,
+        ):
+            warnings.warn(f"pinpool.DataLoader: {why}", UserWarning, stacklevel=2)
         registry.register(token, receiver)
         if sizing.known or pool is not None:
             receiver.ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
@@ -267,7 +288,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __iter__(self) -> _PinnedIter:  # type: ignore[override]
         resume = self._pin_resume
-        resume.start(self.dataset)
+        resume.start(self)
         if resume.worker_start is not None and self._iterator is not None:
             # A resumed iterable dataset's workers load their states as they start: a
             # persistent iterator's workers have started.
@@ -286,8 +307,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     @property
     def state_dict(self) -> Callable[[], dict[str, Any]]:
         """``state_dict()``: where the loader is (mid-epoch or between epochs), as plain data:
-        after :meth:`load_state_dict` into a loader made with the same arguments, its next
-        iteration yields the batches this one had not yet yielded (``pinpool._main.resume``).
+        after :meth:`load_state_dict` into a loader made with the same arguments (the batch
+        size may differ), its next iteration starts at the first sample this one had not yet
+        yielded (``pinpool._main.resume``); a loader whose order differs refuses the state.
         An IterableDataset resumes from its own ``state_dict()`` (each worker's copy, with
         workers); one without ``state_dict()``/``load_state_dict()`` cannot resume: both
         attributes raise ``NotResumable``, a NotImplementedError and an AttributeError
@@ -311,7 +333,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return self._pin_resume.state_dict(self, self.dataset, kept)
 
     def _pin_why_not(self) -> str | None:
-        return unsupported(self.dataset, self._pin_resume.iterable)
+        resume = self._pin_resume
+        in_order = getattr(self, "in_order", True)
+        return unsupported(self.dataset, resume.iterable, self.num_workers, in_order)
 
     def _get_iterator(self) -> Any:
         # torch's iterator reads loader.dataset and loader.collate_fn once, as it starts, and
@@ -353,10 +377,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """The pool batches land in (None until the first batch when it is made lazily)."""
         return self._pin_receiver.pool
 
-    def stats(self) -> dict[str, Any]:
-        """The pool's counters plus the loader's own (``batches``, ``bytes``,
-        ``overflow_batches``, ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which
-        ``zero_copy_no_ticket`` and ``zero_copy_ticket_too_small``), ``segments_cached``)."""
+    def stats(self) -> LoaderStats:
+        """The loader's own counters (``batches``, ``bytes``, ``overflow_batches``,
+        ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which ``zero_copy_no_ticket`` and
+        ``zero_copy_ticket_too_small``), ``segments_cached``) plus its pool's, once the pool
+        exists (:class:`~pinpool.LoaderStats`)."""
         return self._pin_receiver.stats()
 
 
@@ -398,7 +423,7 @@ class _PinnedIter:
     def __init__(self, loader: DataLoader, inner: Iterator[Any], epoch: Epoch) -> None:
         self._loader = loader
         self._inner = inner
-        self._epoch = epoch  # counts the batches yielded, for state_dict()
+        self._epoch = epoch  # counts the batches and samples yielded, for state_dict()
         self._ended = False
         loader._pin_receiver.iterator = weakref.ref(inner)
 
@@ -415,11 +440,17 @@ class _PinnedIter:
             self._epoch.ended = True
             self._end()
             raise
-        if isinstance(item, WorkerProgress):
-            self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
-            item = item.batch
-        batch = finish(item)
-        self._epoch.yielded += 1
+        except BaseException:
+            # (torch may have passed a batch as it raised, a worker's exception: it is gone)
+            self._epoch.took(_taken(self._inner), raised=True)
+            raise
+        try:
+            if isinstance(item, WorkerProgress):
+                self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
+                item = item.batch
+            batch = finish(item)
+        finally:
+            self._epoch.took(_taken(self._inner), raised=False)
         return batch
 
     def _end(self) -> None:
@@ -505,6 +536,13 @@ class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
         for _ in range(self.__dict__.pop("_pin_first", 0)):
             next(cycle)
         self.__dict__["_pin_cycle"] = cycle
+
+
+def _taken(inner: Any) -> int | None:
+    """The index lists torch's iterator has passed this epoch, yielded or raised (in order):
+    its ``_rcvd_idx`` with workers; None without, where each is passed as it is drawn."""
+    taken = getattr(inner, "_rcvd_idx", None)
+    return taken if type(taken) is int else None
 
 
 def _profiler_enabled() -> bool:

@@ -58,6 +58,8 @@ pub(crate) fn to_py(_py: Python<'_>, err: Error) -> PyErr {
             BatchTooLarge::new_err((msg, needed, slot_bytes))
         }
         Error::Cuda { name, code, .. } => CudaError::new_err((msg, name, code)),
+        // (Not a CudaError: no driver call was made, there is no driver name or code.)
+        Error::NoDriver { .. } => PinPoolError::new_err(msg),
         Error::OutOfRange { .. } => OutOfBounds::new_err(msg),
         Error::Closed => PoolClosed::new_err(msg),
         Error::Os { .. } => PinPoolError::new_err(msg),

@@ -25,9 +25,10 @@ use crate::transport::reclaim::{Reclaimer, SegmentStats, SharedReclaimer};
 /// `device`: an ordinal, `"cuda:N"` or a `torch.device` binds that GPU; `"cpu"` means no CUDA
 /// (host memory); `None` (the default) or `"cuda"` the rank's own GPU: the device of the CUDA
 /// context current on this thread (`torch.cuda.set_device`), else `$LOCAL_RANK` modulo the
-/// device count, else device 0, else no CUDA (host memory, with a note). On a machine with
-/// several NUMA nodes, the arena goes on its GPU's node and the copy threads on that node's
-/// CPUs (`placement` says where).
+/// device count, else device 0. Where CUDA cannot be used, `None` gives host memory (with a
+/// note); a device or CUDA backend asked for by name raises `InvalidArgument` saying why. On
+/// a machine with several NUMA nodes, the arena goes on its GPU's node and the copy threads
+/// on that node's CPUs (`placement` says where).
 #[pyclass(name = "PinPool", module = "pinpool._native", frozen)]
 pub struct PyPinPool {
     pool: Mutex<Option<Arc<Pool>>>,
@@ -60,7 +61,8 @@ pub(crate) enum DeviceArg<'py> {
 }
 
 /// Parses `device=`: "cpu" means no CUDA; `None` and "cuda" (torch's "the current device")
-/// the rank's own device, chosen by [`DeviceRequest::resolve`].
+/// the rank's own device, chosen by [`DeviceRequest::resolve`] (`None` only may come to host
+/// memory where there is no GPU).
 pub(crate) fn parse_device(
     py: Python<'_>,
     device: Option<DeviceArg<'_>>,
@@ -78,7 +80,7 @@ pub(crate) fn parse_device(
     let bad = || to_py(py, Error::Invalid(format!("cannot use device {text:?}")));
     match text.as_str() {
         "cpu" => Ok(DeviceRequest::Cpu),
-        "cuda" => Ok(DeviceRequest::Automatic),
+        "cuda" => Ok(DeviceRequest::Cuda),
         other => match other.strip_prefix("cuda:") {
             Some(n) => n.parse::<usize>().map(DeviceRequest::Ordinal).map_err(|_| bad()),
             None => Err(bad()),

@@ -198,7 +198,7 @@ class Pinned(Generic[_T]):
     def stats(self) -> dict[str, Any]:
         """The pool's counters (once it exists) plus ``batches``, ``bytes`` (array bytes
         copied into slots or overflow memory) and ``overflow_batches``."""
-        out = self._receiver.stats()
+        out: dict[str, Any] = dict(self._receiver.stats())
         for key in ("zero_copy_batches", "zero_copy_fallbacks", "segments_cached"):
             out.pop(key, None)
         return out

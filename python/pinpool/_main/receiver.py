@@ -28,7 +28,7 @@ import collections
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +42,7 @@ from .._native import (
     check_segment,
     cuda_available,
 )
+from .._stats import LoaderStats
 from .._wire import codec, peer
 from .._wire.handle import ARRIVED, HELD, BatchHandle, SlotTicket
 from .._wire.pool_hint import PoolHint
@@ -543,9 +544,9 @@ class Receiver:
             # threads (see wait_for_releases).
             self.pool.close()
 
-    def stats(self) -> dict[str, Any]:
-        """The pool's counters plus the loader's own."""
-        out: dict[str, Any] = self.pool.stats() if self.pool is not None else {}
+    def stats(self) -> LoaderStats:
+        """The pool's counters (once it exists) plus the loader's own."""
+        out: dict[str, Any] = dict(self.pool.stats()) if self.pool is not None else {}
         out["batches"] = self.deliver.batches
         out["bytes"] = self.deliver.bytes
         out["overflow_batches"] = self.overflow_batches
@@ -554,7 +555,7 @@ class Receiver:
         out["zero_copy_no_ticket"] = self.tickets.fallbacks
         out["zero_copy_ticket_too_small"] = self.tickets.too_small
         out["segments_cached"] = len(self.cache) if self.cache is not None else 0
-        return out
+        return cast(LoaderStats, out)
 
 
 def background_arena(device: int | None) -> bool:

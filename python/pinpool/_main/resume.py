@@ -6,10 +6,23 @@ global RNG (a ``RandomSampler`` without a generator draws its seed from it), the
 ``generator`` and any sampler's ``generator``. :class:`EpochSampler` wraps the index sampler
 torch reads and records those states at the two points a sampler draws: when torch calls
 ``iter()`` on it (as the iterator starts, before torch draws the workers' base seed) and at its
-first index list (after). The loader counts the batches it yields. A resumed epoch puts the
-states back at the same two points, so the sampler makes the same order, and drops the index
-lists already yielded before anyone sees them: no worker loads them and, under the zero-copy
-``TicketSampler``, no slot is handed out for them.
+first index list (after). A resumed epoch puts the states back at the same two points, so the
+sampler makes the same order, and drops what was already yielded before anyone sees it: no
+worker loads it and, under the zero-copy ``TicketSampler``, no slot is handed out for it.
+
+Where an epoch is counts **samples**, not batches: the loader counts the samples of each
+batch it yields (the length of its index list, as dispatched, in order). When the batches are
+cut from one sampler's order (torch's ``BatchSampler``, or no batching) a resumed epoch starts
+at the next unseen sample of that order and cuts the rest into its own loader's batches, of
+whatever size: a state taken after 4 batches of 4 resumes a ``batch_size=8`` loader at sample
+16. A batch sampler of the caller's makes batches of its own: there the batches already
+yielded are dropped whole, and the samples they held must add up to the state's count.
+
+A state records what decides the order (:func:`order_of`: the dataset's length, the sampler's
+class, length and order-deciding attributes); loading a mid-epoch state into a loader whose
+order differs raises ``InvalidArgument`` naming the difference, rather than resuming at a
+sample that is not the next unseen one. A ``DistributedSampler``'s epoch is set by the caller
+after loading (``set_epoch``): it is compared when the resumed epoch starts.
 
 An ``IterableDataset`` resumes itself, from its own ``state_dict()``. With ``num_workers=0``
 that is taken with the loader's and loaded back before its iterator is made. With workers,
@@ -18,13 +31,18 @@ after it (``_wire.handle.WorkerProgress``), the loader keeps the latest delivere
 state of each worker and which worker's batch comes next (torch deals batches out to the
 workers in turn), and a resumed epoch loads each worker's state into its copy of the dataset
 (:class:`LoadWorkerState`, before the worker's iterator is made) and starts the turns at that
-worker (``loader._StartingAt``).
+worker (``loader._StartingAt``). Its position is the dataset's: another batch size resumes
+at the next unseen sample of each worker's copy.
 
 Invariants:
 
-- A state is plain data (ints, bools, None, dicts, CPU uint8 tensors, and an iterable
+- A state is plain data (ints, bools, strings, None, dicts, CPU uint8 tensors, and an iterable
   dataset's own state): ``torch.save``-able, loadable into a fresh loader made with the same
-  arguments.
+  arguments (or another batch size). Each distinct random state is one tensor object, however
+  many places name it (``torch.save`` and ``copy.deepcopy`` keep one copy).
+- A mid-epoch state resumes at the next unseen sample or is refused when it is loaded (the
+  order differs) or, for a batch sampler of the caller's whose batches turn out to differ,
+  when the resumed epoch starts: never at another sample.
 - Once a resumed epoch's sampler has made its first index list, torch's global RNG and the
   generators are as they were at ``state_dict()`` (or as they were then plus that epoch's own
   draws, when the state was taken before them), so what the caller draws next, and the next
@@ -39,10 +57,16 @@ Invariants:
   (Python's ``random``, numpy) or from torch's global RNG after their first index list.
 - An iterable dataset's workers resume where their delivered batches left them: batches a
   worker had made ahead, not yet delivered, are made again.
+- A version-1 state (counting batches only, with no record of the order) still loads, with a
+  warning: it resumes right only in a loader with the batches it was taken with, which
+  nothing can check.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,8 +77,10 @@ import torch.utils.data
 
 from .._errors import InvalidArgument
 
-#: The version of the state dict's layout.
-VERSION = 1
+#: The version of the state dict's layout. Version 2 added the samples yielded and the record
+#: of the order (``epoch["samples"]``, ``order``); version 1's states still load.
+VERSION = 2
+VERSIONS = (1, 2)
 
 #: Where a loader's generators live (the same generator is recorded once, at its first path).
 #: The last is a sampler under a batch sampler's batch sampler: accelerate's sharding one.
@@ -107,12 +133,44 @@ class Epoch:
 
     at_iter: States | None = None
     at_pull: States | None = None
+    #: Batches passed: yielded, or (map-style) raised for by torch, which does not yield
+    #: them again.
     yielded: int = 0
+    #: Samples in the batches passed (None: not counted, for an iterable dataset, whose
+    #: position is its own, or after an index list without a length).
+    samples: int | None = 0
+    #: Samples of each index list dispatched and not yet passed, in order.
+    dispatched: collections.deque[int] = field(default_factory=collections.deque)
+    #: Index lists of this torch iterator's epoch passed so far (skipped ones not counted).
+    taken: int = 0
     ended: bool = False
     #: An iterable dataset's workers: each one's dataset state after its latest delivered
     #: batch, and the worker whose batch comes next.
     worker_states: dict[int, Any] = field(default_factory=dict)
     next_worker: int = 0
+
+    def sent(self, indices: Any, batched: bool) -> None:
+        """An index list was dispatched (``batched``: a list of samples, else one sample)."""
+        if self.samples is None:
+            return
+        try:
+            self.dispatched.append(len(indices) if batched else 1)
+        except TypeError:  # a batch sampler's own kind of index list: its samples unknown
+            self.samples = None
+
+    def took(self, taken: int | None, raised: bool) -> None:
+        """torch's iterator yielded a batch, or raised (``raised``); it has passed ``taken``
+        index lists of this epoch in all (None: every one dispatched, as without workers,
+        where each is passed as it is drawn). A batch torch raised for is passed (a worker's
+        exception: torch goes on with the next one) or not (a timeout), as ``taken`` says."""
+        if self.samples is None:
+            self.yielded += 0 if raised else 1
+            return
+        until = self.taken + len(self.dispatched) if taken is None else taken
+        while self.taken < until and self.dispatched:
+            self.taken += 1
+            self.yielded += 1
+            self.samples += self.dispatched.popleft()
 
     def delivered(self, worker: int, state: Any, num_workers: int) -> None:
         """A worker's batch was yielded, ``state`` its dataset's state after it."""
@@ -124,11 +182,17 @@ class Epoch:
 class Plan:
     """How a resumed epoch's sampler starts: states to put back when torch calls ``iter()``
     on it and at its first index list (``"undo"``: those right after ``iter()``, undoing the
-    base seed drawn in between), index lists to drop, and the global RNG state to set after."""
+    base seed drawn in between), what to drop, and the global RNG state to set after.
+
+    What to drop: ``skip_samples`` samples of the order (batches cut from one sampler's
+    order), or ``skip`` index lists whole, which must hold ``expect_samples`` samples when
+    that is known (a batch sampler of the caller's)."""
 
     at_iter: States | None = None
     at_pull: States | str | None = None
     skip: int = 0
+    skip_samples: int | None = None
+    expect_samples: int | None = None
     after: torch.Tensor | None = None
 
 
@@ -140,6 +204,8 @@ class EpochSampler:
         self.base = base
         self.resume = resume
         self.loader = weakref.proxy(loader)  # a persistent iterator is the loader's
+        #: Each index list is a list of samples (else one sample: no batching).
+        self.batched = bool(loader._auto_collation)
 
     def __iter__(self) -> Iterator[Any]:
         # torch may call iter() twice as its iterator starts (its base __init__, then _reset,
@@ -166,19 +232,135 @@ class EpochSampler:
             if plan is not None and isinstance(plan.at_pull, tuple):
                 _restore(self.loader, plan.at_pull)
             epoch.at_pull = _capture(self.loader)
-            for _ in range(plan.skip if plan is not None else 0):
-                if next(it, _END) is _END:
-                    return
+            if plan is not None:
+                it = self._skip(it, plan)
             first = next(it, _END)
         finally:
             if plan is not None and plan.after is not None:
                 torch.set_rng_state(plan.after)
         while first is not _END:  # (not ``yield from it``: that calls iter() on it again,
-            yield first  # which restarts a sampler whose iter() returns itself)
+            epoch.sent(first, self.batched)  # which restarts a sampler whose iter() returns
+            yield first  # itself)
             first = next(it, _END)
+
+    def _skip(self, it: Iterator[Any], plan: Plan) -> Iterator[Any]:
+        """``it`` without what the resumed epoch yielded already (see :class:`Plan`)."""
+        if plan.skip_samples is not None:
+            if type(self.base) is torch.utils.data.BatchSampler:
+                # Its sampler's order from that sample on, cut into this loader's batches.
+                return _rebatched(self.base, plan.skip_samples)
+            skip = plan.skip_samples  # no batching: an index list is a sample
+        else:
+            skip = plan.skip
+        samples = 0
+        for _ in range(skip):
+            dropped = next(it, _END)
+            if dropped is _END:
+                break
+            if plan.expect_samples is not None:
+                samples += len(dropped)
+        if plan.expect_samples is not None and samples != plan.expect_samples:
+            raise InvalidArgument(
+                f"this loader cannot resume the state it was given: its batch sampler "
+                f"({_name(self.base)}) made {skip} batches of {samples} samples where the "
+                f"state's {skip} had {plan.expect_samples}, so the next unseen sample is not "
+                "at a batch's start; make the loader with the batches the state was taken with"
+            )
+        return it
 
     def __len__(self) -> int:
         return len(self.base)  # the epoch's length, as the uninterrupted run's
+
+
+def _rebatched(batches: torch.utils.data.BatchSampler, skip: int) -> Iterator[list[Any]]:
+    """The batches torch's ``BatchSampler`` makes of its sampler's order from sample ``skip``
+    on (``iter()`` on the sampler is called at the first batch, as ``BatchSampler`` does)."""
+    samples = iter(batches.sampler)
+    for _ in range(skip):
+        if next(samples, _END) is _END:
+            return
+    size = int(batches.batch_size)
+    while True:
+        batch = list(itertools.islice(samples, size))
+        if not batch or (len(batch) < size and batches.drop_last):
+            return
+        yield batch
+
+
+def _name(obj: Any) -> str:
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        n = len(obj)
+    except (TypeError, NotImplementedError, AttributeError):
+        return None
+    return n if type(n) is int else None
+
+
+#: A sampler's attributes that decide its order, recorded (when it has them, as ints or
+#: bools) and compared: torch's ``RandomSampler``, ``WeightedRandomSampler``,
+#: ``DistributedSampler``; a sampler of the caller's with such attributes too.
+ORDER_ATTRIBUTES = ("num_samples", "replacement", "shuffle", "seed", "num_replicas", "rank")
+
+#: What the torch samplers that ``shuffle=`` picks are, for error messages.
+_SHUFFLE = {
+    "torch.utils.data.sampler.RandomSampler": " (shuffle=True)",
+    "torch.utils.data.sampler.SequentialSampler": " (shuffle=False)",
+}
+
+
+def _describe(sampler: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"class": _name(sampler), "length": _length(sampler)}
+    for name in (*ORDER_ATTRIBUTES, "drop_last", "epoch"):
+        try:
+            value = getattr(sampler, name)
+        except Exception:  # (a property that cannot say)
+            continue
+        if type(value) in (int, bool):
+            out[name] = value
+    return out
+
+
+def order_of(loader: Any) -> dict[str, Any]:
+    """What decides the order of a map-style loader's samples, as plain data: the dataset's
+    length, and the sampler whose order the batches are cut from (``by="samples"``: torch's
+    ``BatchSampler`` or no batching) or the caller's batch sampler (``by="batches"``)."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        by, sampler = "samples", loader.sampler
+    elif type(batch_sampler) is torch.utils.data.BatchSampler:
+        by, sampler = "samples", batch_sampler.sampler
+    else:
+        by, sampler = "batches", batch_sampler
+    return {"dataset_length": _length(loader.dataset), "by": by, "sampler": _describe(sampler)}
+
+
+def _order_differs(taken: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """How the order a state was taken with differs from a loader's (None: it does not).
+    The samplers' epochs are left out: the caller sets it after loading (``set_epoch``)."""
+    if taken["dataset_length"] != now["dataset_length"]:
+        return (
+            f"the state was taken over a dataset of {taken['dataset_length']} samples, this "
+            f"loader's has {now['dataset_length']}"
+        )
+    what = {"samples": "sampler", "batches": "batch sampler"}
+    was, is_ = taken["sampler"], now["sampler"]
+    if taken["by"] != now["by"] or was["class"] != is_["class"]:
+        return (
+            f"the state's order came from the {what[taken['by']]} {was['class']}"
+            f"{_SHUFFLE.get(was['class'], '')}, this loader's from the {what[now['by']]} "
+            f"{is_['class']}{_SHUFFLE.get(is_['class'], '')}"
+        )
+    for key in sorted((set(was) | set(is_)) - {"class", "epoch"}):
+        if was.get(key) != is_.get(key):
+            return (
+                f"the state's {what[taken['by']]}'s {key} was {was.get(key)!r}, this loader's "
+                f"is {is_.get(key)!r}"
+            )
+    return None
 
 
 @dataclass
@@ -212,11 +394,21 @@ class Resume:
         """Workers send their dataset's state with each batch."""
         return self.iterable and self.num_workers > 0
 
-    def start(self, dataset: Any) -> None:
+    def start(self, loader: Any) -> None:
         """An iteration starts (before torch's iterator is made or reset): a new epoch, and
-        the plan from a loaded state for its sampler (:class:`EpochSampler`)."""
-        state, self.pending = self.pending, None
-        self.current, self.plan, self.worker_start = Epoch(), None, None
+        the plan from a loaded state for its sampler (:class:`EpochSampler`). Raises
+        ``InvalidArgument``, changing nothing, when the loaded state's sampler was at another
+        epoch (``set_epoch``) than the loader's is now."""
+        state = self.pending
+        # What a mid-epoch state says of its order (version 2, map-style: checked at load).
+        order = None
+        if state is not None and state["epoch"] is not None:
+            if state["version"] >= 2 and not self.iterable:
+                order = state["order"]
+                _check_sampler_epoch(order, loader)
+        self.pending = None
+        self.current = Epoch(samples=None if self.iterable else 0)
+        self.plan, self.worker_start = None, None
         if state is None:
             return
         now = (state["rng"], state["generators"])
@@ -230,15 +422,25 @@ class Resume:
             self.current.worker_states = dict(workers["states"])
             self.current.next_worker = workers["next"]
         elif self.iterable:
-            dataset.load_state_dict(state["dataset"])
+            loader.dataset.load_state_dict(state["dataset"])
         self.current.yielded = epoch["yielded"]
+        # (Version 1 did not count samples: a "samples" there is not one this code wrote.)
+        samples = epoch["samples"] if state["version"] >= 2 and not self.iterable else None
+        self.current.samples = samples
         at_iter = (epoch["at_iter"]["rng"], epoch["at_iter"]["generators"])
         if epoch["at_pull"] is None:  # taken before the sampler's first index list
             self.plan = Plan(at_iter=at_iter, at_pull=now)
             return
         at_pull = (epoch["at_pull"]["rng"], epoch["at_pull"]["generators"])
-        skip = 0 if self.iterable else epoch["yielded"]
-        self.plan = Plan(at_iter=at_iter, at_pull=at_pull, skip=skip, after=state["rng"])
+        self.plan = Plan(at_iter=at_iter, at_pull=at_pull, after=state["rng"])
+        if self.iterable:
+            return  # (the dataset resumes itself)
+        if order is not None and order["by"] == "batches":
+            self.plan.skip, self.plan.expect_samples = epoch["yielded"], samples
+        elif samples is not None:
+            self.plan.skip_samples = samples
+        else:  # samples not counted (a version-1 state): its batches, as they were
+            self.plan.skip = epoch["yielded"]
 
     def state_dict(self, loader: Any, dataset: Any, iterator_kept: bool) -> dict[str, Any]:
         """``iterator_kept``: the next epoch resets a persistent torch iterator (no base seed
@@ -248,20 +450,23 @@ class Resume:
         epoch = self.current
         mid = epoch is not None and not epoch.ended and epoch.at_iter is not None
         rng, generators = _capture(loader)
+        shared = _Shared()
         return {
             "version": VERSION,
             "iterable": self.iterable,
-            "rng": rng,
-            "generators": generators,
+            "rng": shared(rng),
+            "generators": {p: shared(g) for p, g in generators.items()},
             "iterator_kept": iterator_kept,
             "epoch": {
-                "at_iter": _plain(epoch.at_iter),
-                "at_pull": _plain(epoch.at_pull),
+                "at_iter": _plain(epoch.at_iter, shared),
+                "at_pull": _plain(epoch.at_pull, shared),
                 "yielded": epoch.yielded,
+                "samples": epoch.samples,
             }
             if epoch is not None and mid
             else None,
             "num_workers": self.num_workers,
+            "order": None if self.iterable else order_of(loader),
             "dataset": dataset.state_dict()
             if self.iterable and mid and not self.worker_states
             else None,
@@ -276,9 +481,10 @@ class Resume:
         ``InvalidArgument`` (a ValueError) naming the field here, and leaves the loader as it
         was, rather than failing at ``iter()`` or in a worker."""
         version = state.get("version") if isinstance(state, dict) else None
-        if type(version) is not int or version != VERSION:
+        if type(version) is not int or version not in VERSIONS:
             raise InvalidArgument(
-                f"not a pinpool DataLoader state of version {VERSION} (version {version!r:.80})"
+                f"not a pinpool DataLoader state of version {' or '.join(map(str, VERSIONS))} "
+                f"(version {version!r:.80})"
             )
         if _field(state, "iterable", bool) != self.iterable:
             kinds = ("a map-style", "an iterable")
@@ -294,6 +500,24 @@ class Resume:
                 "worker resumes its own copy of the dataset"
             )
         _check_state(state, self.iterable, self.num_workers, loader)
+        if state["epoch"] is not None and not self.iterable:
+            if version >= 2 and loader is not None:
+                why = _order_differs(state["order"], order_of(loader))
+                if why is not None:
+                    raise InvalidArgument(
+                        f"this loader cannot resume the state: {why}, so it would not resume "
+                        "at the next unseen sample; make the loader as the one the state was "
+                        "taken from (the batch size may differ)"
+                    )
+            elif version == 1:
+                warnings.warn(
+                    "a pinpool DataLoader state of version 1 counts batches, not samples, and "
+                    "does not record the order it was taken with: it resumes at the right "
+                    "sample only in a loader with the sampler and batches it was taken with, "
+                    "which cannot be checked",
+                    UserWarning,
+                    stacklevel=3,
+                )
         self.pending = state
 
 
@@ -337,10 +561,11 @@ def _check_states(where: str, states: Any, generators: dict[str, torch.Generator
         own = generators.get(path) if generators is not None else None
         _check_generator_state(name, value, own if own is not None else _CPU)
     if generators is not None and set(found) != set(generators):
-        raise _bad(
-            f"{where}['generators']",
-            f"has {sorted(found)}, this loader's are {sorted(generators)}: make the loader "
-            "with the same arguments as the one the state was taken from",
+        raise InvalidArgument(
+            f"this loader cannot resume the state: {where}['generators'] has {sorted(found)}, "
+            f"this loader's are {sorted(generators)} (a generator= given to one loader and "
+            "not to the other, or to another sampler): make the loader with the same "
+            "arguments as the one the state was taken from"
         )
 
 
@@ -358,6 +583,14 @@ def _check_state(state: dict[str, Any], iterable: bool, num_workers: int, loader
         _check_states("['epoch']['at_pull']", at_pull, generators)
     if _field(epoch, "yielded", int, "['epoch']") < 0:
         raise _bad("['epoch']['yielded']", f"must not be negative, not {epoch['yielded']}")
+    if state["version"] >= 2:
+        samples = _field(epoch, "samples", (int, type(None)), "['epoch']")
+        if samples is not None and (iterable or samples < 0):
+            why = "must be None for an iterable dataset" if iterable else "must not be negative"
+            raise _bad("['epoch']['samples']", f"{why}, not {samples}")
+        order = _field(state, "order", type(None) if iterable else dict)
+        if order is not None:
+            _check_order(order)
     if not iterable:
         return
     if num_workers == 0:
@@ -382,15 +615,64 @@ def _check_state(state: dict[str, Any], iterable: bool, num_workers: int, loader
         raise _bad("['workers']['next']", f"is not a worker of this loader's {num_workers}")
 
 
+def _check_order(order: dict[str, Any]) -> None:
+    """A state's record of its order (:func:`order_of`), as :func:`_order_differs` reads it."""
+    _field(order, "dataset_length", (int, type(None)), "['order']")
+    by = _field(order, "by", str, "['order']")
+    if by not in ("samples", "batches"):
+        raise _bad("['order']['by']", f"must be 'samples' or 'batches', not {by!r:.80}")
+    sampler = _field(order, "sampler", dict, "['order']")
+    _field(sampler, "class", str, "['order']['sampler']")
+    _field(sampler, "length", (int, type(None)), "['order']['sampler']")
+    for key, value in sampler.items():
+        if key not in ("class", "length", "drop_last", "epoch", *ORDER_ATTRIBUTES):
+            raise _bad(f"['order']['sampler'][{key!r:.80}]", "is not a sampler attribute")
+        if key not in ("class", "length") and type(value) not in (int, bool):
+            raise _bad(
+                f"['order']['sampler'][{key!r}]",
+                f"must be int or bool, not {type(value).__name__} {value!r:.80}",
+            )
+
+
+def _check_sampler_epoch(order: dict[str, Any], loader: Any) -> None:
+    """A mid-epoch state's sampler epoch (a ``DistributedSampler``'s, set by ``set_epoch``)
+    must be the loader's sampler's as the resumed epoch starts: its order depends on it."""
+    taken = order["sampler"].get("epoch")
+    now = order_of(loader)["sampler"].get("epoch")
+    if taken != now:
+        raise InvalidArgument(
+            f"this loader cannot resume the state: it was taken in epoch {taken} of its "
+            f"sampler ({order['sampler']['class']}), and this loader's sampler is at epoch "
+            f"{now}; call its set_epoch({taken}) before iterating, as the run the state "
+            "was taken from did"
+        )
+
+
 #: A generator of the kind torch's global RNG is (states are checked on a fresh one).
 _CPU = torch.Generator()
 
 
-def _plain(states: States | None) -> dict[str, Any] | None:
+class _Shared:
+    """Hands out one tensor for equal random states: a state names each distinct one once
+    (``torch.save`` stores a tensor that several places name once)."""
+
+    def __init__(self) -> None:
+        self._seen: list[torch.Tensor] = []
+
+    def __call__(self, state: torch.Tensor) -> torch.Tensor:
+        for seen in self._seen:
+            if seen.dtype == state.dtype and seen.shape == state.shape and torch.equal(seen, state):
+                return seen
+        own = state.clone()
+        self._seen.append(own)
+        return own
+
+
+def _plain(states: States | None, shared: _Shared) -> dict[str, Any] | None:
     if states is None:
         return None
     rng, generators = states
-    return {"rng": rng.clone(), "generators": {p: g.clone() for p, g in generators.items()}}
+    return {"rng": shared(rng), "generators": {p: shared(g) for p, g in generators.items()}}
 
 
 class NotResumable(NotImplementedError, AttributeError):
@@ -406,12 +688,17 @@ def check(why_not: str | None) -> None:
         raise NotResumable(f"pinpool.DataLoader cannot checkpoint and resume {why_not}")
 
 
-def unsupported(dataset: Any, iterable: bool) -> str | None:
+def unsupported(dataset: Any, iterable: bool, num_workers: int, in_order: bool) -> str | None:
     """Why a loader with these settings cannot checkpoint and resume (None: it can)."""
     if iterable and not (hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")):
         return (
             "an IterableDataset without state_dict() and load_state_dict() (it would restart "
             f"from its beginning): {type(dataset).__name__}"
+        )
+    if not iterable and num_workers > 0 and not in_order:
+        return (
+            "with in_order=False and workers: batches are yielded as they arrive, so the "
+            "batches yielded are not the first ones drawn, and no count says which were"
         )
     return None
 

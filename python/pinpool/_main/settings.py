@@ -1,5 +1,12 @@
 """A loader's settings: checked when the loader is made (not at the first batch, where an
-error would come out of the middle of an epoch), and their defaults."""
+error would come out of the middle of an epoch), and their defaults.
+
+Invariants: a setting out of range raises ``InvalidArgument`` here; a setting given that
+cannot apply to the loader it was given to never does nothing silently: one that contradicts
+another (sizes given with a pool of the caller's) raises, one that only has nothing to act on
+in this loader (``zero_copy=True`` without workers) is named by :func:`ignored`, whose
+reasons the loader warns about once.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +55,10 @@ def cuda_device(device: Any) -> torch.device | None:
     if dev.type != "cuda":
         raise InvalidArgument(f"device must be None, 'cpu' or a CUDA device, not {device!r}")
     if not torch.cuda.is_available():
-        raise InvalidArgument(f"device={device!r} was asked for, but torch sees no CUDA device")
+        raise InvalidArgument(
+            f"device={device!r} was asked for, but torch sees no CUDA device: device=None "
+            "(the default) gives pinned CPU batches, in host memory where there is no GPU"
+        )
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
@@ -120,6 +130,21 @@ def check_pool_settings(
 
     check_int("copy_threads", copy_threads, 1, MAX_COPY_THREADS, none_ok=True)
     check_timeout("slot_timeout", slot_timeout)
+    if pool is not None:
+        # The pool was made with its own sizes and copy threads: these would change nothing.
+        given = {
+            "arena_bytes": arena_bytes,
+            "max_batch_bytes": max_batch_bytes,
+            "slot_bytes": slot_bytes,
+            "num_slots": num_slots,
+            "copy_threads": copy_threads,
+        }
+        named = [f"{name}=" for name, value in given.items() if value is not None]
+        if named:
+            raise InvalidArgument(
+                f"{', '.join(named)} cannot apply with pool=: a pool of your own keeps the "
+                "sizes and copy threads it was made with; pass them to PinPool(...) instead"
+            )
     out_device = cuda_device(device)
     if pool is not None:
         pool_device = pool.device
@@ -130,3 +155,71 @@ def check_pool_settings(
     else:
         pool_device = None
     return out_device, pool_device
+
+
+def ignored(
+    *,
+    dataset: Any,
+    num_workers: int,
+    auto_collation: bool,
+    collate_fn: Any,
+    pool: Any,
+    zero_copy: bool,
+    stream_samples: bool | None,
+    worker_copy_threads: int | None,
+    pin_memory: bool,
+    pin_memory_device: str,
+) -> list[str]:
+    """What the settings given to ``pinpool.DataLoader`` would not do in this loader, each
+    with why (empty: every setting given applies). Defaults are never named: only a value the
+    caller chose (``stream_samples=True``, not the default None, which means "where it
+    applies")."""
+    out = []
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    if zero_copy:
+        why = None
+        if num_workers == 0:
+            why = "num_workers=0 (the batches are made in this process)"
+        elif iterable:
+            why = "an IterableDataset (its batches' indices are not drawn here)"
+        elif not auto_collation:
+            why = "batch_size=None (no batches to hand places out with)"
+        elif pool is not None and pool.backend == "cuda-hostalloc":
+            why = "a pool with backend='cuda-hostalloc' (workers cannot map it)"
+        if why is not None:
+            out.append(
+                f"zero_copy=True does nothing with {why}: every batch is copied into the "
+                "arena as with zero_copy=False; zero-copy needs a map-style dataset with "
+                "batching, num_workers > 0 and a memfd arena"
+            )
+    if stream_samples:
+        why = None
+        if num_workers == 0:
+            why = "num_workers=0"
+        elif iterable:
+            why = "an IterableDataset"
+        elif collate_fn is not None:
+            why = "a collate_fn of your own (streaming collates as torch's default_collate)"
+        elif not auto_collation:
+            why = "batch_size=None"
+        if why is not None:
+            out.append(
+                f"stream_samples=True does nothing with {why}: samples are made first and "
+                "collated after"
+            )
+    if worker_copy_threads is not None and num_workers == 0:
+        out.append(
+            f"worker_copy_threads={worker_copy_threads} does nothing with num_workers=0: "
+            "there are no workers (copy_threads= sets this process's copy threads)"
+        )
+    if not pin_memory and torch.accelerator.is_available():
+        out.append(
+            "pin_memory=False is not followed: pinpool.DataLoader's batches are always in its "
+            "pinned arena (torch's DataLoader gives unpinned batches)"
+        )
+    if pin_memory_device:
+        out.append(
+            f"pin_memory_device={pin_memory_device!r} does nothing (torch deprecated it): "
+            "batches are pinned for the pool's device, device= or torch's current device"
+        )
+    return out
