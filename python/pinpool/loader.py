@@ -418,6 +418,9 @@ class _PinnedIter:
             self._epoch.ended = True
             self._end()
             raise
+        except BaseException as exc:
+            _unkeep(exc)
+            raise
         if isinstance(item, WorkerProgress):
             self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
             item = item.batch
@@ -551,6 +554,23 @@ class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
         self.__dict__["_pin_cycle"] = cycle
 
 
+def _unkeep(exc: BaseException) -> None:
+    """torch raises a worker's exception again from ``ExceptionWrapper.reraise``, whose frame
+    keeps it in a local: a cycle (the exception, its traceback, that frame) that keeps every
+    frame of the traceback, torch's iterator's among them, and so its workers, until the
+    garbage collector runs (never, where it is disabled), after the consumer has dropped the
+    exception and the iterator. That frame's locals (the wrapper, the message, the exception
+    itself) are cleared here."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _RERAISE:
+            tb.tb_frame.clear()
+        tb = tb.tb_next
+
+
+_RERAISE = getattr(getattr(torch._utils, "ExceptionWrapper", None), "reraise", _unkeep).__code__
+
+
 def _profiler_enabled() -> bool:
     """Whether a torch profiler (or NVTX/ITT range emitter) is recording."""
     enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
@@ -579,7 +599,7 @@ def _reap_workers(it: Any) -> None:
         torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))
         it._worker_pids_set = False
     workers = list(getattr(it, "_workers", ()))
-    pending = [w for w in workers if w.pid is not None and w.exitcode is None]
+    pending = [w for w in workers if w.pid is not None and not _reaped(w)]
     if not pending:
         return
     interval = torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL
@@ -603,9 +623,16 @@ def _reap_workers(it: Any) -> None:
     # Each has exited, or is exiting: wait until the kernel has made it a zombie, and reap it.
     deadline = time.monotonic() + interval
     for w in pending:
-        while w.exitcode is None and time.monotonic() < deadline:
+        while not _reaped(w) and time.monotonic() < deadline:
             time.sleep(0.001)
         w.join(0)  # (forgets it: multiprocessing's list of children)
+
+
+def _reaped(w: Any) -> bool:
+    """Whether worker process ``w`` has exited and been reaped. By anyone: a signal handler's
+    exception can cut multiprocessing's own reaping short after the wait that reaped the
+    worker, before it kept the status (then it takes the worker for alive ever after)."""
+    return w.exitcode is not None or not os.path.exists(f"/proc/{w.pid}")
 
 
 def _close_index_queues(it: Any) -> None:
