@@ -37,6 +37,32 @@ def shm_entry_count() -> int:
         return 0
 
 
+def child_pids() -> set[int]:
+    """This process's children (zombies included: they are children until reaped)."""
+    pids: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return pids
+
+
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter (``Z``: a zombie), or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def zombies(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that are zombies."""
+    return {pid for pid in pids if process_state(pid) == "Z"}
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     """``code`` in a fresh interpreter (no CUDA context current yet), with ``env`` added."""
     return subprocess.run(

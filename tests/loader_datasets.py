@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import struct
+import sys
 import time
 import weakref
 from collections import namedtuple
@@ -64,6 +65,11 @@ def keep_samples(samples: Any) -> Any:
     """A custom collate_fn that keeps the samples as they are (numpy arrays, strided views,
     None ...) inside a small dict."""
     return {"samples": samples, "meta": Pair(b"meta", None)}
+
+
+def indices_only(samples: list[dict[str, Any]]) -> list[int]:
+    """A ``collate_fn`` whose batch is only its samples' indices (no tensor to pin)."""
+    return [int(s["idx"]) for s in samples]
 
 
 def sum_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -179,13 +185,32 @@ def tag_worker(worker_id: int) -> None:
     info.dataset.tag = f"worker {worker_id}"
 
 
+def worker_result_queue() -> Any:
+    """In a DataLoader worker: torch's result queue (from its worker loop's frame)."""
+    frame = sys._getframe()
+    while frame is not None and frame.f_code.co_name != "_worker_loop":
+        frame = frame.f_back
+    return frame.f_locals.get("data_queue") if frame is not None else None
+
+
+def flush_results() -> None:
+    """In a DataLoader worker: returns once every batch the worker has put on torch's result
+    queue is written to the queue's pipe (the queue is closed, its feeder thread joined).
+
+    A worker killed while that thread writes leaves the queue's write lock held for good, by
+    a process that no longer exists; torch's own shutdown, which puts a message on that
+    queue in the main process (with a pin-memory thread), then leaves its feeder thread (and
+    the queue's pipe) waiting on the lock forever, whatever loader it is. Tests that kill a
+    worker call this first, so that what they count does not depend on that timing."""
+    queue = worker_result_queue()
+    if queue is not None:
+        queue.close()
+        queue.join_thread()
+
+
 class Killing(Indexed):
     """Kills its own worker process with SIGKILL at index ``bad`` (never in the main
-    process), 0.3 s after the worker reaches it: by then the worker's result-queue feeder
-    thread has sent the worker's previous batch. Killed while that thread holds the queue's
-    write lock, the worker would leave the lock held for good, and torch's own shutdown,
-    which puts a message on that queue in the main process, would leave its feeder thread
-    (and the queue's pipe) waiting on it forever."""
+    process), once the batches it sent before are out of its queue (:func:`flush_results`)."""
 
     def __init__(self, n: int, bad: int) -> None:
         super().__init__(n)
@@ -193,7 +218,53 @@ class Killing(Indexed):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if i == self.bad and get_worker_info() is not None:
-            time.sleep(0.3)
+            flush_results()
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+        return super().__getitem__(i)
+
+
+class Dying(Indexed):
+    """Its worker dies at index ``bad`` (never in the main process), ``how``: ``"kill"``
+    (SIGKILL), ``"exit"`` (``os._exit(3)``, torch's "exited unexpectedly") or ``"raise"``
+    (a ``ValueError``, which torch hands to the consumer; the worker lives on). Before a kill
+    or an exit, the batches the worker sent are out of its queue (:func:`flush_results`),
+    and ``stamp``, if given, is a file the worker writes ``time.monotonic()`` to: when it
+    died."""
+
+    def __init__(self, n: int, bad: int, how: str, stamp: str | None = None) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.how = how
+        self.stamp = stamp
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == self.bad and get_worker_info() is not None:
+            if self.how == "raise":
+                raise ValueError(f"sample {i} is broken on purpose")
+            flush_results()
+            if self.stamp is not None:
+                with open(self.stamp, "w") as f:
+                    f.write(repr(time.monotonic()))
+            if self.how == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+        return super().__getitem__(i)
+
+
+class DiesHoldingTheResultLock(Indexed):
+    """Its worker dies at index ``bad`` as a worker killed while its result queue's feeder
+    thread writes would: holding that queue's write lock (see :func:`flush_results`)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == self.bad and get_worker_info() is not None:
+            flush_results()
+            worker_result_queue()._wlock.acquire()
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)
         return super().__getitem__(i)
@@ -201,8 +272,7 @@ class Killing(Indexed):
 
 class Exiting(Sized):
     """:class:`Sized`, except that its worker process exits quietly (status 0) at index
-    ``bad``, a moment after being asked for it (so that the batches it already sent have left
-    its queue's buffer)."""
+    ``bad``, once the batches it sent before are out of its queue (:func:`flush_results`)."""
 
     def __init__(self, sizes: list[int], bad: int) -> None:
         super().__init__(sizes)
@@ -210,7 +280,7 @@ class Exiting(Sized):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if i == self.bad and get_worker_info() is not None:
-            time.sleep(0.2)
+            flush_results()
             os._exit(0)
         return super().__getitem__(i)
 

@@ -22,12 +22,22 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
-from conftest import open_fd_count, probe, shm_entry_count
-from loader_datasets import Exiting, Failing, Indexed, Killing, Sized, Sleepy
+from conftest import child_pids, open_fd_count, probe, shm_entry_count, zombies
+from loader_datasets import (
+    DiesHoldingTheResultLock,
+    Exiting,
+    Failing,
+    Indexed,
+    Killing,
+    Sized,
+    Sleepy,
+    indices_only,
+)
 
 import pinpool
 
@@ -43,28 +53,46 @@ CONTEXTS = [
 # --------------------------------------------------------------------------- bookkeeping
 
 
-def child_pids() -> set[int]:
-    """This process's children (zombies included: they are children until reaped)."""
-    pids: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except FileNotFoundError:  # the thread ended meanwhile
-            pass
-    return pids
+@dataclass(frozen=True)
+class StuckFeeder:
+    """A queue's feeder thread waiting for a write lock that nothing in this process holds
+    (see :func:`stuck_feeders`), with what it keeps open: ``fds``, ``shm`` entries."""
+
+    ident: int
+    fds: int
+    shm: int
 
 
-def zombies(pids: set[int]) -> set[int]:
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+def stuck_feeders() -> dict[int, StuckFeeder]:
+    """torch's own hazard, by thread id. A DataLoader worker that exits or dies while its
+    result queue's feeder thread is writing a batch (told to exit, torch's worker no longer
+    waits for that thread) leaves the queue's write lock, shared by every process of the
+    loader, held by a process that no longer exists. When a pin-memory thread runs, torch's
+    shutdown puts one more message on that queue in the main process: that put's feeder
+    thread then waits for the lock forever, keeping the queue's pipe ends open (and, with
+    spawn or a forkserver, its semaphores' /dev/shm entries). torch's own loader leaves the
+    same when a worker's last write and its exit meet; the fault tests count it as torch's."""
+    out = {}
+    frames = sys._current_frames()
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident) if thread.name == "QueueFeederThread" else None
+        # Waiting for the lock: the innermost Python frame is the feeder's own (writing, or
+        # waiting for work, it is deeper).
+        if frame is None or frame.f_code.co_name != "_feed" or thread.ident is None:
             continue
-        if state == "Z":
-            out.add(pid)
+        args = frame.f_locals
+        lock = args.get("writelock")
+        if lock is None:
+            continue
+        if lock.acquire(False):  # (free: it is not stuck)
+            lock.release()
+            continue
+        ends = [getattr(args.get(n), "__self__", None) for n in ("reader_close", "writer_close")]
+        fds = sum(1 for end in ends if end is not None and not end.closed)
+        sems = (lock, args.get("queue_sem"))
+        names = [getattr(getattr(sem, "_semlock", None), "name", None) for sem in sems]
+        shm = sum(1 for n in names if n and os.path.exists("/dev/shm/sem." + n.lstrip("/")))
+        out[thread.ident] = StuckFeeder(thread.ident, fds, shm)
     return out
 
 
@@ -74,6 +102,7 @@ class Resources:
     shm: int
     children: frozenset[int]
     fd_targets: tuple[str, ...] = ()  # what each open fd is (for the message only)
+    stuck: tuple[StuckFeeder, ...] = ()  # torch's (see stuck_feeders)
 
     @staticmethod
     def now() -> Resources:
@@ -82,10 +111,16 @@ class Resources:
         for fd in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):
                 targets.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return Resources(count, shm_entry_count(), frozenset(child_pids()), tuple(targets))
+        stuck = tuple(stuck_feeders().values())
+        return Resources(count, shm_entry_count(), frozenset(child_pids()), tuple(targets), stuck)
 
     def leaks_since(self, before: Resources, kept_fds: int = 0) -> list[str]:
         out = []
+        # What torch's own hazard left since (a feeder stuck before was counted then).
+        old = {f.ident for f in before.stuck}
+        new_stuck = [f for f in self.stuck if f.ident not in old]
+        kept_fds += sum(f.fds for f in new_stuck)
+        kept_shm = sum(f.shm for f in new_stuck)
         if self.fds > before.fds + kept_fds:
             new = list(self.fd_targets)
             for target in before.fd_targets:
@@ -96,8 +131,8 @@ class Resources:
                 f"{self.fds - before.fds} more open fds (torch keeps {kept_fds}): {new}; "
                 f"threads: {threads}"
             )
-        if self.shm > before.shm:
-            out.append(f"{self.shm - before.shm} more /dev/shm entries")
+        if self.shm > before.shm + kept_shm:
+            out.append(f"{self.shm - before.shm} more /dev/shm entries (torch keeps {kept_shm})")
         extra = self.children - before.children
         if extra:
             out.append(f"children left: {sorted(extra)} (zombies: {sorted(zombies(extra))})")
@@ -307,6 +342,50 @@ def test_worker_killed_with_sigkill(pool: pinpool.PinPool) -> None:
     with deadline(60):
         del it, pin, err, info
         assert_no_leaks(before, pool)
+
+
+def test_a_worker_dead_holding_the_result_queues_lock_leaves_what_torch_leaves(
+    pool: pinpool.PinPool,
+) -> None:
+    """torch's own hazard (see :func:`stuck_feeders`), made certain: a worker dies holding
+    its result queue's write lock. torch's loader and pinpool's leave the same behind (with a
+    pin-memory thread: a feeder thread stuck on the lock, with its queue's pipe ends), and
+    pinpool nothing more: in zero-copy mode, a worker holds no lock of pinpool's, and the
+    slots it held come back with the iterator."""
+
+    def run(make: Callable[..., Any]) -> tuple[Resources, Resources]:
+        # (prefetch_factor=1: when the worker dies, the others have sent what they made)
+        kw = {"batch_size": 2, "num_workers": 2, "timeout": 20, "prefetch_factor": 1}
+        for batch in make(Indexed(6), **kw):
+            del batch
+        gc.collect()
+        before = Resources.now()
+        it = iter(make(DiesHoldingTheResultLock(400, bad=11), **kw))
+        with deadline(60), pytest.raises(RuntimeError, match="DataLoader worker") as info:
+            for batch in it:
+                del batch
+        forget(info)
+        with deadline(60):
+            del it, info
+            gc.collect()
+            wait_until(lambda: not (Resources.now().children - before.children))
+        return before, Resources.now()
+
+    # torch's, with a pin-memory thread where pinpool's has one (its batch holds nothing to
+    # pin: on a machine without an accelerator, torch's thread could not pin a tensor).
+    torch_before, torch_after = run(
+        partial(
+            torch.utils.data.DataLoader,
+            pin_memory=torch.accelerator.is_available(),
+            collate_fn=indices_only,
+        )
+    )
+    before, after = run(lambda ds, **kw: loader(ds, pool, **kw))
+    torch_left = len(torch_after.stuck) - len(torch_before.stuck)
+    assert len(after.stuck) - len(before.stuck) == torch_left
+    assert after.fds - before.fds <= torch_after.fds - torch_before.fds
+    assert not after.leaks_since(before)
+    assert_pool_clean(pool)
 
 
 # Exercises the first use of a worker segment, which zero-copy batches do not need.

@@ -25,8 +25,10 @@ and a resumed epoch's sampler skips the samples already yielded.
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import queue
+import time
 import uuid
 import warnings
 import weakref
@@ -37,10 +39,11 @@ import torch
 import torch.utils.data
 from torch.utils.data import default_collate, default_convert
 
-from . import _torch_versions
+from . import _signals, _torch_versions
+from ._errors import PinPoolError
 from ._main import settings
 from ._main.delivery import finish
-from ._main.index_queue import DirectQueue, write_directly
+from ._main.index_queue import write_directly
 from ._main.receiver import Receiver
 from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, unsupported
 from ._main.sizing import Sizing
@@ -284,7 +287,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         registry.register(token, receiver)
         if sizing.known or pool is not None:
             receiver.ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
-        weakref.finalize(self, _close, receiver)
+        weakref.finalize(self, _signals.finalizing, _close, receiver)
 
     def __iter__(self) -> _PinnedIter:  # type: ignore[override]
         resume = self._pin_resume
@@ -292,8 +295,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if resume.worker_start is not None and self._iterator is not None:
             # A resumed iterable dataset's workers load their states as they start: a
             # persistent iterator's workers have started.
-            _shut_down(self._iterator)
-            self._iterator = None
+            try:
+                _shut_down(self._iterator)
+            finally:
+                self._iterator = None
         self._pin_receiver.make_pool_ahead()
         # torch reads _index_sampler as its iterator starts (a persistent one keeps it).
         self.__dict__["_pin_wrap"] = True
@@ -440,9 +445,10 @@ class _PinnedIter:
             self._epoch.ended = True
             self._end()
             raise
-        except BaseException:
+        except BaseException as exc:
             # (torch may have passed a batch as it raised, a worker's exception: it is gone)
             self._epoch.took(_taken(self._inner), raised=True)
+            _unkeep(exc)
             raise
         try:
             if isinstance(item, WorkerProgress):
@@ -459,19 +465,24 @@ class _PinnedIter:
             return
         self._ended = True
         if not self._loader.persistent_workers:
-            _shut_down(self._inner)
-            # Only what this iterator's (now exited) workers had: another iterator of the
-            # same loader may still be running.
-            sampler = getattr(self._inner, "_index_sampler", None)
-            if isinstance(sampler, TicketSampler):
-                receiver.tickets.drop(sampler.owner)
-            receiver.retire_segments(dead_only=True)
+            try:
+                _shut_down(self._inner)
+            finally:
+                # Only what this iterator's (now exited) workers had: another iterator of the
+                # same loader may still be running.
+                sampler = getattr(self._inner, "_index_sampler", None)
+                if isinstance(sampler, TicketSampler):
+                    receiver.tickets.drop(sampler.owner)
+                receiver.retire_segments(dead_only=True)
 
     def __del__(self) -> None:
         try:
             self._end()
-        except Exception:
-            pass
+        except PinPoolError:
+            pass  # (what it would have cleaned up is gone: a closed pool, say)
+        except BaseException as exc:
+            if not _signals.hand_back(exc):
+                raise
 
 
 class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
@@ -494,6 +505,7 @@ class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
     def __init__(self, loader: DataLoader, first: int) -> None:
         self._pin_first = first
         self._pin_receiver = loader._pin_receiver
+        self._pin_pid = os.getpid()
         super().__init__(loader)
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
@@ -527,6 +539,41 @@ class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
                 self._pin_receiver.receive_now(item)
         return success, data
 
+    def _shutdown_workers(self) -> None:
+        # torch's shutdown can leave workers behind. A signal handler's exception stops it
+        # wherever it lands (a SIGCHLD comes as each worker exits, and torch's own handler
+        # raises if one has failed), in its joins or in the clean-up after them: workers are
+        # left running, or exited with nobody to reap them. And one that completes leaves a
+        # worker that outlives SIGTERM and its last wait. What it left is done here, whatever
+        # was raised; then the first exception is raised again.
+        # (Nothing in a process forked from this one, where a copy of the iterator may be
+        # collected: its workers and their done event are this process's.)
+        if getattr(self, "_pin_pid", None) != os.getpid():
+            return
+        errors: list[BaseException] = []
+        try:
+            super()._shutdown_workers()
+        except BaseException as exc:
+            errors.append(exc)
+        for _ in range(_CLEANUP_TRIES):
+            try:
+                _reap_workers(self)
+                _close_index_queues(self)
+                break
+            except BaseException as exc:
+                errors.append(exc)
+                if _signals.signal_of(exc) is None:
+                    break  # (not an interruption, after which each step can be done again)
+        if errors:
+            raise errors[0]
+
+    def __del__(self) -> None:
+        try:
+            self._shutdown_workers()
+        except BaseException as exc:
+            if not _signals.hand_back(exc):
+                raise
+
     @property  # type: ignore[override]
     def _worker_queue_idx_cycle(self) -> Iterator[int]:
         return self.__dict__["_pin_cycle"]  # type: ignore[no-any-return]
@@ -545,10 +592,95 @@ def _taken(inner: Any) -> int | None:
     return taken if type(taken) is int else None
 
 
+def _unkeep(exc: BaseException) -> None:
+    """torch raises a worker's exception again from ``ExceptionWrapper.reraise``, whose frame
+    keeps it in a local: a cycle (the exception, its traceback, that frame) that keeps every
+    frame of the traceback, torch's iterator's among them, and so its workers, until the
+    garbage collector runs (never, where it is disabled), after the consumer has dropped the
+    exception and the iterator. That frame's locals (the wrapper, the message, the exception
+    itself) are cleared here."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _RERAISE:
+            tb.tb_frame.clear()
+        tb = tb.tb_next
+
+
+_RERAISE = getattr(getattr(torch._utils, "ExceptionWrapper", None), "reraise", _unkeep).__code__
+
+
 def _profiler_enabled() -> bool:
     """Whether a torch profiler (or NVTX/ITT range emitter) is recording."""
     enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
     return True if enabled is None else bool(enabled())
+
+
+#: How many times the end of a worker shutdown is begun again when a signal handler's
+#: exception interrupts it (see ``_WorkersIter._shutdown_workers``).
+_CLEANUP_TRIES = 16
+
+
+def _shutting_down_python() -> bool:
+    """Whether the interpreter is exiting (torch's worker shutdown then does nothing)."""
+    status = getattr(torch.utils.data._utils, "python_exit_status", None)
+    return status is True or status is None
+
+
+def _reap_workers(it: Any) -> None:
+    """Makes sure every worker of torch's iterator ``it`` has exited, and reaps it: a worker
+    torch did not get to tell is told now; one still running after torch's status-check
+    interval is killed."""
+    if _shutting_down_python():
+        return
+    if getattr(it, "_worker_pids_set", False):
+        # From here on torch's SIGCHLD handler no longer raises for these workers.
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
+    workers = list(getattr(it, "_workers", ()))
+    pending = [w for w in workers if w.pid is not None and not _reaped(w)]
+    if not pending:
+        return
+    interval = torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL
+    done = getattr(it, "_workers_done_event", None)
+    if done is not None and not done.is_set():
+        done.set()
+    queues = list(getattr(it, "_index_queues", ()))
+    for w, q in zip(workers, queues, strict=False):
+        if w in pending and not getattr(q, "_closed", True):
+            try:
+                q.put(None)  # (a second one, if torch sent it already, is never read)
+            except (PinPoolError, OSError, ValueError):
+                pass  # (closed: the wait below ends in a kill)
+    deadline = time.monotonic() + interval
+    running = {w.sentinel: w for w in pending}
+    while running and (left := deadline - time.monotonic()) > 0:
+        for ready in multiprocessing.connection.wait(list(running), left):
+            del running[ready]  # type: ignore[arg-type]
+    for w in running.values():
+        w.kill()
+    # Each has exited, or is exiting: wait until the kernel has made it a zombie, and reap it.
+    deadline = time.monotonic() + interval
+    for w in pending:
+        while not _reaped(w) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        w.join(0)  # (forgets it: multiprocessing's list of children)
+
+
+def _reaped(w: Any) -> bool:
+    """Whether worker process ``w`` has exited and been reaped. By anyone: a signal handler's
+    exception can cut multiprocessing's own reaping short after the wait that reaped the
+    worker, before it kept the status (then it takes the worker for alive ever after)."""
+    return w.exitcode is not None or not os.path.exists(f"/proc/{w.pid}")
+
+
+def _close_index_queues(it: Any) -> None:
+    """torch closes the index queues last: should its shutdown stop before, their writer
+    threads and descriptors still end now, not whenever the iterator is collected."""
+    if _shutting_down_python():
+        return
+    for q in getattr(it, "_index_queues", ()):
+        q.cancel_join_thread()
+        q.close()
 
 
 def _shut_down(inner: Any) -> None:
@@ -560,11 +692,11 @@ def _shut_down(inner: Any) -> None:
     try:
         shutdown()
     finally:
-        # torch closes the index queues last: should its shutdown stop before, their writer
-        # threads and descriptors still end now, not whenever the iterator is collected.
-        for q in getattr(inner, "_index_queues", ()):
-            if isinstance(q, DirectQueue):
-                q.close()
+        _drop_held(inner)
+
+
+def _drop_held(inner: Any) -> None:
+    """Drops the batches a shut-down torch iterator still holds."""
     data = getattr(inner, "_data_queue", None)
     if isinstance(data, queue.Queue):  # the pin thread's output (in-process, not a pipe)
         while True:
@@ -582,7 +714,9 @@ def _close(receiver: Receiver) -> None:
     then), then its receiver closes."""
     if receiver.pid != os.getpid():
         return
-    inner = receiver.iterator() if receiver.iterator is not None else None
-    if inner is not None:
-        _shut_down(inner)
-    receiver.close()
+    try:
+        inner = receiver.iterator() if receiver.iterator is not None else None
+        if inner is not None:
+            _shut_down(inner)
+    finally:
+        receiver.close()

@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, Literal, TypeVar
 
+from .. import _signals
 from .._errors import InvalidArgument
 from .._native import PinPool
 from . import settings
@@ -174,7 +175,7 @@ class Pinned(Generic[_T]):
         self._receiver = receiver
         if slot_bytes is not None or pool is not None:
             receiver.ensure(0)  # sizes known: make the pool now
-        self._finalizer = weakref.finalize(self, receiver.close)
+        self._finalizer = weakref.finalize(self, _signals.finalizing, receiver.close)
 
     def __iter__(self) -> Iterator[_T]:
         return _PinnedIter(self._receiver, iter(self._inner))

@@ -374,12 +374,14 @@ class Receiver:
 
     def receive_now(self, handle: BatchHandle) -> None:
         """Takes hold of a copy-mode handle's segment as the handle arrives, ahead of taking
-        its batch (its worker may exit or die before the consumer reaches it). An error is
-        left for :meth:`take` to raise, in turn."""
+        its batch (its worker may exit or die before the consumer reaches it). pinpool's own
+        error is left for :meth:`take` to raise, in turn (the handle stays as it came); any
+        other exception (one a signal handler raised here: see ``pinpool._signals``) goes on
+        at once."""
         if handle._state == ARRIVED and handle.slot is None and handle.segment is not None:
             try:
                 self._receive(handle)
-            except Exception:
+            except PinPoolError:
                 pass
 
     def drop(self, handle: BatchHandle, handed_back: bool = False) -> None:
@@ -395,7 +397,7 @@ class Receiver:
         if state == ARRIVED:
             try:
                 self._receive(handle)  # a segment first seen here must still go back
-            except Exception:
+            except PinPoolError:
                 return  # a corrupt handle, or a worker gone: nothing of it is held here
             handle._state = 0
         cache = self.cache

@@ -75,6 +75,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
+from .. import _signals
 from .._errors import InvalidArgument
 
 #: The version of the state dict's layout. Version 2 added the samples yielded and the record
@@ -546,6 +547,8 @@ def _check_generator_state(name: str, value: Any, like: torch.Generator) -> None
     try:
         torch.Generator(device=like.device).set_state(value)
     except (RuntimeError, TypeError, ValueError) as exc:
+        if _signals.signal_of(exc) is not None:
+            raise  # (torch's SIGCHLD handler raises a RuntimeError too)
         raise _bad(name, f"is not a state of a {like.device} generator: {exc}") from None
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .. import _signals
 from . import codec, registry
 
 
@@ -189,7 +190,11 @@ class BatchHandle:
         if getattr(self, "_state", 0) and registry is not None:
             receiver = registry.lookup_or_none(self.token)
             if receiver is not None:
-                receiver.drop(self)
+                try:
+                    receiver.drop(self)
+                except BaseException as exc:
+                    if not _signals.hand_back(exc):
+                        raise
 
 
 class WorkerProgress:

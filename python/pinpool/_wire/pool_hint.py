@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import PinPoolError
+
 _log = logging.getLogger("pinpool")
 _FORMAT = "<qq"  # batch bytes, samples
 #: How often the waiting thread looks whether it is still needed, in seconds.
@@ -114,8 +116,9 @@ class PoolHint:
                 if nbytes > 0 and count > 0 and not self._closed:
                     make(nbytes, count)
                 return
-        except Exception as exc:  # a hint is only a hint: the first batch sizes the pool
-            # (the message only: a record holding the exception would keep its frames alive)
+        except (PinPoolError, OSError, EOFError, MemoryError, struct.error) as exc:
+            # (a hint is only a hint: the first batch sizes the pool. The message only: a
+            # record holding the exception would keep its frames alive.)
             _log.warning("pinpool: could not make the pool ahead of the first batch: %s", str(exc))
         finally:
             with self._lock:

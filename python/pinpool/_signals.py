@@ -1,0 +1,111 @@
+"""Exceptions raised by Python signal handlers while pinpool's code runs.
+
+A signal's Python handler runs in the main thread between two steps of whatever that thread
+is running, pinpool's code included: torch's SIGCHLD handler, which its DataLoader installs
+(``RuntimeError: DataLoader worker (pid N) is killed by signal ...`` as soon as a worker of a
+running iterator has failed), the default SIGINT handler (``KeyboardInterrupt``), or any
+handler of the caller's. Such an exception goes through pinpool unchanged, wherever it lands:
+
+- pinpool's ``except`` clauses name pinpool's own errors or the errors of the call they
+  wrap; one that could also match a handler's exception (a ``RuntimeError``) lets through
+  what :func:`signal_of` says a handler raised;
+- code that must clean up does so and raises the exception again;
+- a finalizer (a ``__del__``, a ``weakref.finalize`` callback) cannot raise to anyone:
+  Python prints the exception and goes on, so torch's error would only come from its next
+  status check of the workers, seconds later, and an interrupt not at all. A finalizer hands
+  it back to its signal (:func:`hand_back`): the signal is sent to the main thread again as
+  soon as that thread has left pinpool's finalizers, and its handler raises there if what it
+  found still holds (torch's looks at the workers of the iterators still running, not at
+  those just shut down).
+
+The signal is sent again, rather than flagged with ``_thread.interrupt_main``: a flag set in
+the finalizer would run the handler at the finalizer's next step, inside it again, and a
+flag does not wake a main thread that waits in a system call.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+#: The finalizers that handed an exception back: the signal waits until none is running.
+_FINALIZERS: set[CodeType] = set()
+#: How long a signal handed back waits for the main thread to leave pinpool's finalizers.
+_WAIT_S = 60.0
+
+
+def signal_of(exc: BaseException) -> int | None:
+    """The signal whose Python handler raised ``exc`` (found among the frames it went
+    through), or None if none did."""
+    if threading.current_thread() is not threading.main_thread():
+        return None  # (handlers run in the main thread only)
+    codes: dict[Any, int] = {}
+    for signum in signal.valid_signals():
+        handler = signal.getsignal(signum)
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            codes.setdefault(code, int(signum))
+    tb = exc.__traceback__
+    while tb is not None:
+        found = codes.get(tb.tb_frame.f_code)
+        if found is not None:
+            return found
+        tb = tb.tb_next
+    # The default SIGINT handler is written in C: it leaves no frame.
+    if (
+        isinstance(exc, KeyboardInterrupt)
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        return int(signal.SIGINT)
+    return None
+
+
+def hand_back(exc: BaseException) -> bool:
+    """For a finalizer that caught ``exc`` from its cleanup: if a signal handler raised it,
+    the signal is sent to the main thread again once that thread has left pinpool's
+    finalizers, and True is returned (the finalizer drops ``exc``); else False (the finalizer
+    raises it, for Python to report)."""
+    signum = signal_of(exc)
+    if signum is None:
+        return False
+    _FINALIZERS.add(sys._getframe(1).f_code)
+    try:
+        threading.Thread(
+            target=_send_when_out, args=(signum,), name="pinpool-signal", daemon=True
+        ).start()
+    except RuntimeError:  # (the interpreter is exiting: no thread can start)
+        return False
+    return True
+
+
+def _send_when_out(signum: int) -> None:
+    main = threading.main_thread()
+    deadline = time.monotonic() + _WAIT_S
+    while _main_in_finalizer(main) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if main.ident is not None and main.is_alive():
+        signal.pthread_kill(main.ident, signum)
+
+
+def _main_in_finalizer(main: threading.Thread) -> bool:
+    frame: FrameType | None = sys._current_frames().get(main.ident)  # type: ignore[arg-type]
+    while frame is not None:
+        if frame.f_code in _FINALIZERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def finalizing(cleanup: Callable[..., Any], *args: Any) -> None:
+    """``cleanup(*args)``, run as a finalizer (``weakref.finalize(obj, finalizing, ...)``):
+    an exception a signal handler raised in it is handed back (:func:`hand_back`)."""
+    try:
+        cleanup(*args)
+    except BaseException as exc:
+        if not hand_back(exc):
+            raise
