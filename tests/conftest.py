@@ -29,12 +29,17 @@ def open_fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def shm_entries() -> frozenset[str]:
+    """The names of the entries ``/dev/shm`` holds right now (none if it does not exist)."""
+    try:
+        return frozenset(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return frozenset()
+
+
 def shm_entry_count() -> int:
     """How many entries ``/dev/shm`` holds right now (0 if it does not exist)."""
-    try:
-        return len(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return 0
+    return len(shm_entries())
 
 
 def child_pids() -> set[int]:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 from conftest import run_python
@@ -90,29 +88,3 @@ def test_defaults_share_the_cores_among_local_ranks(monkeypatch: pytest.MonkeyPa
 def test_the_dataloader_is_generic_like_torchs() -> None:
     alias = pinpool.DataLoader[int]
     assert alias.__origin__ is pinpool.DataLoader
-
-
-TYPED = """
-import pinpool
-pool = pinpool.PinPool(4096, 1, device="cpu")
-slot = pool.checkout()
-view: memoryview = memoryview(slot)
-"""
-
-
-@pytest.mark.slow
-def test_the_stubs_declare_the_buffer_protocol_and_literal_choices(tmp_path: object) -> None:
-    """``memoryview(slot)`` type-checks (the stub declares ``__buffer__``); a backend name that
-    does not exist does not."""
-    from pathlib import Path
-
-    pytest.importorskip("mypy")
-    good = Path(str(tmp_path)) / "good.py"
-    good.write_text(TYPED)
-    bad = Path(str(tmp_path)) / "bad.py"
-    bad.write_text(TYPED + 'other = pinpool.PinPool(4096, 1, backend="bogus")\n')
-    mypy = [sys.executable, "-m", "mypy", "--python-version", "3.12", "--no-incremental"]
-    ok = subprocess.run([*mypy, str(good)], capture_output=True, text=True, check=False)
-    assert ok.returncode == 0, ok.stdout
-    refused = subprocess.run([*mypy, str(bad)], capture_output=True, text=True, check=False)
-    assert refused.returncode == 1 and "bogus" in refused.stdout, refused.stdout

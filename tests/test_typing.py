@@ -1,7 +1,8 @@
 """Types a user's code sees: ``mypy --strict`` runs over a small program that uses the
 DataLoader, the pool, slot views and both ``stats()``, and must pass without a single
-annotation on the loader; a second program with deliberate mistakes must fail exactly where
-they are (so the first passing means something). The typed dicts are also compared with what
+annotation on the loader (``memoryview(slot)`` included: the stub declares the buffer
+protocol); a second program with deliberate mistakes must fail exactly where they are (so the
+first passing means something). The typed dicts are also compared with what
 ``stats()`` returns at run time."""
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ with pool.checkout() as slot:
     array = np.frombuffer(slot, dtype=np.uint8)  # the buffer protocol (PEP 688)
     assert_type(array, np.ndarray[tuple[Any, ...], np.dtype[np.uint8]])
     floats = np.frombuffer(memoryview(slot), dtype=np.float32)  # (before 3.12's typing too)
+    view: memoryview = memoryview(slot)  # (the stub declares __buffer__)
     assert_type(floats, np.ndarray[tuple[Any, ...], np.dtype[np.float32]])
 """
 
@@ -86,6 +88,7 @@ def make(dataset: Dataset[tuple[Tensor, int]]) -> None:
     number: int = pool.checkout().view(torch.float32, 4)  # E: assignment
     pool.checkout().view(None, 4)  # E: call-overload
     pinpool.DataLoader(dataset, zero_copy="yes")  # E: arg-type
+    pinpool.PinPool(4096, 1, backend="bogus")  # E: arg-type
     print(wrong)
 """
 
@@ -110,7 +113,9 @@ def test_a_user_program_passes_mypy_strict_and_mistakes_are_reported(
     bad = tmp_path / "mistakes.py"
     bad.write_text(MISTAKES)
     # Kept between runs (pytest's cache): mypy reads torch's stubs once, not every time.
-    cache = Path(request.config.cache.mkdir("mypy"))
+    # (a fresh one where pytest's cache is off)
+    store = getattr(request.config, "cache", None)
+    cache = Path(store.mkdir("mypy")) if store is not None else tmp_path / "mypy-cache"
     proc = _mypy(tmp_path, cache, good, bad)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     errors: dict[tuple[str, int], str] = {}
@@ -125,7 +130,7 @@ def test_a_user_program_passes_mypy_strict_and_mistakes_are_reported(
         for number, text in enumerate(MISTAKES.splitlines(), start=1)
         if (mark := re.search(r"# E: ([\w-]+)", text))
     }
-    assert len(expected) == 6
+    assert len(expected) == 7
     # The user's program type-checks as written; every mistake is reported, as what it is.
     assert errors == expected, proc.stdout
 

@@ -62,11 +62,18 @@ def accelerator(present: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def handler(signum: int, fn: Callable[[int, Any], None]) -> Iterator[None]:
+    """``fn`` as the handler of ``signum`` for the block. Other libraries' gc callbacks
+    (hypothesis installs one) are set aside meanwhile: Python reports an exception raised while
+    a gc callback runs as unraisable and goes on, so a handler's exception landing there would
+    be lost to the code under test (and fail the test as an unraisable exception)."""
+    callbacks = gc.callbacks[:]
+    gc.callbacks.clear()
     old = signal.signal(signum, fn)
     try:
         yield
     finally:
         signal.signal(signum, old)
+        gc.callbacks[:] = callbacks
 
 
 def raise_interrupted(signum: int, frame: Any) -> None:

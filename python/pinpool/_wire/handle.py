@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .. import _signals
+from .._errors import PinPoolError
 from . import codec, registry
 
 
@@ -177,11 +178,19 @@ class BatchHandle:
     def pin_memory(self) -> Any:
         """torch's pin thread: the batch in pinned memory (or on the device) if a slot is at
         hand now, else this handle, for the consumer's thread to take in its turn."""
-        return registry.lookup(self.token).take(self, ahead=True)
+        return self._receiver().take(self, ahead=True)
 
     def take(self) -> Any:
         """The consumer's thread, in order: the batch, waiting for a slot if need be."""
-        return registry.lookup(self.token).take(self, ahead=False)
+        return self._receiver().take(self, ahead=False)
+
+    def _receiver(self) -> Any:
+        # A pickle may make the object and stop before its state (``__setstate__`` never ran).
+        if getattr(self, "_state", None) is None:
+            raise PinPoolError(
+                "a damaged batch handle reached this process: it carries none of its fields"
+            )
+        return registry.lookup(self.token)
 
     def __del__(self) -> None:
         # Dropped undelivered (torch shutting its workers down, an out-of-order batch left
