@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: demo test build lint rust-test py-test test-oldest fuzz bench wheel clean sanitize miri tsan
+.PHONY: demo test build lint rust-test py-test test-modes test-oldest fuzz bench wheel clean sanitize miri tsan
 
 demo: build
 	$(PY) -m pinpool.bench --out demo-results
@@ -32,15 +32,21 @@ lint: build
 rust-test:
 	cargo test -q
 
+# Two pytest processes (the fault tests share one: tests/test_loader_faults.py says why); a
+# run that hangs is stopped with SIGABRT, and faulthandler prints where every thread was.
+PYTEST := PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 20m $(PY) -m pytest -q -n 2 --dist loadgroup
+
 py-test: build
-	$(PY) -m pytest -q
-	# The DataLoader suite again: with zero_copy=True as the default, then both modes the way
-	# a GPU machine runs them (torch's pin thread decoding batches ahead, in arrival order).
-	$(PY) -m pytest -q --zero-copy tests/test_loader.py tests/test_loader_faults.py
-	$(PY) -m pytest -q --pin-thread tests/test_loader.py tests/test_loader_faults.py
-	$(PY) -m pytest -q --pin-thread --zero-copy tests/test_loader.py tests/test_loader_faults.py
-	# Once as an unprivileged user (`nobody`): no capability hides a permission failure.
-	VENV=$(VENV) tests/unprivileged.sh -q tests/test_loader.py tests/test_loader_faults.py tests/test_hardening.py
+	# Everything; the DataLoader tests marked every_mode in all four loader modes (copy and
+	# zero-copy, each with and without torch's pin thread: tests/conftest.py, loader_mode).
+	$(PYTEST)
+	# Once more as an unprivileged user (`nobody`): no capability hides a permission failure.
+	VENV=$(VENV) PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 10m tests/unprivileged.sh -q -n 2 \
+		--dist loadgroup -k "not pin-thread" tests/test_loader_faults.py tests/test_hardening.py
+
+# The DataLoader suites with every test in all four loader modes (make test: the marked ones).
+test-modes: build
+	$(PYTEST) --modes all tests/test_loader.py tests/test_loader_faults.py
 
 # The CPU suite on the oldest torch pinpool supports (python/pinpool/_torch_versions.py), in a
 # venv of its own; `make test` runs the newest.
@@ -56,7 +62,7 @@ $(OLD_STAMP): requirements-oldest.txt
 test-oldest: $(OLD_STAMP)
 	VIRTUAL_ENV=$(abspath $(OLD_VENV)) $(OLD_VENV)/bin/maturin develop --release -q
 	$(OLD_VENV)/bin/python -c 'import torch; print("torch", torch.__version__)'
-	$(OLD_VENV)/bin/python -m pytest -q
+	$(OLD_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup
 
 # The fuzz tests at length (`make test` runs a bounded number of examples).
 fuzz: build

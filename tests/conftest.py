@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -40,6 +41,19 @@ def shm_entries() -> frozenset[str]:
 def shm_entry_count() -> int:
     """How many entries ``/dev/shm`` holds right now (0 if it does not exist)."""
     return len(shm_entries())
+
+
+def shm_entries_left(before: frozenset[str], settle: float = 5.0) -> list[str]:
+    """The entries ``/dev/shm`` gained since ``before`` that are still there, given up to
+    ``settle`` seconds to go: ``/dev/shm`` is the machine's, and entries that come and go
+    (torch and multiprocessing remove theirs at once; another test's, run alongside) are no
+    leak."""
+    deadline = time.monotonic() + settle
+    while True:
+        left = sorted(shm_entries() - before)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 def child_pids() -> set[int]:
@@ -130,12 +144,6 @@ def fd_count() -> Callable[[], int]:
 
 
 @pytest.fixture
-def shm_count() -> Callable[[], int]:
-    """The :func:`shm_entry_count` helper, as a fixture."""
-    return shm_entry_count
-
-
-@pytest.fixture
 def make_pool() -> Iterator[Callable[..., pinpool.PinPool]]:
     """A factory for pools that are closed at the end of the test.
 
@@ -156,57 +164,108 @@ def make_pool() -> Iterator[Callable[..., pinpool.PinPool]]:
     gc.collect()
 
 
+@dataclass(frozen=True)
+class LoaderMode:
+    """How a DataLoader test runs: ``zero_copy`` as ``pinpool.DataLoader``'s default, and
+    ``pin_thread``: torch's pin-memory thread running (as on every GPU machine), which takes
+    batches ahead of the consumer and in the order they arrive."""
+
+    zero_copy: bool
+    pin_thread: bool
+
+
+#: The four ways a batch reaches the consumer, by test id.
+LOADER_MODES = {
+    "copy": LoaderMode(zero_copy=False, pin_thread=False),
+    "zero-copy": LoaderMode(zero_copy=True, pin_thread=False),
+    "copy+pin-thread": LoaderMode(zero_copy=False, pin_thread=True),
+    "zero-copy+pin-thread": LoaderMode(zero_copy=True, pin_thread=True),
+}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--modes",
+        choices=["marked", "all"],
+        default="marked",
+        help="which tests of the DataLoader suites (those using the loader_mode fixture) run in "
+        "all four loader modes: those marked every_mode (the default), or all of them",
+    )
     parser.addoption(
         "--zero-copy",
         action="store_true",
-        help="run the DataLoader tests with zero_copy=True as pinpool.DataLoader's default",
+        help="run the DataLoader suites in zero-copy mode only (with --pin-thread: that one)",
     )
     parser.addoption(
         "--pin-thread",
         action="store_true",
-        help="on a machine without an accelerator, make torch's DataLoader run its pin-memory "
-        "thread anyway (the path every GPU machine takes)",
+        help="run the DataLoader suites with torch's pin-memory thread only (see --zero-copy)",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "copy_mode_only: checks copy-mode internals (skipped under --zero-copy)"
+        "markers", "copy_mode_only: checks copy-mode internals (not run in zero-copy mode)"
+    )
+    config.addinivalue_line(
+        "markers", "every_mode: runs in all four loader modes (see the loader_mode fixture)"
     )
 
 
-@pytest.fixture(autouse=True)
-def _zero_copy_default(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``--zero-copy``, every ``pinpool.DataLoader`` a test makes defaults to
-    ``zero_copy=True`` (the whole loader suite runs again in that mode)."""
-    if not request.config.getoption("--zero-copy"):
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # What is there now (torch, hypothesis, the test modules) stays to the end: frozen, it is
+    # not walked again by each of the suite's many gc.collect() calls (a third of the time of
+    # the DataLoader suites). What a test makes is collected as before.
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests that use ``loader_mode`` run in copy mode, or in all four modes when marked
+    ``every_mode`` or under ``--modes all``; ``--zero-copy``/``--pin-thread`` choose one mode
+    for all of them. ``copy_mode_only`` tests skip the zero-copy modes."""
+    if "loader_mode" not in metafunc.fixturenames:
         return
-    if request.node.get_closest_marker("copy_mode_only") is not None:
-        pytest.skip("checks copy-mode internals")
-    import pinpool.loader
+    config = metafunc.config
+    zero_copy, pin_thread = config.getoption("--zero-copy"), config.getoption("--pin-thread")
+    if zero_copy or pin_thread:
+        names = [n for n, m in LOADER_MODES.items() if m == LoaderMode(zero_copy, pin_thread)]
+    elif config.getoption("--modes") == "all" or metafunc.definition.get_closest_marker(
+        "every_mode"
+    ):
+        names = list(LOADER_MODES)
+    else:
+        names = ["copy"]
+    if metafunc.definition.get_closest_marker("copy_mode_only") is not None:
+        names = [n for n in names if not LOADER_MODES[n].zero_copy]
+    metafunc.parametrize("loader_mode", names, indirect=True)
 
-    defaults = dict(pinpool.loader.DataLoader.__init__.__kwdefaults__ or {})
-    defaults["zero_copy"] = True
-    monkeypatch.setattr(pinpool.loader.DataLoader.__init__, "__kwdefaults__", defaults)
 
+@pytest.fixture
+def loader_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> LoaderMode:
+    """The test's :class:`LoaderMode` (chosen by :func:`pytest_generate_tests`), in force: every
+    ``pinpool.DataLoader`` the test makes defaults to its ``zero_copy``, and with ``pin_thread``
+    on a machine with no accelerator, torch's DataLoader believes there is one (its iterators
+    start the pin-memory thread; pinpool's handles do their own pinning, so nothing else of
+    the accelerator is used)."""
+    mode = LOADER_MODES[request.param]
+    if mode.zero_copy:
+        import pinpool.loader
 
-@pytest.fixture(autouse=True)
-def _pin_thread(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``--pin-thread`` on a machine with no accelerator, torch's DataLoader believes
-    there is one: its iterators start the pin-memory thread, which decodes batches ahead of
-    the consumer and in the order they arrive, exactly as on a GPU machine. pinpool's
-    handles do their own pinning, so nothing else of the accelerator is used."""
-    if not request.config.getoption("--pin-thread"):
-        return
-    import torch
+        defaults = dict(pinpool.loader.DataLoader.__init__.__kwdefaults__ or {})
+        defaults["zero_copy"] = True
+        monkeypatch.setattr(pinpool.loader.DataLoader.__init__, "__kwdefaults__", defaults)
+    if mode.pin_thread:
+        import torch
 
-    if torch.accelerator.is_available():
-        return  # the real thing
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: torch.device("cuda"))
-    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+        if not torch.accelerator.is_available():  # (else: the real thing)
+            monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+            monkeypatch.setattr(
+                torch.accelerator, "current_accelerator", lambda *a: torch.device("cuda")
+            )
+            monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+            monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    return mode
 
 
 def late_wakeups(stop: threading.Event, out: list[float]) -> None:

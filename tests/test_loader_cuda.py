@@ -14,7 +14,8 @@ from loader_gpu_datasets import Images, Mixed
 
 import pinpool
 
-pytestmark = pytest.mark.cuda
+#: In copy mode, or the mode --zero-copy/--pin-thread choose (``tests/conftest.py``).
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("loader_mode")]
 
 
 def _same(a, b) -> None:

@@ -41,13 +41,13 @@ from loader_datasets import (
 
 import pinpool
 
+#: Every test here runs in copy mode; those marked ``every_mode`` in all four loader modes
+#: (``tests/conftest.py``: ``loader_mode``). Under ``pytest -n``, one process runs them all,
+#: one after another, with the worker-death tests (``faults``: they count processes, fds and
+#: /dev/shm entries, and time how soon a death is noticed).
+pytestmark = [pytest.mark.usefixtures("loader_mode"), pytest.mark.xdist_group("faults")]
+
 MiB = 1 << 20
-#: spawn and forkserver workers import torch afresh: a couple of seconds per loader.
-CONTEXTS = [
-    "fork",
-    pytest.param("spawn", marks=pytest.mark.slow),
-    pytest.param("forkserver", marks=pytest.mark.slow),
-]
 
 
 # --------------------------------------------------------------------------- bookkeeping
@@ -260,6 +260,7 @@ def check_batch(
 # --------------------------------------------------------------------------- epochs
 
 
+@pytest.mark.every_mode
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_normal_end_of_epoch(pool: pinpool.PinPool, num_workers: int) -> None:
     before = warm_up(pool, num_workers=num_workers)
@@ -277,6 +278,7 @@ def test_normal_end_of_epoch(pool: pinpool.PinPool, num_workers: int) -> None:
     assert_no_leaks(before, pool)
 
 
+@pytest.mark.every_mode
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_break_out_of_the_loop(pool: pinpool.PinPool, num_workers: int) -> None:
     before = warm_up(pool, num_workers=num_workers)
@@ -292,6 +294,7 @@ def test_break_out_of_the_loop(pool: pinpool.PinPool, num_workers: int) -> None:
     assert_no_leaks(before, pool)
 
 
+@pytest.mark.every_mode
 @pytest.mark.parametrize("shape", [(3, 4), (64, 64)], ids=["small", "streamed"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_exception_in_getitem(
@@ -326,6 +329,7 @@ def test_exception_in_getitem(
     assert_no_leaks(before, pool)
 
 
+@pytest.mark.every_mode
 def test_worker_killed_with_sigkill(pool: pinpool.PinPool) -> None:
     # prefetch_factor=1: when the worker dies, every batch it sent has been received (see
     # test_worker_gone_before_its_batch_is_received for the other case).
@@ -347,6 +351,7 @@ def test_worker_killed_with_sigkill(pool: pinpool.PinPool) -> None:
         assert_no_leaks(before, pool)
 
 
+@pytest.mark.every_mode
 def test_a_worker_dead_holding_the_result_queues_lock_leaves_what_torch_leaves(
     pool: pinpool.PinPool,
 ) -> None:
@@ -443,6 +448,7 @@ def test_timeout(pool: pinpool.PinPool) -> None:
         assert_no_leaks(before, pool)
 
 
+@pytest.mark.every_mode
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_keyboard_interrupt_from_the_consumer(pool: pinpool.PinPool, num_workers: int) -> None:
     before = warm_up(pool, num_workers=num_workers)
@@ -463,6 +469,7 @@ def test_keyboard_interrupt_from_the_consumer(pool: pinpool.PinPool, num_workers
     assert_no_leaks(before, pool)
 
 
+@pytest.mark.every_mode
 @pytest.mark.parametrize("persistent", [False, True])
 def test_loader_deleted_mid_epoch(pool: pinpool.PinPool, persistent: bool) -> None:
     before = warm_up(pool, persistent_workers=persistent)
@@ -480,6 +487,7 @@ def test_loader_deleted_mid_epoch(pool: pinpool.PinPool, persistent: bool) -> No
     assert_no_leaks(before, pool, persistent_workers=2 if persistent else 0)
 
 
+@pytest.mark.every_mode
 def test_owned_pool_goes_with_the_loader() -> None:
     """Without ``pool=``, the loader's own pool is closed when the loader goes (persistent
     workers and all); its counters can still be read."""
@@ -526,6 +534,7 @@ def test_owned_pool_stats_after_a_batch_outlives_the_loader() -> None:
     assert s["slots_checked_out"] == 0 and s["slots_free"] == own.num_slots, s
 
 
+@pytest.mark.every_mode
 def test_closing_the_callers_pool_before_the_loader() -> None:
     own = pinpool.PinPool(2 * MiB, 4, device="cpu")
     pin = loader(Indexed(8), own)
@@ -575,8 +584,16 @@ def test_persistent_workers_with_a_break(pool: pinpool.PinPool) -> None:
     assert_no_leaks(before, pool, persistent_workers=2)
 
 
-@pytest.mark.parametrize("end", ["normal", "break"])
-@pytest.mark.parametrize("context", CONTEXTS)
+# spawn and forkserver start slowly: one ending each (an epoch's end, a break).
+@pytest.mark.parametrize(
+    ("context", "end"),
+    [
+        ("fork", "normal"),
+        ("fork", "break"),
+        pytest.param("spawn", "break", marks=pytest.mark.slow),
+        pytest.param("forkserver", "normal", marks=pytest.mark.slow),
+    ],
+)
 def test_start_methods(pool: pinpool.PinPool, context: str, end: str) -> None:
     workers = 2 if context == "fork" else 1
     kw = {"num_workers": workers, "multiprocessing_context": context}

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from conftest import probe, shm_entry_count
+from conftest import probe, shm_entries, shm_entries_left
 from loader_datasets import Sized
 
 import pinpool
@@ -137,7 +137,7 @@ print("done", flush=True)
 
 @pytest.mark.slow
 def test_exiting_with_pools_and_a_loader_alive_neither_hangs_nor_fails() -> None:
-    before = shm_entry_count()
+    before = shm_entries()
     tests = os.path.dirname(os.path.abspath(__file__))
     t0 = time.perf_counter()
     proc = subprocess.run(
@@ -151,4 +151,4 @@ def test_exiting_with_pools_and_a_loader_alive_neither_hangs_nor_fails() -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "done" and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert took < 60, f"the process took {took:.1f} s to exit"
-    assert shm_entry_count() <= before
+    assert not shm_entries_left(before)

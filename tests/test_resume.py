@@ -11,6 +11,7 @@ global RNG has meanwhile moved on.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import io
 import sys
@@ -836,13 +837,25 @@ WORKER_DAMAGE = [
 ]
 
 
+@functools.cache
+def _one_epoch(make: Callable[[], pinpool.DataLoader]) -> list[Any]:
+    """An ordinary epoch of ``make()``'s loader (global seed 0), made once per test module."""
+    torch.manual_seed(0)
+    return [_own(b) for b in make()]
+
+
+@functools.cache
+def _state_of(make: Callable[[], pinpool.DataLoader], k: int = 2) -> dict[str, Any]:
+    """:func:`_mid_epoch_state`, taken once per test module (a test damages a deep copy)."""
+    return _mid_epoch_state(make, k)
+
+
 def _refused_and_unchanged(
     make: Callable[[], pinpool.DataLoader], bad: dict[str, Any], match: str
 ) -> None:
     """Loading ``bad`` raises one clear error at once, and the loader is left as it was: its
     next epoch is a whole, ordinary one, and nothing half-made raises from a finalizer."""
-    torch.manual_seed(0)
-    expected = [_own(b) for b in make()]
+    expected = _one_epoch(make)
     loader = make()
     unraisable: list[Any] = []
     old_hook = sys.unraisablehook
@@ -863,13 +876,13 @@ def _refused_and_unchanged(
 
 @pytest.mark.parametrize(("path", "value", "match"), MAP_STYLE_DAMAGE)
 def test_a_malformed_state_is_refused_at_load(path: Any, value: Any, match: str) -> None:
-    state = _mid_epoch_state(_shuffled)
+    state = _state_of(_shuffled)
     _refused_and_unchanged(_shuffled, _set(state, path, value), match)
 
 
 @pytest.mark.parametrize(("path", "value", "match"), WORKER_DAMAGE)
 def test_a_malformed_worker_state_is_refused_at_load(path: Any, value: Any, match: str) -> None:
-    state = _mid_epoch_state(_sharded, k=3)
+    state = _state_of(_sharded, k=3)
     assert set(state["workers"]["states"]) == {0, 1}
     _refused_and_unchanged(_sharded, _set(state, path, value), match)
 

@@ -34,6 +34,9 @@ from loader_datasets import Dying, Indexed
 import pinpool
 import pinpool._wire.peer
 
+#: Under ``pytest -n``: in the process that runs the fault tests (``test_loader_faults.py``).
+pytestmark = pytest.mark.xdist_group("faults")
+
 MiB = 1 << 20
 #: (zero_copy, torch's pin thread)
 MODES = [(False, False), (True, False), (False, True), (True, True)]
