@@ -517,7 +517,7 @@ class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
     def __next__(self) -> Any:
         # torch's __next__ opens a profiler range (``record_function``) around each batch,
         # which costs the training thread a dispatcher call in and out even when no profiler
-        # runs: 7 us warm, 270 us after a 30 ms step on a 2-core VM. Without a profiler (and
+        # runs (docs/performance.md, "Measurements behind the code"). Without a profiler (and
         # in the cases where torch's does more: a first call, an iterable dataset's length
         # check) the same steps without it.
         if (

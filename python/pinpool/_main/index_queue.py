@@ -3,11 +3,9 @@
 torch sends every batch's indices to its worker through a ``multiprocessing.Queue``, whose
 ``put()`` appends them to a list and wakes the queue's feeder thread, which pickles them and
 writes them to the worker's pipe. That thread needs the GIL: for every batch one more Python
-thread wakes and takes the GIL from the training thread and torch's pin thread (on the H200,
-torch's four feeder threads used 55 us of CPU per 512 KB batch, a sixth of a batch's time;
-``benchmarks/results/h200-gil-free-views``). Writing on the training thread instead costs it
-the write and the worker's wake-up: 86 us a batch on the H200 with 30 ms steps
-(``benchmarks/results/h200-step-cost``).
+thread wakes and takes the GIL from the training thread and torch's pin thread. Writing on
+the training thread instead costs it the write and the worker's wake-up. (The figures for
+both: ``docs/performance.md``, "Measurements behind the code".)
 
 :func:`write_directly` turns a queue into a :class:`DirectQueue`, whose ``put()`` pickles the
 object (with a pickler kept for the queue: the reducers registered by then are the ones it

@@ -565,10 +565,10 @@ def background_arena(device: int | None) -> bool:
     least one part, at once, the rest while the first batches flow) or whole before the
     first batch is delivered.
 
-    Whole, wherever the arena is pinned through the CUDA driver: on the H200, registering the
-    rest while batches flowed stalled the main thread for 4 to 7 ms at a time (timed steps,
-    268 MB batches) and cut throughput from 15.5 to 10.3 GB/s, while the whole arena was ready
-    by the first batch anyway, in 0.83x torch's time to its first batch
-    (``benchmarks/results/h200-no-gil-stall``). In the background where there is no driver to
-    contend with (host memory): there it halves the time to the first batch."""
+    Whole, wherever the arena is pinned through the CUDA driver: registering the rest while
+    batches flow contends with the copies for the driver, stalling the main thread and
+    cutting throughput, while the whole arena is ready by the first batch anyway. In the
+    background where there is no driver to contend with (host memory): there it shortens the
+    time to the first batch. (The figures: ``docs/performance.md``, "Measurements behind the
+    code".)"""
     return device is None or not cuda_available()

@@ -1,12 +1,11 @@
 """The size of a loader's first batch, told by a worker before the batch is complete.
 
 Without ``slot_bytes=`` a loader's pool is sized from its first batch. Made when that batch
-arrives, the arena is on the first batch's critical path: pinning and registering 960 MiB
-takes 110 to 135 ms on the H200, and the first batch of 38.5 MB came at 1.23x torch's time
-(``benchmarks/results/h200-batch-path``). A worker that streams samples knows the batch's size
-after its first sample (``streaming.plan_layout``), while the rest are still to be made and
-copied: it sends that size through a pipe, and a thread of the main process makes the pool
-meanwhile, 40 to 65 ms earlier (``benchmarks/results/h200-step-cost``).
+arrives, the arena (pinned and registered) is on the first batch's critical path. A worker
+that streams samples knows the batch's size after its first sample
+(``streaming.plan_layout``), while the rest are still to be made and copied: it sends that
+size through a pipe, and a thread of the main process makes the pool meanwhile (the figures:
+``docs/performance.md``, "Measurements behind the code").
 
 Invariants:
 

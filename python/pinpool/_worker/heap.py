@@ -3,9 +3,9 @@
 A worker makes a batch's worth of fresh arrays (decoded images, say), collates them and frees
 them. glibc hands blocks above its mmap threshold (128 KiB at first) straight back to the
 kernel, and trims the top of its heap once more than twice that is free, so the next batch's
-items land in fresh pages, each one faulted in on first write: measured here at 2.3 GB/s for
-150 KB items, against 20 to 30 GB/s once the pages are kept; under a hypervisor faults cost
-more still. The same reason makes each worker reuse its shared-memory segments.
+items land in fresh pages, each one faulted in on first write, an order of magnitude slower
+than writing pages kept from the last batch (``docs/performance.md``, "Measurements behind the
+code"). The same reason makes each worker reuse its shared-memory segments.
 
 :func:`keep_freed_memory`, called by pinpool's collate in a worker, raises both thresholds so
 that freed item memory stays in the heap, up to a bound that follows the largest batch seen
