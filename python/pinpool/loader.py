@@ -1,7 +1,8 @@
 """``pinpool.DataLoader``: torch's DataLoader, with batches landing in pinned arena slots.
 
-This is the only module that touches torch's DataLoader internals (its iterator's set-up,
-index sampler, shutdown and queues). Where each step of a batch's trip happens:
+This is the module that subclasses torch's DataLoader and its multi-process iterator (their
+set-up, index sampler, shutdown and queues); the private torch names it uses come from
+``_torch_contract``, which lists them all. Where each step of a batch's trip happens:
 
 1. **Worker** (``_worker``): :class:`~pinpool._worker.collate.PinCollate` collates the
    batch and writes it into its place, the zero-copy slot handed out with its indices or one
@@ -50,6 +51,14 @@ from ._main.sizing import Sizing
 from ._main.tickets import TicketSampler
 from ._native import PinPool
 from ._stats import LoaderStats
+from ._torch_contract import (
+    RERAISE_CODE,
+    MultiProcessingIter,
+    mp_status_check_interval,
+    profiler_enabled,
+    python_exit_status,
+    remove_worker_pids,
+)
 from ._wire import registry
 from ._wire.handle import BatchHandle, WorkerProgress
 from ._wire.pool_hint import PoolHint
@@ -485,7 +494,7 @@ class _PinnedIter:
                 raise
 
 
-class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
+class _WorkersIter(MultiProcessingIter):
     """torch's multi-process iterator, with four changes.
 
     - Without a pin thread (no accelerator), a batch's segment is received (opened through
@@ -521,7 +530,7 @@ class _WorkersIter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
         # in the cases where torch's does more: a first call, an iterable dataset's length
         # check) the same steps without it.
         if (
-            _profiler_enabled()
+            profiler_enabled()
             or self._sampler_iter is None
             or self._IterableDataset_len_called is not None
         ):
@@ -606,13 +615,7 @@ def _unkeep(exc: BaseException) -> None:
         tb = tb.tb_next
 
 
-_RERAISE = getattr(getattr(torch._utils, "ExceptionWrapper", None), "reraise", _unkeep).__code__
-
-
-def _profiler_enabled() -> bool:
-    """Whether a torch profiler (or NVTX/ITT range emitter) is recording."""
-    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
-    return True if enabled is None else bool(enabled())
+_RERAISE = RERAISE_CODE if RERAISE_CODE is not None else _unkeep.__code__
 
 
 #: How many times the end of a worker shutdown is begun again when a signal handler's
@@ -622,7 +625,7 @@ _CLEANUP_TRIES = 16
 
 def _shutting_down_python() -> bool:
     """Whether the interpreter is exiting (torch's worker shutdown then does nothing)."""
-    status = getattr(torch.utils.data._utils, "python_exit_status", None)
+    status = python_exit_status()
     return status is True or status is None
 
 
@@ -634,13 +637,13 @@ def _reap_workers(it: Any) -> None:
         return
     if getattr(it, "_worker_pids_set", False):
         # From here on torch's SIGCHLD handler no longer raises for these workers.
-        torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))
+        remove_worker_pids(id(it))
         it._worker_pids_set = False
     workers = list(getattr(it, "_workers", ()))
     pending = [w for w in workers if w.pid is not None and not _reaped(w)]
     if not pending:
         return
-    interval = torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL
+    interval = mp_status_check_interval()
     done = getattr(it, "_workers_done_event", None)
     if done is not None and not done.is_set():
         done.set()

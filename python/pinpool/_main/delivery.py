@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .._native import Copying, Sent, Slot
+from .._torch_contract import cuda_raw_stream
 from .._wire import codec
 from .._wire.handle import BatchHandle
 
@@ -278,7 +279,7 @@ class Delivery:
 
 
 #: torch's current stream on a device as a raw handle, without making a Stream object.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_raw_stream = cuda_raw_stream
 
 
 def _device_leaves(

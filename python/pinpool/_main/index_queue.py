@@ -26,16 +26,16 @@ Invariants:
 from __future__ import annotations
 
 import io
-import multiprocessing.queues
 import threading
 from multiprocessing.reduction import ForkingPickler
 from queue import Full
 from typing import Any
 
 from .._native import PipeWriter
+from .._torch_contract import MultiprocessingQueue
 
 
-class DirectQueue(multiprocessing.queues.Queue):  # type: ignore[type-arg]
+class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
     """A ``multiprocessing.Queue`` whose messages are written by a Rust thread (see the
     module's doc). Made by :func:`write_directly`."""
 
@@ -81,7 +81,7 @@ def write_directly(queue: Any) -> bool:
     """Makes ``queue`` (a ``multiprocessing.Queue`` nothing was put on yet) write its messages
     through a :class:`~pinpool._native.PipeWriter`; returns whether it did (not for another
     kind of queue, or one already fed by its thread)."""
-    if type(queue) is not multiprocessing.queues.Queue or queue._thread is not None:
+    if type(queue) is not MultiprocessingQueue or queue._thread is not None:
         return False
     queue._pin_writer = PipeWriter(queue._writer.fileno())
     buf = io.BytesIO()

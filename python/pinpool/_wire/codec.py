@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data._utils import collate as torch_collate
 
 from .. import _native
 from .._errors import OutOfBounds
+from .._torch_contract import torch_collate
 from .._views import PLAIN_TORCH_DTYPE_NAMES
 from .tree import KEEP, map_leaves
 

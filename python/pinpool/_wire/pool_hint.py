@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
-import multiprocessing.context
 import os
 import struct
 import threading
@@ -36,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import PinPoolError
+from .._torch_contract import get_spawning_popen
 
 _log = logging.getLogger("pinpool")
 _FORMAT = "<qq"  # batch bytes, samples
@@ -57,7 +57,7 @@ class PoolHint:
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        spawning = multiprocessing.context.get_spawning_popen() is not None
+        spawning = get_spawning_popen() is not None
         return {"writer": self._writer if spawning else None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

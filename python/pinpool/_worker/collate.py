@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.utils.data
-from torch.utils.data._utils.collate import default_convert
 
+from .._torch_contract import default_convert
 from .._wire import codec, registry
 from .._wire.handle import BatchHandle, Made, WorkerProgress
 from .._wire.pool_hint import PoolHint

@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.utils.data
-from torch.utils.data._utils import collate as torch_collate
 
 from .. import _native
+from .._torch_contract import torch_collate
 from .._wire import codec
 from .._wire.handle import Made
 from .._wire.tree import KEEP, map_leaves

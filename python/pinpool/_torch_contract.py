@@ -1,0 +1,360 @@
+"""What pinpool relies on in torch's and multiprocessing's private internals.
+
+torch's DataLoader has no public way to change how its workers are fed, what they return or
+how they are shut down: pinpool subclasses its multi-process iterator, reads and sets some of
+its attributes, collates with torch's own collate functions, and writes the workers' index
+queues itself. Any torch release may change these. This module is where all of it is named.
+
+Invariants:
+
+- Every private name of torch's or multiprocessing's that pinpool's package uses is reached
+  through this module: the other modules import the objects below from here and never spell
+  a private torch or multiprocessing path themselves (``tests/test_torch_contract.py`` scans
+  for them). The one exception is ``_cuda_stream``, which reads ``torch._C``'s
+  ``_cuda_getCurrentRawStream`` itself, as :data:`cuda_raw_stream` does here: it runs when
+  any slot is released, and importing pinpool must not import torch. ``pinpool.bench`` keeps
+  its own.
+- Attributes read or set on torch's iterator, on the DataLoader or on a multiprocessing queue
+  are named in :data:`ITERATOR_ATTRIBUTES`, :data:`LOADER_ATTRIBUTES` and
+  :data:`QUEUE_ATTRIBUTES` (each name with what pinpool uses it for); the modules keep using
+  them as attributes.
+- Every entry was checked on torch 2.6.0 and 2.15.0, the ends of the tested range
+  (``_torch_versions``), with Python 3.11's multiprocessing (3.12's and 3.13's set the same
+  queue attributes); an entry that differs between them says so (only ``_pin_memory``, in
+  how torch sets it). :func:`check` tells what is missing or changed on the torch installed:
+  the test suite runs it on both ends.
+- Importing this module costs little: it imports torch (whose import loads its DataLoader
+  modules already) and ``multiprocessing.queues``, nothing of pinpool's, and makes nothing (no
+  iterator, queue or process); only :func:`check` reads sources (and opens one pipe).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.context
+import multiprocessing.queues
+from collections.abc import Callable
+from types import CodeType
+from typing import Any
+
+import torch
+import torch.utils.data
+import torch.utils.data._utils as _utils
+import torch.utils.data._utils.signal_handling
+import torch.utils.data.dataloader
+from torch.utils.data._utils import collate as torch_collate
+
+__all__ = [
+    "COLLATE_ATTRIBUTES",
+    "ITERATOR_ATTRIBUTES",
+    "LOADER_ATTRIBUTES",
+    "QUEUE_ATTRIBUTES",
+    "RERAISE_CODE",
+    "MultiProcessingIter",
+    "MultiprocessingQueue",
+    "assigned_attributes",
+    "check",
+    "cuda_raw_stream",
+    "default_convert",
+    "get_spawning_popen",
+    "mp_status_check_interval",
+    "profiler_enabled",
+    "python_exit_status",
+    "remove_worker_pids",
+    "torch_collate",
+]
+
+# -- torch.utils.data ------------------------------------------------------------------------
+
+#: torch's multi-process iterator (``dataloader._MultiProcessingDataLoaderIter``):
+#: ``loader._WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what it uses).
+MultiProcessingIter = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
+
+# torch_collate, imported above (``torch.utils.data._utils.collate``): the workers collate the
+# way ``default_collate`` does with its ``collate(batch, collate_fn_map=...)``,
+# ``collate_tensor_fn`` and ``default_collate_fn_map``, tensors' stacks deferred
+# (``_wire.codec``) or streamed (``_worker.streaming``).
+
+#: ``torch_collate.default_convert`` (the same object as ``torch.utils.data.default_convert``):
+#: a batch without automatic batching is converted as torch converts it (``_worker.collate``).
+default_convert = torch_collate.default_convert
+
+#: What pinpool uses in :data:`torch_collate`.
+COLLATE_ATTRIBUTES: dict[str, str] = {
+    "collate": "collates a batch with a table of per-type functions (keyword collate_fn_map)",
+    "collate_tensor_fn": "torch's tensor stack, for stacks pinpool does not defer",
+    "default_collate_fn_map": "default_collate's table, copied with tensors deferred",
+    "default_convert": "the conversion without automatic batching",
+}
+
+
+def mp_status_check_interval() -> float:
+    """``_utils.MP_STATUS_CHECK_INTERVAL``: how long torch waits for a worker to exit before
+    it gives up (5 s); pinpool waits as long before it kills one (``loader._reap_workers``).
+    Read at each call."""
+    return float(_utils.MP_STATUS_CHECK_INTERVAL)
+
+
+def python_exit_status() -> Any:
+    """``_utils.python_exit_status``: True once the interpreter is exiting, when torch's
+    shutdown does nothing and neither does pinpool's (``loader._shutting_down_python``);
+    None if torch no longer has it (or its module is gone at exit)."""
+    return getattr(_utils, "python_exit_status", None)
+
+
+def remove_worker_pids(iterator_id: int) -> None:
+    """``_utils.signal_handling._remove_worker_pids(id(iterator))``: unregisters an iterator's
+    workers from torch's SIGCHLD handler, which then no longer raises for them (pinpool reaps
+    the workers torch's shutdown left, ``loader._reap_workers``)."""
+    _utils.signal_handling._remove_worker_pids(iterator_id)
+
+
+#: The names pinpool reads, sets or overrides on ``_MultiProcessingDataLoaderIter`` (and its
+#: base ``_BaseDataLoaderIter``), and what for.
+ITERATOR_ATTRIBUTES: dict[str, str] = {
+    # methods overridden or called
+    "_reset": "overridden: the index queues are turned to direct writes before the first "
+    "epoch's indices go out (first_iter=True)",
+    "_next_data": "called by the profiler-free __next__",
+    "_try_get_data": "overridden: a batch is received as it leaves the result queue when "
+    "there is no pin thread; returns (success, (index, batch))",
+    "_shutdown_workers": "overridden and called: pinpool completes what torch's shutdown "
+    "left, and shuts an iterator down when its epoch ends",
+    # attributes torch sets on the iterator
+    "_index_queues": "each worker's multiprocessing queue of indices: written directly, "
+    "sent the exit message and closed after shutdown",
+    "_worker_queue_idx_cycle": "set afresh by _reset each epoch: a property turns the first "
+    "one on to the worker a resumed epoch starts at",
+    "_workers": "the worker processes: reaped (or killed) after shutdown",
+    "_workers_done_event": "set before the workers are told to exit",
+    "_worker_pids_set": "whether the workers are registered with torch's SIGCHLD handler",
+    "_pin_memory": "whether torch's pin thread runs (else batches are received in "
+    "_try_get_data); pin_memory and, on 2.6, torch.cuda.is_available(), on 2.15 "
+    "torch.accelerator.is_available() (False on MPS)",
+    "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots)",
+    "_task_info": "batches held out of order, dropped at shutdown",
+    "_rcvd_idx": "how many index lists the epoch has passed on (checkpoints)",
+    "_index_sampler": "the loader's index sampler as the iterator started (zero-copy tickets)",
+    "_sampler_iter": "None before the first __next__ (torch's own __next__ then)",
+    "_IterableDataset_len_called": "set for an iterable dataset's length check (torch's own "
+    "__next__ then)",
+    "_num_yielded": "counted by the profiler-free __next__, as torch's does",
+}
+
+#: The names pinpool reads or overrides on ``torch.utils.data.DataLoader``, and what for.
+LOADER_ATTRIBUTES: dict[str, str] = {
+    "_get_iterator": "overridden: the workers get pinpool's collate (and a streaming wrapper "
+    "of the dataset) as the iterator starts",
+    "_index_sampler": "overridden property: records each epoch, attaches zero-copy tickets",
+    "_iterator": "a persistent loader's iterator, shut down before a resumed iterable epoch",
+    "_auto_collation": "whether torch batches samples (checkpoints)",
+}
+
+#: The torch methods whose parameters pinpool's overrides and calls rely on: (class, name,
+#: parameter names).
+_SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+    (MultiProcessingIter, "_reset", ("self", "loader", "first_iter")),
+    (MultiProcessingIter, "_try_get_data", ("self", "timeout")),
+    (MultiProcessingIter, "_shutdown_workers", ("self",)),
+    (MultiProcessingIter, "_next_data", ("self",)),
+    (MultiProcessingIter, "__next__", ("self",)),
+    (MultiProcessingIter, "__del__", ("self",)),
+    (torch.utils.data.DataLoader, "_get_iterator", ("self",)),
+)
+
+# -- torch's other private parts ---------------------------------------------------------------
+
+#: The code of ``torch._utils.ExceptionWrapper.reraise`` (None without it): its frame keeps a
+#: worker's exception alive in a cycle, and pinpool clears that frame's locals
+#: (``loader._unkeep``).
+RERAISE_CODE: CodeType | None = getattr(
+    getattr(getattr(torch._utils, "ExceptionWrapper", None), "reraise", None), "__code__", None
+)
+
+
+def profiler_enabled() -> bool:
+    """``torch._C._autograd._profiler_enabled()``: whether a torch profiler (or NVTX/ITT range
+    emitter) is recording; the iterator opens a profiler range per batch only then. True if
+    torch no longer has it (torch's own ``__next__`` then)."""
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return True if enabled is None else bool(enabled())
+
+
+#: ``torch._C._cuda_getCurrentRawStream(device_index)``: torch's current stream as a raw
+#: handle, without making a Stream object (``_main.delivery``); None without it (a build
+#: without CUDA), where ``torch.cuda.current_stream(...).cuda_stream`` serves.
+cuda_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+# -- multiprocessing ----------------------------------------------------------------------------
+
+#: ``multiprocessing.queues.Queue``, the class of torch's index queues: ``_main.index_queue``
+#: subclasses it and swaps a queue's ``__class__`` for that subclass before anything is put.
+MultiprocessingQueue = multiprocessing.queues.Queue
+
+#: The names pinpool reads on a ``multiprocessing.queues.Queue``, and what for.
+QUEUE_ATTRIBUTES: dict[str, str] = {
+    "_thread": "the feeder thread, None until the first put(): only such a queue is turned",
+    "_writer": "the pipe's writing end: its descriptor is handed to the Rust writer, which "
+    "frames messages as Connection.send_bytes does; closed with the queue",
+    "_reader": "the pipe's reading end (the workers' copy reads): closed with the queue",
+    "_sem": "the bounded semaphore put() acquires and the worker's get() releases",
+    "_closed": "whether close() was called: put() refuses, and no exit message is sent",
+}
+
+#: ``multiprocessing.context.get_spawning_popen()`` (undocumented): not None while a process
+#: is being started by spawn or a forkserver, the only time a pool hint pickles its pipe
+#: (``_wire.pool_hint``).
+get_spawning_popen: Callable[[], Any] = multiprocessing.context.get_spawning_popen
+
+# -- the check ------------------------------------------------------------------------------
+
+
+def check() -> list[str]:
+    """What is missing or changed on the installed torch (and multiprocessing), one line each;
+    empty when everything above is as pinpool expects. Reads torch's sources (no iterator is
+    made); never raises."""
+    problems: list[str] = []
+    for part in (_check_utils, _check_collate, _check_classes, _check_queue, _check_others):
+        try:
+            problems.extend(part())
+        except Exception as exc:  # (a check that cannot run is a finding too)
+            problems.append(f"{part.__name__[1:]} could not run: {exc!r}")
+    return problems
+
+
+def _check_utils() -> list[str]:
+    out = []
+    interval = getattr(_utils, "MP_STATUS_CHECK_INTERVAL", None)
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
+        out.append(f"torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL is {interval!r}")
+    if not isinstance(getattr(_utils, "python_exit_status", None), bool):
+        out.append("torch.utils.data._utils.python_exit_status is missing or not a bool")
+    if not callable(getattr(_utils.signal_handling, "_remove_worker_pids", None)):
+        out.append("torch.utils.data._utils.signal_handling._remove_worker_pids is missing")
+    return out
+
+
+def _check_collate() -> list[str]:
+    import inspect
+
+    out = []
+    for name in COLLATE_ATTRIBUTES:
+        if not hasattr(torch_collate, name):
+            out.append(f"torch.utils.data._utils.collate.{name} is missing")
+    for name in ("collate", "collate_tensor_fn"):
+        function = getattr(torch_collate, name, None)
+        if function is None:
+            continue
+        parameter = inspect.signature(function).parameters.get("collate_fn_map")
+        if parameter is None or parameter.kind is not inspect.Parameter.KEYWORD_ONLY:
+            out.append(f"torch.utils.data._utils.collate.{name} takes no keyword collate_fn_map")
+    table = getattr(torch_collate, "default_collate_fn_map", None)
+    if not isinstance(table, dict) or torch.Tensor not in table:
+        out.append("torch.utils.data._utils.collate.default_collate_fn_map has no torch.Tensor")
+    if getattr(torch_collate, "default_convert", None) is not torch.utils.data.default_convert:
+        out.append("torch.utils.data._utils.collate.default_convert is not torch's public one")
+    return out
+
+
+def _check_classes() -> list[str]:
+    import inspect
+
+    out = []
+    iterator, loader = MultiProcessingIter, torch.utils.data.DataLoader
+    for cls, name, expected in _SIGNATURES:
+        function = inspect.getattr_static(cls, name, None)
+        if not callable(function):
+            out.append(f"{cls.__name__}.{name} is missing")
+            continue
+        found = tuple(inspect.signature(function).parameters)
+        if found != expected:
+            out.append(f"{cls.__name__}.{name} takes {found}, not {expected}")
+    methods = {name for cls, name, _ in _SIGNATURES if cls is iterator}
+    assigned = assigned_attributes(iterator)
+    for name in ITERATOR_ATTRIBUTES:
+        if name not in methods and name not in assigned:
+            out.append(f"{iterator.__name__} no longer sets self.{name}")
+    if "_worker_queue_idx_cycle" not in assigned_attributes(iterator, "_reset"):
+        out.append(f"{iterator.__name__}._reset no longer sets self._worker_queue_idx_cycle")
+    for name in ("_index_sampler", "_auto_collation"):
+        if not isinstance(inspect.getattr_static(loader, name, None), property):
+            out.append(f"DataLoader.{name} is not a property")
+    if "_iterator" not in assigned_attributes(loader, "__init__"):
+        out.append("DataLoader.__init__ no longer sets self._iterator")
+    return out
+
+
+def _check_queue() -> list[str]:
+    import os
+    import struct
+
+    out = []
+    queue = MultiprocessingQueue
+    assigned = assigned_attributes(queue)
+    for name in QUEUE_ATTRIBUTES:
+        if name not in assigned:
+            out.append(f"multiprocessing.queues.Queue no longer sets self.{name}")
+    if "__slots__" in vars(queue):
+        out.append("multiprocessing.queues.Queue has __slots__ (its __class__ is swapped)")
+    if not callable(get_spawning_popen):
+        out.append("multiprocessing.context.get_spawning_popen is missing")
+    # The Rust writer frames a message as Connection.send_bytes does: the reader must take it.
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    try:
+        os.write(writer.fileno(), struct.pack("!i", 3) + b"abc")
+        if not reader.poll(1.0) or reader.recv_bytes() != b"abc":
+            out.append("multiprocessing.connection.Connection reads another framing")
+    finally:
+        reader.close()
+        writer.close()
+    return out
+
+
+def _check_others() -> list[str]:
+    out = []
+    if RERAISE_CODE is None:
+        out.append("torch._utils.ExceptionWrapper.reraise is missing")
+    if not callable(getattr(torch._C._autograd, "_profiler_enabled", None)):
+        out.append("torch._C._autograd._profiler_enabled is missing")
+    if cuda_raw_stream is None and torch.backends.cuda.is_built():
+        out.append("torch._C._cuda_getCurrentRawStream is missing (a build with CUDA)")
+    return out
+
+
+def assigned_attributes(cls: type, method: str | None = None) -> set[str]:
+    """The attribute names ``self.NAME = ...`` assigns (in a plain, annotated, augmented or
+    tuple assignment) in the methods of ``cls`` and of its bases with Python source, or only
+    in ``method`` of the class that defines it."""
+    import ast
+    import inspect
+    import textwrap
+
+    if method is not None:
+        owner = next(c for c in cls.__mro__ if method in vars(c))
+        sources = [inspect.getsource(vars(owner)[method])]
+    else:
+        sources = []
+        for c in cls.__mro__:
+            try:
+                sources.append(inspect.getsource(c))
+            except (OSError, TypeError):  # (object, and any class written in C)
+                pass
+    found: set[str] = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(textwrap.dedent(source))):
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets = [node.target]
+            else:
+                continue
+            while targets:
+                target = targets.pop()
+                if isinstance(target, (ast.Tuple, ast.List)):
+                    targets.extend(target.elts)
+                elif (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                ):
+                    found.add(target.attr)
+    return found
