@@ -1,5 +1,6 @@
 """The package's modules import each other without a circle (one may not be needed to load
-another that needs it), counting imports made inside functions too."""
+another that needs it), and the parts split by where their code runs keep apart: counting
+imports made inside functions too."""
 
 from __future__ import annotations
 
@@ -54,3 +55,27 @@ def test_no_import_circle_in_the_package() -> None:
         if n not in state:
             visit(n)
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+#: What each part of the package, split by where its code runs, may not import: the wire
+#: format both sides share stands on its own; the workers' side and the main process's side
+#: meet only through it.
+SEPARATE = {
+    "pinpool._wire": ("pinpool._main", "pinpool._worker"),
+    "pinpool._worker": ("pinpool._main",),
+    "pinpool._main": ("pinpool._worker",),
+}
+
+
+def test_the_wire_format_and_the_two_sides_import_only_what_they_may() -> None:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    wrong = []
+    for name, path in sorted(files.items()):
+        for part, forbidden in SEPARATE.items():
+            if name == part or name.startswith(part + "."):
+                wrong += [
+                    f"{name} imports {m}"
+                    for m in sorted(imports_of(path))
+                    if any(m == f or m.startswith(f + ".") for f in forbidden)
+                ]
+    assert not wrong, wrong
