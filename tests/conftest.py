@@ -124,8 +124,26 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
+def _same_as_copy_mode(item: pytest.Item) -> bool:
+    """Whether ``item`` runs a zero-copy mode with ``num_workers=0``, where zero-copy does
+    nothing (the batches are made in this process): the same test in the copy mode with the
+    same pin thread runs too."""
+    params = getattr(item, "callspec", None)
+    mode = params.params.get("loader_mode") if params is not None else None
+    return (
+        mode is not None and LOADER_MODES[mode].zero_copy and params.params.get("num_workers") == 0
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip every test marked ``@pytest.mark.cuda`` when no usable GPU is present."""
+    """Leave out the zero-copy runs that are copy-mode runs again (:func:`_same_as_copy_mode`,
+    unless ``--zero-copy`` asks for zero-copy alone); skip every test marked
+    ``@pytest.mark.cuda`` when no usable GPU is present."""
+    if not config.getoption("--zero-copy"):
+        again = [item for item in items if _same_as_copy_mode(item)]
+        if again:
+            config.hook.pytest_deselected(items=again)
+            items[:] = [item for item in items if not _same_as_copy_mode(item)]
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not cuda_items:
         return
