@@ -32,8 +32,9 @@ lint: build
 rust-test:
 	cargo test -q
 
-# Two pytest processes (the fault tests share one: tests/test_loader_faults.py says why); a
-# run that hangs is stopped with SIGABRT, and faulthandler prints where every thread was.
+# Two pytest processes (the fault tests share one: tests/faults/test_loader_faults.py says
+# why); a run that hangs is stopped with SIGABRT, and faulthandler prints where every thread
+# was.
 PYTEST := PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 20m $(PY) -m pytest -q -n 2 --dist loadgroup
 
 py-test: build
@@ -42,11 +43,12 @@ py-test: build
 	$(PYTEST)
 	# Once more as an unprivileged user (`nobody`): no capability hides a permission failure.
 	VENV=$(VENV) PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 10m tests/unprivileged.sh -q -n 2 \
-		--dist loadgroup -k "not pin-thread" tests/test_loader_faults.py tests/test_hardening.py
+		--dist loadgroup -k "not pin-thread" tests/faults/test_loader_faults.py \
+		tests/faults/test_hardening.py
 
 # The DataLoader suites with every test in all four loader modes (make test: the marked ones).
 test-modes: build
-	$(PYTEST) --modes all tests/test_loader.py tests/test_loader_faults.py
+	$(PYTEST) --modes all tests/loader/test_loader.py tests/faults/test_loader_faults.py
 
 # The CPU suite on the oldest torch pinpool supports (python/pinpool/_torch_versions.py), in a
 # venv of its own; `make test` runs the newest.
@@ -66,7 +68,7 @@ test-oldest: $(OLD_STAMP)
 
 # The fuzz tests at length (`make test` runs a bounded number of examples).
 fuzz: build
-	PINPOOL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/test_fuzz.py
+	PINPOOL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/faults/test_fuzz.py
 
 bench:
 	cargo bench --bench checkout

@@ -26,7 +26,8 @@ while [ $# -gt 0 ]; do
   case $stage in
     tests) "${pytest[@]}" tests >"$out/tests.log" 2>&1 || status=1; tail -n 40 "$out/tests.log" ;;
     zero-copy-tests)
-      "${pytest[@]}" --zero-copy tests/test_loader.py tests/test_loader_faults.py tests/test_loader_cuda.py \
+      "${pytest[@]}" --zero-copy tests/loader/test_loader.py tests/faults/test_loader_faults.py \
+        tests/gpu/test_loader_cuda.py \
         >"$out/zero-copy-tests.log" 2>&1 || status=1
       tail -n 40 "$out/zero-copy-tests.log"
       ;;

@@ -26,8 +26,9 @@ while [ $# -gt 0 ]; do
       cat "$out/topology.txt"
       ;;
     tests)
-      python3 -m pytest -q -rfE -s -p no:cacheprovider tests/test_distributed.py tests/test_cuda.py \
-        tests/test_topology.py tests/test_pool.py >"$out/tests.log" 2>&1 || status=1
+      python3 -m pytest -q -rfE -s -p no:cacheprovider tests/frameworks/test_distributed.py \
+        tests/gpu/test_cuda.py tests/unit/test_topology.py tests/unit/test_pool.py \
+        >"$out/tests.log" 2>&1 || status=1
       grep -E "passed|failed|FAILED|placement|arena" "$out/tests.log" | tail -n 20
       ;;
     train)

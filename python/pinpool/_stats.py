@@ -3,7 +3,7 @@ so that a type checker knows each key and its type (at run time they are plain d
 
 Invariants: :class:`PoolStats` has exactly the keys the Rust pool's ``stats()`` sets
 (``src/python/pool.rs``, ``stats_dict``) and :class:`LoaderStats` the loader's own keys plus
-those; ``tests/test_typing.py`` compares both with real ``stats()`` results.
+those; ``tests/package/test_typing.py`` compares both with real ``stats()`` results.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ Invariants:
 
 - Every private name of torch's or multiprocessing's that pinpool's package uses is reached
   through this module: the other modules import the objects below from here and never spell
-  a private torch or multiprocessing path themselves (``tests/test_torch_contract.py`` scans
-  for them). The one exception is ``_cuda_stream``, which reads ``torch._C``'s
-  ``_cuda_getCurrentRawStream`` itself, as :data:`cuda_raw_stream` does here: it runs when
-  any slot is released, and importing pinpool must not import torch. ``pinpool.bench`` keeps
-  its own.
+  a private torch or multiprocessing path themselves
+  (``tests/package/test_torch_contract.py`` scans for them). The one exception is
+  ``_cuda_stream``, which reads ``torch._C``'s ``_cuda_getCurrentRawStream`` itself, as
+  :data:`cuda_raw_stream` does here: it runs when any slot is released, and importing
+  pinpool must not import torch. ``pinpool.bench`` keeps its own.
 - Attributes read or set on torch's iterator, on the DataLoader or on a multiprocessing queue
   are named in :data:`ITERATOR_ATTRIBUTES`, :data:`LOADER_ATTRIBUTES` and
   :data:`QUEUE_ATTRIBUTES` (each name with what pinpool uses it for); the modules keep using

@@ -1,11 +1,11 @@
 """pinpool.DataLoader in plain data-parallel training: two CPU ranks (gloo) under torchrun,
 launched the way users launch them (``python -m torch.distributed.run --standalone``).
 
-The ranks run ``tests/frameworks/ddp_ranks.py`` (its docstring says what each rank checks);
-this file launches it twice, once per mode, and checks from outside what only the outside can
-see: what torchrun's exit leaves behind. Every process of a launch (torchrun, the ranks, their
-DataLoader workers) carries a marker in its environment, and every worker records its pid, so
-that a process left over is found whatever its command line says.
+The ranks run ``tests/frameworks/scripts/ddp_ranks.py`` (its docstring says what each rank
+checks); this file launches it twice, once per mode, and checks from outside what only the
+outside can see: what torchrun's exit leaves behind. Every process of a launch (torchrun, the
+ranks, their DataLoader workers) carries a marker in its environment, and every worker records
+its pid, so that a process left over is found whatever its command line says.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-SCRIPT = HERE / "frameworks" / "ddp_ranks.py"
+SCRIPT = HERE / "scripts" / "ddp_ranks.py"
 MARKER = "PINPOOL_DDP_TEST_RUN"
 
 
@@ -85,7 +85,7 @@ def torchrun(out: Path, mode: str) -> tuple[int, str, str]:
     output and the launch's tag. The output goes to a file, not a pipe: this returns when
     torchrun exits, not when the last process holding a pipe's end does."""
     tag = uuid.uuid4().hex
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), *sys.path]))
     env[MARKER] = tag
     # The ranks check the copy threads pinpool picks by itself for ranks sharing a host.
     env.pop("PINPOOL_COPY_THREADS", None)

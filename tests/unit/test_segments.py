@@ -4,7 +4,7 @@ unmapping never blocks other Python threads.
 
 ``PinPool.map_segment``, ``PinPool.copy_into`` and ``pinpool.Segment`` were removed; their
 checks moved here onto ``SegmentCache``/``WorkerSegment``/``check_segment`` (and, for the seal
-check, into ``tests/test_hardening.py``). Dropped, as covered elsewhere:
+check, into ``tests/faults/test_hardening.py``). Dropped, as covered elsewhere:
 - a ``Segment`` closed by ``close()``, ``with`` or garbage collection goes to the reclaimer:
   ``test_segment_cache_round_trip`` (retire, and replacement by a second ``insert``),
   ``test_segment_cache_retire_all`` and ``test_segment_cache_dropping_retires_everything``;

@@ -1,8 +1,8 @@
 """``accelerator.prepare`` with a ``pinpool.DataLoader``, on every rank, in copy and in
 zero-copy mode (one launch for both).
 
-    python tests/frameworks/accelerate_ranks.py OUT_DIR                         (one process)
-    torchrun --nproc-per-node 2 tests/frameworks/accelerate_ranks.py OUT_DIR    (two CPU ranks)
+    python tests/frameworks/scripts/accelerate_ranks.py OUT_DIR                      (one process)
+    torchrun --nproc-per-node 2 tests/frameworks/scripts/accelerate_ranks.py OUT_DIR (two CPU ranks)
 
 accelerate is imported before pinpool here (the in-process tests import pinpool first), so
 the hook patches a module already loaded. For each mode, each rank trains a few steps on the

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "python" / "pinpool"
+PACKAGE = Path(__file__).resolve().parent.parent.parent / "python" / "pinpool"
 
 
 def imports_of(path: Path) -> set[str]:

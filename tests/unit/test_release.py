@@ -138,7 +138,7 @@ print("done", flush=True)
 @pytest.mark.slow
 def test_exiting_with_pools_and_a_loader_alive_neither_hangs_nor_fails() -> None:
     before = shm_entries()
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", EXIT_SCRIPT.format(tests=tests)],

@@ -2,7 +2,7 @@
 
 Run as a script (Lightning's launcher starts rank 1 by running this file again):
 
-    python tests/frameworks/lightning_ddp.py OUT_DIR [hook|passed]
+    python tests/frameworks/scripts/lightning_ddp.py OUT_DIR [hook|passed]
 
 ``hook``: the loader is made in ``train_dataloader`` (and ``pinpool`` first imported there);
 ``passed``: made up front and handed to ``Trainer.fit``. Each rank writes

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _HEADING = re.compile(r"^#+ (.*)$", re.M)

@@ -1,8 +1,8 @@
 """Plain data-parallel training's loading, as users run it: torchrun, one process per rank, a
 gloo group, a ``DistributedSampler`` and a ``pinpool.DataLoader`` in each rank.
 
-    torchrun --standalone --nproc-per-node 2 tests/frameworks/ddp_ranks.py OUT_DIR check
-    torchrun --standalone --nproc-per-node 2 tests/frameworks/ddp_ranks.py OUT_DIR die
+    torchrun --standalone --nproc-per-node 2 tests/frameworks/scripts/ddp_ranks.py OUT_DIR check
+    torchrun --standalone --nproc-per-node 2 tests/frameworks/scripts/ddp_ranks.py OUT_DIR die
 
 ``check``: for 2 epochs (``set_epoch`` each), every rank's batches from a
 ``pinpool.DataLoader`` in copy mode and from one in zero-copy mode (2 workers each) must be

@@ -5,7 +5,7 @@ settings (counted by ``stats()``, lying in the loader's arena), yield what accel
 shard of a torch loader yields from the same seeds, and resume from a state taken mid-epoch;
 where pinpool cannot put its loader there, a warning (once) says so and ``pinpool.prepare``
 still keeps the pool. One process here; two CPU ranks, copy and zero-copy, in
-``tests/test_frameworks.py`` (``tests/frameworks/accelerate_ranks.py``).
+``tests/frameworks/test_frameworks.py`` (``tests/frameworks/scripts/accelerate_ranks.py``).
 """
 
 from __future__ import annotations

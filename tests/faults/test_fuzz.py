@@ -23,7 +23,7 @@ fuzzer finds such a bug without taking the machine's memory with it.
 ``make test`` runs a bounded fuzz (``max_examples`` below per test; well under a minute on two
 cores). The longer run, with more examples per test:
 
-    PINPOOL_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest -q tests/test_fuzz.py
+    PINPOOL_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest -q tests/faults/test_fuzz.py
 
 hypothesis keeps the failures it finds in ``.hypothesis/`` and tries them first next time.
 """

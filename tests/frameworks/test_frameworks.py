@@ -36,9 +36,9 @@ def rebuilt(loader: Any) -> Any:
 
 
 def run_ranks(tmp_path: Path, command: list[str]) -> list[dict[str, Any]]:
-    """Runs a script under ``tests/frameworks`` (``command``, with the output dir put after
-    the script's path) and returns the reports its ranks wrote."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+    """Runs a script under ``tests/frameworks/scripts`` (``command``, with the output dir put
+    after the script's path) and returns the reports its ranks wrote."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), *sys.path]))
     script = next(i for i, part in enumerate(command) if part.endswith(".py"))
     argv = [*command[: script + 1], str(tmp_path), *command[script + 1 :]]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
@@ -166,7 +166,7 @@ def test_lightning_ddp_with_two_cpu_ranks(tmp_path: Path, how: str) -> None:
     """``strategy="ddp"``, 2 CPU ranks (gloo): Lightning puts a DistributedSampler in by
     rebuilding the loader. With ``hook``, pinpool is first imported inside the hook, after
     Lightning has wrapped the DataLoader classes that existed then."""
-    script = HERE / "frameworks" / "lightning_ddp.py"
+    script = HERE / "scripts" / "lightning_ddp.py"
     reports = run_ranks(tmp_path, [sys.executable, str(script), how])
     assert [r["rank"] for r in reports] == [0, 1]
     seen = sorted(i for r in reports for i in r["seen"])
@@ -184,9 +184,10 @@ def test_accelerate_prepare_keeps_the_pool_on_two_cpu_ranks(tmp_path: Path) -> N
     """``accelerator.prepare`` of a pinpool loader on two CPU ranks under torchrun (gloo),
     copy then zero-copy in the one launch: each rank's batches come from its own pool, are
     the ones accelerate's own shard gives that rank, and together cover the dataset once; a
-    state taken mid-epoch resumes the rank's rest. One process: tests/test_accelerate.py."""
+    state taken mid-epoch resumes the rank's rest. One process:
+    tests/frameworks/test_accelerate.py."""
     pytest.importorskip("accelerate")
-    script = str(HERE / "frameworks" / "accelerate_ranks.py")
+    script = str(HERE / "scripts" / "accelerate_ranks.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script]
     reports = run_ranks(tmp_path, command)
     assert [(r["rank"], r["ranks"]) for r in reports] == [(0, 2), (1, 2)]
@@ -253,7 +254,7 @@ def test_lightning_fit_with_batches_delivered_on_the_gpu() -> None:
 
 def guide_block(heading: str, index: int) -> str:
     """The ``index``-th python code block under the user guide's ``heading``."""
-    text = (HERE.parent / "docs" / "guide.md").read_text()
+    text = (HERE.parent.parent / "docs" / "guide.md").read_text()
     section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n")[index + 1].split("```", 1)[0]
 
@@ -261,8 +262,8 @@ def guide_block(heading: str, index: int) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1], ids=["lightning", "accelerate"])
 def test_the_guide_snippets_run_and_count_their_batches(index: int) -> None:
-    # tests/test_docs.py runs them too; here each in an interpreter of its own, and what
-    # they print is checked.
+    # tests/package/test_docs.py runs them too; here each in an interpreter of its own, and
+    # what they print is checked.
     code = guide_block("## Lightning and accelerate", index)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run(

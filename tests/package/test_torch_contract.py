@@ -18,7 +18,7 @@ import torch.utils.data
 from pinpool import _torch_contract as contract
 from pinpool._torch_contract import MultiProcessingIter, check
 
-PACKAGE = Path(__file__).resolve().parent.parent / "python" / "pinpool"
+PACKAGE = Path(__file__).resolve().parent.parent.parent / "python" / "pinpool"
 
 #: Private torch and multiprocessing paths, as a module could spell them.
 PRIVATE_PATHS = {

@@ -501,7 +501,7 @@ def test_running_out_of_fds_is_not_reported_as_a_dead_worker() -> None:
     code = textwrap.dedent(
         f"""
         import gc, os, resource, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(__file__))!r})
         import pinpool
         from handles import HandleFactory
         from loader_datasets import Indexed

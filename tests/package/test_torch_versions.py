@@ -12,7 +12,7 @@ import torch
 from pinpool import _torch_versions
 from pinpool._torch_versions import NEWEST, OLDEST, check, parse
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def test_versions_parse() -> None:
