@@ -244,24 +244,21 @@ def run_round_trip(
     compare_loaders(ds, pin_kw=pin_kw, **kw)
 
 
-FAST = settings(
-    max_examples=12,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,  # (loader_mode: the same for every example)
-    ],
-)
-WORKERS = settings(
-    max_examples=5,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,  # (loader_mode: the same for every example)
-    ],
-)
+def examples(n: int) -> settings:
+    """Hypothesis settings for ``n`` examples of a loader round trip."""
+    return settings(
+        max_examples=n,
+        deadline=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.function_scoped_fixture,  # (loader_mode: the same for every example)
+        ],
+    )
+
+
+FAST = examples(12)  # in this process
+WORKERS = examples(5)  # each example starts workers
 
 default_collate_schema = tree_schema(none=False, reversed_=False, odd_numpy=False)
 kept_schema = tree_schema(none=True, reversed_=True, odd_numpy=True)
