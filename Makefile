@@ -32,19 +32,20 @@ lint: build
 rust-test:
 	cargo test -q
 
-# Two pytest processes (the fault tests share one: tests/faults/test_loader_faults.py says
-# why); a run that hangs is stopped with SIGABRT, and faulthandler prints where every thread
-# was.
-PYTEST := PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 20m $(PY) -m pytest -q -n 2 --dist loadgroup
+# A run that hangs is stopped with SIGABRT, and faulthandler prints where every thread was.
+PYTEST := PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 20m $(PY) -m pytest -q
 
 py-test: build
-	# Everything; the DataLoader tests marked every_mode in all four loader modes (copy and
-	# zero-copy, each with and without torch's pin thread: tests/conftest.py, loader_mode).
-	$(PYTEST)
+	# Everything but the fault tests, in two processes; the DataLoader tests marked every_mode
+	# in all four loader modes (copy and zero-copy, each with and without torch's pin thread:
+	# tests/conftest.py, loader_mode).
+	$(PYTEST) -n 2 -m "not faults"
+	# The fault tests, alone: they count this process's fds and children and the machine's
+	# /dev/shm entries, and time how soon a worker's death is noticed.
+	$(PYTEST) -m faults
 	# Once more as an unprivileged user (`nobody`): no capability hides a permission failure.
-	VENV=$(VENV) PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 10m tests/unprivileged.sh -q -n 2 \
-		--dist loadgroup -k "not pin-thread" tests/faults/test_loader_faults.py \
-		tests/faults/test_hardening.py
+	VENV=$(VENV) PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 10m tests/unprivileged.sh -q \
+		-k "not pin-thread" tests/faults/test_loader_faults.py tests/faults/test_hardening.py
 
 # The DataLoader suites with every test in all four loader modes (make test: the marked ones).
 test-modes: build
@@ -64,7 +65,8 @@ $(OLD_STAMP): requirements-oldest.txt
 test-oldest: $(OLD_STAMP)
 	VIRTUAL_ENV=$(abspath $(OLD_VENV)) $(OLD_VENV)/bin/maturin develop --release -q
 	$(OLD_VENV)/bin/python -c 'import torch; print("torch", torch.__version__)'
-	$(OLD_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup
+	$(OLD_VENV)/bin/python -m pytest -q -n 2 -m "not faults"
+	$(OLD_VENV)/bin/python -m pytest -q -m faults
 
 # The fuzz tests at length (`make test` runs a bounded number of examples).
 fuzz: build

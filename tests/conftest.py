@@ -47,10 +47,12 @@ def shm_entries_left(before: frozenset[str], settle: float = 5.0) -> list[str]:
     """The entries ``/dev/shm`` gained since ``before`` that are still there, given up to
     ``settle`` seconds to go: ``/dev/shm`` is the machine's, and entries that come and go
     (torch and multiprocessing remove theirs at once; another test's, run alongside) are no
-    leak."""
+    leak. multiprocessing's named semaphores (``sem.mp-*``) are not counted: pinpool makes
+    none, and those of a loader whose workers start with spawn or a forkserver, in a test run
+    alongside, stay for the loader's life."""
     deadline = time.monotonic() + settle
     while True:
-        left = sorted(shm_entries() - before)
+        left = sorted(n for n in shm_entries() - before if not n.startswith("sem.mp-"))
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)

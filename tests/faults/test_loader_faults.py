@@ -42,10 +42,10 @@ from loader_datasets import (
 import pinpool
 
 #: Every test here runs in copy mode; those marked ``every_mode`` in all four loader modes
-#: (``tests/conftest.py``: ``loader_mode``). Under ``pytest -n``, one process runs them all,
-#: one after another, with the worker-death tests (``faults``: they count processes, fds and
-#: /dev/shm entries, and time how soon a death is noticed).
-pytestmark = [pytest.mark.usefixtures("loader_mode"), pytest.mark.xdist_group("faults")]
+#: (``tests/conftest.py``: ``loader_mode``). Marked ``faults``: they count this process's fds
+#: and children and the machine's /dev/shm entries, and time how soon a death is noticed, so
+#: ``make test`` runs them in a process of their own, with nothing else running.
+pytestmark = [pytest.mark.usefixtures("loader_mode"), pytest.mark.faults]
 
 MiB = 1 << 20
 

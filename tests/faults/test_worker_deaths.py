@@ -34,8 +34,8 @@ from loader_datasets import Dying, Indexed
 import pinpool
 import pinpool._wire.peer
 
-#: Under ``pytest -n``: in the process that runs the fault tests (``test_loader_faults.py``).
-pytestmark = pytest.mark.xdist_group("faults")
+#: Run alone, as the other fault tests (``test_loader_faults.py`` says why).
+pytestmark = pytest.mark.faults
 
 MiB = 1 << 20
 #: (zero_copy, torch's pin thread)
