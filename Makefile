@@ -43,9 +43,11 @@ py-test: build
 	# The fault tests, alone: they count this process's fds and children and the machine's
 	# /dev/shm entries, and time how soon a worker's death is noticed.
 	$(PYTEST) -m faults
-	# Once more as an unprivileged user (`nobody`): no capability hides a permission failure.
+	# Once more as an unprivileged user (`nobody`): no capability hides a permission failure
+	# (the hardening tests, and the fault tests of every mode, copy and zero-copy).
 	VENV=$(VENV) PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 10m tests/unprivileged.sh -q \
-		-k "not pin-thread" tests/faults/test_loader_faults.py tests/faults/test_hardening.py
+		-k "not pin-thread" -m "every_mode or not faults" tests/faults/test_loader_faults.py \
+		tests/faults/test_hardening.py
 
 # The DataLoader suites with every test in all four loader modes (make test: the marked ones).
 test-modes: build
