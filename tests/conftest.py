@@ -261,6 +261,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("loader_mode", names, indirect=True)
 
 
+def fake_pin_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes torch's DataLoader start its pin thread on a machine with no accelerator (as on
+    a GPU machine); skips the test where that cannot be done: a torch that decides through
+    ``torch.cuda`` rather than ``torch.accelerator`` (2.6) starts it only where CUDA is."""
+    import inspect
+
+    import torch
+    import torch.utils.data.dataloader
+
+    if torch.accelerator.is_available():
+        return  # the real thing
+    if "accelerator" not in inspect.getsource(torch.utils.data.dataloader._BaseDataLoaderIter):
+        pytest.skip(f"torch {torch.__version__} starts its pin thread only where CUDA is")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+
+
 @pytest.fixture
 def loader_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> LoaderMode:
     """The test's :class:`LoaderMode` (chosen by :func:`pytest_generate_tests`), in force: every
@@ -276,15 +295,7 @@ def loader_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         defaults["zero_copy"] = True
         monkeypatch.setattr(pinpool.loader.DataLoader.__init__, "__kwdefaults__", defaults)
     if mode.pin_thread:
-        import torch
-
-        if not torch.accelerator.is_available():  # (else: the real thing)
-            monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-            monkeypatch.setattr(
-                torch.accelerator, "current_accelerator", lambda *a: torch.device("cuda")
-            )
-            monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-            monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+        fake_pin_thread(monkeypatch)
     return mode
 
 

@@ -886,20 +886,23 @@ def test_worker_init_fn_sets_attributes_on_the_callers_dataset() -> None:
 
 
 def test_samples_unlike_the_first_fall_back_to_torchs_collation() -> None:
-    def raise_alike(samples: list[Any], error: type[Exception], match: str) -> None:
+    def raise_alike(samples: list[Any], match: str) -> None:
+        """pinpool's loader raises what torch's does (its type varies with torch's version)."""
         pin = pinpool.DataLoader(ListDataset(samples), batch_size=4, num_workers=2)
         ref = torch.utils.data.DataLoader(ListDataset(samples), batch_size=4, num_workers=2)
-        for it in (ref, pin):
-            with pytest.raises(error, match=match):
-                for batch in it:
-                    del batch
+        with pytest.raises(Exception, match=match) as torchs:
+            for batch in ref:
+                del batch
+        with pytest.raises(torchs.type, match=match):
+            for batch in pin:
+                del batch
 
     samples = big_mixed_samples(8)
     samples[6]["depth"] = samples[6]["depth"][:, :60].copy()
-    raise_alike(samples, RuntimeError, "storage|equal size")
+    raise_alike(samples, "storage|equal size")
     # Mixed dtypes: torch stacks into shared memory of the first sample's dtype in a worker
     # (and fails), and promotes in the main process.
     samples = big_mixed_samples(8)
     samples[5]["image"] = samples[5]["image"].float()
-    raise_alike(samples, TypeError, "can't be cast")
+    raise_alike(samples, "can't be cast")
     compare_loaders(ListDataset(samples), batch_size=4, num_workers=0)

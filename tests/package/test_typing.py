@@ -64,10 +64,10 @@ with pool.checkout() as slot:
     assert_type(slot.view("float32", [2, 2]), Tensor | npt.NDArray[Any])
     assert_type(slot.view(np.int64, np.int64(3)), Tensor | npt.NDArray[Any])
     array = np.frombuffer(slot, dtype=np.uint8)  # the buffer protocol (PEP 688)
-    assert_type(array, np.ndarray[tuple[Any, ...], np.dtype[np.uint8]])
+    assert_type(array, npt.NDArray[np.uint8])  # (numpy's own alias: its shape type varies)
     floats = np.frombuffer(memoryview(slot), dtype=np.float32)  # (before 3.12's typing too)
     view: memoryview = memoryview(slot)  # (the stub declares __buffer__)
-    assert_type(floats, np.ndarray[tuple[Any, ...], np.dtype[np.float32]])
+    assert_type(floats, npt.NDArray[np.float32])
 """
 
 #: Mistakes a type checker must report, each marked with the error code mypy gives it.

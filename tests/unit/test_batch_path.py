@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import fake_pin_thread
 from loader_datasets import Indexed, Sized
 
 import pinpool
@@ -180,12 +181,7 @@ def test_next_opens_a_profiler_range_only_while_a_profiler_records(
 @pytest.fixture
 def pin_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's DataLoader starts its pin thread (as on a GPU machine; see conftest.py)."""
-    if torch.accelerator.is_available():
-        return
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: torch.device("cuda"))
-    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    fake_pin_thread(monkeypatch)
 
 
 @pytest.mark.usefixtures("pin_thread")
