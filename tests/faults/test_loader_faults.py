@@ -515,7 +515,10 @@ def test_owned_pool_goes_with_the_loader() -> None:
     assert own.closed
     pinpool.wait_for_releases(timeout=60)  # (a part still being made holds the pool a while)
     s = own.stats()
-    assert s["slots_checked_out"] == 0 and s["slots_free"] == own.num_slots, s
+    # (free, or never made ready: the prepare thread runs at idle priority, and on a busy
+    # machine the pool may close before it came to the rest of the arena)
+    assert s["slots_checked_out"] == 0 and s["bytes_checked_out"] == 0, s
+    assert s["bytes_free"] + s["bytes_preparing"] == own.arena_bytes, s
     assert s["segments_mapped"] == s["segments_unmapped"] >= 2, s
     # (with torch's pin thread, batches decoded ahead count too)
     assert s["checkouts"] == s["releases"] >= 3, s
@@ -540,7 +543,10 @@ def test_owned_pool_stats_after_a_batch_outlives_the_loader() -> None:
     s = own.stats()
     # (with torch's pin thread, batches decoded ahead count too)
     assert s["releases"] == s["checkouts"] >= 1, s
-    assert s["slots_checked_out"] == 0 and s["slots_free"] == own.num_slots, s
+    # (free, or never made ready: the prepare thread runs at idle priority, and on a busy
+    # machine the pool may close before it came to the rest of the arena)
+    assert s["slots_checked_out"] == 0 and s["bytes_checked_out"] == 0, s
+    assert s["bytes_free"] + s["bytes_preparing"] == own.arena_bytes, s
 
 
 @pytest.mark.every_mode
