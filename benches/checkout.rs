@@ -316,9 +316,9 @@ fn release_queued(c: &mut Criterion) {
             let fences = Arc::new(ManualFences::new());
             let pool = Pool::with_fences(&PoolConfig::host(4096, n), Box::new(Arc::clone(&fences)))
                 .expect("host pool with fences");
-            let tickets: Vec<_> = (0..n).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+            let checkouts: Vec<_> = (0..n).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
             let t0 = Instant::now();
-            for t in tickets {
+            for t in checkouts {
                 pool.release(black_box(t), Some(10)).unwrap();
             }
             let took = t0.elapsed();

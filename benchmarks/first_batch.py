@@ -85,7 +85,7 @@ def main() -> None:
                 flush=True,
             )
             del batch, it, loader
-            pinpool.wait_for_releases(timeout=60)
+            pinpool.wait_for_freed_pools(timeout=60)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def main() -> None:
         medians = " ".join(f"{c}={np.median(a[:, j]):.3f}" for j, c in enumerate(COLUMNS))
         p90 = f"p90 next={np.percentile(a[:, 1], 90):.3f} gap={np.percentile(a[:, 0], 90):.3f}"
         print(f"   medians: {medians}  {p90}", flush=True)
-        pinpool.wait_for_releases(timeout=60)
+        pinpool.wait_for_freed_pools(timeout=60)
     stop.set()
 
 

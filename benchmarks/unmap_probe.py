@@ -105,7 +105,7 @@ def main() -> None:
         "--pinpool",
         action="store_true",
         help="instead, free a pinpool arena of --mib MiB (host memory without CUDA, else the "
-        "pool's default on the current device): close() then wait_for_releases(); the chunk "
+        "pool's default on the current device): close() then wait_for_freed_pools(); the chunk "
         "size is pinpool's own",
     )
     ap.add_argument("--out")
@@ -123,7 +123,7 @@ def main() -> None:
                 time.sleep(0.05)
                 t0 = time.perf_counter()
                 pool.close()
-                pinpool.wait_for_releases()
+                pinpool.wait_for_freed_pools()
                 t1 = time.perf_counter()
             else:
                 fd, addr = mapped(nbytes)

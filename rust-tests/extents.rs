@@ -13,24 +13,24 @@ use std::time::Duration;
 use pinpool::cuda::StreamHandle;
 use pinpool::fence::ManualFences;
 use pinpool::shm::page_size;
-use pinpool::{Pool, PoolConfig, Ticket};
+use pinpool::{Checkout, Pool, PoolConfig};
 use proptest::prelude::*;
 
-/// A slot the test holds: its ticket, where it is, and the byte it was filled with.
+/// A slot the test holds: its checkout, where it is, and the byte it was filled with.
 #[derive(Debug, Clone, Copy)]
 struct Held {
-    ticket: Ticket,
+    checkout: Checkout,
     ptr: usize,
     len: usize,
     fill: u8,
 }
 
-fn fill(pool: &Pool, ticket: Ticket, fill: u8) -> Held {
-    let ptr = pool.slot_ptr(ticket).unwrap();
-    let len = pool.slot_len(ticket).unwrap();
+fn fill(pool: &Pool, checkout: Checkout, fill: u8) -> Held {
+    let ptr = pool.slot_ptr(checkout).unwrap();
+    let len = pool.slot_len(checkout).unwrap();
     // SAFETY: the slot is checked out to this test, `len` bytes long, inside the live arena.
     unsafe { std::ptr::write_bytes(ptr, fill, len) };
-    Held { ticket, ptr: ptr as usize, len, fill }
+    Held { checkout, ptr: ptr as usize, len, fill }
 }
 
 fn intact(h: &Held) -> bool {
@@ -108,9 +108,9 @@ proptest! {
                 }
                 Op::Release(i, stream) if !held.is_empty() => {
                     let h = held.swap_remove(i % held.len());
-                    prop_assert!(intact(&h), "slot {:?} overwritten while held", h.ticket);
-                    pool.release(h.ticket, stream).unwrap();
-                    prop_assert!(pool.release(h.ticket, stream).is_err());
+                    prop_assert!(intact(&h), "slot {:?} overwritten while held", h.checkout);
+                    pool.release(h.checkout, stream).unwrap();
+                    prop_assert!(pool.release(h.checkout, stream).is_err());
                     if let Some(s) = stream {
                         fenced.push((h, s, false));
                     }
@@ -130,29 +130,29 @@ proptest! {
             // bytes are untouched while it is fenced, whatever was checked out since; and it
             // is freed only after its stream completed.
             for (h, s, completed) in std::mem::take(&mut fenced) {
-                if pool.is_fenced(h.ticket) {
-                    prop_assert!(intact(&h), "fenced slot {:?} reused early", h.ticket);
+                if pool.is_fenced(h.checkout) {
+                    prop_assert!(intact(&h), "fenced slot {:?} reused early", h.checkout);
                     fenced.push((h, s, completed));
                 } else {
-                    prop_assert!(completed, "slot {:?} freed before its fence", h.ticket);
+                    prop_assert!(completed, "slot {:?} freed before its fence", h.checkout);
                 }
             }
             for h in &held {
-                prop_assert!(intact(h), "slot {:?} overwritten", h.ticket);
+                prop_assert!(intact(h), "slot {:?} overwritten", h.checkout);
             }
         }
         // The end: everything released, every fence completed; every byte comes back, and
         // each part can be taken whole.
         for h in held.drain(..) {
             prop_assert!(intact(&h));
-            pool.release(h.ticket, None).unwrap();
+            pool.release(h.checkout, None).unwrap();
         }
         pool.retire_fences(); // (records a fence for every release still queued)
         fences.complete_all();
         pool.retire_fences();
         let b = pool.bytes();
         prop_assert_eq!((b.free, b.checked_out, b.fenced), (PARTS * SLOT, 0, 0));
-        let whole: Vec<Ticket> = (0..PARTS)
+        let whole: Vec<Checkout> = (0..PARTS)
             .map(|_| pool.try_checkout_bytes(SLOT, 0).unwrap().expect("a part's worth"))
             .collect();
         prop_assert!(pool.try_checkout_bytes(1, 0).unwrap().is_none());

@@ -3,20 +3,20 @@
 //! A [`SlotTable`] plus a [`FenceTracker`] over [`ManualFences`] are driven by random sequences
 //! of operations; a model of the same operations predicts every result. The model holds:
 //!
-//! - a `Vec` of slot states and generations, and every ticket ever handed out;
-//! - the release queue: `(ticket, stream)` of every fenced release whose fence is not recorded
+//! - a `Vec` of slot states and generations, and every checkout ever handed out;
+//! - the release queue: `(checkout, stream)` of every fenced release whose fence is not recorded
 //!   yet, in release order;
 //! - every fence `ManualFences` has recorded, as `(stream, done)` (its id is its position);
-//! - the fences in flight: a fence id and the tickets behind it.
+//! - the fences in flight: a fence id and the checkouts behind it.
 //!
 //! A retire first records one fence per distinct stream over the queue (streams in order of
-//! first appearance), then polls the fences in flight in order and frees the tickets behind the
+//! first appearance), then polls the fences in flight in order and frees the checkouts behind the
 //! completed ones. A fence that cannot be recorded or queried makes the tracker wait for the
 //! whole device (`wait_all`, which in `ManualFences` completes every fence recorded so far),
-//! then free its tickets, and count an error.
+//! then free its checkouts, and count an error.
 //!
 //! After every step the test compares the whole observable state: `counts()`, `state(i)` of
-//! every slot, `is_live` of every ticket ever issued, the tracker's pending and error counts,
+//! every slot, `is_live` of every checkout ever issued, the tracker's pending and error counts,
 //! `manual.recorded()` and `manual.waits()`. Independently of the model it also checks the
 //! safety property itself: a slot released behind a fence on stream `s` is free again only once
 //! the first fence recorded on `s` after that release has completed, or the device was waited
@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use pinpool::cuda::StreamHandle;
 use pinpool::fence::{FenceId, FenceTracker, Fences, ManualFences};
 use pinpool::slots::{Counts, SlotTable, State};
-use pinpool::{Error, Result, Ticket};
+use pinpool::{Checkout, Error, Result};
 use proptest::prelude::*;
 
 /// The arena's page size: the tables here have one-page slots.
@@ -79,16 +79,16 @@ impl Fences for FlakyFences {
     }
 }
 
-/// Which ticket an operation uses.
+/// Which checkout an operation uses.
 #[derive(Debug, Clone, Copy)]
 enum Pick {
-    /// A ticket that is currently checked out (falls back to any ticket if none is).
+    /// A checkout that is currently checked out (falls back to any checkout if none is).
     Live(usize),
-    /// A ticket whose checkout has ended (falls back to any ticket if none has).
+    /// A checkout that has ended (falls back to any checkout if none has).
     Stale(usize),
-    /// The most recently released ticket: a second release of it.
+    /// The most recently released checkout: a second release of it.
     LastReleased,
-    /// A ticket the table never issued: a live slot's index with a future generation, or an
+    /// A checkout the table never issued: a live slot's index with a future generation, or an
     /// index past the end.
     Forged(u32, bool),
 }
@@ -100,9 +100,9 @@ enum Op {
     /// What a pool's checkout does: try, retire fences, try again, and when nothing is free, a
     /// short `wait` that must come back empty-handed.
     Checkout,
-    /// `table.release(ticket, false)`.
+    /// `table.release(checkout, false)`.
     Release(Pick),
-    /// `tracker.release_fenced(&table, ticket, stream)`: queues, records nothing.
+    /// `tracker.release_fenced(&table, checkout, stream)`: queues, records nothing.
     ReleaseFenced(Pick, StreamHandle),
     /// `manual.complete_stream(stream)`: the GPU reached every fence recorded on `stream`.
     CompleteStream(StreamHandle),
@@ -110,9 +110,9 @@ enum Op {
     CompleteAll,
     /// `tracker.retire_ready(&table)`.
     RetireReady,
-    /// `table.complete_fence(ticket)` on a ticket that is not the slot's fenced checkout.
+    /// `table.complete_fence(checkout)` on a checkout that is not the slot's fenced checkout.
     StrayCompleteFence(Pick),
-    /// `table.unfence(ticket)` on a ticket that is not the slot's fenced checkout.
+    /// `table.unfence(checkout)` on a checkout that is not the slot's fenced checkout.
     StrayUnfence(Pick),
     /// Make later fence records fail (or stop failing).
     FailRecord(bool),
@@ -161,11 +161,11 @@ enum Slot {
     Fenced,
 }
 
-/// One fence recorded in the model, and the tickets waiting on it.
+/// One fence recorded in the model, and the checkouts waiting on it.
 #[derive(Debug, Clone)]
 struct InFlight {
     fence: FenceId,
-    tickets: Vec<Ticket>,
+    checkouts: Vec<Checkout>,
 }
 
 /// What the test expects of the table, the tracker and the fences.
@@ -180,15 +180,15 @@ struct Model {
     page: Vec<Option<usize>>,
     /// Which pages of the arena are ready.
     ready: Vec<bool>,
-    /// Every ticket ever handed out, in order.
-    issued: Vec<Ticket>,
-    /// The ticket most recently released successfully.
-    last_released: Option<Ticket>,
+    /// Every checkout ever handed out, in order.
+    issued: Vec<Checkout>,
+    /// The checkout most recently released successfully.
+    last_released: Option<Checkout>,
     /// Fenced releases whose fence is not recorded yet, in release order.
-    queued: Vec<(Ticket, StreamHandle)>,
+    queued: Vec<(Checkout, StreamHandle)>,
     /// Every fence recorded so far: its stream and whether it has completed.
     fences: Vec<(StreamHandle, bool)>,
-    /// Recorded fences whose tickets are not free yet, in recording order.
+    /// Recorded fences whose checkouts are not free yet, in recording order.
     in_flight: Vec<InFlight>,
     fail_record: bool,
     fail_query: bool,
@@ -196,8 +196,8 @@ struct Model {
     errors: u64,
     /// `wait_all` calls.
     waits: u64,
-    /// For each `wait_all` not checked yet: the tickets it frees afterwards.
-    waited_for: Vec<Vec<Ticket>>,
+    /// For each `wait_all` not checked yet: the checkouts it frees afterwards.
+    waited_for: Vec<Vec<Checkout>>,
 }
 
 impl Model {
@@ -221,12 +221,12 @@ impl Model {
         }
     }
 
-    fn is_live(&self, t: Ticket) -> bool {
+    fn is_live(&self, t: Checkout) -> bool {
         let i = t.index as usize;
         i < self.slots.len() && self.slots[i] == Slot::Out && self.generation[i] == t.generation
     }
 
-    fn is_fenced_checkout(&self, t: Ticket) -> bool {
+    fn is_fenced_checkout(&self, t: Checkout) -> bool {
         let i = t.index as usize;
         i < self.slots.len() && self.slots[i] == Slot::Fenced && self.generation[i] == t.generation
     }
@@ -252,14 +252,14 @@ impl Model {
         self.page[i] = None;
     }
 
-    /// Tickets waiting on a fence: queued or in flight.
+    /// Checkouts waiting on a fence: queued or in flight.
     fn pending(&self) -> usize {
-        self.queued.len() + self.in_flight.iter().map(|f| f.tickets.len()).sum::<usize>()
+        self.queued.len() + self.in_flight.iter().map(|f| f.checkouts.len()).sum::<usize>()
     }
 
-    fn choose(&self, pick: Pick) -> Option<Ticket> {
+    fn choose(&self, pick: Pick) -> Option<Checkout> {
         let n = self.slots.len() as u32;
-        let from = |list: Vec<Ticket>, k: usize| {
+        let from = |list: Vec<Checkout>, k: usize| {
             if list.is_empty() {
                 None
             } else {
@@ -269,22 +269,22 @@ impl Model {
         let any = |k: usize| from(self.issued.clone(), k);
         match pick {
             Pick::Live(k) => {
-                let live: Vec<Ticket> =
+                let live: Vec<Checkout> =
                     self.issued.iter().copied().filter(|&t| self.is_live(t)).collect();
                 from(live, k).or_else(|| any(k))
             }
             Pick::Stale(k) => {
-                let stale: Vec<Ticket> =
+                let stale: Vec<Checkout> =
                     self.issued.iter().copied().filter(|&t| !self.is_live(t)).collect();
                 from(stale, k).or_else(|| any(k))
             }
             Pick::LastReleased => self.last_released,
             Pick::Forged(k, past_end) => Some(if past_end {
-                Ticket { table: self.table, index: n.saturating_add(k % 1000), generation: k }
+                Checkout { table: self.table, index: n.saturating_add(k % 1000), generation: k }
             } else {
                 let index = k % n;
                 // A generation the slot has not reached yet.
-                Ticket {
+                Checkout {
                     table: self.table,
                     index,
                     generation: self.generation[index as usize].wrapping_add(1),
@@ -298,7 +298,7 @@ impl Model {
         (0..self.slots.len()).filter(|&i| self.slots[i] == Slot::Free).collect()
     }
 
-    /// `complete_stream(stream)`: every fence recorded so far on `stream` completes; tickets
+    /// `complete_stream(stream)`: every fence recorded so far on `stream` completes; checkouts
     /// still queued are not affected (their fence is not recorded yet).
     fn complete_stream(&mut self, stream: StreamHandle) {
         for f in self.fences.iter_mut().filter(|f| f.0 == stream) {
@@ -313,7 +313,7 @@ impl Model {
     }
 
     /// `table.complete_fence(t)`: 1 if it freed the slot.
-    fn complete_fence(&mut self, t: Ticket) -> usize {
+    fn complete_fence(&mut self, t: Checkout) -> usize {
         if self.is_fenced_checkout(t) {
             self.free_slot(t.index as usize);
             1
@@ -323,20 +323,20 @@ impl Model {
     }
 
     /// Fences failed: one error each, then one device wait (which completes every recorded
-    /// fence), then the tickets are freed.
-    fn give_up(&mut self, tickets: &[Ticket], failures: u64) -> usize {
+    /// fence), then the checkouts are freed.
+    fn give_up(&mut self, checkouts: &[Checkout], failures: u64) -> usize {
         self.errors += failures;
         self.waits += 1;
-        self.waited_for.push(tickets.to_vec());
+        self.waited_for.push(checkouts.to_vec());
         self.complete_all();
-        tickets.iter().map(|&t| self.complete_fence(t)).sum()
+        checkouts.iter().map(|&t| self.complete_fence(t)).sum()
     }
 
     /// Models `retire_ready`: returns how many slots it frees.
     fn retire(&mut self) -> usize {
         let mut freed = 0;
         // One fence per distinct stream, in order of first appearance in the queue.
-        let mut groups: Vec<(StreamHandle, Vec<Ticket>)> = Vec::new();
+        let mut groups: Vec<(StreamHandle, Vec<Checkout>)> = Vec::new();
         for (t, s) in std::mem::take(&mut self.queued) {
             match groups.iter_mut().find(|g| g.0 == s) {
                 Some(g) => g.1.push(t),
@@ -345,13 +345,13 @@ impl Model {
         }
         let mut failed = Vec::new();
         let mut failures = 0;
-        for (stream, tickets) in groups {
+        for (stream, checkouts) in groups {
             if self.fail_record {
                 failures += 1;
-                failed.extend(tickets);
+                failed.extend(checkouts);
             } else {
                 self.fences.push((stream, false));
-                self.in_flight.push(InFlight { fence: self.fences.len() - 1, tickets });
+                self.in_flight.push(InFlight { fence: self.fences.len() - 1, checkouts });
             }
         }
         // Poll every fence in flight, in order.
@@ -359,9 +359,9 @@ impl Model {
         for f in std::mem::take(&mut self.in_flight) {
             if self.fail_query {
                 failures += 1;
-                failed.extend(f.tickets);
+                failed.extend(f.checkouts);
             } else if self.fences[f.fence].1 {
-                freed += f.tickets.iter().map(|&t| self.complete_fence(t)).sum::<usize>();
+                freed += f.checkouts.iter().map(|&t| self.complete_fence(t)).sum::<usize>();
             } else {
                 still.push(f);
             }
@@ -378,7 +378,7 @@ impl Model {
 
 /// A fenced release the test watches until its slot is free again.
 struct Watched {
-    ticket: Ticket,
+    checkout: Checkout,
     stream: StreamHandle,
     /// `manual.recorded().len()` at the release: the fence covering it has an id at least this.
     fences_before: usize,
@@ -415,8 +415,8 @@ impl Harness {
         Harness { table, tracker, manual, flaky, model, watched: Vec::new() }
     }
 
-    /// Checks a ticket the table just handed out against the model, and records it.
-    fn accept(&mut self, got: Option<Ticket>) -> std::result::Result<(), TestCaseError> {
+    /// Checks a checkout the table just handed out against the model, and records it.
+    fn accept(&mut self, got: Option<Checkout>) -> std::result::Result<(), TestCaseError> {
         let free = self.model.free_slots();
         let pages = self.model.free_pages();
         match got {
@@ -442,7 +442,7 @@ impl Harness {
                 );
                 prop_assert!(
                     !self.model.issued.contains(&t),
-                    "ticket {:?} handed out twice (issued: {:?})",
+                    "checkout {:?} handed out twice (issued: {:?})",
                     t,
                     self.model.issued
                 );
@@ -509,7 +509,7 @@ impl Harness {
                     self.model.slots[t.index as usize] = Slot::Fenced;
                     self.model.queued.push((t, stream));
                     self.model.last_released = Some(t);
-                    self.watched.push(Watched { ticket: t, stream, fences_before, waits_before });
+                    self.watched.push(Watched { checkout: t, stream, fences_before, waits_before });
                 } else {
                     prop_assert_eq!(got, Err(Error::SlotReleased { index: t.index as usize }));
                 }
@@ -573,11 +573,11 @@ impl Harness {
         }
         prop_assert_eq!(self.table.state(m.slots.len()), None);
         // The model itself: each fenced slot waits in exactly one place, queue or one fence.
-        let mut waiting: Vec<Ticket> = m.queued.iter().map(|q| q.0).collect();
-        waiting.extend(m.in_flight.iter().flat_map(|f| f.tickets.iter().copied()));
-        let mut fenced: Vec<Ticket> =
+        let mut waiting: Vec<Checkout> = m.queued.iter().map(|q| q.0).collect();
+        waiting.extend(m.in_flight.iter().flat_map(|f| f.checkouts.iter().copied()));
+        let mut fenced: Vec<Checkout> =
             m.issued.iter().copied().filter(|&t| m.is_fenced_checkout(t)).collect();
-        let key = |t: &Ticket| (t.index, t.generation);
+        let key = |t: &Checkout| (t.index, t.generation);
         waiting.sort_unstable_by_key(key);
         fenced.sort_unstable_by_key(key);
         prop_assert_eq!(waiting, fenced, "model: fenced slots vs queue + fences in flight");
@@ -591,17 +591,17 @@ impl Harness {
                 live_indices.push(t.index);
             }
         }
-        // No slot is held under two tickets at once.
+        // No slot is held under two checkouts at once.
         let held = live_indices.len();
         live_indices.sort_unstable();
         live_indices.dedup();
-        prop_assert_eq!(live_indices.len(), held, "a slot is live under two tickets");
+        prop_assert_eq!(live_indices.len(), held, "a slot is live under two checkouts");
         // A device wait comes before the slots behind the failed fence are freed.
         let seen = std::mem::take(&mut *self.flaky.waits.lock().unwrap());
         let expected = std::mem::take(&mut self.model.waited_for);
         prop_assert_eq!(seen.len(), expected.len(), "wait_all calls in this step");
-        for (states, tickets) in seen.iter().zip(&expected) {
-            for t in tickets {
+        for (states, checkouts) in seen.iter().zip(&expected) {
+            for t in checkouts {
                 prop_assert_eq!(
                     states[t.index as usize],
                     Some((State::Fenced, t.generation)),
@@ -616,8 +616,8 @@ impl Harness {
         let waits = self.manual.waits();
         let mut still = Vec::new();
         for w in std::mem::take(&mut self.watched) {
-            let i = w.ticket.index as usize;
-            if self.table.state(i) == Some((State::Fenced, w.ticket.generation)) {
+            let i = w.checkout.index as usize;
+            if self.table.state(i) == Some((State::Fenced, w.checkout.generation)) {
                 still.push(w);
                 continue;
             }
@@ -680,7 +680,7 @@ proptest! {
         // Drain: every fence completes and is retired, everything still out is released; the
         // table ends all free.
         h.drain_fences()?;
-        let live: Vec<Ticket> =
+        let live: Vec<Checkout> =
             h.model.issued.iter().copied().filter(|&t| h.model.is_live(t)).collect();
         for t in live {
             prop_assert_eq!(h.table.release(t, false), Ok(()));
@@ -710,12 +710,12 @@ proptest! {
         polls in 0usize..4,
     ) {
         let h = Harness::new(n);
-        let tickets: Vec<Ticket> = (0..n).map(|_| h.table.try_checkout().unwrap()).collect();
+        let checkouts: Vec<Checkout> = (0..n).map(|_| h.table.try_checkout().unwrap()).collect();
         let stream_of = |k: usize| 10 + streams[k];
         // The early releases get their fences recorded by a first retire; the late ones are
         // released after it, so their fences are not recorded yet.
         for k in (0..n).filter(|&k| early[k]) {
-            h.tracker.release_fenced(&h.table, tickets[k], stream_of(k)).unwrap();
+            h.tracker.release_fenced(&h.table, checkouts[k], stream_of(k)).unwrap();
         }
         prop_assert_eq!(h.tracker.retire_ready(&h.table), 0);
         prop_assert_eq!(
@@ -732,7 +732,7 @@ proptest! {
             "one fence per stream, in order of first release"
         );
         for k in (0..n).filter(|&k| !early[k]) {
-            h.tracker.release_fenced(&h.table, tickets[k], stream_of(k)).unwrap();
+            h.tracker.release_fenced(&h.table, checkouts[k], stream_of(k)).unwrap();
         }
         let done = |s: StreamHandle| completed.iter().any(|&c| 10 + c == s);
         for &c in &completed {
@@ -746,7 +746,7 @@ proptest! {
         // fence (or none yet), which has not completed.
         let mut expected: Vec<u32> = (0..n)
             .filter(|&k| early[k] && done(stream_of(k)))
-            .map(|k| tickets[k].index)
+            .map(|k| checkouts[k].index)
             .collect();
         expected.sort_unstable();
         prop_assert_eq!(retired, if polls > 0 { expected.len() } else { 0 });
@@ -761,7 +761,7 @@ proptest! {
         handed.sort_unstable();
         prop_assert_eq!(&handed, &expected);
         prop_assert_eq!(h.tracker.pending(), n - expected.len());
-        for (k, t) in tickets.iter().enumerate() {
+        for (k, t) in checkouts.iter().enumerate() {
             if !expected.contains(&t.index) {
                 prop_assert_eq!(
                     h.table.state(t.index as usize),
@@ -792,7 +792,7 @@ fn failed_records_count_per_stream_and_share_one_device_wait() {
         h.step(&Op::TryCheckout).unwrap();
     }
     let [a, b, c, d] = [0, 1, 2, 3].map(|k| h.model.issued[k]);
-    // One fence in flight on stream 1, then records fail with three tickets on two streams.
+    // One fence in flight on stream 1, then records fail with three checkouts on two streams.
     h.tracker.release_fenced(&h.table, a, 1).unwrap();
     h.tracker.retire_ready(&h.table);
     h.manual.fail_records(true);

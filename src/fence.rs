@@ -4,16 +4,16 @@
 //! (Steps 5 and 6 of "the life of a slot" in [`crate::pool`].)
 //!
 //! A release does not call the driver: it moves the slot to `Fenced` and queues
-//! `(ticket, stream)`. Whoever retires fences next (the pool's fence thread, or a checkout that
+//! `(checkout, stream)`. Whoever retires fences next (the pool's fence thread, or a checkout that
 //! found no free slot) records **one** fence per stream for everything queued on it, then polls
 //! the fences in flight and frees the slots behind every completed one. Recording later than
 //! the release is safe: a stream runs in order, so a fence recorded later still comes after all
 //! the work queued before the release.
 //!
 //! Invariants:
-//! - A ticket is in exactly one place from its fenced release until its slot is free: the
+//! - A checkout is in exactly one place from its fenced release until its slot is free: the
 //!   queue, then one in-flight fence's list. It leaves only through
-//!   [`SlotTable::complete_fence`], after that fence has completed. (A ticket whose fence
+//!   [`SlotTable::complete_fence`], after that fence has completed. (A checkout whose fence
 //!   failed is held instead by the retire that waits for the device for it, and counted in
 //!   `moving` until its slot is free.)
 //! - A fence that cannot be recorded (or queried) does not free its slots early: the tracker
@@ -29,7 +29,7 @@
 //!   for the per-thread default stream, `in_flight` and the event list) only to push or pop.
 //!   Retirers take turns through their own lock (`retiring`; a checkout does not wait for it,
 //!   it leaves the retiring to the holder) and record and query fences holding only that
-//!   one; the device-wide wait after a failed fence holds none. Tickets on their way from one list to
+//!   one; the device-wide wait after a failed fence holds none. Checkouts on their way from one list to
 //!   the other are counted in `moving`, so [`FenceTracker::pending`] never misses one.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::cuda::{Device, Event, StreamHandle};
 use crate::error::{Error, Result};
-use crate::slots::{SlotTable, Ticket};
+use crate::slots::{Checkout, SlotTable};
 
 /// Names one recorded fence.
 pub type FenceId = usize;
@@ -229,18 +229,18 @@ impl Fences for ManualFences {
 /// One recorded fence and the slots waiting on it.
 struct InFlight {
     fence: FenceId,
-    tickets: Vec<Ticket>,
+    checkouts: Vec<Checkout>,
 }
 
-/// The fences of one pool and the tickets waiting on them.
+/// The fences of one pool and the checkouts waiting on them.
 pub struct FenceTracker {
     fences: Box<dyn Fences>,
     /// Released, fence not recorded yet. Its own lock, so a release never waits on the driver.
-    queued: Mutex<Vec<(Ticket, StreamHandle)>>,
+    queued: Mutex<Vec<(Checkout, StreamHandle)>>,
     in_flight: Mutex<Vec<InFlight>>,
     /// Held by the one retirer at a time, through its driver calls (the others wait).
     retiring: Mutex<()>,
-    /// Tickets a retirer holds between the lists, or while it waits for the device.
+    /// Checkouts a retirer holds between the lists, or while it waits for the device.
     moving: AtomicUsize,
     errors: AtomicU64,
 }
@@ -258,36 +258,36 @@ impl FenceTracker {
         }
     }
 
-    /// Releases `ticket` behind a fence on `stream` (recorded by the next retire).
+    /// Releases `checkout` behind a fence on `stream` (recorded by the next retire).
     pub fn release_fenced(
         &self,
         table: &SlotTable,
-        ticket: Ticket,
+        checkout: Checkout,
         stream: StreamHandle,
     ) -> Result<()> {
-        table.release(ticket, true)?;
-        self.queued.lock().unwrap_or_else(|e| e.into_inner()).push((ticket, stream));
+        table.release(checkout, true)?;
+        self.queued.lock().unwrap_or_else(|e| e.into_inner()).push((checkout, stream));
         Ok(())
     }
 
-    /// Releases `ticket` behind a fence recorded right now, on this thread: for a stream
+    /// Releases `checkout` behind a fence recorded right now, on this thread: for a stream
     /// handle that means something different on every thread (the per-thread default
     /// stream). On error the slot stays checked out.
     pub fn release_fenced_now(
         &self,
         table: &SlotTable,
-        ticket: Ticket,
+        checkout: Checkout,
         stream: StreamHandle,
     ) -> Result<()> {
-        table.release(ticket, true)?;
+        table.release(checkout, true)?;
         match self.fences.record(stream) {
             Ok(fence) => {
                 let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-                in_flight.push(InFlight { fence, tickets: vec![ticket] });
+                in_flight.push(InFlight { fence, checkouts: vec![checkout] });
                 Ok(())
             }
             Err(e) => {
-                table.unfence(ticket);
+                table.unfence(checkout);
                 Err(e)
             }
         }
@@ -322,12 +322,12 @@ impl FenceTracker {
         };
         let moved = queued.len();
         let mut recorded = Vec::new();
-        for (stream, tickets) in group_by_stream(queued) {
+        for (stream, checkouts) in group_by_stream(queued) {
             match self.fences.record(stream) {
-                Ok(fence) => recorded.push(InFlight { fence, tickets }),
+                Ok(fence) => recorded.push(InFlight { fence, checkouts }),
                 Err(_) => {
                     failures += 1;
-                    failed.extend(tickets);
+                    failed.extend(checkouts);
                 }
             }
         }
@@ -349,13 +349,13 @@ impl FenceTracker {
                 match verdicts.iter().find(|v| v.0 == f.fence).map(|v| &v.1) {
                     None | Some(Ok(false)) => true,
                     Some(Ok(true)) => {
-                        done.push((f.fence, std::mem::take(&mut f.tickets)));
+                        done.push((f.fence, std::mem::take(&mut f.checkouts)));
                         false
                     }
                     Some(Err(_)) => {
                         failures += 1;
-                        self.moving.fetch_add(f.tickets.len(), Ordering::SeqCst);
-                        failed.append(&mut f.tickets);
+                        self.moving.fetch_add(f.checkouts.len(), Ordering::SeqCst);
+                        failed.append(&mut f.checkouts);
                         done.push((f.fence, Vec::new()));
                         false
                     }
@@ -363,8 +363,8 @@ impl FenceTracker {
             });
         }
         let mut freed = 0;
-        for (fence, tickets) in done {
-            for t in tickets {
+        for (fence, checkouts) in done {
+            for t in checkouts {
                 freed += usize::from(table.complete_fence(t));
             }
             self.fences.recycle(fence);
@@ -382,7 +382,7 @@ impl FenceTracker {
         freed
     }
 
-    /// How many tickets wait on a fence (queued or in flight).
+    /// How many checkouts wait on a fence (queued or in flight).
     pub fn pending(&self) -> usize {
         let queued = self.queued.lock().unwrap_or_else(|e| e.into_inner()).len();
         let moving = self.moving.load(Ordering::SeqCst);
@@ -391,7 +391,7 @@ impl FenceTracker {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .map(|f| f.tickets.len())
+            .map(|f| f.checkouts.len())
             .sum();
         queued + moving + in_flight
     }
@@ -403,12 +403,12 @@ impl FenceTracker {
     }
 }
 
-fn group_by_stream(queued: Vec<(Ticket, StreamHandle)>) -> Vec<(StreamHandle, Vec<Ticket>)> {
-    let mut groups: Vec<(StreamHandle, Vec<Ticket>)> = Vec::new();
-    for (ticket, stream) in queued {
+fn group_by_stream(queued: Vec<(Checkout, StreamHandle)>) -> Vec<(StreamHandle, Vec<Checkout>)> {
+    let mut groups: Vec<(StreamHandle, Vec<Checkout>)> = Vec::new();
+    for (checkout, stream) in queued {
         match groups.iter_mut().find(|g| g.0 == stream) {
-            Some(g) => g.1.push(ticket),
-            None => groups.push((stream, vec![ticket])),
+            Some(g) => g.1.push(checkout),
+            None => groups.push((stream, vec![checkout])),
         }
     }
     groups
@@ -463,7 +463,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50)); // the retirer is in `record` now
         let t0 = Instant::now();
         tracker.release_fenced(&table, b, 2).unwrap();
-        assert_eq!(tracker.pending(), 2, "a ticket on its way to a fence was not counted");
+        assert_eq!(tracker.pending(), 2, "a checkout on its way to a fence was not counted");
         assert_eq!(tracker.try_retire_ready(&table), 0, "a second retirer did not step aside");
         assert!(t0.elapsed() < delay / 2, "waited {:?} for the driver", t0.elapsed());
         retirer.join().unwrap();

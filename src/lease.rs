@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
-use crate::slots::Ticket;
+use crate::slots::Checkout;
 
 /// How a slot is to be given back.
 #[derive(Debug, Clone, Copy)]
@@ -42,7 +42,7 @@ struct Use {
 #[derive(Debug)]
 pub struct Lease {
     pool: Arc<Pool>,
-    ticket: Ticket,
+    checkout: Checkout,
     state: Mutex<Use>,
 }
 
@@ -75,9 +75,9 @@ impl Drop for OwnedPin {
 }
 
 impl Lease {
-    /// Holds `ticket`, a live checkout of `pool`.
-    pub fn new(pool: Arc<Pool>, ticket: Ticket) -> Self {
-        Lease { pool, ticket, state: Mutex::new(Use::default()) }
+    /// Holds `checkout`, a live checkout of `pool`.
+    pub fn new(pool: Arc<Pool>, checkout: Checkout) -> Self {
+        Lease { pool, checkout, state: Mutex::new(Use::default()) }
     }
 
     /// The pool the slot belongs to.
@@ -86,8 +86,8 @@ impl Lease {
     }
 
     /// The checkout this lease holds.
-    pub fn ticket(&self) -> Ticket {
-        self.ticket
+    pub fn checkout(&self) -> Checkout {
+        self.checkout
     }
 
     fn state(&self) -> MutexGuard<'_, Use> {
@@ -95,7 +95,7 @@ impl Lease {
     }
 
     fn released_error(&self) -> Error {
-        Error::SlotReleased { index: self.ticket.index as usize }
+        Error::SlotReleased { index: self.checkout.index as usize }
     }
 
     /// Whether the slot was released (or waits for its last pin to go).
@@ -108,7 +108,7 @@ impl Lease {
         if self.is_released() {
             return Err(self.released_error());
         }
-        self.pool.slot_ptr(self.ticket)
+        self.pool.slot_ptr(self.checkout)
     }
 
     /// Pins the slot for as long as the guard lives (a copy into it). It must belong to
@@ -134,7 +134,7 @@ impl Lease {
         if s.released {
             return Err(self.released_error());
         }
-        let ptr = self.pool.slot_ptr(self.ticket)?;
+        let ptr = self.pool.slot_ptr(self.checkout)?;
         s.pins += 1;
         Ok(ptr)
     }
@@ -167,7 +167,7 @@ impl Lease {
             s.deferred = Some(Fence::Stream(stream));
             return Ok(());
         }
-        self.pool.release(self.ticket, stream)?;
+        self.pool.release(self.checkout, stream)?;
         s.released = true;
         Ok(())
     }
@@ -203,7 +203,7 @@ impl Lease {
     fn give_back(&self, fence: Fence) {
         match fence {
             Fence::Stream(stream) => {
-                if self.pool.release(self.ticket, stream).is_err() {
+                if self.pool.release(self.checkout, stream).is_err() {
                     self.give_back_after_device_sync();
                 }
             }
@@ -216,7 +216,7 @@ impl Lease {
         if let Some(device) = self.pool.arena().device() {
             let _ = device.synchronize();
         }
-        let _ = self.pool.release(self.ticket, None);
+        let _ = self.pool.release(self.checkout, None);
     }
 }
 

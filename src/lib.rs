@@ -15,7 +15,7 @@
 //! - [`shm`]: sealed shared-memory files and their mappings (the arena's parts, segments);
 //! - [`transport`]: batches from worker processes in shared-memory segments, and the
 //!   reclaimer that maps, counts and unmaps them on a background thread;
-//! - [`release`]: the thread that frees a dropped pool's arena, so no caller waits for it;
+//! - [`freeing`]: the thread that frees a dropped pool's arena, so no caller waits for it;
 //! - [`priority`]: pinpool's background threads give way to the training thread;
 //! - [`forks`]: whether this is still the process that made a pool, without a system call;
 //! - [`fork_private`]: a forked child gets the arenas as private copy-on-write memory;
@@ -36,11 +36,11 @@ pub mod extents;
 pub mod fence;
 pub mod fork_private;
 pub mod forks;
+pub mod freeing;
 pub mod lease;
 pub mod numa;
 pub mod pool;
 pub mod priority;
-pub mod release;
 pub mod shm;
 pub mod slots;
 pub mod topology;
@@ -51,7 +51,7 @@ mod python;
 
 pub use error::{Error, Result};
 pub use pool::{Claim, ClaimRules, Pool, PoolConfig, Stats};
-pub use slots::Ticket;
+pub use slots::Checkout;
 
 /// Proptest settings for the unit tests: `cases` cases; under Miri, which interprets every
 /// step, a handful, and no regression files (file access is refused under Miri's isolation).

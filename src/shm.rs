@@ -631,7 +631,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore)]
     fn a_background_thread_unmaps_everything_too() {
-        // The same pieces, with a pause between them (the reclaimer's and release thread's way).
+        // The same pieces, with a pause between them (the reclaimer's and freeing thread's way).
         std::thread::spawn(|| {
             crate::priority::become_background();
             let len = 3 * MM_CALL_BYTES + 5 * page_size();

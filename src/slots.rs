@@ -17,10 +17,10 @@
 //!   the entry becomes `Free`: at a release without a fence, or at
 //!   [`SlotTable::complete_fence`], which the pool calls once the slot's fence has completed.
 //!   No byte is handed out again before its fence has completed.
-//! - A checkout moves `Free -> CheckedOut` and bumps the generation; the [`Ticket`] it returns
+//! - A checkout moves `Free -> CheckedOut` and bumps the generation; the [`Checkout`] it returns
 //!   (table id + index + generation) names that one checkout; another table refuses it. Every
 //!   later transition compares the whole word, so a second release, or a release through a
-//!   stale ticket, is refused with [`Error::SlotReleased`] and frees no byte twice.
+//!   stale checkout, is refused with [`Error::SlotReleased`] and frees no byte twice.
 //!   `Fenced -> CheckedOut` happens only through [`SlotTable::unfence`], when a fence recorded
 //!   at release time could not be recorded.
 //! - Bytes that are not ready yet (the arena's parts still being faulted in and pinned in the
@@ -43,8 +43,8 @@ use crate::shm::page_size;
 
 /// Names one checkout of one slot of one table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Ticket {
-    /// The table (pool) that issued it: a ticket is refused by every other table.
+pub struct Checkout {
+    /// The table (pool) that issued it: a checkout is refused by every other table.
     pub table: u32,
     /// The table entry it holds.
     pub index: u32,
@@ -135,7 +135,7 @@ static NEXT_TABLE_ID: AtomicU32 = AtomicU32::new(1);
 pub struct SlotTable {
     id: u32,
     words: Box<[AtomicU64]>,
-    /// Each entry's extent's offset, readable without the lock by a live ticket's holder
+    /// Each entry's extent's offset, readable without the lock by a live checkout's holder
     /// (written before the word becomes `CheckedOut`, with release ordering).
     offsets: Box<[AtomicU64]>,
     lens: Box<[AtomicU64]>,
@@ -274,7 +274,7 @@ impl SlotTable {
         false
     }
 
-    /// This table's id, carried by every ticket it issues.
+    /// This table's id, carried by every checkout it issues.
     pub fn id(&self) -> u32 {
         self.id
     }
@@ -285,14 +285,14 @@ impl SlotTable {
     }
 
     /// Takes a slot of the default size, if there is room now. Never blocks.
-    pub fn try_checkout(&self) -> Option<Ticket> {
+    pub fn try_checkout(&self) -> Option<Checkout> {
         self.try_checkout_bytes(self.default_bytes, 0)
     }
 
     /// Takes a slot of `bytes` (rounded up to a page), if an entry is free and a free range
     /// holds it with `keep` bytes left in one range afterwards; with `keep`, one free entry
     /// is left too. Never blocks.
-    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Option<Ticket> {
+    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Option<Checkout> {
         let mut inner = self.lock();
         if keep > 0 && inner.spare.len() < 2 {
             return None; // the last entry is kept with the bytes
@@ -310,7 +310,7 @@ impl SlotTable {
         self.offsets[index as usize].store(offset as u64, Ordering::Relaxed);
         self.lens[index as usize].store(len as u64, Ordering::Relaxed);
         cell.store(word(next, OUT), Ordering::Release);
-        Some(Ticket { table: self.id, index, generation: next })
+        Some(Checkout { table: self.id, index, generation: next })
     }
 
     /// The current state and generation of entry `index`.
@@ -321,95 +321,95 @@ impl SlotTable {
         })
     }
 
-    /// Whether `ticket` names the entry's current, unreleased checkout.
-    pub fn is_live(&self, ticket: Ticket) -> bool {
-        ticket.table == self.id
-            && self.state(ticket.index as usize) == Some((State::CheckedOut, ticket.generation))
+    /// Whether `checkout` names the entry's current, unreleased checkout.
+    pub fn is_live(&self, checkout: Checkout) -> bool {
+        checkout.table == self.id
+            && self.state(checkout.index as usize) == Some((State::CheckedOut, checkout.generation))
     }
 
-    /// The extent `(offset, len)` of a live ticket's slot.
-    pub fn extent(&self, ticket: Ticket) -> Option<(usize, usize)> {
-        if !self.is_live(ticket) {
+    /// The extent `(offset, len)` of a live checkout's slot.
+    pub fn extent(&self, checkout: Checkout) -> Option<(usize, usize)> {
+        if !self.is_live(checkout) {
             return None;
         }
-        let i = ticket.index as usize;
-        // (Stored before the word that made the ticket live, which `is_live` acquired.)
+        let i = checkout.index as usize;
+        // (Stored before the word that made the checkout live, which `is_live` acquired.)
         let extent = (
             self.offsets[i].load(Ordering::Relaxed) as usize,
             self.lens[i].load(Ordering::Relaxed) as usize,
         );
         // Still the same checkout: the entry cannot have been reused in between.
-        self.is_live(ticket).then_some(extent)
+        self.is_live(checkout).then_some(extent)
     }
 
-    /// Ends the checkout `ticket`. With `fenced`, the slot waits in `Fenced` (its bytes
+    /// Ends the checkout `checkout`. With `fenced`, the slot waits in `Fenced` (its bytes
     /// held) until [`SlotTable::complete_fence`]; otherwise its bytes are free at once.
-    pub fn release(&self, ticket: Ticket, fenced: bool) -> Result<()> {
-        let cell = self.cell(ticket)?;
+    pub fn release(&self, checkout: Checkout, fenced: bool) -> Result<()> {
+        let cell = self.cell(checkout)?;
         let mut inner = self.lock();
-        if cell.load(Ordering::Acquire) != word(ticket.generation, OUT) {
-            return Err(Error::SlotReleased { index: ticket.index as usize });
+        if cell.load(Ordering::Acquire) != word(checkout.generation, OUT) {
+            return Err(Error::SlotReleased { index: checkout.index as usize });
         }
-        let (_, len) = inner.extents[ticket.index as usize];
+        let (_, len) = inner.extents[checkout.index as usize];
         inner.out -= 1;
         inner.out_bytes -= len;
         if fenced {
-            cell.store(word(ticket.generation, FENCED), Ordering::Release);
+            cell.store(word(checkout.generation, FENCED), Ordering::Release);
             inner.fenced += 1;
             inner.fenced_bytes += len;
         } else {
-            self.give_back(&mut inner, ticket);
+            self.give_back(&mut inner, checkout);
         }
         Ok(())
     }
 
     /// Frees a fenced slot's entry and bytes once its fence has completed. Returns false if
-    /// `ticket` is not the entry's current fenced checkout (already completed, or stale).
-    pub fn complete_fence(&self, ticket: Ticket) -> bool {
-        let Ok(cell) = self.cell(ticket) else { return false };
+    /// `checkout` is not the entry's current fenced checkout (already completed, or stale).
+    pub fn complete_fence(&self, checkout: Checkout) -> bool {
+        let Ok(cell) = self.cell(checkout) else { return false };
         let mut inner = self.lock();
-        if cell.load(Ordering::Acquire) != word(ticket.generation, FENCED) {
+        if cell.load(Ordering::Acquire) != word(checkout.generation, FENCED) {
             return false;
         }
-        let (_, len) = inner.extents[ticket.index as usize];
+        let (_, len) = inner.extents[checkout.index as usize];
         inner.fenced -= 1;
         inner.fenced_bytes -= len;
-        self.give_back(&mut inner, ticket);
+        self.give_back(&mut inner, checkout);
         true
     }
 
     /// Returns an entry and its bytes (it was checked out or fenced; counts already moved).
-    fn give_back(&self, inner: &mut Inner, ticket: Ticket) {
-        let i = ticket.index as usize;
+    fn give_back(&self, inner: &mut Inner, checkout: Checkout) {
+        let i = checkout.index as usize;
         let (offset, len) = std::mem::take(&mut inner.extents[i]);
-        self.words[i].store(word(ticket.generation, FREE), Ordering::Release);
+        self.words[i].store(word(checkout.generation, FREE), Ordering::Release);
         // Cannot fail: the entry owned exactly these bytes (see the invariants).
         let freed = inner.map.free(offset, len);
         debug_assert!(freed.is_ok(), "{freed:?}");
-        inner.spare.push(ticket.index);
+        inner.spare.push(checkout.index);
         self.freed(inner);
     }
 
     /// Undoes a fenced [`SlotTable::release`] whose fence could not be recorded: the slot is
-    /// checked out again under the same ticket.
-    pub fn unfence(&self, ticket: Ticket) {
-        let Ok(cell) = self.cell(ticket) else { return };
+    /// checked out again under the same checkout.
+    pub fn unfence(&self, checkout: Checkout) {
+        let Ok(cell) = self.cell(checkout) else { return };
         let mut inner = self.lock();
-        if cell.load(Ordering::Acquire) == word(ticket.generation, FENCED) {
-            let (_, len) = inner.extents[ticket.index as usize];
+        if cell.load(Ordering::Acquire) == word(checkout.generation, FENCED) {
+            let (_, len) = inner.extents[checkout.index as usize];
             inner.fenced -= 1;
             inner.fenced_bytes -= len;
             inner.out += 1;
             inner.out_bytes += len;
-            cell.store(word(ticket.generation, OUT), Ordering::Release);
+            cell.store(word(checkout.generation, OUT), Ordering::Release);
         }
     }
 
-    fn cell(&self, ticket: Ticket) -> Result<&AtomicU64> {
+    fn cell(&self, checkout: Checkout) -> Result<&AtomicU64> {
         self.words
-            .get(ticket.index as usize)
-            .filter(|_| ticket.table == self.id)
-            .ok_or(Error::SlotReleased { index: ticket.index as usize })
+            .get(checkout.index as usize)
+            .filter(|_| checkout.table == self.id)
+            .ok_or(Error::SlotReleased { index: checkout.index as usize })
     }
 
     /// Something became free: a new epoch, and waiters woken (under the lock they re-check
@@ -519,7 +519,7 @@ mod tests {
         let c = t.try_checkout().unwrap();
         assert_eq!(c.index, a.index);
         assert_ne!(c.generation, a.generation);
-        // The stale ticket cannot release the new checkout.
+        // The stale checkout cannot release the new checkout.
         assert!(t.release(a, false).is_err());
         assert!(t.is_live(c));
         assert!(t.extent(a).is_none());
@@ -585,12 +585,12 @@ mod tests {
     #[test]
     fn bad_index_is_refused() {
         let t = SlotTable::new(1).unwrap();
-        let bogus = Ticket { table: t.id(), index: 9, generation: 1 };
+        let bogus = Checkout { table: t.id(), index: 9, generation: 1 };
         assert!(t.release(bogus, false).is_err());
         assert!(!t.complete_fence(bogus));
         let other = SlotTable::new(1).unwrap();
         let foreign = other.try_checkout().unwrap();
-        assert!(t.release(foreign, false).is_err(), "a ticket of another table is refused");
+        assert!(t.release(foreign, false).is_err(), "a checkout of another table is refused");
         assert!(!t.is_live(foreign));
         assert!(other.is_live(foreign));
         assert!(SlotTable::new(0).is_err());

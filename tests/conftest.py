@@ -24,9 +24,9 @@ import pinpool
 
 
 def open_fd_count() -> int:
-    """How many file descriptors this process has open, once the release thread has freed
+    """How many file descriptors this process has open, once the freeing thread has freed
     every pool dropped so far (it closes their memfds in the background)."""
-    pinpool.wait_for_releases(timeout=60)
+    pinpool.wait_for_freed_pools(timeout=60)
     return len(os.listdir("/proc/self/fd"))
 
 

@@ -16,6 +16,7 @@ See README.md, and docs/ for the user guide, the design and the measurements.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import _accelerate, _cuda_stream, _native
@@ -41,7 +42,7 @@ from ._native import (
     check_segment,
     cuda_available,
     page_size,
-    wait_for_releases,
+    wait_for_freed_pools,
 )
 from ._stats import LoaderStats, PoolStats
 
@@ -87,7 +88,7 @@ __all__ = [
     "page_size",
     "pinned",
     "prepare",
-    "wait_for_releases",
+    "wait_for_freed_pools",
 ]
 
 
@@ -112,4 +113,12 @@ def __getattr__(name: str) -> Any:
         from ._main import adapter
 
         return getattr(adapter, name)
+    if name == "wait_for_releases":
+        # wait_for_freed_pools' earlier name, kept for code written against it.
+        warnings.warn(
+            "pinpool.wait_for_releases is now pinpool.wait_for_freed_pools",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return wait_for_freed_pools
     raise AttributeError(f"module 'pinpool' has no attribute {name!r}")

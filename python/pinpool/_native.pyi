@@ -25,8 +25,8 @@ __all__ = [
     "check_segment",
     "cuda_available",
     "page_size",
-    "recent_releases",
-    "wait_for_releases",
+    "recently_freed_pools",
+    "wait_for_freed_pools",
 ]
 SEGMENT_DATA_OFFSET: int
 """Bytes of a segment's header page: where its data area starts in the memfd."""
@@ -46,8 +46,8 @@ def check_segment(key: tuple[int, int], fd: int, total_len: int, nonce: int) -> 
 
 def cuda_available() -> bool: ...
 def page_size() -> int: ...
-def recent_releases() -> list[dict[str, Any]]: ...
-def wait_for_releases(timeout: float | None = None) -> bool: ...
+def recently_freed_pools() -> list[dict[str, Any]]: ...
+def wait_for_freed_pools(timeout: float | None = None) -> bool: ...
 
 @final
 class PinPool:

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::Pool;
 use crate::error::{Error, Result};
-use crate::slots::Ticket;
+use crate::slots::Checkout;
 
 /// How [`Pool::claim`] may take a slot.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -42,7 +42,7 @@ pub struct ClaimRules {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
     /// A slot, checked out.
-    Slot(Ticket),
+    Slot(Checkout),
     /// Come back later (only with [`ClaimRules::defer`]).
     Later,
     /// Put this batch in ordinary memory (only with [`ClaimRules::overflow`]).

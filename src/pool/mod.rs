@@ -12,16 +12,16 @@
 //!   inside one of the arena's parts (each a whole number of `slot_bytes`, the largest slot);
 //!   the slot table ([`crate::slots`]) and its extent map ([`crate::extents`]) keep live
 //!   extents disjoint.
-//! - A slot is written or read through this module only while its ticket is live
+//! - A slot is written or read through this module only while its checkout is live
 //!   ([`SlotTable::is_live`]); every range copied in is checked against the source mapping and
 //!   the slot first, so no copy reads or writes outside either.
 //! - On a CUDA backend a release with a stream goes through the fence tracker (it only queues:
 //!   no driver call on the releasing thread); a background thread (and any checkout that finds
 //!   no free slot) records the fences and retires them as they complete. A slot with a pending
 //!   fence is never handed out.
-//! - The arena outlives every user: tickets are only usable through an `Arc<Pool>`. Dropping
-//!   the last one only closes the table and hands what the pool owns to the release thread
-//!   ([`crate::release`]), whatever thread drops it: there the pending fences are waited for,
+//! - The arena outlives every user: checkouts are only usable through an `Arc<Pool>`. Dropping
+//!   the last one only closes the table and hands what the pool owns to the freeing thread
+//!   ([`crate::freeing`]), whatever thread drops it: there the pending fences are waited for,
 //!   then the threads stopped and the arena freed (or, if a fence has not completed after
 //!   30 s, the arena is leaked rather than free memory the GPU may read).
 //! - A copy into a slot may run on a copy thread ([`Pool::copy_in_background`]): its job owns
@@ -50,11 +50,11 @@
 //!    are mostly consumed in order, so the oldest bytes free first and the next batch lands
 //!    there again; a batch kept for long holds only its own bytes, the others flow around
 //!    it; nothing is rounded to a power of two). `Free -> CheckedOut`, with a new generation;
-//!    the [`Ticket`] (table, index, generation) names this one checkout. Copy mode: the main
+//!    the [`Checkout`] (table, index, generation) names this one checkout. Copy mode: the main
 //!    process checks it out when a worker's batch arrives, of that batch's size (Python:
 //!    `Receiver._claim` in `_main/receiver.py`). Zero-copy: it is checked out as torch
 //!    dispatches a batch's indices, before the batch exists, of a size guessed from the
-//!    recent batches (Python: `_main/tickets.py`, `_main/sizing.py`), and its place in the
+//!    recent batches (Python: `_main/checkouts.py`, `_main/sizing.py`), and its place in the
 //!    arena (memfd, offset, length, generation, a nonce) travels to the worker with them; a
 //!    batch that does not fit comes through copy mode into a slot of its own size.
 //!    When there is no room: a claim waits while room is on its way (fenced slots, parts not
@@ -72,18 +72,18 @@
 //!    the GPU on pinpool's stream, after which the slot is released at once, fenced on that
 //!    stream (Python: `_main/delivery.py`).
 //! 5. **Released.** When the last view of the batch dies (or on an explicit `release`), the
-//!    binding releases the ticket with torch's current stream: `CheckedOut -> Fenced`, and
-//!    `(ticket, stream)` is queued ([`crate::fence`]); without CUDA, straight to `Free`. No
+//!    binding releases the checkout with torch's current stream: `CheckedOut -> Fenced`, and
+//!    `(checkout, stream)` is queued ([`crate::fence`]); without CUDA, straight to `Free`. No
 //!    driver call on the releasing thread, which may hold the GIL.
 //! 6. **Fenced.** The fence thread (or a checkout that finds nothing free) records one event
 //!    per stream for everything queued and polls the events; when a slot's event completes,
 //!    `Fenced -> Free`, and its bytes go back to the extent map, merged with free neighbours.
 //!    No byte is handed out again before then. A fence that fails frees its slots only after
 //!    a wait for the whole device.
-//! 7. **Reused.** The next checkout bumps the generation again: every ticket of an earlier
+//! 7. **Reused.** The next checkout bumps the generation again: every checkout of an earlier
 //!    checkout (a stale handle, a second release) is refused with `SlotReleased`.
-//! 8. **Freed.** When the last reference to the pool goes, the release thread
-//!    ([`crate::release`]) waits for the fences still pending, then frees the arena.
+//! 8. **Freed.** When the last reference to the pool goes, the freeing thread
+//!    ([`crate::freeing`]) waits for the fences still pending, then frees the arena.
 
 pub mod claim;
 pub mod stats;
@@ -106,7 +106,7 @@ use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
 use crate::shm::{page_size, round_up};
-use crate::slots::{Layout, SlotTable, Ticket};
+use crate::slots::{Checkout, Layout, SlotTable};
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -154,7 +154,7 @@ pub struct Pool {
     slot_bytes: usize,
     /// The longest part of the arena: no slot is longer.
     largest_part: usize,
-    /// Moved to the release thread with the arena (the fences are retired against it).
+    /// Moved to the freeing thread with the arena (the fences are retired against it).
     table: ManuallyDrop<SlotTable>,
     /// These two own threads (and CUDA events): dropped by hand, in the creating process only.
     fences: ManuallyDrop<Option<FenceTracker>>,
@@ -340,28 +340,28 @@ impl Pool {
     }
 
     /// Takes a free slot of `slot_bytes` without waiting.
-    pub fn try_checkout(&self) -> Result<Option<Ticket>> {
+    pub fn try_checkout(&self) -> Result<Option<Checkout>> {
         self.try_checkout_bytes(self.slot_bytes, 0)
     }
 
     /// Takes a slot of `bytes` (rounded up to a page) without waiting, if there is room for
     /// it with `keep` bytes left in one free range afterwards. A size no slot can ever have
     /// is [`Error::BatchTooLarge`].
-    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Result<Option<Ticket>> {
+    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Result<Option<Checkout>> {
         self.check_owner()?;
         if self.table.is_closed() {
             return Err(Error::Closed);
         }
         self.check_size(bytes)?;
-        let mut ticket = self.table.try_checkout_bytes(bytes, keep);
-        if ticket.is_none() {
+        let mut checkout = self.table.try_checkout_bytes(bytes, keep);
+        if checkout.is_none() {
             if let Some(f) = self.fences.as_ref() {
                 if f.try_retire_ready(&self.table) > 0 {
-                    ticket = self.table.try_checkout_bytes(bytes, keep);
+                    checkout = self.table.try_checkout_bytes(bytes, keep);
                 }
             }
         }
-        if let Some(t) = ticket {
+        if let Some(t) = checkout {
             if self.table.is_closed() {
                 // Closed while we took it: give it back, so no checkout outlives `close()`.
                 let _ = self.table.release(t, false);
@@ -369,7 +369,7 @@ impl Pool {
             }
             self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(ticket)
+        Ok(checkout)
     }
 
     /// Fails unless a slot of `bytes` fits in one of the arena's parts.
@@ -392,12 +392,12 @@ impl Pool {
     }
 
     /// Takes a free slot of `slot_bytes`, waiting up to `timeout` (forever with `None`).
-    pub fn checkout(&self, timeout: Option<Duration>) -> Result<Ticket> {
+    pub fn checkout(&self, timeout: Option<Duration>) -> Result<Checkout> {
         self.checkout_bytes(self.slot_bytes, timeout)
     }
 
     /// Takes a slot of `bytes`, waiting up to `timeout` (forever with `None`).
-    pub fn checkout_bytes(&self, bytes: usize, timeout: Option<Duration>) -> Result<Ticket> {
+    pub fn checkout_bytes(&self, bytes: usize, timeout: Option<Duration>) -> Result<Checkout> {
         if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
             return Ok(t);
         }
@@ -414,7 +414,7 @@ impl Pool {
         bytes: usize,
         start: Instant,
         timeout: Option<Duration>,
-    ) -> Result<Ticket> {
+    ) -> Result<Checkout> {
         loop {
             let epoch = self.table.epoch();
             if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
@@ -441,48 +441,48 @@ impl Pool {
         }
     }
 
-    /// Where the slot `ticket` holds lies in the arena, `(offset, len)`, if the ticket is
+    /// Where the slot `checkout` holds lies in the arena, `(offset, len)`, if the checkout is
     /// live.
-    pub fn extent(&self, ticket: Ticket) -> Result<(usize, usize)> {
-        self.table.extent(ticket).ok_or(Error::SlotReleased { index: ticket.index as usize })
+    pub fn extent(&self, checkout: Checkout) -> Result<(usize, usize)> {
+        self.table.extent(checkout).ok_or(Error::SlotReleased { index: checkout.index as usize })
     }
 
-    /// Whether `ticket`'s slot was released and waits for its fence.
-    pub fn is_fenced(&self, ticket: Ticket) -> bool {
-        ticket.table == self.table.id()
-            && self.table.state(ticket.index as usize)
-                == Some((crate::slots::State::Fenced, ticket.generation))
+    /// Whether `checkout`'s slot was released and waits for its fence.
+    pub fn is_fenced(&self, checkout: Checkout) -> bool {
+        checkout.table == self.table.id()
+            && self.table.state(checkout.index as usize)
+                == Some((crate::slots::State::Fenced, checkout.generation))
     }
 
-    /// The length of the slot `ticket` holds, if the ticket is live.
-    pub fn slot_len(&self, ticket: Ticket) -> Result<usize> {
-        self.extent(ticket).map(|e| e.1)
+    /// The length of the slot `checkout` holds, if the checkout is live.
+    pub fn slot_len(&self, checkout: Checkout) -> Result<usize> {
+        self.extent(checkout).map(|e| e.1)
     }
 
-    /// The first byte of the slot `ticket` holds, if the ticket is live.
-    pub fn slot_ptr(&self, ticket: Ticket) -> Result<*mut u8> {
-        let (offset, _) = self.extent(ticket)?;
-        // SAFETY: a live ticket's extent lies inside the arena (the slot table carves
+    /// The first byte of the slot `checkout` holds, if the checkout is live.
+    pub fn slot_ptr(&self, checkout: Checkout) -> Result<*mut u8> {
+        let (offset, _) = self.extent(checkout)?;
+        // SAFETY: a live checkout's extent lies inside the arena (the slot table carves
         // extents only from `[0, arena.len())`).
         Ok(unsafe { self.arena.base().add(offset) })
     }
 
     /// Ends the checkout. With a stream (on a fenced pool) the slot returns once the work
     /// queued on that stream so far has finished; otherwise at once.
-    pub fn release(&self, ticket: Ticket, stream: Option<StreamHandle>) -> Result<()> {
+    pub fn release(&self, checkout: Checkout, stream: Option<StreamHandle>) -> Result<()> {
         match (self.fences.as_ref(), stream) {
             (Some(f), Some(PER_THREAD_DEFAULT_STREAM)) => {
-                f.release_fenced_now(&self.table, ticket, PER_THREAD_DEFAULT_STREAM)?;
+                f.release_fenced_now(&self.table, checkout, PER_THREAD_DEFAULT_STREAM)?;
             }
             (Some(f), Some(stream)) => {
-                f.release_fenced(&self.table, ticket, stream)?;
+                f.release_fenced(&self.table, checkout, stream)?;
                 if self.retirer_idle.swap(false, Ordering::AcqRel) {
                     if let Some(t) = self.retirer.get() {
                         t.unpark();
                     }
                 }
             }
-            _ => self.table.release(ticket, false)?,
+            _ => self.table.release(checkout, false)?,
         }
         self.counters.releases.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -543,7 +543,7 @@ mod tests {
         assert_eq!(pa % page_size(), 0);
         assert!(pa.abs_diff(pb) >= pool.slot_bytes());
         pool.release(a, None).unwrap();
-        assert!(pool.slot_ptr(a).is_err(), "a released ticket has no memory");
+        assert!(pool.slot_ptr(a).is_err(), "a released checkout has no memory");
     }
 
     #[test]

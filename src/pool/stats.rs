@@ -9,7 +9,7 @@
 //!   one instant's state, but no count in it ever goes back.
 //! - Once the pool is gone, [`Counters::final_stats`] reports every slot free and nothing
 //!   pending, with the counts as the pool left them; the fence errors are written by the
-//!   release thread before it frees the arena.
+//!   freeing thread before it frees the arena.
 //! - Slots that will never be ready (the background preparation failed) are not reported as
 //!   preparing.
 

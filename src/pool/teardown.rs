@@ -1,5 +1,5 @@
 //! Dropping a pool: the last reference only closes the slot table and hands what the pool
-//! owns ([`Remains`]) to the release thread ([`crate::release`]), which waits for the pending
+//! owns ([`Remains`]) to the freeing thread ([`crate::freeing`]), which waits for the pending
 //! fences, stops the pool's threads and frees the arena.
 //!
 //! (Step 8 of "the life of a slot" in [`crate::pool`].)
@@ -26,7 +26,7 @@ use super::{Counters, Pool};
 use crate::arena::Arena;
 use crate::copy::Copier;
 use crate::fence::FenceTracker;
-use crate::release;
+use crate::freeing;
 use crate::slots::SlotTable;
 
 impl Drop for Pool {
@@ -52,11 +52,11 @@ impl Drop for Pool {
                 dropped_on: crate::priority::thread_id(),
             }
         };
-        release::submit(Box::new(move || remains.free()));
+        freeing::submit(Box::new(move || remains.free()));
     }
 }
 
-/// What a dropped pool leaves for the release thread to free.
+/// What a dropped pool leaves for the freeing thread to free.
 struct Remains {
     arena: Arena,
     table: SlotTable,
@@ -99,7 +99,7 @@ impl Remains {
             drop(arena);
         }
         drop(table);
-        release::record(release::Freed {
+        freeing::record(freeing::Freed {
             bytes: if fenced_forever { 0 } else { bytes },
             dropped_on,
             freed_on: crate::priority::thread_id(),
@@ -123,14 +123,14 @@ mod tests {
     fn a_background_pool_dropped_while_preparing_is_freed() {
         let config = PoolConfig { background: true, ..PoolConfig::host(4 << 20, 29) };
         drop(Pool::new(&config).unwrap());
-        assert!(release::flush(Some(Duration::from_secs(30))));
+        assert!(freeing::flush(Some(Duration::from_secs(30))));
         assert!(freed_record(29 * (4 << 20)).is_some());
     }
 
     /// The release record of the pool of `bytes` bytes dropped on this thread, once freed.
-    fn freed_record(bytes: usize) -> Option<release::Freed> {
+    fn freed_record(bytes: usize) -> Option<freeing::Freed> {
         let me = crate::priority::thread_id();
-        release::recent().into_iter().rev().find(|r| r.dropped_on == me && r.bytes == bytes)
+        freeing::recent().into_iter().rev().find(|r| r.dropped_on == me && r.bytes == bytes)
     }
 
     #[test]
@@ -143,11 +143,11 @@ mod tests {
         let holder = std::thread::spawn(move || other.num_slots());
         assert_eq!(holder.join().unwrap(), 37);
         drop(pool);
-        assert!(release::flush(Some(Duration::from_secs(30))));
+        assert!(freeing::flush(Some(Duration::from_secs(30))));
         let record = freed_record(bytes).expect("the arena was never freed");
         assert_ne!(record.freed_on, crate::priority::thread_id(), "freed on the dropping thread");
         let name = std::fs::read_to_string(format!("/proc/self/task/{}/comm", record.freed_on));
-        assert_eq!(name.unwrap().trim(), "pinpool-release");
+        assert_eq!(name.unwrap().trim(), "pinpool-free");
     }
 
     #[test]
@@ -162,7 +162,7 @@ mod tests {
         let start = Instant::now();
         drop(pool);
         assert!(start.elapsed() < Duration::from_millis(100), "the drop waited for the fence");
-        // The release thread records the fence (it may first finish other tests' jobs).
+        // The freeing thread records the fence (it may first finish other tests' jobs).
         let deadline = Instant::now() + Duration::from_secs(30);
         while fences.recorded().is_empty() {
             assert!(Instant::now() < deadline, "the fence was never recorded");
@@ -171,7 +171,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         assert!(freed_record(bytes).is_none(), "freed while a fence was pending");
         fences.complete_stream(9);
-        assert!(release::flush(Some(Duration::from_secs(30))));
+        assert!(freeing::flush(Some(Duration::from_secs(30))));
         assert!(freed_record(bytes).is_some(), "never freed after its fence completed");
     }
 }

@@ -12,7 +12,7 @@
 //!   (faulted in and, on CUDA, registered). A part that fails ends it, with its error kept
 //!   ([`Pool::prepare_error`]): those bytes are never handed out.
 //! - Where the prepare thread drops the pool's last reference, it holds a
-//!   [`release::Hold`] until then, so a flush of the release thread waits for the release it
+//!   [`freeing::Hold`] until then, so a flush of the freeing thread waits for the release it
 //!   queues.
 //! - The fence thread naps at most 1 ms while fences are pending; it sleeps longer only after
 //!   saying it is idle and looking once more, and a fenced release wakes it then
@@ -25,7 +25,7 @@ use std::time::Duration;
 use super::{fault_threads, Pool};
 use crate::error::{Error, Result};
 use crate::fence::FenceTracker;
-use crate::release;
+use crate::freeing;
 
 /// Starts the thread that makes the rest of `pool`'s arena ready, if any of it is not.
 pub(super) fn start_preparing(pool: &Arc<Pool>) -> Result<()> {
@@ -63,7 +63,7 @@ fn prepare_loop(pool: Weak<Pool>) {
     loop {
         // Declared first, dropped last: if this thread drops the pool's last reference, the
         // release is queued before a flush may stop waiting for it.
-        let _hold = release::hold();
+        let _hold = freeing::hold();
         let Some(pool) = pool.upgrade() else { return };
         // Nobody else holds the pool any more: stop, and let it go now.
         if pool.stopping.load(Ordering::Acquire)

@@ -149,23 +149,23 @@ fn available_memory() -> Option<usize> {
     crate::arena::available_memory()
 }
 
-/// Waits (without the GIL) until every pool dropped so far has been freed by the release
+/// Waits (without the GIL) until every pool dropped so far has been freed by the freeing
 /// thread, at most `timeout` seconds (forever if None). Returns whether all have.
 #[pyfunction]
 #[pyo3(signature = (timeout = None))]
-fn wait_for_releases(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+fn wait_for_freed_pools(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
     guarded(|| {
         let timeout = timeout_arg(py, timeout)?;
-        Ok(py.detach(|| crate::release::flush(timeout)))
+        Ok(py.detach(|| crate::freeing::flush(timeout)))
     })
 }
 
-/// The most recent arena releases, oldest first: dicts with `bytes`, `dropped_on` and
+/// The most recently freed pools, oldest first: dicts with `bytes`, `dropped_on` and
 /// `freed_on` (kernel thread ids) and `seconds`.
 #[pyfunction]
-fn recent_releases(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
+fn recently_freed_pools(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
     guarded(|| {
-        crate::release::recent()
+        crate::freeing::recent()
             .into_iter()
             .map(|r| {
                 let d = pyo3::types::PyDict::new(py);
@@ -233,8 +233,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
     m.add_function(wrap_pyfunction!(available_memory, m)?)?;
-    m.add_function(wrap_pyfunction!(wait_for_releases, m)?)?;
-    m.add_function(wrap_pyfunction!(recent_releases, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_for_freed_pools, m)?)?;
+    m.add_function(wrap_pyfunction!(recently_freed_pools, m)?)?;
     m.add_function(wrap_pyfunction!(gather::_gather, m)?)?;
     m.add_function(wrap_pyfunction!(segment::check_segment, m)?)?;
     m.add("SEGMENT_DATA_OFFSET", crate::transport::segment::DATA_OFFSET)?;

@@ -147,8 +147,8 @@ impl PyPinPool {
         self.segments.get().py(py)
     }
 
-    fn wrap(&self, pool: Arc<Pool>, ticket: crate::slots::Ticket) -> PySlot {
-        PySlot::new(pool, ticket, self.device_for_fences())
+    fn wrap(&self, pool: Arc<Pool>, checkout: crate::slots::Checkout) -> PySlot {
+        PySlot::new(pool, checkout, self.device_for_fences())
     }
 
     fn device_for_fences(&self) -> Option<usize> {
@@ -299,8 +299,8 @@ impl PyPinPool {
                 return Ok(self.wrap(pool, t));
             }
             let p = Arc::clone(&pool);
-            let ticket = py.detach(move || p.checkout_bytes(bytes, timeout)).py(py)?;
-            Ok(self.wrap(pool, ticket))
+            let checkout = py.detach(move || p.checkout_bytes(bytes, timeout)).py(py)?;
+            Ok(self.wrap(pool, checkout))
         })
     }
 
@@ -382,7 +382,7 @@ impl PyPinPool {
     }
 
     /// Stops new checkouts and wakes waiters (they raise `PoolClosed`). Slots already out stay
-    /// valid; the arena is freed on the release thread once the last of them is released or
+    /// valid; the arena is freed on the freeing thread once the last of them is released or
     /// collected. With `wait=True`, returns only once retired segments are unmapped and, if
     /// no slot is out, the arena is freed.
     #[pyo3(signature = (wait = false))]
@@ -394,10 +394,10 @@ impl PyPinPool {
                 if wait {
                     py.detach(|| self.segments.flush());
                 }
-                drop(pool); // cheap: the arena goes to the release thread
+                drop(pool); // cheap: the arena goes to the freeing thread
             }
             if wait {
-                py.detach(|| crate::release::flush(None));
+                py.detach(|| crate::freeing::flush(None));
             }
             Ok(())
         })
@@ -467,7 +467,7 @@ impl PyPinPool {
     /// `cuda-hostalloc` (no memfd), a released slot, or once closed.
     fn slot_memfd(&self, slot: &PySlot) -> Option<(i32, usize, usize)> {
         let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-        let (at, _) = pool.extent(slot.ticket()).ok()?;
+        let (at, _) = pool.extent(slot.checkout()).ok()?;
         let (fd, start, len) = pool.arena().part_at(at)?;
         Some((fd.as_raw_fd(), at - start, len))
     }

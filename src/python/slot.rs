@@ -18,7 +18,7 @@ use super::sent::{device_target, pool_device, PySent};
 use super::{current_stream, guarded, stream_arg, to_py, IntoPy};
 use crate::lease::{Lease, LeasePin, OwnedPin};
 use crate::pool::Pool;
-use crate::slots::Ticket;
+use crate::slots::Checkout;
 
 /// One slot of a `PinPool`, checked out.
 #[pyclass(name = "Slot", module = "pinpool._native", frozen, weakref)]
@@ -31,16 +31,16 @@ pub struct PySlot {
 }
 
 impl PySlot {
-    /// Wraps `ticket`, a live checkout of `pool`.
-    pub(crate) fn new(pool: Arc<Pool>, ticket: Ticket, fence_device: Option<usize>) -> Self {
-        // (A ticket just checked out is live; a stale one gets an empty extent, and every
+    /// Wraps `checkout`, a live checkout of `pool`.
+    pub(crate) fn new(pool: Arc<Pool>, checkout: Checkout, fence_device: Option<usize>) -> Self {
+        // (A checkout just checked out is live; a stale one gets an empty extent, and every
         // use of it is refused by the lease anyway.)
-        let extent = pool.extent(ticket).unwrap_or((0, 0));
-        PySlot { lease: Arc::new(Lease::new(pool, ticket)), fence_device, extent }
+        let extent = pool.extent(checkout).unwrap_or((0, 0));
+        PySlot { lease: Arc::new(Lease::new(pool, checkout)), fence_device, extent }
     }
 
-    pub(crate) fn ticket(&self) -> Ticket {
-        self.lease.ticket()
+    pub(crate) fn checkout(&self) -> Checkout {
+        self.lease.checkout()
     }
 
     /// Pins the slot for a copy into it; it must belong to `pool` and be unreleased.
@@ -71,13 +71,13 @@ impl PySlot {
     /// The slot table's entry this checkout holds.
     #[getter]
     fn index(&self) -> u32 {
-        self.lease.ticket().index
+        self.lease.checkout().index
     }
 
     /// Which checkout of this slot this object is.
     #[getter]
     fn generation(&self) -> u32 {
-        self.lease.ticket().generation
+        self.lease.checkout().generation
     }
 
     /// The slot's size in bytes (what was asked for, rounded up to a page).
@@ -149,12 +149,12 @@ impl PySlot {
             let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
             let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
             let _pin = self.pin(py, &pool)?; // refused once released
-            let ticket = self.lease.ticket();
+            let checkout = self.lease.checkout();
             // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
             // at least `nbytes` bytes (checked above), kept alive by the caller until the copy
             // has run; the slot is pinned for the call and released by the caller fenced on
             // `stream` (the method's documented contract).
-            let event = py.detach(|| unsafe { pool.send(ticket, dst, nbytes, stream) }).py(py)?;
+            let event = py.detach(|| unsafe { pool.send(checkout, dst, nbytes, stream) }).py(py)?;
             Ok(PySent::new(event))
         })
     }
@@ -228,7 +228,7 @@ impl PySlot {
     fn __repr__(&self) -> String {
         format!(
             "Slot(index={}, nbytes={}, {})",
-            self.lease.ticket().index,
+            self.lease.checkout().index,
             self.extent.1,
             if self.lease.is_released() { "released" } else { "checked out" }
         )

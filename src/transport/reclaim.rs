@@ -19,7 +19,7 @@
 //!   the mapping on a fresh short-lived thread, so nothing is leaked and the caller still does
 //!   not unmap.
 //! - Dropping a reclaimer never waits: its lingering mappings are retired, its thread is told
-//!   to end once its queue is empty, and the release thread ([`crate::release`]) joins it. In
+//!   to end once its queue is empty, and the freeing thread ([`crate::freeing`]) joins it. In
 //!   a forked child, where that thread does not exist, the drop does nothing.
 
 use std::os::fd::OwnedFd;
@@ -243,10 +243,10 @@ impl Drop for Reclaimer {
             }
         }
         // The thread ends once it has unmapped everything queued; joining it may wait for
-        // that, which the release thread does, not the caller.
+        // that, which the freeing thread does, not the caller.
         drop(self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).take());
         if let Some(thread) = thread {
-            crate::release::submit(Box::new(move || {
+            crate::freeing::submit(Box::new(move || {
                 let _ = thread.join();
             }));
         }
@@ -254,7 +254,7 @@ impl Drop for Reclaimer {
 }
 
 /// The reclaimer one pool's segment caches share: started with the first of them, ended
-/// (on the release thread) after the last, and started again for a later one, all counting
+/// (on the freeing thread) after the last, and started again for a later one, all counting
 /// into one [`Tally`].
 #[derive(Debug, Default)]
 pub struct SharedReclaimer {
@@ -336,13 +336,13 @@ mod tests {
         let first = shared.get().unwrap();
         assert!(Arc::ptr_eq(&first, &shared.get().unwrap()), "one reclaimer at a time");
         first.retire(Mapping::memfd("pinpool-test", 1 << 16).unwrap());
-        drop(first); // its thread is joined on the release thread
+        drop(first); // its thread is joined on the freeing thread
         shared.flush();
         assert_eq!(shared.stats(), SegmentStats { mapped: 0, unmapped: 1, pending: 0 });
         let second = shared.get().unwrap();
         second.retire(Mapping::memfd("pinpool-test", 1 << 16).unwrap());
         shared.flush();
         assert_eq!(shared.stats().unmapped, 2, "the second reclaimer counts on");
-        assert!(crate::release::flush(Some(std::time::Duration::from_secs(30))));
+        assert!(crate::freeing::flush(Some(std::time::Duration::from_secs(30))));
     }
 }

@@ -41,7 +41,7 @@ use crate::error::{Error, Result};
 use crate::lease::OwnedPin;
 use crate::pool::Pool;
 use crate::shm::{check_sealed, page_size, round_up, Mapping};
-use crate::slots::Ticket;
+use crate::slots::Checkout;
 use crate::transport::reclaim::Reclaimer;
 
 /// Where batch data starts in a segment.
@@ -350,16 +350,16 @@ impl SegmentCache {
     }
 
     /// Copies `ranges` (source offsets relative to the segment's data area) into the slot of
-    /// `ticket`. Every range is validated; the segment stays in flight.
+    /// `checkout`. Every range is validated; the segment stays in flight.
     pub fn copy_to_slot(
         &self,
         key: SegmentKey,
-        ticket: Ticket,
+        checkout: Checkout,
         ranges: &[CopyRange],
     ) -> Result<usize> {
         let map = self.get(key)?;
         let shifted = shift_to_data(&map, ranges)?;
-        let result = self.pool.copy_in(ticket, &map, &shifted);
+        let result = self.pool.copy_in(checkout, &map, &shifted);
         drop(map);
         self.reclaimer.reap();
         result
@@ -374,7 +374,7 @@ impl SegmentCache {
     pub unsafe fn copy_to_device(
         &self,
         key: SegmentKey,
-        ticket: Ticket,
+        checkout: Checkout,
         ranges: &[CopyRange],
         dst: u64,
         len: usize,
@@ -384,7 +384,7 @@ impl SegmentCache {
         let shifted = shift_to_data(&map, ranges)?;
         // SAFETY: forwarded from the caller.
         let result =
-            unsafe { self.pool.copy_in_and_send(ticket, &map, &shifted, dst, len, stream) };
+            unsafe { self.pool.copy_in_and_send(checkout, &map, &shifted, dst, len, stream) };
         drop(map);
         self.reclaimer.reap();
         result
@@ -405,12 +405,12 @@ impl SegmentCache {
         }
         let map = self.get(key)?;
         let shifted = shift_to_data(&map, ranges)?;
-        let ticket = pin.lease().ticket();
+        let checkout = pin.lease().checkout();
         let reclaimer = Arc::clone(&self.reclaimer);
         // SAFETY: a pin keeps its lease's slot out of the pool until it is dropped (a release
         // meanwhile waits for it: `crate::lease`).
         unsafe {
-            self.pool.copy_in_background(ticket, pin, map, shifted, move |map| {
+            self.pool.copy_in_background(checkout, pin, map, shifted, move |map| {
                 // Back to its worker; and unmapped now if it was retired during the copy.
                 state_word(&map).store(STATE_FREE, Ordering::Release);
                 drop(map);

@@ -508,7 +508,7 @@ def late_errors() -> Iterator[None]:
 @contextlib.contextmanager
 def no_fd_left(flush: Callable[[], None] = lambda: None, note: bool = False) -> Iterator[None]:
     """Fails if the block leaves more fds open than it found (after ``flush()``, and after the
-    release thread has freed every pool dropped in the block, with its memfds). With
+    freeing thread has freed every pool dropped in the block, with its memfds). With
     ``note``, an exception escaping the block says if it left one too (without: what the
     exception's traceback still holds, a loader's pool say, may hold fds)."""
     before = open_fd_count()
@@ -516,12 +516,12 @@ def no_fd_left(flush: Callable[[], None] = lambda: None, note: bool = False) -> 
         yield
     except Exception as exc:
         flush()
-        pinpool.wait_for_releases(timeout=60)
+        pinpool.wait_for_freed_pools(timeout=60)
         if note and open_fd_count() > before:
             exc.add_note(f"and {open_fd_count() - before} fd(s) were left open")
         raise
     flush()
-    pinpool.wait_for_releases(timeout=60)
+    pinpool.wait_for_freed_pools(timeout=60)
     # (Fewer is fine: the garbage of an earlier example, collected meanwhile, held them. A
     # dropped loader's segments are closed by a background thread: on a busy machine, later.)
     deadline = time.monotonic() + 10

@@ -480,7 +480,7 @@ def test_a_huge_timeout_waits_instead_of_panicking(make_pool: Any, timeout: floa
         slot.release()
         claimed = pool.claim(timeout={timeout!r})
         print("claimed", claimed.index)
-        print("flushed", pinpool.wait_for_releases(timeout={timeout!r}))
+        print("flushed", pinpool.wait_for_freed_pools(timeout={timeout!r}))
         """
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -586,7 +586,7 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -
     are written sample by sample, so only a batch's first sample is made before its slot is
     mapped. With ``fork`` the workers of the second epoch start after the arena exists."""
     gc.collect()
-    pinpool.wait_for_releases(timeout=60)
+    pinpool.wait_for_freed_pools(timeout=60)
     for stream in (False, True):
         loader = pinpool.DataLoader(
             ArenaWatcher(48),
@@ -607,7 +607,7 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -
         # (A child forked while an arena is being freed may inherit it as it was: nothing
         # uses that arena any more, but it would count here.)
         del loader
-        pinpool.wait_for_releases(timeout=60)
+        pinpool.wait_for_freed_pools(timeout=60)
 
 
 def test_a_tickets_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:

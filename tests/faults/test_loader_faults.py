@@ -513,7 +513,7 @@ def test_owned_pool_goes_with_the_loader() -> None:
     del it, pin
     gc.collect()
     assert own.closed
-    pinpool.wait_for_releases(timeout=60)  # (a part still being made holds the pool a while)
+    pinpool.wait_for_freed_pools(timeout=60)  # (a part still being made holds the pool a while)
     s = own.stats()
     # (free, or never made ready: the prepare thread runs at idle priority, and on a busy
     # machine the pool may close before it came to the rest of the arena)

@@ -324,7 +324,7 @@ def test_closing_or_dropping_the_wrapper_frees_its_pool() -> None:
     assert pool is not None and not pool.closed
     wrapped.close()
     assert pool.closed
-    assert pinpool.wait_for_releases(timeout=60)
+    assert pinpool.wait_for_freed_pools(timeout=60)
     assert kept.tolist() == [1.0] * 8, "a batch outlives the pool's closing"
     wrapped.close()  # twice is fine
     with pytest.raises(pinpool.PoolClosed):
@@ -338,7 +338,7 @@ def test_closing_or_dropping_the_wrapper_frees_its_pool() -> None:
     del dropped
     gc.collect()
     assert pool.closed, "the wrapper's pool outlived it"
-    assert pinpool.wait_for_releases(timeout=60)
+    assert pinpool.wait_for_freed_pools(timeout=60)
 
 
 def test_a_pool_passed_in_stays_the_callers() -> None:

@@ -31,9 +31,9 @@ def fd_count() -> int:
 
 def settled_fd_count() -> int:
     """Open fds once what earlier tests left behind has closed: objects left to the
-    collector, and arenas being freed on pinpool's release thread."""
+    collector, and arenas being freed on pinpool's freeing thread."""
     gc.collect()
-    assert pinpool.wait_for_releases(timeout=30)
+    assert pinpool.wait_for_freed_pools(timeout=30)
     return fd_count()
 
 

@@ -62,7 +62,7 @@ def test_a_workers_hint_makes_the_pool_while_the_first_batch_is_made(
     assert not [t for t in threading.enumerate() if t.name == "pinpool-pool-hint"]
     del loader
     gc.collect()
-    assert pinpool.wait_for_releases(timeout=30)  # (the arena is freed on a thread of its own)
+    assert pinpool.wait_for_freed_pools(timeout=30)  # (the arena is freed on a thread of its own)
     # Every fd open now was open before (earlier tests' may have closed meanwhile).
     left = {fd: what for fd, what in open_fds().items() if before.get(fd) != what}
     assert not left, left

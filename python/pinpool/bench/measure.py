@@ -522,7 +522,7 @@ def run_once(
         # A deleted pinpool loader's arena is freed on a background thread. Wait for that
         # here, outside every measurement, so it does not run into the next loader's.
         t_release = time.perf_counter()
-        pinpool.wait_for_releases(timeout=120)
+        pinpool.wait_for_freed_pools(timeout=120)
         release_s = time.perf_counter() - t_release
     wall = t1 - t0
     # The main process's CPU, less the probe thread's own (it wakes 1000 times a second, so

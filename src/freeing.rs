@@ -1,4 +1,4 @@
-//! The release thread: where a pool's memory is given back, so that no caller ever waits for
+//! The freeing thread: where a pool's memory is given back, so that no caller ever waits for
 //! it. The caller is often a Python thread holding the GIL (the last reference to a pool dies
 //! in a Python object's deallocation); unregistering and unmapping a large arena there would
 //! freeze every Python thread for hundreds of milliseconds.
@@ -6,7 +6,7 @@
 //! (Step 8 of "the life of a slot" in [`crate::pool`].)
 //!
 //! Invariants:
-//! - One thread per process, named `pinpool-release`, started by the first job. Jobs run one
+//! - One thread per process, named `pinpool-free`, started by the first job. Jobs run one
 //!   at a time, in the order they were queued, each exactly once.
 //! - [`submit`] never blocks on a job: it queues and returns. Only when no thread can be
 //!   started at all (the process is out of resources) does the job run on the caller's thread:
@@ -18,7 +18,7 @@
 //!   It is registered when the thread starts, after the CUDA driver was loaded, so it runs
 //!   before the driver's own exit handlers: no arena is unregistered from a torn-down driver,
 //!   and a clean exit leaves no memfd or registration behind.
-//! - A forked child has no release thread (threads do not survive `fork`). The queue it
+//! - A forked child has no freeing thread (threads do not survive `fork`). The queue it
 //!   inherits holds its parent's jobs, which name the parent's CUDA context and threads: the
 //!   child forgets them (never runs them) and starts afresh with its own.
 //! - A job never calls into Python and holds no lock of this module while it runs, so a job
@@ -28,17 +28,17 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// Work handed to the release thread.
+/// Work handed to the freeing thread.
 pub type Job = Box<dyn FnOnce() + Send + 'static>;
 
-/// The longest the exit hook waits for queued releases before letting the process go (the
+/// The longest the exit hook waits for queued frees before letting the process go (the
 /// kernel then takes back whatever is left).
 pub const EXIT_WAIT: Duration = Duration::from_secs(10);
 
 /// How many [`Freed`] records [`recent`] keeps.
 const KEEP_RECORDS: usize = 64;
 
-/// What one release did, for diagnostics and tests.
+/// What one free did, for diagnostics and tests.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Freed {
     /// Bytes of memory given back.
@@ -92,11 +92,11 @@ fn queue() -> MutexGuard<'static, Queue> {
     q
 }
 
-/// Queues `job` for the release thread.
+/// Queues `job` for the freeing thread.
 pub fn submit(job: Job) {
     let mut q = queue();
     if !q.started {
-        let spawned = std::thread::Builder::new().name("pinpool-release".into()).spawn(run);
+        let spawned = std::thread::Builder::new().name("pinpool-free".into()).spawn(run);
         if spawned.is_err() {
             drop(q);
             job();
@@ -112,7 +112,7 @@ pub fn submit(job: Job) {
 }
 
 /// Held by background work that may drop the last reference to a pool (and so queue its
-/// release): [`flush`] waits for it to end.
+/// freeing): [`flush`] waits for it to end.
 #[derive(Debug)]
 pub struct Hold(());
 
@@ -166,12 +166,12 @@ pub fn record(freed: Freed) {
     q.records.push_back(freed);
 }
 
-/// The most recent releases, oldest first.
+/// The most recent frees, oldest first.
 pub fn recent() -> Vec<Freed> {
     queue().records.iter().cloned().collect()
 }
 
-/// The release thread's loop: take a job, run it without the lock, count it done.
+/// The freeing thread's loop: take a job, run it without the lock, count it done.
 fn run() {
     crate::priority::become_background();
     loop {
@@ -184,7 +184,7 @@ fn run() {
                 q = CHANGED.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        // A panicking job must not take the thread (and every later release) with it.
+        // A panicking job must not take the thread (and every later free) with it.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
         queue().done += 1;
         CHANGED.notify_all();
@@ -209,7 +209,7 @@ mod tests {
     use std::sync::Arc;
 
     #[test]
-    fn jobs_run_in_order_on_the_release_thread() {
+    fn jobs_run_in_order_on_the_freeing_thread() {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let me = thread_id();
         for i in 0..5 {
@@ -224,7 +224,7 @@ mod tests {
         assert_eq!(seen.iter().map(|s| s.0).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
         for (_, tid, name) in seen.iter() {
             assert_ne!(*tid, me, "a job ran on the submitting thread");
-            assert_eq!(name.as_deref(), Some("pinpool-release"));
+            assert_eq!(name.as_deref(), Some("pinpool-free"));
         }
     }
 

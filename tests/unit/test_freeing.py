@@ -1,8 +1,8 @@
-"""Arena memory is given back on the release thread, whichever object drops the pool last.
+"""Arena memory is given back on the freeing thread, whichever object drops the pool last.
 
-Each test finds its pool's record in ``pinpool._native.recent_releases()`` by its arena size
+Each test finds its pool's record in ``pinpool._native.recently_freed_pools()`` by its arena size
 and the thread that dropped it, then checks that a different thread, the one named
-``pinpool-release``, freed it.
+``pinpool-free``, freed it.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ MiB = 1 << 20
 
 
 def freed_record(nbytes: int, anywhere: bool = False) -> dict[str, float] | None:
-    """The release record of an arena of ``nbytes`` dropped on this thread (with
+    """The record of an arena of ``nbytes`` dropped on this thread (with
     ``anywhere``: on any thread, such as a pool's own prepare thread), if freed."""
     me = threading.get_native_id()
-    for r in reversed(_native.recent_releases()):
+    for r in reversed(_native.recently_freed_pools()):
         if r["bytes"] == nbytes and (anywhere or r["dropped_on"] == me):
             return r
     return None
@@ -40,11 +40,13 @@ def thread_name(tid: int) -> str:
 
 
 def assert_freed_off_this_thread(nbytes: int, anywhere: bool = False) -> None:
-    assert pinpool.wait_for_releases(timeout=60), "the release thread did not finish"
+    assert pinpool.wait_for_freed_pools(timeout=60), "the freeing thread did not finish"
     record = freed_record(nbytes, anywhere)
-    assert record is not None, f"no arena of {nbytes} bytes was freed: {_native.recent_releases()}"
+    assert record is not None, (
+        f"no arena of {nbytes} bytes was freed: {_native.recently_freed_pools()}"
+    )
     assert record["freed_on"] != threading.get_native_id(), "freed on the dropping thread"
-    assert thread_name(int(record["freed_on"])) == "pinpool-release"
+    assert thread_name(int(record["freed_on"])) == "pinpool-free"
 
 
 def test_a_pool_dropped_without_close_is_freed_on_the_release_thread() -> None:
@@ -64,7 +66,7 @@ def test_a_pool_whose_last_slot_dies_last_is_freed_on_the_release_thread() -> No
     pool.close()  # returns at once; the slot keeps the arena alive
     del pool
     gc.collect()
-    assert pinpool.wait_for_releases(timeout=60)
+    assert pinpool.wait_for_freed_pools(timeout=60)
     assert freed_record(33 * page) is None, "the arena was freed while a slot was still out"
     slot.view("uint8", (page,)).fill_(3)  # still usable
     del slot
@@ -80,11 +82,11 @@ def test_close_with_wait_returns_once_the_arena_is_freed() -> None:
     pool.close(wait=True)  # a second close is harmless
 
 
-def test_wait_for_releases_refuses_a_bad_timeout() -> None:
+def test_wait_for_freed_pools_refuses_a_bad_timeout() -> None:
     with pytest.raises(pinpool.InvalidArgument):
-        pinpool.wait_for_releases(timeout=-1.0)
+        pinpool.wait_for_freed_pools(timeout=-1.0)
     with pytest.raises(pinpool.InvalidArgument):
-        pinpool.wait_for_releases(timeout=float("nan"))
+        pinpool.wait_for_freed_pools(timeout=float("nan"))
 
 
 @pytest.mark.slow
@@ -152,3 +154,10 @@ def test_exiting_with_pools_and_a_loader_alive_neither_hangs_nor_fails() -> None
     assert proc.stdout.strip() == "done" and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert took < 60, f"the process took {took:.1f} s to exit"
     assert not shm_entries_left(before)
+
+
+def test_the_earlier_name_still_waits_and_says_it_was_renamed() -> None:
+    with pytest.warns(DeprecationWarning, match="wait_for_freed_pools"):
+        wait = pinpool.wait_for_releases
+    assert wait is pinpool.wait_for_freed_pools
+    assert wait(timeout=60)
