@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from . import _accelerate, _cuda_stream, _native
+from . import _accelerate, _cuda_stream, _native, trace
 from ._errors import (
     BatchTooLarge,
     CudaError,
@@ -87,6 +87,7 @@ __all__ = [
     "page_size",
     "pinned",
     "prepare",
+    "trace",
     "wait_for_releases",
 ]
 
