@@ -87,7 +87,6 @@ __all__ = [
     "page_size",
     "pinned",
     "prepare",
-    "trace",
     "wait_for_releases",
 ]
 
