@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from . import _accelerate, _cuda_stream, _native, trace
+from . import _accelerate, _cuda_stream, _native
+from . import trace as trace  # (pinpool.trace: the hook probes read, pure Python)
 from ._errors import (
     BatchTooLarge,
     CudaError,
