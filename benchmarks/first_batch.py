@@ -2,46 +2,37 @@
 batch and first batch on the device, beside torch's, and for pinpool loaders when the first
 batch's size became known (``ensure``), and when the pool's making started (on which
 thread) and ended, all in ms from construction, then the arena's size and start-up steps.
-38.5 MB batches, 8 workers.
+38.5 MB batches, 8 workers. Those moments come from pinpool's trace hook (``pinpool.trace``:
+events ``pool.ensure`` and ``pool.make``).
 
     python benchmarks/first_batch.py --rounds 3 [--start-method forkserver]
+    python benchmarks/first_batch.py --device cpu --loaders pinpool --batch-size 4 --workers 2
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
-import threading
 import time
-from typing import Any
 
 import torch
 
 import pinpool
-import pinpool._main.receiver as receiver_module
+import pinpool.trace
 from pinpool.bench.loaders import build, spec_named, transfer
 from pinpool.bench.workloads import make_dataset
 
 EVENTS: list[tuple[str, float]] = []
 
 
-def _instrument() -> None:
-    """Records when a pool's making starts and ends, and the first ``ensure``."""
-    real_pool, real_ensure = receiver_module.PinPool, receiver_module.Receiver.ensure
-
-    def timed_pool(*args: Any, **kwargs: Any) -> Any:
-        EVENTS.append((f"pool-start[{threading.current_thread().name}]", time.perf_counter()))
-        pool = real_pool(*args, **kwargs)
-        EVENTS.append(("pool-made", time.perf_counter()))
-        return pool
-
-    def timed_ensure(self: Any, nbytes: int, count: int | None = None) -> Any:
-        if self.pool is None:
-            EVENTS.append((f"ensure({nbytes})", time.perf_counter()))
-        return real_ensure(self, nbytes, count)
-
-    receiver_module.PinPool = timed_pool  # type: ignore[misc]
-    receiver_module.Receiver.ensure = timed_ensure  # type: ignore[method-assign]
+def _record(e: pinpool.trace.Event) -> None:
+    """Keeps when the pool was first needed (``ensure``), and when its making started (on
+    which thread) and ended, in ``time.perf_counter()`` seconds."""
+    if e.name == "pool.ensure":
+        EVENTS.append((f"ensure({e.details['nbytes']})", e.start_ns / 1e9))
+    elif e.name == "pool.make":
+        EVENTS.append((f"pool-start[{e.thread}]", e.start_ns / 1e9))
+        EVENTS.append(("pool-made", e.end_ns / 1e9))
 
 
 def main() -> None:
@@ -49,31 +40,46 @@ def main() -> None:
     ap.add_argument("--loaders", nargs="+", default=["torch-pinned", "pinpool", "pinpool-device"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--start-method", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (no copy to a device)")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--shape", type=int, nargs="+", default=[3, 224, 224])
     args = ap.parse_args()
     if args.start_method:
         multiprocessing.set_start_method(args.start_method, force=True)
-    _instrument()
-    dev = torch.device("cuda")
-    torch.ones(1, device=dev)
-    ds = make_dataset("synthetic", 40 * 256, (3, 224, 224), "")
+    pinpool.trace.set_hook(_record)
+    dev = torch.device(args.device) if args.device != "cpu" else None
+    if dev is not None:
+        torch.ones(1, device=dev)
+    ds = make_dataset("synthetic", 40 * args.batch_size, tuple(args.shape), "")
     for r in range(args.rounds):
         for name in args.loaders:
             spec = spec_named(name)
             EVENTS.clear()
             t0 = time.perf_counter()
-            loader = build(spec, ds, batch_size=256, workers=8, prefetch_factor=2, device="cuda")
+            loader = build(
+                spec,
+                ds,
+                batch_size=args.batch_size,
+                workers=args.workers,
+                prefetch_factor=2,
+                device=args.device if dev is not None else None,
+            )
             t1 = time.perf_counter()
             it = iter(loader)
             t2 = time.perf_counter()
             batch = next(it)
             t3 = time.perf_counter()
             batch = transfer(spec, batch, dev)
-            torch.cuda.synchronize()
+            if dev is not None:
+                torch.cuda.synchronize()
             t4 = time.perf_counter()
             for _ in range(5):
                 next(it)
             t5 = time.perf_counter()
-            events = " ".join(f"{n}@{(t - t0) * 1e3:.0f}" for n, t in EVENTS)
+            events = " ".join(
+                f"{n}@{(t - t0) * 1e3:.0f}" for n, t in sorted(EVENTS, key=lambda x: x[1])
+            )
             pool = getattr(loader, "pool", None)
             if pool is not None:  # the arena's start-up steps, in ms
                 steps = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in pool.startup.items())

@@ -1,7 +1,9 @@
 """Where the time inside ``next()`` goes: runs one loader for a number of steps with timing
-wrappers around the functions a batch passes through in the main process (torch's iterator,
-pinpool's decoder, the handles), and prints, per function and per thread (main, or torch's
-pin thread), the calls, total and mean time.
+wrappers around the functions of torch's a batch passes through (its iterator, its queues,
+its pin_memory(), its workers' fetch), and pinpool's trace hook (``pinpool.trace``: the steps
+pinpool reports, rows named by their events: ``batch.take``, ``slot.claim``, ...), and prints,
+per function or event and per thread (main, or torch's pin thread; in the workers, worker),
+the calls, total and mean time.
 
     python benchmarks/next_profile.py --workload tokens --loader pinpool --device cuda
 
@@ -30,10 +32,7 @@ import numpy as np
 import torch
 
 import pinpool
-import pinpool.loader
-from pinpool._main import delivery, index_queue, receiver
-from pinpool._wire import codec, handle
-from pinpool._worker import collate, places, streaming
+import pinpool.trace
 from pinpool.bench.workloads import make_dataset
 
 _TOTALS: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -55,8 +54,9 @@ def _dump_worker_totals() -> None:
     """In a worker: writes its totals, every :data:`_DUMP_EVERY` batches (a DataLoader worker
     exits without running ``atexit`` handlers, so the last few batches may be missing)."""
     with _LOCK:
-        if len(_TOTALS[(_WORKER_BATCH, "worker")]) % _DUMP_EVERY:
-            return
+        done = _TOTALS.get((_WORKER_BATCH, "worker"))
+        if not done or len(done) % _DUMP_EVERY:
+            return  # (none: another recorder than the totals, stall_trace.py's)
         data = {f"{label}\t{who}": xs for (label, who), xs in _TOTALS.items()}
     os.makedirs(_WORKER_DIR, exist_ok=True)
     path = os.path.join(_WORKER_DIR, f"{os.getpid()}.json")
@@ -85,9 +85,20 @@ def _add_to_totals(label: str, who: str, start: float, end: float) -> None:
         _TOTALS[(label, who)].append(end - start)
 
 
+def _who() -> str:
+    """The calling thread: "main" or "pin" (any other thread: torch's pin-memory thread, or
+    one of pinpool's) in the main process, "worker" or "w-feed" (its queue's feeder thread)
+    in a worker."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if os.getpid() == _MAIN_PID:
+        return "main" if main_thread else "pin"
+    return "worker" if main_thread else "w-feed"
+
+
 def wrap(owner: Any, name: str, label: str, record: Recorder = _add_to_totals) -> None:
-    """Replaces ``owner.name`` with a function that calls it and hands ``record`` the label,
-    the thread ("main" or "pin", torch's pin-memory thread), and the call's start and end."""
+    """Replaces ``owner.name`` (torch's or the standard library's: pinpool's own steps come
+    from its trace hook) with a function that calls it and hands ``record`` the label, the
+    thread (:func:`_who`), and the call's start and end."""
     fn = getattr(owner, name)
 
     @functools.wraps(fn)
@@ -96,11 +107,7 @@ def wrap(owner: Any, name: str, label: str, record: Recorder = _add_to_totals) -
         try:
             return fn(*args, **kwargs)
         finally:
-            main_thread = threading.current_thread() is threading.main_thread()
-            if os.getpid() == _MAIN_PID:
-                who = "main" if main_thread else "pin"
-            else:
-                who = "worker" if main_thread else "w-feed"
+            who = _who()
             record(label, who, t0, time.perf_counter())
             if who == "worker" and label == _WORKER_BATCH:
                 _dump_worker_totals()
@@ -108,8 +115,18 @@ def wrap(owner: Any, name: str, label: str, record: Recorder = _add_to_totals) -
     setattr(owner, name, timed)
 
 
+def trace_into(record: Recorder = _add_to_totals) -> None:
+    """Hands ``record`` every step pinpool reports (``pinpool.trace``), labelled by its
+    event's name, in this process and in the workers forked after this."""
+
+    def hook(e: pinpool.trace.Event) -> None:
+        record(e.name, _who(), e.start_ns / 1e9, e.end_ns / 1e9)
+
+    pinpool.trace.set_hook(hook)
+
+
 def instrument(record: Recorder = _add_to_totals) -> None:
-    """Wraps every function a batch passes through in the main process."""
+    """Wraps torch's functions a batch passes through, and sets pinpool's trace hook."""
 
     def _wrap(owner: Any, name: str, label: str) -> None:
         wrap(owner, name, label, record)
@@ -124,34 +141,11 @@ def instrument(record: Recorder = _add_to_totals) -> None:
     _wrap(queue.Queue, "put", "queue.Queue.put")
     pm = torch.utils.data._utils.pin_memory
     _wrap(pm, "pin_memory", "torch pin_memory()")
-    _wrap(pinpool.loader, "finish", "pinpool finish")
-    rec = receiver.Receiver
-    for name in ("take", "_receive", "_adopt", "_copy_in", "_claim", "drop"):
-        _wrap(rec, name, f"receiver.{name}")
-    _wrap(delivery.Delivery, "__call__", "delivery")
-    _wrap(receiver.Tickets, "assign", "tickets.assign")
-    _wrap(delivery.OnDevice, "wait", "OnDevice.wait")
-    _wrap(delivery.Landing, "wait", "Landing.wait")
-    _wrap(index_queue.DirectQueue, "put", "index queue put (direct)")
-    for name in ("pin_memory", "take", "__setstate__"):
-        _wrap(handle.BatchHandle, name, f"BatchHandle.{name}")
-    for name in ("rebuild", "host_leaves"):
-        _wrap(codec, name, f"codec.{name}")
-    # In the workers (forked after this): torch's fetch (the dataset and the collation) and
-    # pinpool's part of it.
+    # In the workers (forked after this): torch's fetch (the dataset and the collation, with
+    # pinpool's part of it: the worker.* events).
     fetch = torch.utils.data._utils.fetch._MapDatasetFetcher
     _wrap(fetch, "fetch", _WORKER_BATCH)
-    _wrap(collate.PinCollate, "__call__", "pinpool collate")
-    for name in ("plan", "write"):
-        _wrap(codec, name, f"codec.{name}")
-    _wrap(places, "write", "places.write")
-    _wrap(places.Place, "__init__", "places.Place()")
-    _wrap(places.Place, "send", "Place.send")
-    _wrap(streaming, "collate_streaming", "streaming.collate_streaming")
-    _wrap(streaming, "plan_layout", "streaming.plan_layout")
-    _wrap(streaming._Rows, "put", "streaming rows.put")
-    _wrap(streaming._Rows, "flush", "streaming rows.flush")
-    _wrap(streaming, "_collate_marked", "streaming._collate_marked")
+    trace_into(record)
 
 
 def _thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
@@ -250,8 +244,7 @@ def main() -> None:
     for _ in range(50):
         next(it)
     _TOTALS.clear()
-    inner = getattr(it, "_inner", it)  # (pinpool wraps torch's iterator)
-    pids = [os.getpid()] + [w.pid for w in getattr(inner, "_workers", [])]
+    pids = [os.getpid()] + [p.pid for p in multiprocessing.active_children() if p.pid]
     cpu_before = _all_cpu(pids)
     waits = []
     t0 = time.perf_counter()
@@ -265,6 +258,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     cpu = _cpu_rows(cpu_before, _all_cpu(pids), args.steps)
     del it, loader
+    pinpool.trace.set_hook(None)
     _TOTALS.pop((_WORKER_BATCH, "main"), None)
     _merge_worker_totals()
     rows = []

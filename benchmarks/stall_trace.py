@@ -1,8 +1,9 @@
 """Which call stalled the main thread: runs a loader over big batches for two epochs while a
 thread sleeps 1 ms at a time, records when each wake-up came late, and the start and end of
-every call a batch passes through in the main process (the functions ``next_profile.py``
-times, plus worker start-up, shutdown and the copy to the GPU). Prints every wake-up later than
-``--late-ms`` with the calls that overlapped it, the innermost last.
+every call a batch passes through in the main process (the functions and pinpool's trace
+events ``next_profile.py`` times, plus worker start-up, shutdown and the copy to the GPU).
+Prints every wake-up later than ``--late-ms`` with the calls that overlapped it, the innermost
+last.
 
     python benchmarks/stall_trace.py --loader pinpool --device cuda
 """
@@ -24,8 +25,7 @@ import next_profile
 import torch
 
 import pinpool
-import pinpool._main.receiver
-from pinpool.bench.workloads import make_dataset, move
+from pinpool.bench.workloads import make_dataset, move, tensors
 
 _SPANS: list[tuple[float, float, str, str]] = []
 
@@ -220,6 +220,17 @@ def _states(samples: list[list[Any]], names: dict[int, str], due: float, woke: f
     return ", ".join(f"{k} x{c}" for k, c in seen.most_common(6))
 
 
+def _whole_pool(dataset: Any, args: argparse.Namespace) -> pinpool.PinPool:
+    """``--whole-arena``: a pool made whole now (``background=False``), sized as the loader
+    sizes its own (docs/guide.md): the batches in flight plus 4, at 1.25 times the first
+    batch's size, at least 64 MiB."""
+    batch = sum(t.numel() * t.element_size() for t in tensors(dataset[0])) * args.batch_size
+    slot = -(-int(batch * 1.25) // (1 << 20)) << 20
+    slots = max(2 * max(args.workers, 1) + 4, -(-(64 << 20) // slot))
+    device = args.device or "cpu"
+    return pinpool.PinPool(slot, slots, device=device, background=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--loader", default="pinpool", choices=["pinpool", "pinpool-zerocopy"])
@@ -233,7 +244,8 @@ def main() -> None:
     ap.add_argument(
         "--whole-arena",
         action="store_true",
-        help="make the loader's arena whole at the first batch (no background preparation)",
+        help="give the loader a pool made whole (no background preparation; made before the "
+        "loader, sized as the loader would size its own from the first batch)",
     )
     ap.add_argument(
         "--start-method",
@@ -269,14 +281,6 @@ def main() -> None:
             first = multiprocessing.Process(target=time.sleep, args=(0,))
             first.start()
             first.join()
-    if args.whole_arena:
-        made = pinpool._main.receiver.PinPool
-
-        def whole(*a: Any, **kw: Any) -> Any:
-            kw["background"] = False
-            return made(*a, **kw)
-
-        pinpool._main.receiver.PinPool = whole  # type: ignore[misc]
     dataset = make_dataset("synthetic", args.batches * args.batch_size, tuple(args.shape), "/tmp")
     late: list[tuple[float, float]] = []
     stop = threading.Event()
@@ -288,7 +292,8 @@ def main() -> None:
             now = time.perf_counter()
             late.append((due, now - due))
 
-    # Spans: every function next_profile times, plus the ones that only run now and then.
+    # Spans: every function and trace event next_profile times, plus the functions that only
+    # run now and then (pinpool's own, pool.make, workers.start, loader.close..., are events).
     next_profile.instrument(_keep_span)
     _span(multiprocessing.popen_fork.Popen, "_launch", "fork a worker")
     _span(multiprocessing.popen_forkserver.Popen, "_launch", "forkserver: start a worker")
@@ -299,11 +304,9 @@ def main() -> None:
     it_cls = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
     _span(it_cls, "_reset", "torch iterator reset")
     _span(it_cls, "_try_put_index", "torch put index")
-    _span(pinpool._main.receiver.Receiver, "ensure", "receiver.ensure")
     _span(it_cls, "_shutdown_workers", "torch shutdown workers")
     _span(it_cls, "__init__", "torch iterator start")
     _span(torch.Tensor, "to", "Tensor.to")
-    _span(pinpool._main.receiver.Receiver, "close", "receiver.close")
     _span(gc, "collect", "gc.collect")
     gc_start: list[float] = []
 
@@ -330,11 +333,13 @@ def main() -> None:
     time.sleep(0.05)
     marks = []
     t_start = time.perf_counter()
+    pool = _whole_pool(dataset, args) if args.whole_arena else None
     loader = pinpool.DataLoader(
         dataset,
         batch_size=args.batch_size,
         num_workers=args.workers,
         zero_copy=args.loader == "pinpool-zerocopy",
+        pool=pool,
     )
     for epoch in range(2):
         marks.append((time.perf_counter(), f"epoch {epoch + 1}"))
@@ -345,6 +350,8 @@ def main() -> None:
             note_threads()
     marks.append((time.perf_counter(), "del loader"))
     del loader
+    if pool is not None:
+        pool.close()
     marks.append((time.perf_counter(), "end"))
     time.sleep(0.05)
     sys.setprofile(None)

@@ -20,6 +20,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import _accelerate, _cuda_stream, _native
+from . import trace as trace  # (pinpool.trace: the hook probes read, pure Python)
 from ._errors import (
     BatchTooLarge,
     CudaError,

@@ -40,7 +40,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import default_collate, default_convert
 
-from . import _signals, _torch_versions
+from . import _signals, _torch_versions, _trace
 from ._errors import PinPoolError
 from ._main import settings
 from ._main.delivery import finish
@@ -299,6 +299,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         weakref.finalize(self, _signals.finalizing, _close, receiver)
 
     def __iter__(self) -> _PinnedIter:  # type: ignore[override]
+        t0 = _trace.on and _trace.now()
         resume = self._pin_resume
         resume.start(self)
         if resume.worker_start is not None and self._iterator is not None:
@@ -316,6 +317,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         finally:
             self.__dict__["_pin_wrap"] = False
         assert resume.current is not None
+        if t0:
+            _trace.span("loader.iter", t0)
         return _PinnedIter(self, inner, resume.current)
 
     @property
@@ -448,6 +451,7 @@ class _PinnedIter:
         return len(self._inner)  # type: ignore[arg-type]
 
     def __next__(self) -> Any:
+        t0 = _trace.on and _trace.now()
         try:
             item = next(self._inner)
         except StopIteration:
@@ -466,6 +470,8 @@ class _PinnedIter:
             batch = finish(item)
         finally:
             self._epoch.took(_taken(self._inner), raised=False)
+        if t0:
+            _trace.span("loader.next", t0)
         return batch
 
     def _end(self) -> None:
@@ -515,7 +521,10 @@ class _WorkersIter(MultiProcessingIter):
         self._pin_first = first
         self._pin_receiver = loader._pin_receiver
         self._pin_pid = os.getpid()
+        t0 = _trace.on and _trace.now()
         super().__init__(loader)
+        if t0:
+            _trace.span("workers.start", t0, workers=loader.num_workers)
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         if first_iter:  # the workers have started; nothing was sent to them yet
@@ -559,6 +568,7 @@ class _WorkersIter(MultiProcessingIter):
         # collected: its workers and their done event are this process's.)
         if getattr(self, "_pin_pid", None) != os.getpid():
             return
+        t0 = _trace.on and _trace.now()
         errors: list[BaseException] = []
         try:
             super()._shutdown_workers()
@@ -573,6 +583,8 @@ class _WorkersIter(MultiProcessingIter):
                 errors.append(exc)
                 if _signals.signal_of(exc) is None:
                     break  # (not an interruption, after which each step can be done again)
+        if t0:
+            _trace.span("workers.shutdown", t0)
         if errors:
             raise errors[0]
 

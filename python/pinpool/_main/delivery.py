@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .. import _trace
 from .._native import Copying, Sent, Slot
 from .._torch_contract import cuda_raw_stream
 from .._wire import codec
@@ -263,7 +264,10 @@ class Delivery:
         assert self.copy_stream is not None and self.consumer is not None
         with torch.cuda.stream(self.copy_stream):
             storage = torch.empty(need, dtype=torch.uint8, device=self.device)
+        t0 = _trace.on and _trace.now()
         sent = fill(slot, storage, need, self.copy_stream)
+        if t0:
+            _trace.span("batch.send", t0, nbytes=need)
         views = _device_leaves(specs, slot, storage, need)
         slot.release(self.copy_stream)  # reused only after the copy to the device
         consumer, raw = self.consumer
@@ -299,14 +303,23 @@ def finish(item: Any) -> Any:
     """What the iterator yields for ``item``, which torch's machinery produced: a handle is
     taken in its turn, a batch still being copied into its slot waited for, a batch on the
     device handed to the consumer's stream."""
+    t0 = _trace.on and _trace.now()
     if isinstance(item, BatchHandle):
         item = item.take()  # on the consumer's thread, in order
     elif isinstance(item, Landing):
+        t1 = _trace.on and _trace.now()
         item = item.wait()
+        if t1:
+            _trace.span("batch.wait", t1, what="landing")
     elif isinstance(item, Local):
         item = item.batch
     if isinstance(item, OnDevice):
+        t1 = _trace.on and _trace.now()
         item = item.wait()
+        if t1:
+            _trace.span("batch.wait", t1, what="device")
     if _pending:
         _warn_pending()
+    if t0:
+        _trace.span("batch.finish", t0)
     return item

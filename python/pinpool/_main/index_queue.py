@@ -31,6 +31,7 @@ from multiprocessing.reduction import ForkingPickler
 from queue import Full
 from typing import Any
 
+from .. import _trace
 from .._native import PipeWriter
 from .._torch_contract import MultiprocessingQueue
 
@@ -43,6 +44,7 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
     _pin_pickler: tuple[io.BytesIO, ForkingPickler, threading.Lock]
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        t0 = _trace.on and _trace.now()
         if self._closed:  # type: ignore[attr-defined]
             raise ValueError(f"Queue {self!r} is closed")
         data = self._dumps(obj)  # (an object that cannot be pickled raises here, not later)
@@ -50,6 +52,8 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
         if not self._sem.acquire(block, timeout):  # type: ignore[attr-defined]
             raise Full
         self._pin_writer.send(data)
+        if t0:
+            _trace.span("index.put", t0, nbytes=len(data))
 
     def _dumps(self, obj: Any) -> bytes:
         """``ForkingPickler.dumps(obj)``, by a pickler kept for the queue: making one copies

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import torch
 
+from .. import _trace
 from .._errors import BatchTooLarge, OutOfBounds, PinPoolError, PoolExhausted, WorkerLost
 from .._native import (
     SEGMENT_DATA_OFFSET,
@@ -139,12 +140,15 @@ class Receiver:
         pool, cache = self.pool, self.cache
         if pool is not None and cache is not None and not self._provisional:
             return pool, cache  # made already: no lock needed
+        if _trace.on:
+            _trace.event("pool.ensure", nbytes=nbytes, hinted=hinted)
         with self._lock:
             if self._provisional and not hinted:
                 self._provisional = False
                 self._replace_if_wrong(nbytes)
             if self.pool is None:
                 plan = self.sizing.plan(nbytes)
+                t0 = _trace.on and _trace.now()
                 self.pool = PinPool(
                     plan.largest,
                     plan.entries,
@@ -154,6 +158,10 @@ class Receiver:
                     background=background_arena(self._pool_device),
                     arena_bytes=plan.arena,
                 )
+                if t0:
+                    _trace.span(
+                        "pool.make", t0, **_made(self.pool, nbytes, hinted, self._pool_device)
+                    )
                 self.plan = plan
                 self._provisional = hinted
                 if nbytes > 0 and not hinted:
@@ -239,7 +247,10 @@ class Receiver:
             return self._inline(handle)
         try:
             if handle.slot is not None:
+                t0 = _trace.on and _trace.now()
                 memory, specs, need = self._adopt(handle)
+                if t0:
+                    _trace.span("batch.adopt", t0, nbytes=need)
             else:
                 got = self._copy_in(handle, ahead)
                 if got is _LATER:
@@ -254,7 +265,10 @@ class Receiver:
             finally:
                 self.drop(handle)
         self.drop(handle, handed_back=pending is not None)
+        t0 = _trace.on and _trace.now()
         batch = self.deliver(handle.tree, specs, memory, need)
+        if t0:
+            _trace.span("batch.deliver", t0, nbytes=need)
         return batch if pending is None else Landing(batch, pending)
 
     def _inline(self, handle: BatchHandle) -> Any:
@@ -294,6 +308,7 @@ class Receiver:
             return _LATER
         key = (handle.worker, handle.segment)
         pending: Any = None
+        t0 = _trace.on and _trace.now()
         if isinstance(memory, Slot):
             if self.deliver.device is not None and memory.device is not None:
                 pending = _Send(cache, key)  # (Delivery.send calls it)
@@ -304,11 +319,14 @@ class Receiver:
                 cache.copy_to_slot(key, memory, [(0, 0, need)])
         elif memory is not None:
             cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
+        if t0 and memory is not None:
+            _trace.span("batch.copy", t0, nbytes=need, how=_copy_how(memory, pending))
         return memory, specs, need, pending
 
     def _receive(self, handle: BatchHandle) -> None:
         """Checks the handle's segment fields and takes hold of its segment (opening and
         mapping it the first time it is seen)."""
+        t0 = _trace.on and _trace.now()
         try:
             worker, segment = int(handle.worker), int(handle.segment)
             total_len, nonce = int(handle.total_len), int(handle.nonce)
@@ -349,6 +367,8 @@ class Receiver:
             if self.cache is None or key not in self.cache:
                 raise PinPoolError(f"segment {key} was never received by this process")
             handle._state = HELD
+            if t0:
+                _trace.span("batch.receive", t0, first=False)
             return
         try:
             own = peer.open_fd_of(pid, fd)
@@ -371,6 +391,8 @@ class Receiver:
         cache.insert(key, own, total_len, nonce)  # owns the fd from here
         self._worker_pids[worker] = pid
         handle._state = HELD
+        if t0:
+            _trace.span("batch.receive", t0, first=True)
 
     def receive_now(self, handle: BatchHandle) -> None:
         """Takes hold of a copy-mode handle's segment as the handle arrives, ahead of taking
@@ -427,8 +449,11 @@ class Receiver:
         del count  # (sized from the bytes, never scaled by a sample count)
         pool, _ = self.ensure(p.nbytes)
         memory = self._claim(pool, p.nbytes) if p.nbytes else None
+        t0 = _trace.on and _trace.now()
         if memory is not None:
             codec.write(p, memory, threads)
+        if t0 and memory is not None:
+            _trace.span("batch.copy", t0, nbytes=p.nbytes, how="local")
         return Local(self.deliver(p.tree, p.specs, memory, p.nbytes))
 
     # -- slots --------------------------------------------------------------------------------
@@ -456,6 +481,7 @@ class Receiver:
                 largest,
             )
         reserve = room_kept(max(self.largest_seen, need), pool.arena_bytes) if ahead else 0
+        t0 = _trace.on and _trace.now()
         try:
             got = pool.claim(
                 need,
@@ -470,6 +496,8 @@ class Receiver:
                 f"arena ({pool.arena_bytes} bytes) is held by batches that are still alive; "
                 "keep fewer batches, or pass arena_bytes= to pinpool.DataLoader"
             ) from None
+        if t0:
+            _trace.span("slot.claim", t0, nbytes=need, ahead=ahead, got=_claimed(got))
         if got == "later":
             return _LATER  # (seen in its turn)
         self._seen(need)
@@ -502,7 +530,11 @@ class Receiver:
             size = ticket_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
         # (Never no reserve: the last entry and some bytes stay for copy-mode batches.)
         reserve = max(1, room_kept(self.largest_seen, arena))
-        return self.tickets.assign(pool, owner, size, reserve)
+        t0 = _trace.on and _trace.now()
+        ticket = self.tickets.assign(pool, owner, size, reserve)
+        if t0:
+            _trace.span("ticket.assign", t0, nbytes=size, got=ticket is not None)
+        return ticket
 
     def _overflow_buffer(self, need: int) -> torch.Tensor:
         self.overflow_batches += 1
@@ -535,6 +567,7 @@ class Receiver:
         slot taken back here."""
         if self.pid != os.getpid():
             return
+        t0 = _trace.on and _trace.now()
         with self._lock:  # (a pool being made ahead is made first)
             self.closed = True
         if self.pool_hint is not None:
@@ -545,6 +578,8 @@ class Receiver:
             # Returns at once: segments are unmapped, and the arena is freed, on background
             # threads (see wait_for_releases).
             self.pool.close()
+        if t0:
+            _trace.span("loader.close", t0)
 
     def stats(self) -> LoaderStats:
         """The pool's counters (once it exists) plus the loader's own."""
@@ -572,3 +607,28 @@ def background_arena(device: int | None) -> bool:
     time to the first batch. (The figures: ``docs/performance.md``, "Measurements behind the
     code".)"""
     return device is None or not cuda_available()
+
+
+def _made(pool: PinPool, nbytes: int, hinted: bool, device: int | None) -> dict[str, Any]:
+    """The ``pool.make`` event's details (see ``pinpool._trace.EVENTS``)."""
+    return {
+        "nbytes": nbytes,
+        "hinted": hinted,
+        "arena_bytes": pool.arena_bytes,
+        "largest": pool.largest_slot,
+        "background": background_arena(device),
+    }
+
+
+def _claimed(got: Any) -> str:
+    """The ``slot.claim`` event's ``got``: ``"slot"``, ``"later"`` or ``"overflow"``."""
+    return got if isinstance(got, str) else "slot"
+
+
+def _copy_how(memory: Any, pending: Any) -> str:
+    """The ``batch.copy`` event's ``how`` (see ``pinpool._trace.EVENTS``)."""
+    if isinstance(pending, _Send):
+        return "device"
+    if pending is not None:
+        return "background"
+    return "slot" if isinstance(memory, Slot) else "buffer"

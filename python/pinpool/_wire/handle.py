@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .. import _signals
+from .. import _signals, _trace
 from .._errors import PinPoolError
 from . import codec, registry
 
@@ -178,11 +178,19 @@ class BatchHandle:
     def pin_memory(self) -> Any:
         """torch's pin thread: the batch in pinned memory (or on the device) if a slot is at
         hand now, else this handle, for the consumer's thread to take in its turn."""
-        return self._receiver().take(self, ahead=True)
+        t0 = _trace.on and _trace.now()
+        batch = self._receiver().take(self, ahead=True)
+        if t0:
+            _trace.span("batch.take", t0, ahead=True)
+        return batch
 
     def take(self) -> Any:
         """The consumer's thread, in order: the batch, waiting for a slot if need be."""
-        return self._receiver().take(self, ahead=False)
+        t0 = _trace.on and _trace.now()
+        batch = self._receiver().take(self, ahead=False)
+        if t0:
+            _trace.span("batch.take", t0, ahead=False)
+        return batch
 
     def _receiver(self) -> Any:
         # A pickle may make the object and stop before its state (``__setstate__`` never ran).

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.utils.data
 
+from .. import _trace
 from .._torch_contract import default_convert
 from .._wire import codec, registry
 from .._wire.handle import BatchHandle, Made, WorkerProgress
@@ -124,9 +125,12 @@ class PinCollate:
         del first  # the samples are freed as they are streamed
         threads = self.worker_copy_threads
         try:
+            t0 = _trace.on and _trace.now()
             batch, made = streaming.collate_streaming(
                 streaming.owned(box, rest), layout, place.memory, threads
             )
+            if t0:
+                _trace.span("worker.stream", t0, count=count)
             if batch is None:
                 place.abandon()
                 assert made is not None
@@ -134,7 +138,10 @@ class PinCollate:
             p = codec.plan(batch, start=layout.nbytes)
             if p.nbytes > len(place.memory):  # the rest does not fit: a bigger segment
                 place.grow(p.nbytes, keep=layout.nbytes)
+            t0 = _trace.on and _trace.now()
             codec.write(p, place.memory, threads)
+            if t0:
+                _trace.span("worker.write", t0, nbytes=p.nbytes)
         except BaseException:
             place.abandon()
             raise

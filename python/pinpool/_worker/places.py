@@ -35,6 +35,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 
+from .. import _trace
 from .._errors import PinPoolError
 from .._native import WorkerSegment
 from .._wire import codec, peer
@@ -150,6 +151,7 @@ class Place:
     one of :meth:`send` and :meth:`abandon` ends a place's life."""
 
     def __init__(self, token: str, ring_size: int, ticket: SlotTicket | None, nbytes: int):
+        t0 = _trace.on and _trace.now()
         self.token = token
         self.ring = ring_for(token, ring_size)
         self.ticket = ticket
@@ -164,6 +166,8 @@ class Place:
         else:
             self.sid, self.segment = self.ring.acquire(nbytes)
             self.memory = memoryview(self.segment).cast("B")
+        if t0:
+            _trace.span("worker.place", t0, nbytes=nbytes, slot=self.segment is None)
 
     def grow(self, nbytes: int, keep: int) -> None:
         """Moves to a segment with room for ``nbytes``, with the first ``keep`` bytes written
@@ -239,7 +243,10 @@ def write(
         return BatchHandle(token, p, count)
     place = Place(token, ring_size, ticket, p.nbytes)
     try:
+        t0 = _trace.on and _trace.now()
         codec.write(p, place.memory, threads)
+        if t0:
+            _trace.span("worker.write", t0, nbytes=p.nbytes)
     except BaseException:
         place.abandon()
         raise
