@@ -4,27 +4,39 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: demo test build lint rust-test py-test test-modes test-oldest fuzz bench wheel clean sanitize miri tsan
+.PHONY: demo test checks build lint rust-lint py-lint rust-test py-test test-modes test-oldest fuzz \
+	bench wheel clean sanitize miri tsan
 
 demo: build
 	$(PY) -m pinpool.bench --out demo-results
 
-test: lint rust-test py-test
+# The Rust checks need no venv: they run while pip installs it (pip is mostly one core and the
+# disk); each step's output is printed whole when it ends.
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target checks
+	$(MAKE) --no-print-directory py-test
 
+checks: lint rust-test
+
+# (--no-compile: Python compiles what a test imports when it imports it, not all of torch.)
 $(STAMP): requirements-dev.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-compile -r requirements-dev.txt
 	touch $@
 
 build: $(STAMP)
 	$(VENV)/bin/maturin develop --release -q
 
-lint: build
+lint: rust-lint py-lint
+
+rust-lint:
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
 	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q --features python
+
+py-lint: build
 	$(VENV)/bin/ruff check python tests benchmarks
 	$(VENV)/bin/ruff format --check python tests benchmarks
 	$(PY) -m mypy.stubtest pinpool._native --allowlist stubtest-allowlist.txt
