@@ -10,8 +10,8 @@
 //! - Once the pool is gone, [`Counters::final_stats`] reports every slot free and nothing
 //!   pending, with the counts as the pool left them; the fence errors are written by the
 //!   freeing thread before it frees the arena.
-//! - Slots that will never be ready (the background preparation failed) are not reported as
-//!   preparing.
+//! - Slots and bytes that will never be ready (the background preparation failed, or the pool
+//!   is closed, which stops it) are not reported as preparing.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -89,10 +89,16 @@ impl Pool {
     /// Slots by state.
     pub fn slot_counts(&self) -> Counts {
         let mut slots = self.table.counts();
-        if self.prepare_error.get().is_some() {
+        if self.preparation_ended_early() {
             slots.preparing = 0; // they never will be ready
         }
         slots
+    }
+
+    /// Whether the part of the arena not ready yet never will be: its preparation failed, or
+    /// the pool was closed (which stops it).
+    fn preparation_ended_early(&self) -> bool {
+        self.prepare_error.get().is_some() || self.table.is_closed()
     }
 
     /// Counters and slot states.
@@ -107,12 +113,16 @@ impl Pool {
             bytes_copied: c.bytes_copied.load(Ordering::Relaxed),
             copies: c.copies.load(Ordering::Relaxed),
             fence_errors: self.fences.as_ref().map_or(0, FenceTracker::errors),
-            bytes: self.table.bytes(),
+            bytes: self.bytes(),
         }
     }
 
     /// The arena's bytes by state.
     pub fn bytes(&self) -> Bytes {
-        self.table.bytes()
+        let mut bytes = self.table.bytes();
+        if self.preparation_ended_early() {
+            bytes.preparing = 0;
+        }
+        bytes
     }
 }

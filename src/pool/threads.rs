@@ -163,4 +163,17 @@ mod tests {
         assert_eq!(pool.arena().ready_len(), pool.arena().len());
         assert!(pool.prepare_error().is_none());
     }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_closed_pool_reports_nothing_preparing() {
+        // Closing stops the preparation: what was not ready then never will be.
+        let config = PoolConfig { background: true, ..PoolConfig::host(8 << 20, 64) };
+        let pool = Pool::new(&config).unwrap();
+        pool.close();
+        let stats = pool.stats();
+        assert_eq!((stats.slots.preparing, stats.bytes.preparing), (0, 0), "{stats:?}");
+        assert_eq!(pool.bytes().preparing, 0);
+    }
 }
