@@ -20,7 +20,7 @@ slot (``Receiver._overflow_buffer``). :func:`watch_allocations` wraps both: a re
 the real segment justifies is recorded and refused before anything is allocated, so that the
 fuzzer finds such a bug without taking the machine's memory with it.
 
-``make test`` runs a bounded fuzz (``max_examples`` below per test; well under a minute on two
+``make test`` runs a bounded fuzz (``max_examples`` below per test; about two minutes in all on two
 cores). The longer run, with more examples per test:
 
     PINPOOL_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest -q tests/faults/test_fuzz.py
@@ -74,7 +74,7 @@ PAGE = pinpool.page_size()
 # can take minutes); the long run looks for, and reports, every distinct one.
 settings.register_profile(
     "pinpool-fuzz",
-    max_examples=150,
+    max_examples=100,
     deadline=None,
     report_multiple_bugs=False,
     suppress_health_check=[
