@@ -66,7 +66,7 @@ __all__ = [
 # -- torch.utils.data ------------------------------------------------------------------------
 
 #: torch's multi-process iterator (``dataloader._MultiProcessingDataLoaderIter``):
-#: ``loader._WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what it uses).
+#: ``_main.workers.WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what it uses).
 MultiProcessingIter = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
 
 # torch_collate, imported above (``torch.utils.data._utils.collate``): the workers collate the
@@ -89,7 +89,7 @@ COLLATE_ATTRIBUTES: dict[str, str] = {
 
 def mp_status_check_interval() -> float:
     """``_utils.MP_STATUS_CHECK_INTERVAL``: how long torch waits for a worker to exit before
-    it gives up (5 s); pinpool waits as long before it kills one (``loader._reap_workers``).
+    it gives up (5 s); pinpool waits as long before it kills one (``_main.workers._reap_workers``).
     Read at each call."""
     return float(_utils.MP_STATUS_CHECK_INTERVAL)
 
@@ -104,7 +104,7 @@ def python_exit_status() -> Any:
 def remove_worker_pids(iterator_id: int) -> None:
     """``_utils.signal_handling._remove_worker_pids(id(iterator))``: unregisters an iterator's
     workers from torch's SIGCHLD handler, which then no longer raises for them (pinpool reaps
-    the workers torch's shutdown left, ``loader._reap_workers``)."""
+    the workers torch's shutdown left, ``_main.workers._reap_workers``)."""
     _utils.signal_handling._remove_worker_pids(iterator_id)
 
 
@@ -165,7 +165,7 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 
 #: The code of ``torch._utils.ExceptionWrapper.reraise`` (None without it): its frame keeps a
 #: worker's exception alive in a cycle, and pinpool clears that frame's locals
-#: (``loader._unkeep``).
+#: (``_main.loader_iter._unkeep``).
 RERAISE_CODE: CodeType | None = getattr(
     getattr(getattr(torch._utils, "ExceptionWrapper", None), "reraise", None), "__code__", None
 )

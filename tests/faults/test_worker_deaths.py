@@ -1,7 +1,7 @@
 """A DataLoader worker's death, in every mode: torch's error reaches the consumer at once,
 whatever pinpool code its SIGCHLD handler happens to raise it in, and once the iterator is
 dropped no worker process is left, running or as a zombie (``pinpool._signals``, and
-``loader._WorkersIter._shutdown_workers``).
+``_main.workers.WorkersIter._shutdown_workers``).
 
 A signal's Python handler runs in the main thread between any two steps of whatever runs
 there, so where it lands is a matter of timing: the end-to-end tests repeat their trials, in

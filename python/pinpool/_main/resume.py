@@ -31,7 +31,7 @@ after it (``_wire.handle.WorkerProgress``), the loader keeps the latest delivere
 state of each worker and which worker's batch comes next (torch deals batches out to the
 workers in turn), and a resumed epoch loads each worker's state into its copy of the dataset
 (:class:`LoadWorkerState`, before the worker's iterator is made) and starts the turns at that
-worker (the ``_worker_queue_idx_cycle`` property of ``loader._WorkersIter``). Its position is
+worker (the ``_worker_queue_idx_cycle`` property of ``_main.workers.WorkersIter``). Its position is
 the dataset's: another batch size resumes at the next unseen sample of each worker's copy.
 
 Invariants:
