@@ -39,9 +39,9 @@ from torch.utils.data import default_collate, default_convert
 from . import _signals, _torch_versions
 from ._main import settings
 from ._main.loader_iter import LoaderIter
+from ._main.pool_settings import PoolSettings
 from ._main.receiver import Receiver
 from ._main.resume import EpochSampler, LoadWorkerState, Resume, check, unsupported
-from ._main.sizing import Sizing
 from ._main.tickets import TicketSampler
 from ._main.workers import WorkersIter, close_loader, shut_down
 from ._native import PinPool
@@ -155,7 +155,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
             collate_fn = None  # torch's default: pinpool's own, bit for bit, streamed
-        out_device, pool_device = settings.check_pool_settings(
+        in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
+        pool_settings = PoolSettings.checked(
             pool=pool,
             arena_bytes=arena_bytes,
             max_batch_bytes=max_batch_bytes,
@@ -166,31 +167,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             overflow=overflow,
             oversize=oversize,
             device=device,
-        )
-        in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
-        token = uuid.uuid4().hex
-        sizing = Sizing(
-            arena_bytes=arena_bytes,
-            max_batch_bytes=max_batch_bytes,
-            slot_bytes=slot_bytes,
-            num_slots=num_slots,
             in_flight=in_flight,
         )
+        token = uuid.uuid4().hex
         # Without sizes the pool is sized from the first batch: a worker tells that size as
         # soon as it knows it (_wire.pool_hint).
-        hint = PoolHint() if num_workers > 0 and not sizing.known and pool is None else None
-        receiver = Receiver(
-            token,
-            pool=pool,
-            sizing=sizing,
-            pool_device=pool_device,
-            device=out_device,
-            copy_threads=copy_threads,
-            slot_timeout=slot_timeout,
-            overflow=overflow,
-            oversize=oversize,
-            pool_hint=hint,
-        )
+        hint = PoolHint() if num_workers > 0 and not pool_settings.known else None
+        receiver = Receiver(token, pool_settings, pool_hint=hint)
         auto_collation = batch_size is not None or batch_sampler is not None
         batched_map_style = (
             auto_collation
@@ -280,8 +263,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         ):
             warnings.warn(f"pinpool.DataLoader: {why}", UserWarning, stacklevel=2)
         registry.register(token, receiver)
-        if sizing.known or pool is not None:
-            receiver.ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
+        if pool_settings.known:
+            receiver.pools.pool_for(0)  # sizes known: make the pool now, so batch 1 has a slot too
         weakref.finalize(self, _signals.finalizing, close_loader, receiver)
 
     def __iter__(self) -> LoaderIter:  # type: ignore[override]
@@ -294,7 +277,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 shut_down(self._iterator)
             finally:
                 self._iterator = None
-        self._pin_receiver.make_pool_ahead()
+        self._pin_receiver.pools.make_ahead()
         # torch reads _index_sampler as its iterator starts (a persistent one keeps it).
         self.__dict__["_pin_wrap"] = True
         try:

@@ -251,7 +251,7 @@ def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPa
     state = good.__getstate__()
     calls = []
     raised = []
-    receive = type(loader._pin_receiver)._receive
+    receive = type(loader._pin_receiver.intake).receive
 
     def worker_died(self: Any, handle: Any) -> Any:
         calls.append(handle)
@@ -260,7 +260,7 @@ def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPa
             raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
         return receive(self, handle)
 
-    monkeypatch.setattr(type(loader._pin_receiver), "_receive", worker_died)
+    monkeypatch.setattr(type(loader._pin_receiver.intake), "receive", worker_died)
     h = BatchHandle.__new__(BatchHandle)
     h.__setstate__(state)
     assert not calls, "unpickling a handle acted on it"
@@ -342,7 +342,7 @@ def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.Monk
     monkeypatch.setattr(pinpool._main.sizing, "available_memory", lambda: 16 * MiB)
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     with pytest.raises(pinpool.BatchTooLarge, match="memory available") as info:
-        loader._pin_receiver.ensure(4 * MiB)
+        loader._pin_receiver.pools.pool_for(4 * MiB)
     assert loader.pool is None
     del info
 
@@ -359,10 +359,10 @@ def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     with pytest.raises(pinpool.BatchTooLarge, match="4 ranks on this host") as info:
-        loader._pin_receiver.ensure(5 * MiB)
+        loader._pin_receiver.pools.pool_for(5 * MiB)
     del info
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    pool, _ = loader._pin_receiver.ensure(5 * MiB)
+    pool, _ = loader._pin_receiver.pools.pool_for(5 * MiB)
     assert pool.arena_bytes <= 32 * MiB
     assert pool.largest_slot >= 5 * MiB
 

@@ -32,7 +32,7 @@ from torch.utils.data import default_collate
 
 import pinpool
 from pinpool import OutOfBounds, PinPoolError
-from pinpool._main.delivery import finish
+from pinpool._main.delivery import hand_over
 from pinpool._wire import codec as _codec
 from pinpool._wire.codec import ALIGN, Leaf, LeafSpec
 
@@ -434,12 +434,12 @@ def assert_all_free(loader: pinpool.DataLoader) -> None:
 def test_a_good_hand_made_handle_decodes(live_loader: Any) -> None:
     make = HandleFactory(live_loader)
     h = make.make(worker=7)
-    # (finish: what the consumer's thread does with what the pin thread made.)
-    assert_same(make.batch, finish(h.pin_memory()))
+    # (hand_over: what the consumer's thread does with what the pin thread made.)
+    assert_same(make.batch, hand_over(h.pin_memory()))
     assert_all_free(live_loader)
     # The segment was handed back: the same key can carry the next batch.
     make.write()
-    assert_same(make.batch, finish(make.make(worker=7, announce=False).pin_memory()))
+    assert_same(make.batch, hand_over(make.make(worker=7, announce=False).pin_memory()))
     assert_all_free(live_loader)
 
 
@@ -475,7 +475,7 @@ def corrupt_handles(make: HandleFactory) -> dict[str, Any]:
 
 def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
     make = HandleFactory(live_loader)
-    finish(make.make(worker=7).pin_memory())  # segment key 7 known, for the cases below
+    hand_over(make.make(worker=7).pin_memory())  # segment key 7 known, for the cases below
     for name, build in corrupt_handles(make).items():
         fds = open_fd_count()
         make.segment.unclaim()

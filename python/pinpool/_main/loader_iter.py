@@ -1,6 +1,6 @@
 """One epoch of a ``pinpool.DataLoader``: torch's iterator, wrapped (:class:`LoaderIter`).
 
-Each item torch's machinery produces is handed over to the consumer (``delivery.finish``),
+Each item torch's machinery produces is handed over to the consumer (``delivery.hand_over``),
 counted for ``state_dict()`` (``resume.Epoch``), and the epoch's end shuts the workers down
 (unless they persist) and takes back what they held.
 
@@ -21,14 +21,14 @@ from .. import _signals
 from .._errors import PinPoolError
 from .._torch_contract import RERAISE_CODE
 from .._wire.handle import WorkerProgress
-from .delivery import finish
+from .delivery import hand_over
 from .resume import Epoch
 from .tickets import TicketSampler
 from .workers import shut_down
 
 
 class LoaderIter:
-    """Wraps torch's iterator: finishes each batch and cleans up at the end."""
+    """Wraps torch's iterator: hands each batch over and cleans up at the end."""
 
     def __init__(self, loader: Any, inner: Iterator[Any], epoch: Epoch) -> None:
         self._loader = loader
@@ -59,7 +59,7 @@ class LoaderIter:
             if isinstance(item, WorkerProgress):
                 self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
                 item = item.batch
-            batch = finish(item)
+            batch = hand_over(item)
         finally:
             self._epoch.took(_taken(self._inner), raised=False)
         return batch

@@ -176,13 +176,15 @@ class BatchHandle:
         self._state = ARRIVED
 
     def pin_memory(self) -> Any:
-        """torch's pin thread: the batch in pinned memory (or on the device) if a slot is at
-        hand now, else this handle, for the consumer's thread to take in its turn."""
+        """torch's pin thread: the batch in pinned memory (or on the device), pending (the
+        consumer's thread waits for it), if a slot is at hand now; else this handle, for the
+        consumer's thread to take in its turn."""
         return self._receiver().take(self, ahead=True)
 
     def take(self) -> Any:
-        """The consumer's thread, in order: the batch, waiting for a slot if need be."""
-        return self._receiver().take(self, ahead=False)
+        """The consumer's thread, in order: the batch, waiting for a slot if need be, handed
+        over to the consumer."""
+        return self._receiver().take_in_turn(self)
 
     def _receiver(self) -> Any:
         # A pickle may make the object and stop before its state (``__setstate__`` never ran).
