@@ -96,7 +96,7 @@ def mp_status_check_interval() -> float:
 
 def python_exit_status() -> Any:
     """``_utils.python_exit_status``: True once the interpreter is exiting, when torch's
-    shutdown does nothing and neither does pinpool's (``loader._shutting_down_python``);
+    shutdown does nothing and neither does pinpool's (``_main.workers._shutting_down_python``);
     None if torch no longer has it (or its module is gone at exit)."""
     return getattr(_utils, "python_exit_status", None)
 
@@ -133,7 +133,7 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots)",
     "_task_info": "batches held out of order, dropped at shutdown",
     "_rcvd_idx": "how many index lists the epoch has passed on (checkpoints)",
-    "_index_sampler": "the loader's index sampler as the iterator started (zero-copy tickets)",
+    "_index_sampler": "the loader's index sampler as the iterator started (zero-copy reservations)",
     "_sampler_iter": "None before the first __next__ (torch's own __next__ then)",
     "_IterableDataset_len_called": "set for an iterable dataset's length check (torch's own "
     "__next__ then)",
@@ -144,7 +144,7 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
 LOADER_ATTRIBUTES: dict[str, str] = {
     "_get_iterator": "overridden: the workers get pinpool's collate (and a streaming wrapper "
     "of the dataset) as the iterator starts",
-    "_index_sampler": "overridden property: records each epoch, attaches zero-copy tickets",
+    "_index_sampler": "overridden property: records each epoch, attaches zero-copy reservations",
     "_iterator": "a persistent loader's iterator, shut down before a resumed iterable epoch",
     "_auto_collation": "whether torch batches samples (checkpoints)",
 }

@@ -41,8 +41,8 @@ from ._main import settings
 from ._main.loader_iter import LoaderIter
 from ._main.pool_settings import PoolSettings
 from ._main.receiver import Receiver
+from ._main.reservations import ReservingSampler
 from ._main.resume import EpochSampler, LoadWorkerState, Resume, check, unsupported
-from ._main.tickets import TicketSampler
 from ._main.workers import WorkersIter, close_loader, shut_down
 from ._native import PinPool
 from ._stats import LoaderStats
@@ -84,9 +84,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
       into ordinary memory (``"copy"``).
     - ``zero_copy``: workers write batches straight into arena slots handed out with the
       indices (map-style datasets with batching and ``num_workers > 0``; the pool must be a
-      memfd: ``cuda-register`` or ``host``). A ticket is sized from the largest batch seen so
+      memfd: ``cuda-register`` or ``host``). A reservation is sized from the largest batch seen so
       far. The first batch, batches that find no room when dispatched and batches larger
-      than their ticket go through copy mode (into a slot of their own size), counted in
+      than their reservation go through copy mode (into a slot of their own size), counted in
       ``stats()["zero_copy_fallbacks"]``.
     - ``keep_worker_memory``: workers keep memory their items were made in (up to twice the
       largest batch, at most 1 GiB each) for the next batch's items, rather than give it
@@ -113,7 +113,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _pin_receiver: Receiver
     _pin_collate: PinCollate
     _pin_worker_dataset: StreamingDataset | None
-    _pin_tickets: bool
+    _pin_reserving: bool
     _pin_resume: Resume
 
     def __init__(
@@ -243,7 +243,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _pin_receiver=receiver,
             _pin_collate=collate,
             _pin_worker_dataset=worker_dataset,
-            _pin_tickets=zero_copy and batched_map_style,
+            _pin_reserving=zero_copy and batched_map_style,
             _pin_resume=resume,
             _pin_wrap=False,
         )
@@ -349,10 +349,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # hands a worker carries a slot.
         base = super()._index_sampler
         if self.__dict__.get("_pin_wrap"):  # records, and skips what a resumed epoch yielded
-            base = EpochSampler(base, self._pin_resume, self)  # (before any ticket)
-        if getattr(self, "_pin_tickets", False):
+            base = EpochSampler(base, self._pin_resume, self)  # (before any reservation)
+        if getattr(self, "_pin_reserving", False):
             receiver = self._pin_receiver
-            return TicketSampler(base, receiver.assign_ticket)
+            return ReservingSampler(base, receiver.reserve_for)
         return base
 
     @property

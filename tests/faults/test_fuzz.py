@@ -679,11 +679,11 @@ def test_batch_handle_fields(decoy: int) -> None:
 def one_slot_handle(data: Any, worker: Worker) -> None:
     with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3) as loader:
         receiver = loader._pin_receiver
-        ticket = receiver.tickets.assign(receiver.pool, 1, CAPACITY, 0)
-        assert ticket is not None
+        reservation = receiver.reservations.reserve(receiver.pool, 1, CAPACITY, 0)
+        assert reservation is not None
         try:
-            sent = places.write(receiver.token, 4, worker.plan, ticket, None)
-            assert sent.slot == ticket.claim, "the worker's path did not use the slot"
+            sent = places.write(receiver.token, 4, worker.plan, reservation, None)
+            assert sent.slot == reservation.claim, "the worker's path did not use the slot"
             state, changed = corrupted(data, sent.__getstate__(), SLOT_FIELDS, corrupt_slot_field)
             with no_hang(), late_errors():
                 got = accepted(lambda: decoded(received(state), False))
@@ -695,7 +695,7 @@ def one_slot_handle(data: Any, worker: Worker) -> None:
                 del got
         finally:
             # The loader takes back a slot whose batch never came (the iterator's end).
-            receiver.tickets.unassign(ticket.claim)
+            receiver.reservations.take_back(reservation.claim)
         assert_slots_back(loader)
 
 

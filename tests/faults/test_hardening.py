@@ -580,7 +580,7 @@ def test_memfds_are_owner_only(make_pool: Any) -> None:
 
 @pytest.mark.parametrize("context", ["forkserver", "fork"])
 def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -> None:
-    """A zero-copy worker maps its ticket's slot only while writing the batch: when it starts
+    """A zero-copy worker maps its reservation's slot only while writing the batch: when it starts
     the next batch it holds no writable mapping and no descriptor of the main process's
     arena, so nothing it does then can reach a batch the consumer holds. Streamed batches
     are written sample by sample, so only a batch's first sample is made before its slot is
@@ -610,11 +610,11 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -
         pinpool.wait_for_releases(timeout=60)
 
 
-def test_a_tickets_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
-    """The worker's side of a ticket maps only the slot's pages, and only from the file the
-    ticket names: another file behind the descriptor, an unsealed one, one of another length
+def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
+    """The worker's side of a reservation maps only the slot's pages, and only from the file the
+    reservation names: another file behind the descriptor, an unsealed one, one of another length
     or a slot outside it is refused with the reason, and nothing stays open."""
-    from pinpool._wire.handle import SlotTicket
+    from pinpool._wire.handle import SlotReservation
     from pinpool._worker.places import map_slot
 
     pool = make_pool(1 << 20, 4, arena_bytes=8 << 20)
@@ -624,7 +624,9 @@ def test_a_tickets_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
     where = pool.slot_memfd(slot)
     assert where is not None
     fd, offset, part_len = where
-    good = SlotTicket(1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino)
+    good = SlotReservation(
+        1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
+    )
     fds = len(os.listdir("/proc/self/fd"))
     mapped, at = map_slot(good)
     assert len(mapped) - at == slot.nbytes < part_len and at < 4096
@@ -656,9 +658,9 @@ def test_a_tickets_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
             "negative": "outside",
             "empty": "outside",
         }
-        for name, ticket in cases.items():
+        for name, reservation in cases.items():
             with pytest.raises(PinPoolError, match=reasons[name]):
-                map_slot(ticket)
+                map_slot(reservation)
             assert len(os.listdir("/proc/self/fd")) == fds + 2, name  # (the two files above)
     os.close(unsealed)
     slot.release()

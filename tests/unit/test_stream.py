@@ -298,5 +298,5 @@ def test_a_dataset_with_its_own_getitems_makes_its_samples() -> None:
         def __len__(self) -> int:
             return 4
 
-    got = _stream.StreamingDataset(Batched()).__getitems__([1, 3]).made
+    got = _stream.StreamingDataset(Batched()).__getitems__([1, 3]).items
     assert isinstance(got, list) and len(got) == 2

@@ -27,15 +27,15 @@ from .._native import SEGMENT_DATA_OFFSET, Slot, check_segment
 from .._wire import codec, peer
 from .._wire.handle import ARRIVED, HELD, BatchHandle
 from .lazy_pool import LazyPool
-from .tickets import Tickets
+from .reservations import Reservations
 
 
 class Intake:
     """Checks the handles of one loader and takes hold of the memory they name."""
 
-    def __init__(self, pools: LazyPool, tickets: Tickets) -> None:
+    def __init__(self, pools: LazyPool, reservations: Reservations) -> None:
         self.pools = pools
-        self.tickets = tickets
+        self.reservations = reservations
         self.zero_copy_batches = 0
         # Worker key -> pid, for the workers whose segments are mapped here.
         self._worker_pids: dict[int, int] = {}
@@ -50,7 +50,7 @@ class Intake:
         """Zero-copy: the slot the worker wrote the batch into, checked."""
         if handle.segment is not None or handle.worker is not None:
             raise OutOfBounds("corrupt batch handle: it names both a slot and a segment")
-        slot = self.tickets.adopt(handle.slot)
+        slot = self.reservations.adopt(handle.slot)
         specs = codec.checked_specs(handle.specs, slot.nbytes)
         need = codec.extent(specs)
         self.pools.seen(need)
@@ -154,7 +154,7 @@ class Intake:
         if not state:
             return
         if handle.slot is not None:
-            self.tickets.unassign(handle.slot)  # (only if not adopted)
+            self.reservations.take_back(handle.slot)  # (only if not adopted)
             return
         if state == ARRIVED:
             try:
@@ -173,9 +173,9 @@ class Intake:
         for sid in handle.retired:
             cache.retire((handle.worker, sid))
         if handle.unused is not None:
-            # A zero-copy batch too large for its ticket came through a segment instead.
-            self.tickets.too_small += 1
-            self.tickets.unassign(handle.unused)
+            # A zero-copy batch too large for its reservation came through a segment instead.
+            self.reservations.too_small += 1
+            self.reservations.take_back(handle.unused)
 
     def retire_segments(self, dead_only: bool = False) -> None:
         """Unmaps (on the reclaimer thread) the segments of workers that have exited (of every

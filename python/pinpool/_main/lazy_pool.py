@@ -29,7 +29,7 @@ from .._errors import BatchTooLarge, PoolExhausted
 from .._native import PinPool, SegmentCache, cuda_available
 from .._wire.pool_hint import PoolHint
 from .pool_settings import PoolSettings
-from .sizing import Plan, room_kept, ticket_bytes
+from .sizing import Plan, reservation_bytes, room_kept
 
 _log = logging.getLogger("pinpool")
 
@@ -216,7 +216,7 @@ class LazyPool:
 
     def reservation_size(self, arena: int) -> tuple[int, int]:
         """The size of a zero-copy reservation in an arena of ``arena`` bytes, from the last
-        few batches (``sizing.ticket_bytes``), and the room it leaves for batches that come
+        few batches (``sizing.reservation_bytes``), and the room it leaves for batches that come
         through copy mode (``sizing.room_kept``)."""
         if self.sizing.slot_bytes is not None:
             size = self.max_batch  # equal slots (slot_bytes=): a reservation is one
@@ -226,7 +226,7 @@ class LazyPool:
             # largest, as far as the share allows.
             ordered = sorted(self._recent) or [self.max_batch]
             recent = ordered[len(ordered) * 3 // 4]
-            size = ticket_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
+            size = reservation_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
         # (Never no reserve: the last entry and some bytes stay for copy-mode batches.)
         return size, max(1, room_kept(self.largest_seen, arena))
 

@@ -22,8 +22,8 @@ from .._errors import PinPoolError
 from .._torch_contract import RERAISE_CODE
 from .._wire.handle import WorkerProgress
 from .delivery import hand_over
+from .reservations import ReservingSampler
 from .resume import Epoch
-from .tickets import TicketSampler
 from .workers import shut_down
 
 
@@ -76,8 +76,8 @@ class LoaderIter:
                 # Only what this iterator's (now exited) workers had: another iterator of the
                 # same loader may still be running.
                 sampler = getattr(self._inner, "_index_sampler", None)
-                if isinstance(sampler, TicketSampler):
-                    receiver.tickets.drop(sampler.owner)
+                if isinstance(sampler, ReservingSampler):
+                    receiver.reservations.drop(sampler.owner)
                 receiver.retire_segments(dead_only=True)
 
     def __del__(self) -> None:

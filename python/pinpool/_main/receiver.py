@@ -35,13 +35,13 @@ from .._errors import PinPoolError
 from .._native import PinPool, SegmentCache, Slot
 from .._stats import LoaderStats
 from .._wire import codec
-from .._wire.handle import ARRIVED, BatchHandle, SlotTicket
+from .._wire.handle import ARRIVED, BatchHandle, SlotReservation
 from .._wire.pool_hint import PoolHint
 from .delivery import Delivery, Pending
 from .intake import Intake
 from .lazy_pool import IN_TURN, LazyPool
 from .pool_settings import PoolSettings
-from .tickets import Tickets
+from .reservations import Reservations
 
 
 class Receiver:
@@ -53,8 +53,8 @@ class Receiver:
         self.token = token
         self.pid = os.getpid()  # finalizers run in a forked child do nothing
         self.pools = LazyPool(settings, pool_hint)
-        self.tickets = Tickets()
-        self.intake = Intake(self.pools, self.tickets)
+        self.reservations = Reservations()
+        self.intake = Intake(self.pools, self.reservations)
         self.deliver = Delivery(settings.device)
         #: The loader's current torch iterator (a weak reference), set and used by the loader.
         self.iterator: Any = None
@@ -188,15 +188,15 @@ class Receiver:
 
     # -- zero-copy ------------------------------------------------------------------------------
 
-    def assign_ticket(self, owner: int) -> SlotTicket | None:
-        """A zero-copy ticket for the next batch of sampler ``owner``, sized from the last
+    def reserve_for(self, owner: int) -> SlotReservation | None:
+        """A zero-copy reservation for the next batch of sampler ``owner``, sized from the last
         few batches, leaving room for batches that come through copy mode
         (``LazyPool.reservation_size``); None sends the batch through copy mode."""
         pool = self.pools.pool
         if pool is None:
-            return self.tickets.assign(None, owner, 0, 0)
+            return self.reservations.reserve(None, owner, 0, 0)
         size, reserve = self.pools.reservation_size(pool.arena_bytes)
-        return self.tickets.assign(pool, owner, size, reserve)
+        return self.reservations.reserve(pool, owner, size, reserve)
 
     # -- the end ------------------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ class Receiver:
         if self.pid != os.getpid():
             return
         self.pools.close()
-        self.tickets.drop()
+        self.reservations.drop()
         self.retire_segments()
         # Returns at once: segments are unmapped, and the arena is freed, on background
         # threads (see wait_for_releases).
@@ -226,8 +226,8 @@ class Receiver:
         out["bytes"] = self.deliver.bytes
         out["overflow_batches"] = self.pools.overflow_batches
         out["zero_copy_batches"] = self.intake.zero_copy_batches
-        out["zero_copy_fallbacks"] = self.tickets.fallbacks + self.tickets.too_small
-        out["zero_copy_no_ticket"] = self.tickets.fallbacks
-        out["zero_copy_ticket_too_small"] = self.tickets.too_small
+        out["zero_copy_fallbacks"] = self.reservations.fallbacks + self.reservations.too_small
+        out["zero_copy_no_ticket"] = self.reservations.fallbacks
+        out["zero_copy_ticket_too_small"] = self.reservations.too_small
         out["segments_cached"] = len(cache) if cache is not None else 0
         return cast(LoaderStats, out)

@@ -8,7 +8,7 @@ torch reads and records those states at the two points a sampler draws: when tor
 ``iter()`` on it (as the iterator starts, before torch draws the workers' base seed) and at its
 first index list (after). A resumed epoch puts the states back at the same two points, so the
 sampler makes the same order, and drops what was already yielded before anyone sees it: no
-worker loads it and, under the zero-copy ``TicketSampler``, no slot is handed out for it.
+worker loads it and, under the zero-copy ``ReservingSampler``, no slot is handed out for it.
 
 Where an epoch is counts **samples**, not batches: the loader counts the samples of each
 batch it yields (the length of its index list, as dispatched, in order). When the batches are
