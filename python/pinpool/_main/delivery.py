@@ -23,7 +23,9 @@ their ``pin_memory()`` is called, where torch would call it (an accelerator is p
 process (:func:`pinned_by_itself`).
 
 Invariants: a slot is referenced only by the views made here (CPU) or by nothing once released
-behind the copy (device); numpy leaves cannot live on a GPU, so they are host copies there.
+behind the copy (device); numpy leaves cannot live on a GPU, so they are host copies there;
+every batch delivered leaves here as a :class:`Pending`, and is yielded only through its
+``wait()`` (:func:`hand_over`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 
 from .._native import Copying, SegmentCache, Sent, Slot
 from .._torch_contract import cuda_raw_stream
-from .._wire import codec
+from .._wire import codec, leaves
 from .._wire.handle import BatchHandle
 
 #: Where a slot's bytes still are, when a batch is sent to the device: in a worker's segment
@@ -218,16 +220,16 @@ class Delivery:
         self.batches += 1
         self.bytes += need
         if memory is None:
-            leaves = codec.host_leaves(specs, b"", 0)
-            return Pending(codec.rebuild(tree, leaves, self.pin_opaque))
+            arrays = leaves.host_leaves(specs, b"", 0)
+            return Pending(leaves.rebuild(tree, arrays, self.pin_opaque))
         # The leaves' buffer: a slot, or the numpy array of an ordinary buffer (no torch op:
-        # see codec.host_leaf).
+        # see leaves.host_leaf).
         host = memory if isinstance(memory, Slot) else memory.numpy()
         if self.device is None:
             # The views hold the slot; it returns to the pool when the last of them dies.
-            leaves = codec.host_leaves(specs, host, need)
+            arrays = leaves.host_leaves(specs, host, need)
             del host, memory
-            return Pending(codec.rebuild(tree, leaves, self.pin_opaque), copying=copying)
+            return Pending(leaves.rebuild(tree, arrays, self.pin_opaque), copying=copying)
         assert self.copy_stream is not None
         base = torch.frombuffer(host, dtype=torch.uint8, count=need)
         with torch.cuda.stream(self.copy_stream):
@@ -239,7 +241,7 @@ class Delivery:
         del host
         if isinstance(memory, Slot):
             memory.release(self.copy_stream)
-        batch = codec.rebuild(tree, views, self.pin_opaque)
+        batch = leaves.rebuild(tree, views, self.pin_opaque)
         return Pending(batch, storage=storage, sent=event, delivery=self)
 
     def send(
@@ -267,7 +269,7 @@ class Delivery:
         slot.release(self.copy_stream)  # reused only after the copy to the device
         consumer, raw = self.consumer
         storage.record_stream(consumer)
-        batch = codec.rebuild(tree, views, self.pin_opaque)
+        batch = leaves.rebuild(tree, views, self.pin_opaque)
         return Pending(batch, storage=storage, sent=sent, delivery=self, recorded=raw)
 
     def current_raw_stream(self) -> int:
@@ -288,9 +290,9 @@ def _device_leaves(
     """The leaves of a batch copied to the device: views of ``storage``, except numpy leaves
     (numpy cannot live on a GPU), which are copies of their bytes in ``host``."""
     return [
-        codec.host_leaf(host, s, need).copy()
+        leaves.host_leaf(host, s, need).copy()
         if s.kind == "numpy"
-        else codec.device_leaf(storage, s)
+        else leaves.device_leaf(storage, s)
         for s in specs
     ]
 

@@ -24,7 +24,7 @@ import os
 
 from .._errors import OutOfBounds, PinPoolError, WorkerLost
 from .._native import SEGMENT_DATA_OFFSET, Slot, check_segment
-from .._wire import codec, peer
+from .._wire import codec, leaves, peer
 from .._wire.handle import ARRIVED, HELD, BatchHandle
 from .lazy_pool import LazyPool
 from .reservations import Reservations
@@ -51,7 +51,7 @@ class Intake:
         if handle.segment is not None or handle.worker is not None:
             raise OutOfBounds("corrupt batch handle: it names both a slot and a segment")
         slot = self.reservations.adopt(handle.slot)
-        specs = codec.checked_specs(handle.specs, slot.nbytes)
+        specs = leaves.checked_specs(handle.specs, slot.nbytes)
         need = codec.extent(specs)
         self.pools.seen(need)
         self.zero_copy_batches += 1
@@ -64,7 +64,7 @@ class Intake:
         """Copy mode: the leaf specs of a received handle, checked to lie in its segment, and
         the bytes they span."""
         limit = int(handle.total_len) - SEGMENT_DATA_OFFSET
-        specs = codec.checked_specs(handle.specs, limit)
+        specs = leaves.checked_specs(handle.specs, limit)
         return specs, codec.extent(specs)
 
     def receive(self, handle: BatchHandle) -> None:
