@@ -108,7 +108,9 @@ class Receiver:
                 if copying is None and self._send_from_segment(memory):
                     # Into the slot and on to the device in one call, as it is delivered.
                     try:
-                        source = (self.pools.cache, (handle.worker, handle.segment))
+                        cache = self.pools.cache
+                        assert cache is not None  # (made by _copy_in)
+                        source = (cache, (handle.worker, handle.segment))
                         return self.deliver.send(handle.tree, specs, memory, need, source)
                     finally:
                         self.intake.drop(handle)
