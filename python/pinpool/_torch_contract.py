@@ -66,7 +66,7 @@ __all__ = [
 # -- torch.utils.data ------------------------------------------------------------------------
 
 #: torch's multi-process iterator (``dataloader._MultiProcessingDataLoaderIter``):
-#: ``loader._WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what it uses).
+#: ``_main.workers.WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what it uses).
 MultiProcessingIter = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
 
 # torch_collate, imported above (``torch.utils.data._utils.collate``): the workers collate the
@@ -89,14 +89,14 @@ COLLATE_ATTRIBUTES: dict[str, str] = {
 
 def mp_status_check_interval() -> float:
     """``_utils.MP_STATUS_CHECK_INTERVAL``: how long torch waits for a worker to exit before
-    it gives up (5 s); pinpool waits as long before it kills one (``loader._reap_workers``).
+    it gives up (5 s); pinpool waits as long before it kills one (``_main.workers._reap_workers``).
     Read at each call."""
     return float(_utils.MP_STATUS_CHECK_INTERVAL)
 
 
 def python_exit_status() -> Any:
     """``_utils.python_exit_status``: True once the interpreter is exiting, when torch's
-    shutdown does nothing and neither does pinpool's (``loader._shutting_down_python``);
+    shutdown does nothing and neither does pinpool's (``_main.workers._shutting_down_python``);
     None if torch no longer has it (or its module is gone at exit)."""
     return getattr(_utils, "python_exit_status", None)
 
@@ -104,7 +104,7 @@ def python_exit_status() -> Any:
 def remove_worker_pids(iterator_id: int) -> None:
     """``_utils.signal_handling._remove_worker_pids(id(iterator))``: unregisters an iterator's
     workers from torch's SIGCHLD handler, which then no longer raises for them (pinpool reaps
-    the workers torch's shutdown left, ``loader._reap_workers``)."""
+    the workers torch's shutdown left, ``_main.workers._reap_workers``)."""
     _utils.signal_handling._remove_worker_pids(iterator_id)
 
 
@@ -133,7 +133,7 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots)",
     "_task_info": "batches held out of order, dropped at shutdown",
     "_rcvd_idx": "how many index lists the epoch has passed on (checkpoints)",
-    "_index_sampler": "the loader's index sampler as the iterator started (zero-copy tickets)",
+    "_index_sampler": "the loader's index sampler as the iterator started (zero-copy reservations)",
     "_sampler_iter": "None before the first __next__ (torch's own __next__ then)",
     "_IterableDataset_len_called": "set for an iterable dataset's length check (torch's own "
     "__next__ then)",
@@ -144,7 +144,7 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
 LOADER_ATTRIBUTES: dict[str, str] = {
     "_get_iterator": "overridden: the workers get pinpool's collate (and a streaming wrapper "
     "of the dataset) as the iterator starts",
-    "_index_sampler": "overridden property: records each epoch, attaches zero-copy tickets",
+    "_index_sampler": "overridden property: records each epoch, attaches zero-copy reservations",
     "_iterator": "a persistent loader's iterator, shut down before a resumed iterable epoch",
     "_auto_collation": "whether torch batches samples (checkpoints)",
 }
@@ -165,7 +165,7 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 
 #: The code of ``torch._utils.ExceptionWrapper.reraise`` (None without it): its frame keeps a
 #: worker's exception alive in a cycle, and pinpool clears that frame's locals
-#: (``loader._unkeep``).
+#: (``_main.loader_iter._unkeep``).
 RERAISE_CODE: CodeType | None = getattr(
     getattr(getattr(torch._utils, "ExceptionWrapper", None), "reraise", None), "__code__", None
 )

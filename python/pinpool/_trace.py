@@ -64,7 +64,7 @@ EVENTS: dict[str, str] = {
     "loader.next": "one next() of the loader's iterator, from the call to the batch returned "
     "(span)",
     "workers.shutdown": "the loader's workers told to exit, joined, reaped (span)",
-    "loader.close": "the loader's receiver closed: tickets and segments taken back, its own "
+    "loader.close": "the loader's receiver closed: reservations and segments taken back, its own "
     "pool closed (span)",
     # The pool.
     "pool.ensure": "the pool is needed and not made yet (instant; nbytes: the batch's size, "
@@ -72,8 +72,8 @@ EVENTS: dict[str, str] = {
     "pool.make": "the loader's pool made (span; nbytes, hinted, arena_bytes, largest, "
     "background: the arena made ready in the background)",
     # A batch, main process (the consumer's thread, or torch's pin thread).
-    "ticket.assign": "zero-copy: a slot checked out for a batch's indices (span; nbytes: the "
-    "ticket's size, got: whether a slot was free)",
+    "slot.reserve": "zero-copy: a slot reserved for a batch's indices (span; nbytes: the "
+    "reservation's size, got: whether a slot was free)",
     "index.put": "a batch's indices pickled and handed to the Rust writer of a worker's pipe "
     "(span; nbytes)",
     "batch.take": "a batch handle taken: its memory found, copied, delivered (span; ahead: on "

@@ -26,14 +26,10 @@ and a resumed epoch's sampler skips the samples already yielded.
 
 from __future__ import annotations
 
-import multiprocessing.connection
-import os
-import queue
-import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -41,26 +37,16 @@ import torch.utils.data
 from torch.utils.data import default_collate, default_convert
 
 from . import _signals, _torch_versions, _trace
-from ._errors import PinPoolError
 from ._main import settings
-from ._main.delivery import finish
-from ._main.index_queue import write_directly
+from ._main.loader_iter import LoaderIter
+from ._main.pool_settings import PoolSettings
 from ._main.receiver import Receiver
-from ._main.resume import Epoch, EpochSampler, LoadWorkerState, Resume, check, unsupported
-from ._main.sizing import Sizing
-from ._main.tickets import TicketSampler
+from ._main.reservations import ReservingSampler
+from ._main.resume import EpochSampler, LoadWorkerState, Resume, check, unsupported
+from ._main.workers import WorkersIter, close_loader, shut_down
 from ._native import PinPool
 from ._stats import LoaderStats
-from ._torch_contract import (
-    RERAISE_CODE,
-    MultiProcessingIter,
-    mp_status_check_interval,
-    profiler_enabled,
-    python_exit_status,
-    remove_worker_pids,
-)
 from ._wire import registry
-from ._wire.handle import BatchHandle, WorkerProgress
 from ._wire.pool_hint import PoolHint
 from ._worker.collate import PinCollate
 from ._worker.streaming import StreamingDataset
@@ -98,9 +84,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
       into ordinary memory (``"copy"``).
     - ``zero_copy``: workers write batches straight into arena slots handed out with the
       indices (map-style datasets with batching and ``num_workers > 0``; the pool must be a
-      memfd: ``cuda-register`` or ``host``). A ticket is sized from the largest batch seen so
+      memfd: ``cuda-register`` or ``host``). A reservation is sized from the largest batch seen so
       far. The first batch, batches that find no room when dispatched and batches larger
-      than their ticket go through copy mode (into a slot of their own size), counted in
+      than their reservation go through copy mode (into a slot of their own size), counted in
       ``stats()["zero_copy_fallbacks"]``.
     - ``keep_worker_memory``: workers keep memory their items were made in (up to twice the
       largest batch, at most 1 GiB each) for the next batch's items, rather than give it
@@ -127,7 +113,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _pin_receiver: Receiver
     _pin_collate: PinCollate
     _pin_worker_dataset: StreamingDataset | None
-    _pin_tickets: bool
+    _pin_reserving: bool
     _pin_resume: Resume
 
     def __init__(
@@ -169,7 +155,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
             collate_fn = None  # torch's default: pinpool's own, bit for bit, streamed
-        out_device, pool_device = settings.check_pool_settings(
+        in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
+        pool_settings = PoolSettings.checked(
             pool=pool,
             arena_bytes=arena_bytes,
             max_batch_bytes=max_batch_bytes,
@@ -180,31 +167,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             overflow=overflow,
             oversize=oversize,
             device=device,
-        )
-        in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
-        token = uuid.uuid4().hex
-        sizing = Sizing(
-            arena_bytes=arena_bytes,
-            max_batch_bytes=max_batch_bytes,
-            slot_bytes=slot_bytes,
-            num_slots=num_slots,
             in_flight=in_flight,
         )
+        token = uuid.uuid4().hex
         # Without sizes the pool is sized from the first batch: a worker tells that size as
         # soon as it knows it (_wire.pool_hint).
-        hint = PoolHint() if num_workers > 0 and not sizing.known and pool is None else None
-        receiver = Receiver(
-            token,
-            pool=pool,
-            sizing=sizing,
-            pool_device=pool_device,
-            device=out_device,
-            copy_threads=copy_threads,
-            slot_timeout=slot_timeout,
-            overflow=overflow,
-            oversize=oversize,
-            pool_hint=hint,
-        )
+        hint = PoolHint() if num_workers > 0 and not pool_settings.known else None
+        receiver = Receiver(token, pool_settings, pool_hint=hint)
         auto_collation = batch_size is not None or batch_sampler is not None
         batched_map_style = (
             auto_collation
@@ -274,7 +243,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _pin_receiver=receiver,
             _pin_collate=collate,
             _pin_worker_dataset=worker_dataset,
-            _pin_tickets=zero_copy and batched_map_style,
+            _pin_reserving=zero_copy and batched_map_style,
             _pin_resume=resume,
             _pin_wrap=False,
         )
@@ -294,11 +263,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         ):
             warnings.warn(f"pinpool.DataLoader: {why}", UserWarning, stacklevel=2)
         registry.register(token, receiver)
-        if sizing.known or pool is not None:
-            receiver.ensure(0)  # sizes known: make the pool now, so batch 1 has a slot too
-        weakref.finalize(self, _signals.finalizing, _close, receiver)
+        if pool_settings.known:
+            receiver.pools.pool_for(0)  # sizes known: make the pool now, so batch 1 has a slot too
+        weakref.finalize(self, _signals.finalizing, close_loader, receiver)
 
-    def __iter__(self) -> _PinnedIter:  # type: ignore[override]
+    def __iter__(self) -> LoaderIter:  # type: ignore[override]
         t0 = _trace.on and _trace.now()
         resume = self._pin_resume
         resume.start(self)
@@ -306,10 +275,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             # A resumed iterable dataset's workers load their states as they start: a
             # persistent iterator's workers have started.
             try:
-                _shut_down(self._iterator)
+                shut_down(self._iterator)
             finally:
                 self._iterator = None
-        self._pin_receiver.make_pool_ahead()
+        self._pin_receiver.pools.make_ahead()
         # torch reads _index_sampler as its iterator starts (a persistent one keeps it).
         self.__dict__["_pin_wrap"] = True
         try:
@@ -319,7 +288,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         assert resume.current is not None
         if t0:
             _trace.span("loader.iter", t0)
-        return _PinnedIter(self, inner, resume.current)
+        return LoaderIter(self, inner, resume.current)
 
     @property
     def state_dict(self) -> Callable[[], dict[str, Any]]:
@@ -371,7 +340,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             if self.num_workers == 0:
                 return super()._get_iterator()
             self.check_worker_number_rationality()  # (as torch's _get_iterator)
-            return _WorkersIter(self, start.first if start is not None else 0)
+            return WorkersIter(self, start.first if start is not None else 0)
         finally:
             object.__setattr__(self, "dataset", own_dataset)
             object.__setattr__(self, "collate_fn", own_collate)
@@ -383,10 +352,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # hands a worker carries a slot.
         base = super()._index_sampler
         if self.__dict__.get("_pin_wrap"):  # records, and skips what a resumed epoch yielded
-            base = EpochSampler(base, self._pin_resume, self)  # (before any ticket)
-        if getattr(self, "_pin_tickets", False):
+            base = EpochSampler(base, self._pin_resume, self)  # (before any reservation)
+        if getattr(self, "_pin_reserving", False):
             receiver = self._pin_receiver
-            return TicketSampler(base, receiver.assign_ticket)
+            return ReservingSampler(base, receiver.reserve_for)
         return base
 
     @property
@@ -432,306 +401,3 @@ def _keep_for_lightning(loader: DataLoader) -> None:
     if isinstance(saved, dict):
         for name in PINPOOL_ARGUMENTS:
             saved.setdefault(name, loader.__dict__[name])
-
-
-class _PinnedIter:
-    """Wraps torch's iterator: finishes each batch and cleans up at the end."""
-
-    def __init__(self, loader: DataLoader, inner: Iterator[Any], epoch: Epoch) -> None:
-        self._loader = loader
-        self._inner = inner
-        self._epoch = epoch  # counts the batches and samples yielded, for state_dict()
-        self._ended = False
-        loader._pin_receiver.iterator = weakref.ref(inner)
-
-    def __iter__(self) -> _PinnedIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._inner)  # type: ignore[arg-type]
-
-    def __next__(self) -> Any:
-        t0 = _trace.on and _trace.now()
-        try:
-            item = next(self._inner)
-        except StopIteration:
-            self._epoch.ended = True
-            self._end()
-            raise
-        except BaseException as exc:
-            # (torch may have passed a batch as it raised, a worker's exception: it is gone)
-            self._epoch.took(_taken(self._inner), raised=True)
-            _unkeep(exc)
-            raise
-        try:
-            if isinstance(item, WorkerProgress):
-                self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
-                item = item.batch
-            batch = finish(item)
-        finally:
-            self._epoch.took(_taken(self._inner), raised=False)
-        if t0:
-            _trace.span("loader.next", t0)
-        return batch
-
-    def _end(self) -> None:
-        receiver = self._loader._pin_receiver
-        if self._ended or receiver.pid != os.getpid():
-            return
-        self._ended = True
-        if not self._loader.persistent_workers:
-            try:
-                _shut_down(self._inner)
-            finally:
-                # Only what this iterator's (now exited) workers had: another iterator of the
-                # same loader may still be running.
-                sampler = getattr(self._inner, "_index_sampler", None)
-                if isinstance(sampler, TicketSampler):
-                    receiver.tickets.drop(sampler.owner)
-                receiver.retire_segments(dead_only=True)
-
-    def __del__(self) -> None:
-        try:
-            self._end()
-        except PinPoolError:
-            pass  # (what it would have cleaned up is gone: a closed pool, say)
-        except BaseException as exc:
-            if not _signals.hand_back(exc):
-                raise
-
-
-class _WorkersIter(MultiProcessingIter):
-    """torch's multi-process iterator, with four changes.
-
-    - Without a pin thread (no accelerator), a batch's segment is received (opened through
-      its worker's ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as
-      its handle comes out of torch's result queue, as the pin thread does on a GPU machine,
-      not only when the consumer reaches it: by then its worker may have exited (an iterable
-      dataset's worker whose data has run out is told to exit at once) or died.
-    - Batch indices are written to each worker's pipe by a Rust thread, not by a Python
-      feeder thread per worker (``_main.index_queue``).
-    - The first batches are dealt out from worker ``first`` on instead of worker 0 (a resumed
-      iterable dataset's epoch, whose next batch is that worker's). torch deals to the
-      workers in turn from ``_worker_queue_idx_cycle``, made afresh as each epoch starts: the
-      first one made is turned on to ``first``.
-    - ``__next__`` opens no profiler range around each batch when no profiler is recording.
-    """
-
-    def __init__(self, loader: DataLoader, first: int) -> None:
-        self._pin_first = first
-        self._pin_receiver = loader._pin_receiver
-        self._pin_pid = os.getpid()
-        t0 = _trace.on and _trace.now()
-        super().__init__(loader)
-        if t0:
-            _trace.span("workers.start", t0, workers=loader.num_workers)
-
-    def _reset(self, loader: Any, first_iter: bool = False) -> None:
-        if first_iter:  # the workers have started; nothing was sent to them yet
-            for q in self._index_queues:
-                write_directly(q)
-        super()._reset(loader, first_iter)
-
-    def __next__(self) -> Any:
-        # torch's __next__ opens a profiler range (``record_function``) around each batch,
-        # which costs the training thread a dispatcher call in and out even when no profiler
-        # runs (docs/performance.md, "Measurements behind the code"). Without a profiler (and
-        # in the cases where torch's does more: a first call, an iterable dataset's length
-        # check) the same steps without it.
-        if (
-            profiler_enabled()
-            or self._sampler_iter is None
-            or self._IterableDataset_len_called is not None
-        ):
-            return super().__next__()
-        data = self._next_data()
-        self._num_yielded += 1
-        return data
-
-    def _try_get_data(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
-        success, data = super()._try_get_data(*args, **kwargs)
-        if success and not self._pin_memory:
-            item = data[1]
-            item = item.batch if isinstance(item, WorkerProgress) else item
-            if isinstance(item, BatchHandle):
-                self._pin_receiver.receive_now(item)
-        return success, data
-
-    def _shutdown_workers(self) -> None:
-        # torch's shutdown can leave workers behind. A signal handler's exception stops it
-        # wherever it lands (a SIGCHLD comes as each worker exits, and torch's own handler
-        # raises if one has failed), in its joins or in the clean-up after them: workers are
-        # left running, or exited with nobody to reap them. And one that completes leaves a
-        # worker that outlives SIGTERM and its last wait. What it left is done here, whatever
-        # was raised; then the first exception is raised again.
-        # (Nothing in a process forked from this one, where a copy of the iterator may be
-        # collected: its workers and their done event are this process's.)
-        if getattr(self, "_pin_pid", None) != os.getpid():
-            return
-        t0 = _trace.on and _trace.now()
-        errors: list[BaseException] = []
-        try:
-            super()._shutdown_workers()
-        except BaseException as exc:
-            errors.append(exc)
-        for _ in range(_CLEANUP_TRIES):
-            try:
-                _reap_workers(self)
-                _close_index_queues(self)
-                break
-            except BaseException as exc:
-                errors.append(exc)
-                if _signals.signal_of(exc) is None:
-                    break  # (not an interruption, after which each step can be done again)
-        if t0:
-            _trace.span("workers.shutdown", t0)
-        if errors:
-            raise errors[0]
-
-    def __del__(self) -> None:
-        try:
-            self._shutdown_workers()
-        except BaseException as exc:
-            if not _signals.hand_back(exc):
-                raise
-
-    @property  # type: ignore[override]
-    def _worker_queue_idx_cycle(self) -> Iterator[int]:
-        return self.__dict__["_pin_cycle"]  # type: ignore[no-any-return]
-
-    @_worker_queue_idx_cycle.setter
-    def _worker_queue_idx_cycle(self, cycle: Iterator[int]) -> None:
-        for _ in range(self.__dict__.pop("_pin_first", 0)):
-            next(cycle)
-        self.__dict__["_pin_cycle"] = cycle
-
-
-def _taken(inner: Any) -> int | None:
-    """The index lists torch's iterator has passed this epoch, yielded or raised (in order):
-    its ``_rcvd_idx`` with workers; None without, where each is passed as it is drawn."""
-    taken = getattr(inner, "_rcvd_idx", None)
-    return taken if type(taken) is int else None
-
-
-def _unkeep(exc: BaseException) -> None:
-    """torch raises a worker's exception again from ``ExceptionWrapper.reraise``, whose frame
-    keeps it in a local: a cycle (the exception, its traceback, that frame) that keeps every
-    frame of the traceback, torch's iterator's among them, and so its workers, until the
-    garbage collector runs (never, where it is disabled), after the consumer has dropped the
-    exception and the iterator. That frame's locals (the wrapper, the message, the exception
-    itself) are cleared here."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is _RERAISE:
-            tb.tb_frame.clear()
-        tb = tb.tb_next
-
-
-_RERAISE = RERAISE_CODE if RERAISE_CODE is not None else _unkeep.__code__
-
-
-#: How many times the end of a worker shutdown is begun again when a signal handler's
-#: exception interrupts it (see ``_WorkersIter._shutdown_workers``).
-_CLEANUP_TRIES = 16
-
-
-def _shutting_down_python() -> bool:
-    """Whether the interpreter is exiting (torch's worker shutdown then does nothing)."""
-    status = python_exit_status()
-    return status is True or status is None
-
-
-def _reap_workers(it: Any) -> None:
-    """Makes sure every worker of torch's iterator ``it`` has exited, and reaps it: a worker
-    torch did not get to tell is told now; one still running after torch's status-check
-    interval is killed."""
-    if _shutting_down_python():
-        return
-    if getattr(it, "_worker_pids_set", False):
-        # From here on torch's SIGCHLD handler no longer raises for these workers.
-        remove_worker_pids(id(it))
-        it._worker_pids_set = False
-    workers = list(getattr(it, "_workers", ()))
-    pending = [w for w in workers if w.pid is not None and not _reaped(w)]
-    if not pending:
-        return
-    interval = mp_status_check_interval()
-    done = getattr(it, "_workers_done_event", None)
-    if done is not None and not done.is_set():
-        done.set()
-    queues = list(getattr(it, "_index_queues", ()))
-    for w, q in zip(workers, queues, strict=False):
-        if w in pending and not getattr(q, "_closed", True):
-            try:
-                q.put(None)  # (a second one, if torch sent it already, is never read)
-            except (PinPoolError, OSError, ValueError):
-                pass  # (closed: the wait below ends in a kill)
-    deadline = time.monotonic() + interval
-    running = {w.sentinel: w for w in pending}
-    while running and (left := deadline - time.monotonic()) > 0:
-        for ready in multiprocessing.connection.wait(list(running), left):
-            del running[ready]  # type: ignore[arg-type]
-    for w in running.values():
-        w.kill()
-    # Each has exited, or is exiting: wait until the kernel has made it a zombie, and reap it.
-    deadline = time.monotonic() + interval
-    for w in pending:
-        while not _reaped(w) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        w.join(0)  # (forgets it: multiprocessing's list of children)
-
-
-def _reaped(w: Any) -> bool:
-    """Whether worker process ``w`` has exited and been reaped. By anyone: a signal handler's
-    exception can cut multiprocessing's own reaping short after the wait that reaped the
-    worker, before it kept the status (then it takes the worker for alive ever after)."""
-    return w.exitcode is not None or not os.path.exists(f"/proc/{w.pid}")
-
-
-def _close_index_queues(it: Any) -> None:
-    """torch closes the index queues last: should its shutdown stop before, their writer
-    threads and descriptors still end now, not whenever the iterator is collected."""
-    if _shutting_down_python():
-        return
-    for q in getattr(it, "_index_queues", ()):
-        q.cancel_join_thread()
-        q.close()
-
-
-def _shut_down(inner: Any) -> None:
-    """Shuts a torch iterator's workers down and drops the batches it still holds (its pin
-    thread took them ahead, or they arrived out of order): each may hold a slot."""
-    shutdown = getattr(inner, "_shutdown_workers", None)
-    if shutdown is None:
-        return
-    try:
-        shutdown()
-    finally:
-        _drop_held(inner)
-
-
-def _drop_held(inner: Any) -> None:
-    """Drops the batches a shut-down torch iterator still holds."""
-    data = getattr(inner, "_data_queue", None)
-    if isinstance(data, queue.Queue):  # the pin thread's output (in-process, not a pipe)
-        while True:
-            try:
-                data.get_nowait()
-            except queue.Empty:
-                break
-    task_info = getattr(inner, "_task_info", None)
-    if isinstance(task_info, dict):
-        task_info.clear()
-
-
-def _close(receiver: Receiver) -> None:
-    """The loader's finalizer: its workers stop (none may write into a slot taken back
-    then), then its receiver closes."""
-    if receiver.pid != os.getpid():
-        return
-    try:
-        inner = receiver.iterator() if receiver.iterator is not None else None
-        if inner is not None:
-            _shut_down(inner)
-    finally:
-        receiver.close()

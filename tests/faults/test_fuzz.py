@@ -15,8 +15,8 @@ a Rust panic (``PanicException``, not an ``Exception``) fails the test; so does 
 handle's ``__del__``, a slot or an fd not given back, or a hang (see :func:`no_hang`).
 
 The loader allocates memory for a handle in two places: the pool it sizes at the first batch
-(``PinPool`` in ``pinpool._main.receiver``) and the ordinary buffer of a batch larger than a
-slot (``Receiver._overflow_buffer``). :func:`watch_allocations` wraps both: a request beyond what
+(``PinPool`` in ``pinpool._main.lazy_pool``) and the ordinary buffer of a batch larger than a
+slot (``LazyPool.overflow_buffer``). :func:`watch_allocations` wraps both: a request beyond what
 the real segment justifies is recorded and refused before anything is allocated, so that the
 fuzzer finds such a bug without taking the machine's memory with it.
 
@@ -56,11 +56,11 @@ from hypothesis import strategies as st
 from loader_datasets import Indexed, Pair, assert_same
 
 import pinpool
-import pinpool._main.receiver
+import pinpool._main.lazy_pool
 from pinpool import PinPoolError
 from pinpool._main import sizing
-from pinpool._main.delivery import finish
-from pinpool._main.receiver import Receiver
+from pinpool._main.delivery import hand_over
+from pinpool._main.lazy_pool import LazyPool
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
 from pinpool._wire import codec as _codec
 from pinpool._wire.codec import ALIGN, Leaf
@@ -402,13 +402,13 @@ def received(state: tuple[Any, ...], cls: type = BatchHandle) -> Any:
 
 
 def decoded(handle: Any, ahead: bool) -> Any:
-    """What torch's loop and ``finish`` do with a handle: the pin thread's ``pin_memory()``
+    """What torch's loop and ``hand_over`` do with a handle: the pin thread's ``pin_memory()``
     first when ``ahead`` (it may hand the handle back, for the consumer), then the consumer's
     ``take()``. None for anything that is not a handle."""
     if not isinstance(handle, BatchHandle):
         return None
     try:
-        return finish(handle.pin_memory() if ahead else handle.take())
+        return hand_over(handle.pin_memory() if ahead else handle.take())
     except PinPoolError:
         raise
     except BaseException:
@@ -460,8 +460,8 @@ def watch_allocations(capacity: int, batch: int = BATCH) -> Iterator[Allocations
     room = -(-int(capacity * sizing.HEADROOM) // mmap.PAGESIZE) * mmap.PAGESIZE
     limit = max(sizing.MIN_ARENA, room * NUM_SLOTS)
     seen = Allocations(pool_limit=limit, buffer_limit=capacity)
-    real_pool = pinpool._main.receiver.PinPool
-    real_buffer = Receiver._overflow_buffer
+    real_pool = pinpool._main.lazy_pool.PinPool
+    real_buffer = LazyPool.overflow_buffer
 
     def make_pool(slot_bytes: int, num_slots: int, **kwargs: Any) -> Any:
         arena = kwargs.get("arena_bytes") or slot_bytes * num_slots
@@ -479,13 +479,13 @@ def watch_allocations(capacity: int, batch: int = BATCH) -> Iterator[Allocations
             raise Overallocation(seen.refused[-1])
         return real_buffer(self, need)
 
-    pinpool._main.receiver.PinPool = make_pool  # type: ignore[assignment]
-    Receiver._overflow_buffer = overflow_buffer  # type: ignore[method-assign]
+    pinpool._main.lazy_pool.PinPool = make_pool  # type: ignore[assignment]
+    LazyPool.overflow_buffer = overflow_buffer  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        pinpool._main.receiver.PinPool = real_pool  # type: ignore[misc]
-        Receiver._overflow_buffer = real_buffer  # type: ignore[method-assign]
+        pinpool._main.lazy_pool.PinPool = real_pool  # type: ignore[misc]
+        LazyPool.overflow_buffer = real_buffer  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -679,11 +679,11 @@ def test_batch_handle_fields(decoy: int) -> None:
 def one_slot_handle(data: Any, worker: Worker) -> None:
     with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3) as loader:
         receiver = loader._pin_receiver
-        ticket = receiver.tickets.assign(receiver.pool, 1, CAPACITY, 0)
-        assert ticket is not None
+        reservation = receiver.reservations.reserve(receiver.pool, 1, CAPACITY, 0)
+        assert reservation is not None
         try:
-            sent = places.write(receiver.token, 4, worker.plan, ticket, None)
-            assert sent.slot == ticket.claim, "the worker's path did not use the slot"
+            sent = places.write(receiver.token, 4, worker.plan, reservation, None)
+            assert sent.slot == reservation.claim, "the worker's path did not use the slot"
             state, changed = corrupted(data, sent.__getstate__(), SLOT_FIELDS, corrupt_slot_field)
             with no_hang(), late_errors():
                 got = accepted(lambda: decoded(received(state), False))
@@ -695,7 +695,7 @@ def one_slot_handle(data: Any, worker: Worker) -> None:
                 del got
         finally:
             # The loader takes back a slot whose batch never came (the iterator's end).
-            receiver.tickets.unassign(ticket.claim)
+            receiver.reservations.take_back(reservation.claim)
         assert_slots_back(loader)
 
 
@@ -1117,7 +1117,7 @@ def test_pool_hints() -> None:
     alone would have made unless the pool was used meanwhile."""
 
     made: list[int] = []
-    real_pool = pinpool._main.receiver.PinPool
+    real_pool = pinpool._main.lazy_pool.PinPool
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         arena = kwargs.get("arena_bytes") or 0
@@ -1146,8 +1146,8 @@ def test_pool_hints() -> None:
         assert open_fd_count() <= fds
 
     with contextlib.ExitStack() as stack:
-        stack.callback(setattr, pinpool._main.receiver, "PinPool", real_pool)
-        pinpool._main.receiver.PinPool = watched  # type: ignore[misc,assignment]
+        stack.callback(setattr, pinpool._main.lazy_pool, "PinPool", real_pool)
+        pinpool._main.lazy_pool.PinPool = watched  # type: ignore[misc,assignment]
         fuzz()
 
 
@@ -1162,7 +1162,7 @@ def one_hint(
     receiver = loader._pin_receiver
     hint = PoolHint()
     try:
-        hint.watch(receiver._ensure_hinted, lambda: receiver.pool is None)
+        hint.watch(receiver.pools.make_from_hint, lambda: receiver.pool is None)
         assert hint._writer is not None
         hint._writer.send_bytes(payload)
         thread = hint._thread
@@ -1173,16 +1173,16 @@ def one_hint(
         assert len(made) <= 1
         if hinted is not None:
             assert announced is not None and announced > 0
-            assert made == [receiver.sizing.plan(announced).arena]
+            assert made == [receiver.pools.sizing.plan(announced).arena]
             assert hinted.arena_bytes == made[0] <= HINT_ARENA_LIMIT
         elif announced is not None and announced > 0 and count is not None and count > 0:
             # Refused, and logged: by the sizing (over the memory's share) or here.
             assert all(arena > HINT_ARENA_LIMIT for arena in made), made
         else:
             assert not made, made
-        pool, _ = receiver.ensure(real)
+        pool, _ = receiver.pools.pool_for(real)
         assert pool.largest_slot >= real
-        assert pool.arena_bytes <= 2 * receiver.sizing.plan(real).arena
+        assert pool.arena_bytes <= 2 * receiver.pools.sizing.plan(real).arena
     finally:
         hint.close()
         receiver.close()

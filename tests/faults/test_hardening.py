@@ -251,7 +251,7 @@ def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPa
     state = good.__getstate__()
     calls = []
     raised = []
-    receive = type(loader._pin_receiver)._receive
+    receive = type(loader._pin_receiver.intake).receive
 
     def worker_died(self: Any, handle: Any) -> Any:
         calls.append(handle)
@@ -260,7 +260,7 @@ def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPa
             raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
         return receive(self, handle)
 
-    monkeypatch.setattr(type(loader._pin_receiver), "_receive", worker_died)
+    monkeypatch.setattr(type(loader._pin_receiver.intake), "receive", worker_died)
     h = BatchHandle.__new__(BatchHandle)
     h.__setstate__(state)
     assert not calls, "unpickling a handle acted on it"
@@ -342,7 +342,7 @@ def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.Monk
     monkeypatch.setattr(pinpool._main.sizing, "available_memory", lambda: 16 * MiB)
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     with pytest.raises(pinpool.BatchTooLarge, match="memory available") as info:
-        loader._pin_receiver.ensure(4 * MiB)
+        loader._pin_receiver.pools.pool_for(4 * MiB)
     assert loader.pool is None
     del info
 
@@ -359,10 +359,10 @@ def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     with pytest.raises(pinpool.BatchTooLarge, match="4 ranks on this host") as info:
-        loader._pin_receiver.ensure(5 * MiB)
+        loader._pin_receiver.pools.pool_for(5 * MiB)
     del info
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    pool, _ = loader._pin_receiver.ensure(5 * MiB)
+    pool, _ = loader._pin_receiver.pools.pool_for(5 * MiB)
     assert pool.arena_bytes <= 32 * MiB
     assert pool.largest_slot >= 5 * MiB
 
@@ -580,7 +580,7 @@ def test_memfds_are_owner_only(make_pool: Any) -> None:
 
 @pytest.mark.parametrize("context", ["forkserver", "fork"])
 def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -> None:
-    """A zero-copy worker maps its ticket's slot only while writing the batch: when it starts
+    """A zero-copy worker maps its reservation's slot only while writing the batch: when it starts
     the next batch it holds no writable mapping and no descriptor of the main process's
     arena, so nothing it does then can reach a batch the consumer holds. Streamed batches
     are written sample by sample, so only a batch's first sample is made before its slot is
@@ -610,11 +610,11 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -
         pinpool.wait_for_freed_pools(timeout=60)
 
 
-def test_a_tickets_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
-    """The worker's side of a ticket maps only the slot's pages, and only from the file the
-    ticket names: another file behind the descriptor, an unsealed one, one of another length
+def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
+    """The worker's side of a reservation maps only the slot's pages, and only from the file the
+    reservation names: another file behind the descriptor, an unsealed one, one of another length
     or a slot outside it is refused with the reason, and nothing stays open."""
-    from pinpool._wire.handle import SlotTicket
+    from pinpool._wire.handle import SlotReservation
     from pinpool._worker.places import map_slot
 
     pool = make_pool(1 << 20, 4, arena_bytes=8 << 20)
@@ -624,7 +624,9 @@ def test_a_tickets_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
     where = pool.slot_memfd(slot)
     assert where is not None
     fd, offset, part_len = where
-    good = SlotTicket(1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino)
+    good = SlotReservation(
+        1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
+    )
     fds = len(os.listdir("/proc/self/fd"))
     mapped, at = map_slot(good)
     assert len(mapped) - at == slot.nbytes < part_len and at < 4096
@@ -656,9 +658,9 @@ def test_a_tickets_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
             "negative": "outside",
             "empty": "outside",
         }
-        for name, ticket in cases.items():
+        for name, reservation in cases.items():
             with pytest.raises(PinPoolError, match=reasons[name]):
-                map_slot(ticket)
+                map_slot(reservation)
             assert len(os.listdir("/proc/self/fd")) == fds + 2, name  # (the two files above)
     os.close(unsealed)
     slot.release()

@@ -1,7 +1,7 @@
 """A DataLoader worker's death, in every mode: torch's error reaches the consumer at once,
 whatever pinpool code its SIGCHLD handler happens to raise it in, and once the iterator is
 dropped no worker process is left, running or as a zombie (``pinpool._signals``, and
-``loader._WorkersIter._shutdown_workers``).
+``_main.workers.WorkersIter._shutdown_workers``).
 
 A signal's Python handler runs in the main thread between any two steps of whatever runs
 there, so where it lands is a matter of timing: the end-to-end tests repeat their trials, in
@@ -366,6 +366,6 @@ def test_torchs_error_in_the_shutdown_of_a_failed_iterator(
         gc.collect()
         pool.flush()
         s = pool.stats()
-        assert s["slots_free"] == pool.num_slots, s  # (tickets dropped with the iterator)
+        assert s["slots_free"] == pool.num_slots, s  # (reservations dropped with the iterator)
         assert s["segments_mapped"] == s["segments_unmapped"], s
         del loader

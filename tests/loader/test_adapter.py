@@ -444,7 +444,7 @@ def test_a_loader_without_workers_keeps_the_layouts_torch_gives() -> None:
 
 def test_a_strided_marker_cannot_view_outside_its_leaf() -> None:
     from pinpool import OutOfBounds
-    from pinpool._wire import codec
+    from pinpool._wire import codec, leaves
 
     flat = torch.zeros(10)
     bad = [
@@ -458,8 +458,8 @@ def test_a_strided_marker_cannot_view_outside_its_leaf() -> None:
     ]
     for marker in bad:
         with pytest.raises(OutOfBounds):
-            codec.rebuild({"x": marker}, [flat])
+            leaves.rebuild({"x": marker}, [flat])
     with pytest.raises(OutOfBounds):
-        codec.rebuild(codec.Strided(codec.Leaf(0), (1,), (1,)), [np.zeros(4)])
-    ok = codec.rebuild(codec.Strided(codec.Leaf(0), (2, 5), (1, 2)), [flat])
+        leaves.rebuild(codec.Strided(codec.Leaf(0), (1,), (1,)), [np.zeros(4)])
+    ok = leaves.rebuild(codec.Strided(codec.Leaf(0), (2, 5), (1, 2)), [flat])
     assert ok.shape == (2, 5) and ok.stride() == (1, 2)

@@ -25,7 +25,7 @@ from loader_datasets import Indexed, ListDataset, assert_same, in_pool
 
 import pinpool
 from pinpool._main import delivery
-from pinpool._wire import codec
+from pinpool._wire import codec, leaves
 from pinpool._wire.tree import KEEP, map_leaves
 
 # --------------------------------------------------------------------------- batch types
@@ -310,7 +310,7 @@ def test_codec_round_trip_of_a_dataclass() -> None:
     assert type(p.tree) is DataBatch and isinstance(p.tree.x, codec.Leaf)
     base = torch.zeros(p.nbytes, dtype=torch.uint8)
     codec.write(p, base)
-    same(batch, codec.rebuild(p.tree, codec.host_leaves(p.specs, base.numpy(), p.nbytes)))
+    same(batch, leaves.rebuild(p.tree, leaves.host_leaves(p.specs, base.numpy(), p.nbytes)))
 
 
 # --------------------------------------------------------------------------- torch's hook wins

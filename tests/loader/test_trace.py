@@ -72,9 +72,9 @@ def test_a_loader_reports_its_steps(loader_mode: LoaderMode, num_workers: int) -
     assert names["batch.receive"] + names["batch.adopt"] >= batches
     assert names["batch.copy"] + names["batch.adopt"] == batches
     if loader_mode.zero_copy:
-        assert names["ticket.assign"] >= 1 and names["batch.adopt"] >= 1
+        assert names["slot.reserve"] >= 1 and names["batch.adopt"] >= 1
     else:
-        assert not names["ticket.assign"] and not names["batch.adopt"]
+        assert not names["slot.reserve"] and not names["batch.adopt"]
         assert names["slot.claim"] >= batches
 
 

@@ -4,7 +4,7 @@ The two workloads users meet: dynamic padding (token rows of varying length, eac
 padded to its longest row, short batches first) and detection-style batches (lists of images
 of varying height and width). Every batch must land in the arena (no overflow into ordinary
 memory), bit for bit what torch's own DataLoader gives, in copy mode and in zero-copy mode;
-the arena never grows; zero-copy batches larger than their ticket come through copy mode and
+the arena never grows; zero-copy batches larger than their reservation come through copy mode and
 are counted. And a generated test: random batch sizes, both modes, against torch.
 """
 
@@ -123,7 +123,7 @@ def test_dynamic_padding_600x_the_first_batch(zero_copy: bool) -> None:
         assert stats["zero_copy_batches"] + stats["zero_copy_fallbacks"] - stats[
             "zero_copy_no_ticket"
         ] <= len(sizes)
-        assert stats["zero_copy_ticket_too_small"] >= 1, "growing batches outgrew a ticket"
+        assert stats["zero_copy_ticket_too_small"] >= 1, "growing batches outgrew a reservation"
 
 
 @MODES

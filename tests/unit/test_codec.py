@@ -32,8 +32,9 @@ from torch.utils.data import default_collate
 
 import pinpool
 from pinpool import OutOfBounds, PinPoolError
-from pinpool._main.delivery import finish
+from pinpool._main.delivery import hand_over
 from pinpool._wire import codec as _codec
+from pinpool._wire import leaves as _leaves
 from pinpool._wire.codec import ALIGN, Leaf, LeafSpec
 
 # --------------------------------------------------------------------------- generated batches
@@ -92,8 +93,8 @@ def encode(batch: Any) -> tuple[Any, list[tuple], bytearray]:
 
 
 def decode(tree: Any, specs: Any, buf: bytearray, limit: int | None = None) -> Any:
-    checked = _codec.checked_specs(specs, len(buf) if limit is None else limit)
-    return _codec.rebuild(tree, _codec.host_leaves(checked, buf, len(buf)))
+    checked = _leaves.checked_specs(specs, len(buf) if limit is None else limit)
+    return _leaves.rebuild(tree, _leaves.host_leaves(checked, buf, len(buf)))
 
 
 def check_layout(specs: list[LeafSpec], nbytes: int) -> None:
@@ -135,12 +136,12 @@ def test_device_leaves_match_host_leaves(batch: Any) -> None:
     p = _codec.plan(batch)
     buf = bytearray(p.nbytes)
     _codec.write(p, buf)
-    checked = _codec.checked_specs(p.specs, len(buf))
+    checked = _leaves.checked_specs(p.specs, len(buf))
     storage = torch.tensor(list(buf), dtype=torch.uint8)  # a copy, as .to(device) makes
-    for spec, host in zip(checked, _codec.host_leaves(checked, buf, len(buf)), strict=True):
+    for spec, host in zip(checked, _leaves.host_leaves(checked, buf, len(buf)), strict=True):
         if spec.kind != "torch":
             continue
-        copied = _codec.device_leaf(storage, spec)
+        copied = _leaves.device_leaf(storage, spec)
         assert type(copied) is type(host) and copied.dtype == host.dtype
         assert copied.shape == host.shape
         flat = [t.reshape(-1).view(torch.uint8) for t in (copied, host)]
@@ -156,8 +157,8 @@ def test_write_into_a_tensor_buffer_with_slack(batch: Any) -> None:
     buf = torch.full((p.nbytes + 3 * ALIGN,), 0xAB, dtype=torch.uint8)
     _codec.write(p, buf)
     assert bool((buf[p.nbytes :] == 0xAB).all()), "write went past the plan's end"
-    views = _codec.host_leaves(_codec.checked_specs(p.specs, len(buf)), buf.numpy(), len(buf))
-    assert_same(batch, _codec.rebuild(p.tree, views))
+    views = _leaves.host_leaves(_leaves.checked_specs(p.specs, len(buf)), buf.numpy(), len(buf))
+    assert_same(batch, _leaves.rebuild(p.tree, views))
 
 
 @settings(max_examples=60, deadline=None)
@@ -326,16 +327,16 @@ def replace(**kw: Any) -> tuple:
 )
 def test_corrupt_specs_raise_out_of_bounds(specs: Any) -> None:
     with pytest.raises(OutOfBounds, match="corrupt batch description"):
-        _codec.checked_specs(specs, 160)
+        _leaves.checked_specs(specs, 160)
     assert issubclass(OutOfBounds, PinPoolError)
 
 
 def test_good_specs_pass_and_convert() -> None:
     raw = [GOOD, ("128", 8.0, "numpy", "<i4", [2], None), (0, 0, "torch", "bool", (0, 7), None)]
-    out = _codec.checked_specs(raw, 136)
+    out = _leaves.checked_specs(raw, 136)
     assert out[1] == LeafSpec(128, 8, "numpy", "<i4", (2,), None)
     assert all(isinstance(s, LeafSpec) for s in out)
-    assert _codec.checked_specs([replace(subclass=Feature)], 104)[0].subclass is Feature
+    assert _leaves.checked_specs([replace(subclass=Feature)], 104)[0].subclass is Feature
 
 
 @pytest.mark.parametrize(
@@ -349,7 +350,7 @@ def test_good_specs_pass_and_convert() -> None:
 )
 def test_corrupt_field_types_raise_out_of_bounds(spec: tuple) -> None:
     with pytest.raises(OutOfBounds):
-        _codec.checked_specs([spec], 160)
+        _leaves.checked_specs([spec], 160)
 
 
 raw_specs = st.tuples(
@@ -368,12 +369,12 @@ def test_specs_that_pass_never_reach_past_the_limit(specs: list[tuple], limit: i
     """Any spec list either raises OutOfBounds or gives views inside the first ``limit``
     bytes of the buffer (which is longer, to catch a view that strays past the limit)."""
     try:
-        checked = _codec.checked_specs(specs, limit)
+        checked = _leaves.checked_specs(specs, limit)
     except OutOfBounds:
         return
     buf = torch.zeros(limit + 4096, dtype=torch.uint8)
     lo, hi = buf.data_ptr(), buf.data_ptr() + limit
-    views = _codec.host_leaves(checked, buf.numpy(), limit)
+    views = _leaves.host_leaves(checked, buf.numpy(), limit)
     for spec, view in zip(checked, views, strict=True):
         assert spec.offset + spec.nbytes <= limit
         if spec.nbytes == 0:
@@ -409,8 +410,8 @@ def test_rebuild_with_a_missing_leaf() -> None:
     views = [torch.zeros(1), torch.ones(1)]
     for tree in ({"a": Leaf(2)}, [Leaf(0), Leaf(-1)], (Leaf(10**9),), Pair(Leaf(5), None)):
         with pytest.raises(OutOfBounds, match="does not exist"):
-            _codec.rebuild(tree, views)
-    assert _codec.rebuild([Leaf(1), Leaf(0)], views)[0] is views[1]
+            _leaves.rebuild(tree, views)
+    assert _leaves.rebuild([Leaf(1), Leaf(0)], views)[0] is views[1]
 
 
 # --------------------------------------------------------------------------- corrupt handles
@@ -434,12 +435,12 @@ def assert_all_free(loader: pinpool.DataLoader) -> None:
 def test_a_good_hand_made_handle_decodes(live_loader: Any) -> None:
     make = HandleFactory(live_loader)
     h = make.make(worker=7)
-    # (finish: what the consumer's thread does with what the pin thread made.)
-    assert_same(make.batch, finish(h.pin_memory()))
+    # (hand_over: what the consumer's thread does with what the pin thread made.)
+    assert_same(make.batch, hand_over(h.pin_memory()))
     assert_all_free(live_loader)
     # The segment was handed back: the same key can carry the next batch.
     make.write()
-    assert_same(make.batch, finish(make.make(worker=7, announce=False).pin_memory()))
+    assert_same(make.batch, hand_over(make.make(worker=7, announce=False).pin_memory()))
     assert_all_free(live_loader)
 
 
@@ -475,7 +476,7 @@ def corrupt_handles(make: HandleFactory) -> dict[str, Any]:
 
 def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
     make = HandleFactory(live_loader)
-    finish(make.make(worker=7).pin_memory())  # segment key 7 known, for the cases below
+    hand_over(make.make(worker=7).pin_memory())  # segment key 7 known, for the cases below
     for name, build in corrupt_handles(make).items():
         fds = open_fd_count()
         make.segment.unclaim()

@@ -16,7 +16,7 @@ import pytest
 from loader_datasets import Lopsided, Paced, Sized, sum_collate
 
 import pinpool
-from pinpool._main import receiver as receiver_module
+from pinpool._main import lazy_pool
 from pinpool._main.sizing import MIN_ARENA
 from pinpool._wire.pool_hint import PoolHint
 
@@ -36,13 +36,13 @@ def open_fds() -> dict[str, str]:
 def pool_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads on which loaders' pools were made."""
     made: list[str] = []
-    real = receiver_module.PinPool
+    real = lazy_pool.PinPool
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         made.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(receiver_module, "PinPool", recorded)
+    monkeypatch.setattr(lazy_pool, "PinPool", recorded)
     return made
 
 
@@ -165,35 +165,35 @@ def test_a_wrong_hint_is_undone_by_the_first_batch(caplog: pytest.LogCaptureFixt
     as long as nothing has used it."""
     loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
     receiver = loader._pin_receiver
-    receiver._ensure_hinted(1, 1)  # "a 1-byte batch"
+    receiver.pools.make_from_hint(1, 1)  # "a 1-byte batch"
     small = receiver.pool
     assert small is not None and small.arena_bytes == MIN_ARENA
     real = 33 << 20  # larger than any batch that pool takes
     assert small.largest_slot < real
     with caplog.at_level(logging.WARNING, logger="pinpool"):
-        pool, _ = receiver.ensure(real)
+        pool, _ = receiver.pools.pool_for(real)
     assert pool is not small and small.closed
     assert pool.largest_slot >= real
     assert "made again" in caplog.text
     # A later batch never remakes it, even one the pool cannot take (its error is the
     # claim's, naming the setting).
-    assert receiver.ensure(1)[0] is pool
+    assert receiver.pools.pool_for(1)[0] is pool
 
     # "A 64 MiB batch", then a real one of 1 KiB: the arena it would have made is the
     # smallest, and the hinted one is made again, that small.
     loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
     receiver = loader._pin_receiver
-    receiver._ensure_hinted(64 << 20, 1)
+    receiver.pools.make_from_hint(64 << 20, 1)
     big = receiver.pool
     assert big is not None and big.arena_bytes > 4 * MIN_ARENA
-    pool, _ = receiver.ensure(1024)
+    pool, _ = receiver.pools.pool_for(1024)
     assert pool is not big and pool.arena_bytes == MIN_ARENA
 
     # A hinted pool already in use stays.
     loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
     receiver = loader._pin_receiver
-    receiver._ensure_hinted(1, 1)
+    receiver.pools.make_from_hint(1, 1)
     used = receiver.pool
     assert used is not None
     with used.checkout(nbytes=1):
-        assert receiver.ensure(real)[0] is used
+        assert receiver.pools.pool_for(real)[0] is used

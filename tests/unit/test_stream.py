@@ -20,6 +20,7 @@ from loader_datasets import make_array as make_leaf
 from torch.utils.data import default_collate
 
 from pinpool._wire import codec as _codec
+from pinpool._wire import leaves as _leaves
 from pinpool._worker import streaming as _stream
 
 KiB = 1 << 10
@@ -49,8 +50,8 @@ def collate_via_stream(samples: list[Any], threads: int = 1) -> tuple[Any, bool]
         buf = bytearray(p.nbytes)
         buf[: len(region)] = region
     _codec.write(p, buf)
-    views = _codec.host_leaves(_codec.checked_specs(p.specs, len(buf)), buf, len(buf))
-    return _codec.rebuild(p.tree, views), made is None
+    views = _leaves.host_leaves(_leaves.checked_specs(p.specs, len(buf)), buf, len(buf))
+    return _leaves.rebuild(p.tree, views), made is None
 
 
 def outcome(fn: Any, *args: Any) -> tuple[str, Any]:
@@ -298,5 +299,5 @@ def test_a_dataset_with_its_own_getitems_makes_its_samples() -> None:
         def __len__(self) -> int:
             return 4
 
-    got = _stream.StreamingDataset(Batched()).__getitems__([1, 3]).made
+    got = _stream.StreamingDataset(Batched()).__getitems__([1, 3]).items
     assert isinstance(got, list) and len(got) == 2

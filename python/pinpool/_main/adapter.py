@@ -4,7 +4,7 @@ One idea: wrap any iterable of batches (torch's DataLoader, torchdata's Stateful
 accelerate's DataLoaderShard, a subclass of your own, made with ``pin_memory=False``) and give
 each batch it yields one more copy, into a slot of a :class:`~pinpool.PinPool`, through a
 loader's own :class:`~pinpool._main.receiver.Receiver` (``encode_local``, then
-``delivery.finish``): the same slots, overflow and oversize rules, CPU views and device copies
+``delivery.hand_over``): the same slots, overflow and oversize rules, CPU views and device copies
 as :class:`pinpool.DataLoader`, with none of its worker-side machinery.
 
 Invariants:
@@ -35,10 +35,9 @@ from typing import Any, Generic, Literal, TypeVar
 from .. import _signals
 from .._errors import InvalidArgument
 from .._native import PinPool
-from . import settings
-from .delivery import finish
+from .delivery import hand_over
+from .pool_settings import PoolSettings
 from .receiver import Receiver
-from .sizing import Sizing
 
 __all__ = ["Pinned", "pinned"]
 
@@ -139,7 +138,7 @@ class Pinned(Generic[_T]):
                 "this loader's batches are in pinpool slots already (pinpool.DataLoader "
                 "takes device=, pool=, slot_bytes= itself)"
             )
-        out_device, pool_device = settings.check_pool_settings(
+        pool_settings = PoolSettings.checked(
             pool=pool,
             slot_bytes=slot_bytes,
             num_slots=num_slots,
@@ -148,6 +147,7 @@ class Pinned(Generic[_T]):
             overflow=overflow,
             oversize=oversize,
             device=device,
+            default_num_slots=DEFAULT_NUM_SLOTS,
         )
         if getattr(loader, "pin_memory", False) is True:
             warnings.warn(
@@ -157,24 +157,10 @@ class Pinned(Generic[_T]):
                 stacklevel=3,
             )
         self._inner = loader
-        sizing = Sizing(
-            slot_bytes=slot_bytes,
-            num_slots=num_slots if num_slots is not None else DEFAULT_NUM_SLOTS,
-        )
-        receiver = Receiver(
-            uuid.uuid4().hex,
-            pool=pool,
-            sizing=sizing,
-            pool_device=pool_device,
-            device=out_device,
-            copy_threads=copy_threads,
-            slot_timeout=slot_timeout,
-            overflow=overflow,
-            oversize=oversize,
-        )
+        receiver = Receiver(uuid.uuid4().hex, pool_settings)
         self._receiver = receiver
-        if slot_bytes is not None or pool is not None:
-            receiver.ensure(0)  # sizes known: make the pool now
+        if pool_settings.known:
+            receiver.pools.pool_for(0)  # sizes known: make the pool now
         self._finalizer = weakref.finalize(self, _signals.finalizing, receiver.close)
 
     def __iter__(self) -> Iterator[_T]:
@@ -234,4 +220,4 @@ class _PinnedIter(Iterator[Any]):
         pool = self._receiver.pool
         # The pool's copy threads (one for the batch that makes the pool).
         threads = pool.copy_threads if pool is not None else 1
-        return finish(self._receiver.encode_local(batch, None, threads))
+        return hand_over(self._receiver.encode_local(batch, None, threads))

@@ -5,10 +5,14 @@ it landed in (a slot, or an ordinary buffer when it overflowed). Without a devic
 views into that memory: a slot returns to its pool when the last view dies, fenced on torch's
 current stream then. With a CUDA device, the memory is copied to it on the loader's own copy
 stream, from a slot in one call without the GIL (:meth:`Delivery.send`: a worker's segment
-goes into the slot and on to the device; a zero-copy batch is in its slot already), the slot
-is released behind that copy (fenced on the copy stream), and the batch is wrapped in
-:class:`OnDevice`, whose ``wait()`` (on the consumer's thread) makes the consumer's current
-stream wait for the copy.
+goes into the slot and on to the device; a zero-copy batch is in its slot already), and the
+slot is released behind that copy (fenced on the copy stream).
+
+Every batch delivered comes out as one type, :class:`Pending`, with one ``wait()``, called on
+the consumer's thread by :func:`hand_over` as the batch is yielded: it waits for a copy into
+the slot still running on a copy thread (the pin thread took the batch ahead), and makes the
+consumer's current stream wait for a copy to the device. Nothing here calls back into the
+receiver: where a batch's bytes still are (a worker's segment) is passed in as data.
 
 Objects the tree walk cannot look into (``_wire.tree``: anything but mappings, sequences,
 tuples, namedtuples and dataclasses without a ``pin_memory`` attribute) travel whole, their
@@ -18,8 +22,10 @@ their ``pin_memory()`` is called, where torch would call it (an accelerator is p
 ``TypeError`` raised if it is not callable, and a warning names their type, once per type and
 process (:func:`pinned_by_itself`).
 
-Invariant: a slot is referenced only by the views made here (CPU) or by nothing once released
-behind the copy (device); numpy leaves cannot live on a GPU, so they are host copies there.
+Invariants: a slot is referenced only by the views made here (CPU) or by nothing once released
+behind the copy (device); numpy leaves cannot live on a GPU, so they are host copies there;
+every batch delivered leaves here as a :class:`Pending`, and is yielded only through its
+``wait()`` (:func:`hand_over`).
 """
 
 from __future__ import annotations
@@ -29,89 +35,84 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _trace
-from .._native import Copying, Sent, Slot
+from .._native import Copying, SegmentCache, Sent, Slot
 from .._torch_contract import cuda_raw_stream
-from .._wire import codec
+from .._wire import codec, leaves
 from .._wire.handle import BatchHandle
 
-#: Copies a slot's first bytes to a device tensor on a stream, in one call without the GIL
-#: (``Slot.copy_to_device``, or a segment's copy in and on, see ``Receiver.take``).
-Fill = Callable[[Slot, torch.Tensor, int, torch.cuda.Stream], Sent]
+#: Where a slot's bytes still are, when a batch is sent to the device: in a worker's segment
+#: (the segment cache and the segment's key), or None: in the slot already.
+Source = tuple[SegmentCache, tuple[int, int]] | None
 
 
-class OnDevice:
-    """A batch already copied to the GPU on the copy stream; ``wait()`` hands it over to the
-    consumer's current stream.
+class Pending:
+    """A delivered batch on its way to the consumer: :meth:`wait`, on the consumer's thread,
+    does what is left and returns the batch.
 
-    The device memory was allocated on the copy stream, so the caching allocator must be told
-    it is used on the consumer's stream too (``record_stream``), or it could reuse it before
-    that work is done. The pin thread does that ahead, for the stream the consumer used last
-    (``recorded``: its raw handle); ``wait()`` only does it again when the consumer's current
-    stream is another one."""
+    What may be left: a copy into the batch's slot still running on a copy thread
+    (``copying``: torch's pin thread took the batch and went on to the next), or, for a batch
+    copied to the device on the loader's copy stream (``sent``: that copy, or its CUDA event),
+    handing it over to the consumer's current stream. The device memory was allocated on the
+    copy stream, so the caching allocator must be told it is used on the consumer's stream
+    too (``record_stream``), or it could reuse it before that work is done. The pin thread
+    does that ahead, for the stream the consumer used last (``recorded``: its raw handle);
+    ``wait()`` only does it again when the consumer's current stream is another one."""
 
-    __slots__ = ("batch", "delivery", "recorded", "sent", "storage")
+    __slots__ = ("batch", "copying", "delivery", "recorded", "sent", "storage")
 
     def __init__(
         self,
         batch: Any,
-        storage: torch.Tensor,
-        sent: Sent | torch.cuda.Event,
-        delivery: Delivery,
-        recorded: int | None,
-    ):
+        *,
+        copying: Copying | None = None,
+        storage: torch.Tensor | None = None,
+        sent: Sent | torch.cuda.Event | None = None,
+        delivery: Delivery | None = None,
+        recorded: int | None = None,
+    ) -> None:
         self.batch = batch
+        self.copying = copying
         self.storage = storage
         self.sent = sent
         self.delivery = delivery
         self.recorded = recorded
 
     def wait(self) -> Any:
+        t0 = _trace.on and _trace.now()
+        if self.copying is not None:
+            self.copying.wait()
+        if self.sent is not None:
+            self._hand_to_current_stream()
+        if t0 and (self.copying is not None or self.sent is not None):
+            _trace.span("batch.wait", t0, what="landing" if self.sent is None else "device")
+        return self.batch
+
+    def _hand_to_current_stream(self) -> None:
+        """A batch on the device: the consumer's current stream waits for its copy, and the
+        caching allocator is told the storage is used there."""
         delivery = self.delivery
+        assert delivery is not None and self.storage is not None
         raw = delivery.current_raw_stream()
         if isinstance(self.sent, Sent):
             self.sent.make_wait(raw)  # (in Rust: keeps the GIL)
             if raw == self.recorded:
-                return self.batch
+                return
             stream = torch.cuda.current_stream(delivery.device)
         else:
             stream = torch.cuda.current_stream(delivery.device)
             stream.wait_event(self.sent)
         self.storage.record_stream(stream)
         delivery.consumer = (stream, raw)  # the batches sent from now on are recorded on it
-        return self.batch
 
-
-class Landing:
-    """A batch of CPU views into a slot whose copy is still running on a copy thread; the
-    consumer's thread waits for it (:func:`finish`) before the batch is yielded."""
-
-    __slots__ = ("batch", "copying")
-
-    def __init__(self, batch: Any, copying: Copying) -> None:
-        self.batch = batch
-        self.copying = copying
-
-    def wait(self) -> Any:
-        self.copying.wait()
-        return self.batch
-
-
-class Local:
-    """A batch collated in the main process (``num_workers=0``), already delivered."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
-
-    def pin_memory(self) -> Any:
-        return self.batch
+    def pin_memory(self) -> Pending:
+        """torch's pin-memory step (a batch made in the main process, ``num_workers=0``)
+        leaves it as it is: :func:`hand_over` waits for it in its turn."""
+        return self
 
 
 #: Where frames of pinpool and of torch come from (a warning names the first frame outside).
@@ -122,7 +123,7 @@ _INSIDE = (
 #: Types whose ``pin_memory()`` was warned about in this process.
 _warned: set[type] = set()
 #: Their warnings, not yet given.
-_pending: list[str] = []
+_warnings_due: list[str] = []
 _warned_lock = threading.Lock()
 
 
@@ -153,14 +154,14 @@ def pinned_by_itself(kind: type, called: bool) -> None:
         "once per type)."
     )
     with _warned_lock:
-        # Warned by finish(), on the consumer's thread: this may be torch's pin thread.
-        _pending.append(message)
+        # Warned by hand_over(), on the consumer's thread: this may be torch's pin thread.
+        _warnings_due.append(message)
 
 
-def _warn_pending() -> None:
+def _give_warnings_due() -> None:
     with _warned_lock:
-        messages = _pending[:]
-        _pending.clear()
+        messages = _warnings_due[:]
+        _warnings_due.clear()
     for message in messages:
         # Name the first frame outside pinpool and torch (the loop taking batches), if any.
         level = 1
@@ -176,7 +177,7 @@ class Delivery:
     def __init__(self, device: torch.device | None) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device) if device is not None else None
-        # The consumer's stream as last seen by OnDevice.wait (first: the default stream) and
+        # The consumer's stream as last seen by Pending.wait (first: the default stream) and
         # its raw handle: batches are recorded on it ahead, on the pin thread.
         self.consumer: tuple[torch.cuda.Stream, int] | None = None
         if device is not None:
@@ -188,7 +189,7 @@ class Delivery:
         # device, else asked at the first such object.
         self._pin_others: bool | None = True if device is not None else None
 
-    def kept(self, obj: Any) -> Any:
+    def pin_opaque(self, obj: Any) -> Any:
         """What torch's ``pin_memory`` would make of ``obj``, an object the tree walk kept
         whole: itself, or (an object with a ``pin_memory`` attribute, not a tensor) what
         calling it returns, where torch would call it (a ``TypeError`` if it is not
@@ -216,24 +217,27 @@ class Delivery:
         specs: list[codec.LeafSpec],
         memory: Slot | torch.Tensor | None,
         need: int,
-    ) -> Any:
+        copying: Copying | None = None,
+    ) -> Pending:
         """The batch of ``tree`` over the first ``need`` bytes of ``memory`` (None when every
-        leaf is empty)."""
+        leaf is empty); ``copying``: the copy into ``memory`` still running, which the
+        consumer waits for."""
         if self.device is not None and isinstance(memory, Slot) and memory.device is not None:
             # A zero-copy batch in a slot the driver pinned: on to the device in one call.
-            return self.send(tree, specs, memory, need, Slot.copy_to_device)
+            return self.send(tree, specs, memory, need, None)
         self.batches += 1
         self.bytes += need
         if memory is None:
-            return codec.rebuild(tree, codec.host_leaves(specs, b"", 0), self.kept)
+            arrays = leaves.host_leaves(specs, b"", 0)
+            return Pending(leaves.rebuild(tree, arrays, self.pin_opaque))
         # The leaves' buffer: a slot, or the numpy array of an ordinary buffer (no torch op:
-        # see codec.host_leaf).
+        # see leaves.host_leaf).
         host = memory if isinstance(memory, Slot) else memory.numpy()
         if self.device is None:
             # The views hold the slot; it returns to the pool when the last of them dies.
-            leaves = codec.host_leaves(specs, host, need)
+            arrays = leaves.host_leaves(specs, host, need)
             del host, memory
-            return codec.rebuild(tree, leaves, self.kept)
+            return Pending(leaves.rebuild(tree, arrays, self.pin_opaque), copying=copying)
         assert self.copy_stream is not None
         base = torch.frombuffer(host, dtype=torch.uint8, count=need)
         with torch.cuda.stream(self.copy_stream):
@@ -245,8 +249,8 @@ class Delivery:
         del host
         if isinstance(memory, Slot):
             memory.release(self.copy_stream)
-        batch = codec.rebuild(tree, views, self.kept)
-        return OnDevice(batch, storage, event, self, None)
+        batch = leaves.rebuild(tree, views, self.pin_opaque)
+        return Pending(batch, storage=storage, sent=event, delivery=self)
 
     def send(
         self,
@@ -254,25 +258,30 @@ class Delivery:
         specs: list[codec.LeafSpec],
         slot: Slot,
         need: int,
-        fill: Fill,
-    ) -> OnDevice:
-        """The batch of ``tree`` on the device: ``fill`` copies the first ``need`` bytes of
-        ``slot`` (putting them there first, for a segment's batch) to the device on the
-        loader's copy stream, in one call without the GIL (see ``Receiver.take``)."""
+        source: Source,
+    ) -> Pending:
+        """The batch of ``tree`` on the device: the first ``need`` bytes of ``slot`` are
+        copied to the device on the loader's copy stream, in one call without the GIL,
+        put into the slot first from a worker's segment when ``source`` names one."""
         self.batches += 1
         self.bytes += need
         assert self.copy_stream is not None and self.consumer is not None
         with torch.cuda.stream(self.copy_stream):
             storage = torch.empty(need, dtype=torch.uint8, device=self.device)
         t0 = _trace.on and _trace.now()
-        sent = fill(slot, storage, need, self.copy_stream)
+        if source is None:
+            sent = slot.copy_to_device(storage, need, self.copy_stream)
+        else:
+            cache, key = source
+            sent = cache.copy_to_device(key, slot, [(0, 0, need)], storage, need, self.copy_stream)
         if t0:
             _trace.span("batch.send", t0, nbytes=need)
         views = _device_leaves(specs, slot, storage, need)
         slot.release(self.copy_stream)  # reused only after the copy to the device
         consumer, raw = self.consumer
         storage.record_stream(consumer)
-        return OnDevice(codec.rebuild(tree, views, self.kept), storage, sent, self, raw)
+        batch = leaves.rebuild(tree, views, self.pin_opaque)
+        return Pending(batch, storage=storage, sent=sent, delivery=self, recorded=raw)
 
     def current_raw_stream(self) -> int:
         """The raw handle of torch's current stream on the loader's device."""
@@ -292,34 +301,24 @@ def _device_leaves(
     """The leaves of a batch copied to the device: views of ``storage``, except numpy leaves
     (numpy cannot live on a GPU), which are copies of their bytes in ``host``."""
     return [
-        codec.host_leaf(host, s, need).copy()
+        leaves.host_leaf(host, s, need).copy()
         if s.kind == "numpy"
-        else codec.device_leaf(storage, s)
+        else leaves.device_leaf(storage, s)
         for s in specs
     ]
 
 
-def finish(item: Any) -> Any:
+def hand_over(item: Any) -> Any:
     """What the iterator yields for ``item``, which torch's machinery produced: a handle is
-    taken in its turn, a batch still being copied into its slot waited for, a batch on the
-    device handed to the consumer's stream."""
+    taken in its turn, a pending batch waited for (its copy into its slot, or its hand-over
+    to the consumer's stream)."""
     t0 = _trace.on and _trace.now()
     if isinstance(item, BatchHandle):
         item = item.take()  # on the consumer's thread, in order
-    elif isinstance(item, Landing):
-        t1 = _trace.on and _trace.now()
+    if isinstance(item, Pending):
         item = item.wait()
-        if t1:
-            _trace.span("batch.wait", t1, what="landing")
-    elif isinstance(item, Local):
-        item = item.batch
-    if isinstance(item, OnDevice):
-        t1 = _trace.on and _trace.now()
-        item = item.wait()
-        if t1:
-            _trace.span("batch.wait", t1, what="device")
-    if _pending:
-        _warn_pending()
+    if _warnings_due:
+        _give_warnings_due()
     if t0:
         _trace.span("batch.finish", t0)
     return item

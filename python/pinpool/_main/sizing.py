@@ -142,11 +142,11 @@ class Sizing:
         return f"{MEMORY_SHARE / ranks:.0%}{each}"
 
 
-def ticket_bytes(recent: int, largest: int, arena: int, in_flight: int) -> int:
-    """A zero-copy ticket's size, handed out before its batch is made: ``recent`` (a size
+def reservation_bytes(recent: int, largest: int, arena: int, in_flight: int) -> int:
+    """A zero-copy reservation's size, handed out before its batch is made: ``recent`` (a size
     most recent batches fit in) with headroom, at most the largest batch the arena takes, and
     at most an
-    equal share of the arena among the batches in flight and two more (the tickets of a
+    equal share of the arena among the batches in flight and two more (the reservations of a
     long-tailed workload must not take the arena from the batches that come through copy
     mode). A batch that turns out larger goes through its worker's segment and is copied
     into a slot of its own size (counted)."""
@@ -155,7 +155,7 @@ def ticket_bytes(recent: int, largest: int, arena: int, in_flight: int) -> int:
 
 
 def room_kept(largest_seen: int, arena: int) -> int:
-    """Bytes a claim made ahead of the consumer (a zero-copy ticket, a batch taken by the pin
+    """Bytes a claim made ahead of the consumer (a zero-copy reservation, a batch taken by the pin
     thread) leaves free in one range: two of the largest batch seen (the one the consumer
     holds while it asks for the next, and that next one), so that the consumer, who takes
     batches in order and cannot wait for those taken ahead of it, finds room; at most all but

@@ -1,7 +1,7 @@
 """What travels from a worker to the main process for one batch, and what tags its indices.
 
 A batch has one destination, chosen in the worker (``pinpool._worker.places``): the zero-copy
-slot the main process handed out with its indices (a :class:`SlotTicket`), or one of the
+slot the main process handed out with its indices (a :class:`SlotReservation`), or one of the
 worker's own shared-memory segments. Either way the worker sends one :class:`BatchHandle`:
 the marked batch tree, the leaf specs (``codec.LeafSpec``) and that destination; the arrays
 stay in shared memory.
@@ -26,7 +26,7 @@ from .._errors import PinPoolError
 from . import codec, registry
 
 
-class SlotTicket(NamedTuple):
+class SlotReservation(NamedTuple):
     """A slot handed to the worker that will collate one batch (zero-copy mode)."""
 
     index: int  # type: ignore[assignment]  # (shadows tuple.index)
@@ -48,22 +48,22 @@ class SlotTicket(NamedTuple):
 class TaggedIndices(list):  # type: ignore[type-arg]
     """A batch's indices, with the slot its batch should land in (or None)."""
 
-    ticket: SlotTicket | None
+    reservation: SlotReservation | None
 
-    def __init__(self, indices: Any, ticket: SlotTicket | None) -> None:
+    def __init__(self, indices: Any, reservation: SlotReservation | None) -> None:
         super().__init__(indices)
-        self.ticket = ticket
+        self.reservation = reservation
 
 
-class Made:
+class ReservedItems:
     """What a dataset's own ``__getitems__`` made of tagged indices (a list of samples, or a
-    whole batch that torch hands to collate unchanged), with the indices' ticket."""
+    whole batch that torch hands to collate unchanged), with the indices' reservation."""
 
-    __slots__ = ("made", "ticket")
+    __slots__ = ("items", "reservation")
 
-    def __init__(self, made: Any, ticket: SlotTicket | None) -> None:
-        self.made = made
-        self.ticket = ticket
+    def __init__(self, items: Any, reservation: SlotReservation | None) -> None:
+        self.items = items
+        self.reservation = reservation
 
 
 #: A handle's state, unpickled, awaiting its receiver.
@@ -176,8 +176,9 @@ class BatchHandle:
         self._state = ARRIVED
 
     def pin_memory(self) -> Any:
-        """torch's pin thread: the batch in pinned memory (or on the device) if a slot is at
-        hand now, else this handle, for the consumer's thread to take in its turn."""
+        """torch's pin thread: the batch in pinned memory (or on the device), pending (the
+        consumer's thread waits for it), if a slot is at hand now; else this handle, for the
+        consumer's thread to take in its turn."""
         t0 = _trace.on and _trace.now()
         batch = self._receiver().take(self, ahead=True)
         if t0:
@@ -185,9 +186,10 @@ class BatchHandle:
         return batch
 
     def take(self) -> Any:
-        """The consumer's thread, in order: the batch, waiting for a slot if need be."""
+        """The consumer's thread, in order: the batch, waiting for a slot if need be, handed
+        over to the consumer."""
         t0 = _trace.on and _trace.now()
-        batch = self._receiver().take(self, ahead=False)
+        batch = self._receiver().take_in_turn(self)
         if t0:
             _trace.span("batch.take", t0, ahead=False)
         return batch

@@ -9,7 +9,7 @@ size through a pipe, and a thread of the main process makes the pool meanwhile (
 
 Invariants:
 
-- Only a hint. A batch that arrives before the pool is made waits for it (``Receiver.ensure``
+- Only a hint. A batch that arrives before the pool is made waits for it (``LazyPool.pool_for``
   holds its lock), and a batch that does not fit the pool it sized goes where any batch too
   large goes. Without a hint (a user's ``collate_fn``, unstreamed batches) the first batch
   sizes the pool, as before. A hint is checked (two positive ints) and its pool refused like

@@ -19,7 +19,7 @@ import torch.utils.data
 from .. import _trace
 from .._torch_contract import default_convert
 from .._wire import codec, registry
-from .._wire.handle import BatchHandle, Made, WorkerProgress
+from .._wire.handle import BatchHandle, ReservedItems, WorkerProgress
 from .._wire.pool_hint import PoolHint
 from . import places, streaming
 from .heap import keep_freed_memory
@@ -57,8 +57,11 @@ class PinCollate:
         self.worker_copy_threads = worker_copy_threads
 
     def __call__(self, data: Any) -> Any:
-        # Only pinpool's own carriers have a ticket (a user's batch may have such an attribute).
-        ticket = data.ticket if isinstance(data, (streaming.LazySamples, Made)) else None
+        # Only pinpool's own carriers have a reservation (a user's batch may have such an
+        # attribute).
+        reservation = (
+            data.reservation if isinstance(data, (streaming.LazySamples, ReservedItems)) else None
+        )
         in_worker = torch.utils.data.get_worker_info() is not None
         if isinstance(data, streaming.LazySamples):
             if self.stream_samples and self.collate_fn is None and in_worker:
@@ -68,8 +71,8 @@ class PinCollate:
                 data = made
             else:
                 data = list(data)
-        elif isinstance(data, Made):
-            data = data.made  # what torch would give collate
+        elif isinstance(data, ReservedItems):
+            data = data.items  # what torch would give collate
         # Samples in the batch, when the data is a list of them (a dataset's own __getitems__
         # may return a whole batch instead).
         count = len(data) if self.auto_collation and isinstance(data, (list, tuple)) else None
@@ -87,7 +90,7 @@ class PinCollate:
         if self.keep_worker_memory:
             keep_freed_memory(p.nbytes)
         threads = self.worker_copy_threads
-        handle = places.write(self.token, self.ring_size, p, ticket, count, threads)
+        handle = places.write(self.token, self.ring_size, p, reservation, count, threads)
         if self.report_state:
             # The samples are drawn (torch's fetcher draws them all, then collates): the
             # dataset's state is now the state after this batch.
@@ -113,14 +116,14 @@ class PinCollate:
             return [first, *rest]
         if self.keep_worker_memory:
             keep_freed_memory(layout.nbytes)
-        if samples.ticket is None and self.pool_hint is not None:
+        if samples.reservation is None and self.pool_hint is not None:
             # The main process may make its pool while this batch is made (once a worker).
             # (The spare: numbers, which become tensors of 8 bytes a sample.)
             self.pool_hint.send(layout.batch_bytes() + _STREAM_SPARE, count)
         nbytes = layout.nbytes
-        if samples.ticket is None or nbytes > samples.ticket.nbytes:
+        if samples.reservation is None or nbytes > samples.reservation.nbytes:
             nbytes += _STREAM_SPARE  # a segment: room for the rest of the batch too
-        place = places.Place(self.token, self.ring_size, samples.ticket, nbytes)
+        place = places.Place(self.token, self.ring_size, samples.reservation, nbytes)
         box = [first]
         del first  # the samples are freed as they are streamed
         threads = self.worker_copy_threads

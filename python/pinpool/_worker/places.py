@@ -1,7 +1,7 @@
 """Where a worker writes a batch: the one choice between its zero-copy slot and a segment.
 
-A batch whose indices came with a ticket (zero-copy mode) goes into that slot of the main
-process's arena if it fits; otherwise (no ticket, or too large) into one of this worker's
+A batch whose indices came with a reservation (zero-copy mode) goes into that slot of the main
+process's arena if it fits; otherwise (no reservation, or too large) into one of this worker's
 segments, and the handle tells the main process to take the unused slot back.
 
 Each worker keeps, per loader, a small ring of segments (sealed memfds, see
@@ -11,8 +11,8 @@ with. The first time a segment is used, its handle says where the main process c
 small for a batch are retired: the worker drops its mapping and the next handle tells the
 main process to drop its own.
 
-A ticket's slot is reached the same way (``/proc/<main pid>/fd/<fd>``), checked before
-anything is mapped: the file is the one the ticket names (its inode), sealed against
+A reservation's slot is reached the same way (``/proc/<main pid>/fd/<fd>``), checked before
+anything is mapped: the file is the one the reservation names (its inode), sealed against
 shrinking (nothing can truncate it under the mapping) and of the announced length, and the
 slot lies inside it. Only the slot's own pages are mapped, for as long as the batch is being
 written: once its handle is made (or the batch abandoned) the worker holds no mapping and no
@@ -22,7 +22,7 @@ the consumer holds (see the trust model in ``docs/design.md``).
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
 handle made) or unclaimed; an arena mapping lives exactly as long as its place, and covers
-only the ticket's slot.
+only the reservation's slot.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .. import _trace
 from .._errors import PinPoolError
 from .._native import WorkerSegment
 from .._wire import codec, peer
-from .._wire.handle import BatchHandle, SlotTicket
+from .._wire.handle import BatchHandle, SlotReservation
 
 
 @dataclass
@@ -97,44 +97,48 @@ def ring_for(token: str, limit: int) -> _Ring:
         return ring
 
 
-def _refuse(ticket: SlotTicket, why: str) -> PinPoolError:
+def _refuse(reservation: SlotReservation, why: str) -> PinPoolError:
     return PinPoolError(
-        f"the slot handed out with this batch's indices (fd {ticket.arena_fd} of process "
-        f"{ticket.arena_pid}) cannot be written: {why}"
+        f"the slot handed out with this batch's indices (fd {reservation.arena_fd} of process "
+        f"{reservation.arena_pid}) cannot be written: {why}"
     )
 
 
-def _check_part(fd: int, ticket: SlotTicket) -> None:
-    """Raises unless ``fd`` is the arena part ``ticket`` names and its slot lies inside."""
+def _check_part(fd: int, reservation: SlotReservation) -> None:
+    """Raises unless ``fd`` is the arena part ``reservation`` names and its slot lies inside."""
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_ino != ticket.arena_ino:
-        raise _refuse(ticket, "that descriptor no longer names the arena the ticket was made for")
+    if not stat.S_ISREG(info.st_mode) or info.st_ino != reservation.arena_ino:
+        raise _refuse(
+            reservation, "that descriptor no longer names the arena the reservation was made for"
+        )
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         seals = 0  # (not a memfd)
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise _refuse(ticket, "the file is not sealed against shrinking")
-    if info.st_size != ticket.arena_len:
-        raise _refuse(ticket, f"the file holds {info.st_size} bytes, not {ticket.arena_len}")
-    offset, nbytes = ticket.offset, ticket.nbytes
+        raise _refuse(reservation, "the file is not sealed against shrinking")
+    if info.st_size != reservation.arena_len:
+        raise _refuse(
+            reservation, f"the file holds {info.st_size} bytes, not {reservation.arena_len}"
+        )
+    offset, nbytes = reservation.offset, reservation.nbytes
     if not (0 <= offset and 0 < nbytes and offset + nbytes <= info.st_size):
-        raise _refuse(ticket, f"bytes {offset}..{offset + nbytes} lie outside the file")
+        raise _refuse(reservation, f"bytes {offset}..{offset + nbytes} lie outside the file")
 
 
-def map_slot(ticket: SlotTicket) -> tuple[mmap.mmap, int]:
-    """A writable mapping of the pages holding the ticket's slot, and where the slot starts in
+def map_slot(reservation: SlotReservation) -> tuple[mmap.mmap, int]:
+    """A writable mapping of the pages holding the reservation's slot, and where the slot starts in
     it. The descriptor opened to make it is closed before this returns."""
-    fd = peer.open_fd_of(ticket.arena_pid, ticket.arena_fd)
+    fd = peer.open_fd_of(reservation.arena_pid, reservation.arena_fd)
     try:
-        _check_part(fd, ticket)
-        start = ticket.offset - ticket.offset % mmap.ALLOCATIONGRANULARITY
+        _check_part(fd, reservation)
+        start = reservation.offset - reservation.offset % mmap.ALLOCATIONGRANULARITY
         # Populate the page tables in one call rather than fault on every page written.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, ticket.offset + ticket.nbytes - start, flags, offset=start)
+        mapped = mmap.mmap(fd, reservation.offset + reservation.nbytes - start, flags, offset=start)
     finally:
         os.close(fd)
-    return mapped, ticket.offset - start
+    return mapped, reservation.offset - start
 
 
 def _release(view: memoryview) -> None:
@@ -147,22 +151,24 @@ def _release(view: memoryview) -> None:
 class Place:
     """The memory one batch is written into, and the handle that names it.
 
-    ``memory`` is a writable byte view of the ticket's slot or of a claimed segment. Exactly
+    ``memory`` is a writable byte view of the reservation's slot or of a claimed segment. Exactly
     one of :meth:`send` and :meth:`abandon` ends a place's life."""
 
-    def __init__(self, token: str, ring_size: int, ticket: SlotTicket | None, nbytes: int):
+    def __init__(
+        self, token: str, ring_size: int, reservation: SlotReservation | None, nbytes: int
+    ):
         t0 = _trace.on and _trace.now()
         self.token = token
         self.ring = ring_for(token, ring_size)
-        self.ticket = ticket
+        self.reservation = reservation
         self._mapping: mmap.mmap | None = None
         self._arena: memoryview | None = None
         self.segment: WorkerSegment | None = None
         self.sid = -1
-        if ticket is not None and nbytes <= ticket.nbytes:
-            self._mapping, at = map_slot(ticket)
+        if reservation is not None and nbytes <= reservation.nbytes:
+            self._mapping, at = map_slot(reservation)
             self._arena = memoryview(self._mapping)
-            self.memory = self._arena[at : at + ticket.nbytes]
+            self.memory = self._arena[at : at + reservation.nbytes]
         else:
             self.sid, self.segment = self.ring.acquire(nbytes)
             self.memory = memoryview(self.segment).cast("B")
@@ -181,7 +187,7 @@ class Place:
     def send(self, p: codec.Plan, count: int | None) -> BatchHandle:
         """The handle of the batch planned as ``p``, now written here."""
         segment, sid, ring = self.segment, self.sid, self.ring
-        claim = None if self.ticket is None else self.ticket.claim
+        claim = None if self.reservation is None else self.reservation.claim
         self._drop_views()
         if segment is None:
             assert claim is not None
@@ -231,17 +237,17 @@ def write(
     token: str,
     ring_size: int,
     p: codec.Plan,
-    ticket: SlotTicket | None,
+    reservation: SlotReservation | None,
     count: int | None,
     threads: int = 1,
 ) -> BatchHandle:
-    """Writes the batch planned as ``p`` into its place (the ticket's slot if it fits, else a
+    """Writes the batch planned as ``p`` into its place (the reservation's slot if it fits, else a
     segment; big arrays copied with ``threads`` threads) and returns its handle. A batch
-    without arrays and without a ticket needs no place: its handle carries it whole (and the
+    without arrays and without a reservation needs no place: its handle carries it whole (and the
     main process makes no pool for it)."""
-    if not p.specs and ticket is None:
+    if not p.specs and reservation is None:
         return BatchHandle(token, p, count)
-    place = Place(token, ring_size, ticket, p.nbytes)
+    place = Place(token, ring_size, reservation, p.nbytes)
     try:
         t0 = _trace.on and _trace.now()
         codec.write(p, place.memory, threads)

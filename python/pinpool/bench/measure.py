@@ -56,12 +56,8 @@ import gc
 import math
 import multiprocessing
 import resource
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -70,6 +66,8 @@ import torch
 import pinpool
 
 from .loaders import LoaderSpec, build, transfer
+from .pinned_memory import host_pinned, host_pinned_held, pinned_held, reset_host_pinned
+from .probes import OutsideProbe, StallProbe
 from .workloads import batch_nbytes, collate_of, largest
 
 MIB = 1 << 20
@@ -83,127 +81,6 @@ PHASES = {
     "del": "del it, loader",
     "gc": "gc.collect() right after",
 }
-
-
-class Lateness:
-    """A sleeper's record: when each wake-up was due (``perf_counter`` seconds, the system's
-    monotonic clock, the same in every process) and how late it came, so the lateness within
-    any stretch of time can be read afterwards: :meth:`late_ms`."""
-
-    def __init__(self, interval: float = 0.001) -> None:
-        self.interval = interval
-        self.due: list[float] = []  # when each wake-up was due
-        self.lateness: list[float] = []  # how late it came, in seconds
-
-    def late_ms(self, start: float, end: float) -> np.ndarray:
-        """How long each wake-up was held up within ``[start, end)``, in ms: its lateness (the
-        stretch from when it was due to when it woke) clipped to that span, for every wake-up
-        whose lateness overlaps it. A stall that runs across a boundary is split there: a
-        ``gc.collect()`` right after a short ``del`` is charged to the collect."""
-        n = min(len(self.due), len(self.lateness))
-        due = np.asarray(self.due[:n])
-        woke = due + np.asarray(self.lateness[:n])
-        inside = ((due >= start) & (due < end)) | ((due < start) & (woke > start))
-        held = np.minimum(woke[inside], end) - np.maximum(due[inside], start)
-        return np.maximum(held, 0.0) * 1e3
-
-
-class StallProbe(Lateness):
-    """A thread of the loader's process that sleeps ``interval`` seconds in a loop and records
-    how late it wakes: held up while another thread keeps the GIL, while the process waits
-    (its address-space lock), or while every CPU is taken."""
-
-    def __init__(self, interval: float = 0.001) -> None:
-        super().__init__(interval)
-        self._final_cpu: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="bench-probe", daemon=True)
-
-    def _loop(self) -> None:
-        clock, sleep, interval = time.perf_counter, time.sleep, self.interval
-        due, late = self.due, self.lateness
-        while not self._stop.is_set():
-            t = clock()
-            sleep(interval)
-            woke = clock()
-            due.append(t + interval)
-            late.append(woke - t - interval)
-        self._final_cpu = time.thread_time()
-
-    def start(self) -> StallProbe:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stops the thread (a no-op if it was never started or has stopped)."""
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join()
-
-    def cpu_s(self) -> float:
-        """The probe thread's CPU time so far (it may be read from another thread)."""
-        if self._final_cpu is not None:
-            return self._final_cpu
-        ident = self._thread.ident
-        if ident is None:
-            return 0.0
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
-
-    def __enter__(self) -> StallProbe:
-        return self.start()
-
-    def __exit__(self, *_exc: type[BaseException] | BaseException | TracebackType | None) -> None:
-        self.stop()
-
-
-#: The outside probe's process: the same sleeper loop, until its stdin closes; then the due
-#: times and the lateness, as two arrays of doubles, on stdout.
-_OUTSIDE_SLEEPER = """
-import array, sys, threading, time
-interval = float(sys.argv[1])
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-due, late = array.array("d"), array.array("d")
-clock, sleep = time.perf_counter, time.sleep
-print("ready", flush=True)
-while not stop.is_set():
-    t = clock()
-    sleep(interval)
-    woke = clock()
-    due.append(t + interval)
-    late.append(woke - t - interval)
-sys.stdout.buffer.write(due.tobytes() + late.tobytes())
-"""
-
-
-class OutsideProbe(Lateness):
-    """The same sleeper in a process of its own, which shares nothing with the loader's
-    process but the machine's CPUs (no GIL, no address space). Late at the same moments as
-    :class:`StallProbe`, it shows the machine was busy (every core taken, a wake-up waits for
-    the scheduler) rather than the loader's process held up."""
-
-    def __init__(self, interval: float = 0.001) -> None:
-        super().__init__(interval)
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> OutsideProbe:
-        cmd = [sys.executable, "-I", "-S", "-c", _OUTSIDE_SLEEPER, repr(self.interval)]
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert self._proc.stdout is not None
-        if self._proc.stdout.readline() != b"ready\n":
-            self.stop()
-            raise RuntimeError("the outside probe's process did not start")
-        return self
-
-    def stop(self) -> None:
-        """Stops the process and reads its record (a no-op once stopped)."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        out, _ = proc.communicate(timeout=60)
-        values = np.frombuffer(out[: len(out) // 16 * 16], dtype=np.float64)
-        half = len(values) // 2
-        self.due, self.lateness = values[:half].tolist(), values[half:].tolist()
 
 
 class ComputeWork:
@@ -286,81 +163,6 @@ class Scenario:
 def _sync(device: torch.device | None) -> None:
     if device is not None:
         torch.cuda.synchronize(device)
-
-
-def reset_host_pinned() -> None:
-    """Empties torch's pinned host cache and resets its peak, so each run starts at zero."""
-    if not torch.cuda.is_available():
-        return
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    reset = getattr(torch.cuda.memory, "reset_peak_host_memory_stats", None)
-    for fn in (empty, reset):
-        if fn is not None:
-            fn()
-
-
-def host_pinned() -> dict[str, int] | None:
-    """torch's pinned host allocator: peak and current bytes, or None where not available."""
-    fn = getattr(torch.cuda, "host_memory_stats", None) or getattr(
-        torch.cuda.memory, "host_memory_stats", None
-    )
-    if fn is None or not torch.cuda.is_available():
-        return None
-    stats = fn()
-    keys = ("allocated_bytes.peak", "allocated_bytes.current", "active_bytes.peak")
-    if not all(k in stats for k in keys):
-        return None
-    return {k.replace(".", "_"): int(stats[k]) for k in keys}
-
-
-#: The key of ``torch.cuda.host_memory_stats()`` read as the pinned bytes torch's caching host
-#: allocator holds: "bytes of pinned blocks owned by the allocator (active + cached)", at the
-#: power-of-two sizes it asked CUDA for (torch 2.11 to 2.15, CachingHostAllocator.h's
-#: HostStats::allocated_bytes; its host stats have no reserved_bytes, which is the device
-#: allocator's name for the same thing and is read if a later torch has it instead).
-HOST_HELD_KEYS = ("allocated_bytes.current", "reserved_bytes.current")
-
-
-def host_pinned_held() -> int | None:
-    """The pinned bytes torch's caching host allocator holds now (in use and cached), or None
-    without CUDA (or where torch does not say)."""
-    fn = getattr(torch.cuda, "host_memory_stats", None) or getattr(
-        torch.cuda.memory, "host_memory_stats", None
-    )
-    if fn is None or not torch.cuda.is_available():
-        return None
-    stats = fn()
-    if not stats:  # CUDA not initialised yet in this process: nothing pinned
-        return 0
-    for key in HOST_HELD_KEYS:
-        if key in stats:
-            return int(stats[key])
-    return None
-
-
-def pinned_held(stats: Any, pool: dict[str, Any] | None, torch_held: int | None) -> dict[str, Any]:
-    """What a loader holds at the end: ``pinned_held_bytes``, ``pinned_held`` (where the
-    figure comes from, or why there is none), and pinpool's ``overflow_batches`` and
-    ``zero_copy_fallbacks`` (None for torch's loaders)."""
-    if pool is not None:
-        held: int | None = int(pool["arena_bytes"]) + (torch_held or 0)
-        how = f"pool.arena_bytes (backend {pool['backend']})"
-        if torch_held:
-            how += " + torch host allocator's allocated_bytes.current"
-        elif torch_held is None:
-            how += ": no CUDA, not pinned"
-    elif torch_held is None:
-        held, how = None, "n/a (no CUDA)"
-    else:
-        held, how = torch_held, "torch.cuda.host_memory_stats()['allocated_bytes.current']"
-    stats = stats or {}
-    return {
-        "pinned_held_bytes": held,
-        "pinned_held_mib": None if held is None else held / MIB,
-        "pinned_held": how,
-        "overflow_batches": stats.get("overflow_batches") if pool is not None else None,
-        "zero_copy_fallbacks": stats.get("zero_copy_fallbacks") if pool is not None else None,
-    }
 
 
 def _pool_info(pool: Any) -> dict[str, Any] | None:

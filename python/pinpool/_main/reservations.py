@@ -1,18 +1,18 @@
 """Zero-copy mode, the main process's half: slots handed out with the indices.
 
 The arena is shared memory: a few memfds back to back (``cuda-register`` or ``host``
-backend). When torch asks the sampler for the next batch's indices, :class:`TicketSampler`
+backend). When torch asks the sampler for the next batch's indices, :class:`ReservingSampler`
 checks a slot out (without waiting: the asking thread is the consumer), sized before the
-batch exists from the recent batches' sizes (``sizing.ticket_bytes``), and tags the index
-list with a :class:`~pinpool._wire.handle.SlotTicket`: the slot's place in shared memory and
+batch exists from the recent batches' sizes (``sizing.reservation_bytes``), and tags the index
+list with a :class:`~pinpool._wire.handle.SlotReservation`: the slot's place in shared memory and
 a random nonce. A batch that turns out larger goes through its worker's segment (counted).
 The worker writes the batch into that slot (``pinpool._worker.places``) and
-its handle names the slot; :meth:`Tickets.adopt` gives the slot back to the receiver only if
+its handle names the slot; :meth:`Reservations.adopt` gives the slot back to the receiver only if
 it was handed out for that batch (index, generation and nonce).
 
 Invariants: a slot is in the table from the moment it is handed out until its batch adopts
-it, its batch turns out not to use it (:meth:`Tickets.unassign`), or the iterator that handed
-it out ends (:meth:`Tickets.drop`, once no worker that got it can write any more); the table
+it, its batch turns out not to use it (:meth:`Reservations.take_back`), or the iterator that handed
+it out ends (:meth:`Reservations.drop`, once no worker that got it can write any more); the table
 holds the slot object, so the pool cannot hand it out again meanwhile.
 """
 
@@ -27,27 +27,27 @@ from typing import Any
 
 from .._errors import OutOfBounds, PinPoolError
 from .._native import PinPool, Slot
-from .._wire.handle import SlotTicket, TaggedIndices
+from .._wire.handle import SlotReservation, TaggedIndices
 
 
-class Tickets:
+class Reservations:
     """The slots handed out with batch indices: (index, generation) -> (slot, nonce, owner)."""
 
     def __init__(self) -> None:
-        self._assigned: dict[tuple[int, int], tuple[Slot, int, int]] = {}
+        self._reserved: dict[tuple[int, int], tuple[Slot, int, int]] = {}
         self._lock = threading.Lock()
         self.fallbacks = 0  # batches sent through copy mode for want of a slot
-        self.too_small = 0  # batches larger than their ticket, sent through copy mode
+        self.too_small = 0  # batches larger than their reservation, sent through copy mode
 
-    def assign(
+    def reserve(
         self, pool: PinPool | None, owner: int, nbytes: int, reserve: int
-    ) -> SlotTicket | None:
+    ) -> SlotReservation | None:
         """Checks out a slot of ``nbytes`` for a batch about to be dispatched by sampler
         ``owner`` (never waits: this runs on the consumer's thread). None sends the batch
         through copy mode."""
         # Leave room for a batch that comes through copy mode (the first ones, and any too
-        # large for its ticket): it needs a slot when it arrives, and tickets must not starve
-        # it.
+        # large for its reservation): it needs a slot when it arrives, and reservations must
+        # not starve it.
         slot = pool.try_checkout(nbytes, reserve=reserve) if pool is not None else None
         where = pool.slot_memfd(slot) if pool is not None and slot is not None else None
         if slot is None or pool is None or where is None:
@@ -57,8 +57,8 @@ class Tickets:
         ino = os.fstat(fd).st_ino
         nonce = random.getrandbits(63)
         with self._lock:
-            self._assigned[(slot.index, slot.generation)] = (slot, nonce, owner)
-        return SlotTicket(
+            self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
+        return SlotReservation(
             slot.index,
             slot.generation,
             nonce,
@@ -78,15 +78,15 @@ class Tickets:
         except (TypeError, ValueError, OverflowError) as exc:
             raise OutOfBounds(f"corrupt batch handle: slot {claim!r}: {exc}") from None
         with self._lock:
-            entry = self._assigned.get((index, generation))
+            entry = self._reserved.get((index, generation))
             if entry is None or entry[1] != nonce:
                 raise PinPoolError(
                     f"a batch claims slot {(index, generation)}, which was not handed out for it"
                 )
-            del self._assigned[(index, generation)]
+            del self._reserved[(index, generation)]
         return entry[0]
 
-    def unassign(self, claim: Any) -> None:
+    def take_back(self, claim: Any) -> None:
         """Takes back a slot handed out for a batch that will not arrive in it."""
         if not (isinstance(claim, tuple) and len(claim) == 3):
             return  # (a corrupt handle's claim: never handed out)
@@ -94,22 +94,22 @@ class Tickets:
             return
         index, generation, nonce = claim
         with self._lock:
-            entry = self._assigned.get((index, generation))
+            entry = self._reserved.get((index, generation))
             if entry is not None and entry[1] == nonce:
-                del self._assigned[(index, generation)]
+                del self._reserved[(index, generation)]
 
     def drop(self, owner: int | None = None) -> None:
         """Takes back the slots handed out by sampler ``owner`` (all with None), once no
         worker that got them can write any more."""
         with self._lock:
-            for key in [k for k, v in self._assigned.items() if owner in (None, v[2])]:
-                del self._assigned[key]
+            for key in [k for k, v in self._reserved.items() if owner in (None, v[2])]:
+                del self._reserved[key]
 
 
 _END = object()
 
 
-class TicketSampler:
+class ReservingSampler:
     """Wraps torch's batch sampler: tags each index list with a freshly checked-out slot.
 
     torch keeps one per iterator; ``owner`` names the slots it handed out, so that iterator's
@@ -118,10 +118,10 @@ class TicketSampler:
 
     _next_owner = itertools.count(1)
 
-    def __init__(self, base: Any, assign: Callable[[int], SlotTicket | None]) -> None:
+    def __init__(self, base: Any, reserve: Callable[[int], SlotReservation | None]) -> None:
         self.base = base
-        self.assign = assign
-        self.owner = next(TicketSampler._next_owner)
+        self.reserve = reserve
+        self.owner = next(ReservingSampler._next_owner)
 
     def __iter__(self) -> Iterator[TaggedIndices]:
         return self._tagged(iter(self.base))  # iter() now, when torch calls it, as torch would
@@ -130,7 +130,7 @@ class TicketSampler:
         # (not ``for indices in it``: that calls iter() on it again, which restarts a sampler
         # whose iter() returns itself)
         while (indices := next(it, _END)) is not _END:
-            yield TaggedIndices(indices, self.assign(self.owner))
+            yield TaggedIndices(indices, self.reserve(self.owner))
 
     def __len__(self) -> int:
         return len(self.base)

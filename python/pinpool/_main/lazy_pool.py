@@ -1,0 +1,297 @@
+"""A loader's pool, made lazily: sized and made once (at the first batch, from a worker's hint,
+or at once when its sizes are known), replaced only if a hint turns out wrong, and the claims
+made on it.
+
+:meth:`LazyPool.pool_for` is the one place a loader's :class:`~pinpool._native.PinPool` is
+made (sized by ``sizing``), with its :class:`~pinpool._native.SegmentCache`.
+:meth:`LazyPool.claim` checks a slot out of it by the overflow and oversize rules (in Rust,
+waiting without the GIL), or hands out an ordinary buffer (an overflow, counted).
+:meth:`LazyPool.reservation_size` sizes a zero-copy reservation from the recent batches.
+
+Invariants: the pool is made once, under the lock, and never grown; a pool made from a hint
+is provisional until a real batch arrives, and is made again from that batch only if the hint
+was wrong and nothing has used it (a hint speeds the first batch up, it can neither fail it
+nor keep an arena its batches do not need); no pool is made after :meth:`LazyPool.close`, and
+a pool of the caller's is never closed here; what sizes a pool is bytes that arrived (or were
+announced), never scaled by a sample count.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from .. import _trace
+from .._errors import BatchTooLarge, PoolExhausted
+from .._native import PinPool, SegmentCache, cuda_available
+from .._wire.pool_hint import PoolHint
+from .pool_settings import PoolSettings
+from .sizing import Plan, reservation_bytes, room_kept
+
+_log = logging.getLogger("pinpool")
+
+
+class _InTurn:
+    """What a claim made ahead of the consumer gets instead of a slot: the batch is taken in
+    its turn, on the consumer's thread."""
+
+
+#: See :class:`_InTurn`.
+IN_TURN = _InTurn()
+
+
+class LazyPool:
+    """The pool and segment cache of one loader, made on first use, and its claims."""
+
+    def __init__(self, settings: PoolSettings, pool_hint: PoolHint | None = None) -> None:
+        self.settings = settings
+        self.sizing = settings.sizing
+        #: Where a worker tells the first batch's size early (None: the pool's size is known).
+        self.pool_hint = pool_hint
+        self._lock = threading.Lock()
+        self._own_pool = settings.pool is None
+        #: Set by :meth:`close`: no pool is made after it.
+        self.closed = False
+        self.pool = settings.pool
+        self.cache: SegmentCache | None = None
+        #: The pool's plan once it is made (None for a pool given by the caller).
+        self.plan: Plan | None = None
+        #: The pool was made from a worker's hint, and no real batch has arrived since.
+        self._provisional = False
+        #: The largest batch seen so far, in bytes, and the last few batches' sizes (zero-copy
+        #: reservations and the room claims ahead leave are sized from them).
+        self.largest_seen = 0
+        self._recent: collections.deque[int] = collections.deque(maxlen=32)
+        self.overflow_batches = 0
+
+    # -- making the pool ----------------------------------------------------------------------
+
+    def pool_for(self, nbytes: int, hinted: bool = False) -> tuple[PinPool, SegmentCache]:
+        """The pool and segment cache, made on first use, sized for a first batch of
+        ``nbytes`` (see ``sizing``).
+
+        A pool made from a worker's hint (``hinted``) is provisional until a real batch, whose
+        bytes a checked segment or this process backs, arrives: if the hint was wrong (the
+        real batch larger than the pool takes, or the pool more than twice what the real
+        batch would have made) and nothing has used the pool yet, it is made again from the
+        real batch. A hint speeds the first batch up; it cannot fail it, nor keep an arena
+        its batches do not need."""
+        pool, cache = self.pool, self.cache
+        if pool is not None and cache is not None and not self._provisional:
+            return pool, cache  # made already: no lock needed
+        if _trace.on:
+            _trace.event("pool.ensure", nbytes=nbytes, hinted=hinted)
+        with self._lock:
+            if self._provisional and not hinted:
+                self._provisional = False
+                self._replace_if_wrong(nbytes)
+            if self.pool is None:
+                plan = self.sizing.plan(nbytes)
+                device = self.settings.pool_device
+                t0 = _trace.on and _trace.now()
+                self.pool = PinPool(
+                    plan.largest,
+                    plan.entries,
+                    # (None: torch sees no CUDA device, so neither does the pool.)
+                    device="cpu" if device is None else device,
+                    copy_threads=self.settings.copy_threads,
+                    background=background_arena(device),
+                    arena_bytes=plan.arena,
+                )
+                if t0:
+                    _trace.span("pool.make", t0, **_made(self.pool, nbytes, hinted, device))
+                self.plan = plan
+                self._provisional = hinted
+                if nbytes > 0 and not hinted:
+                    self.seen(nbytes)
+                _log.info(
+                    "made the loader's pool at its first batch (%d bytes): an arena of %d "
+                    "bytes for batches of up to %d bytes, %s memory (%s), %d copy threads",
+                    nbytes,
+                    self.pool.arena_bytes,
+                    self.pool.largest_slot,
+                    self.pool.memory,
+                    self.pool.backend,
+                    self.pool.copy_threads,
+                )
+            if self.cache is None:
+                self.cache = SegmentCache(self.pool)
+            return self.pool, self.cache
+
+    def _replace_if_wrong(self, nbytes: int) -> None:
+        """Drops a pool made from a hint that the first real batch, of ``nbytes``, shows
+        wrong, if nothing has used it (see :meth:`pool_for`). Called under the lock."""
+        pool, plan = self.pool, self.plan
+        if pool is None or plan is None or not self._own_pool:
+            return
+        real = self.sizing.plan(nbytes)
+        if plan.largest >= nbytes and plan.arena <= 2 * real.arena:
+            return  # right, or near enough
+        if pool.stats()["checkouts"] or (self.cache is not None and len(self.cache)):
+            return  # used already: it stays
+        _log.warning(
+            "a worker announced batches of a size the first batch did not have: the pool made "
+            "ahead (%d bytes, batches of up to %d) is made again for the real one (%d bytes)",
+            plan.arena,
+            plan.largest,
+            nbytes,
+        )
+        pool.close()
+        self.pool = self.cache = self.plan = None
+
+    @property
+    def max_batch(self) -> int:
+        """The largest batch the pool takes (0 before it exists)."""
+        if self.plan is not None:
+            return self.plan.largest
+        return self.pool.largest_slot if self.pool is not None else 0
+
+    def make_ahead(self) -> None:
+        """Has the pool made as soon as a worker tells the first batch's size, while that
+        batch is still being made (``_wire.pool_hint``); a no-op once it exists."""
+        if self.pool_hint is not None and self.pool is None:
+            self.pool_hint.watch(self.make_from_hint, lambda: self.pool is None and not self.closed)
+
+    def make_from_hint(self, nbytes: int, count: int) -> None:
+        """The pool hint's callback: the pool, made for a first batch of ``nbytes``."""
+        del count  # (sized from the bytes announced, never scaled by a sample count)
+        with self._lock:
+            if self.closed or self.pool is not None or nbytes <= 0:
+                return  # (a batch without arrays needs no pool)
+        self.pool_for(nbytes, hinted=True)
+        if self.closed and self.pool is not None and self._own_pool:
+            self.pool.close()  # (closed while it was being made)
+
+    # -- claims on it -------------------------------------------------------------------------
+
+    def claim(self, pool: PinPool, need: int, ahead: bool = False) -> Any:
+        """A slot of ``need`` bytes, or (by the overflow rules) an ordinary buffer. The rules
+        are applied in Rust (``PinPool.claim``), which waits without the GIL.
+
+        With ``ahead`` (torch's pin thread, taking a batch the consumer may not want yet),
+        the slot must leave room for another batch as large as the largest seen (that room
+        is kept for the batch the consumer waits for, which may still be on its way), and
+        nothing waits for the consumer: it returns :data:`IN_TURN` instead of waiting,
+        overflowing or raising."""
+        largest = self.max_batch or pool.largest_slot
+        timeout = self.settings.slot_timeout
+        if need > largest:
+            if ahead:
+                return IN_TURN  # the error or the ordinary buffer belongs to this batch's turn
+            if self.settings.oversize == "copy":
+                return self.overflow_buffer(need)
+            raise BatchTooLarge(
+                f"a batch needs {need} bytes but the loader's arena takes batches of up to "
+                f"{largest} bytes; pass {self.sizing.setting_names()} (at least {need}) to "
+                "pinpool.DataLoader, or oversize='copy' to put such batches in ordinary memory",
+                need,
+                largest,
+            )
+        reserve = room_kept(max(self.largest_seen, need), pool.arena_bytes) if ahead else 0
+        t0 = _trace.on and _trace.now()
+        try:
+            got = pool.claim(
+                need,
+                reserve=reserve,
+                timeout=timeout,
+                overflow=self.settings.overflow == "copy" and not ahead,
+                defer=ahead,
+            )
+        except PoolExhausted:
+            raise PoolExhausted(
+                f"no room for a batch of {need} bytes after {timeout} s: the "
+                f"arena ({pool.arena_bytes} bytes) is held by batches that are still alive; "
+                "keep fewer batches, or pass arena_bytes= to pinpool.DataLoader"
+            ) from None
+        if t0:
+            _trace.span("slot.claim", t0, nbytes=need, ahead=ahead, got=_claimed(got))
+        if got == "later":
+            return IN_TURN  # (seen in its turn)
+        self.seen(need)
+        if got == "overflow":
+            # Every byte is held by batches the consumer keeps alive: waiting could wait
+            # forever (list(loader) does this). Use ordinary memory for this one.
+            return self.overflow_buffer(need)
+        return got
+
+    def seen(self, need: int) -> None:
+        """A batch of ``need`` bytes arrived (the sizes reservations are made from)."""
+        self.largest_seen = max(self.largest_seen, need)
+        self._recent.append(need)
+
+    def reservation_size(self, arena: int) -> tuple[int, int]:
+        """The size of a zero-copy reservation in an arena of ``arena`` bytes, from the last
+        few batches (``sizing.reservation_bytes``), and the room it leaves for batches that come
+        through copy mode (``sizing.room_kept``)."""
+        if self.sizing.slot_bytes is not None:
+            size = self.max_batch  # equal slots (slot_bytes=): a reservation is one
+        else:
+            # Most of the recent batches fit (three in four): a long tail's rare giants go
+            # through copy mode rather than make every reservation giant. None seen yet: the
+            # largest, as far as the share allows.
+            ordered = sorted(self._recent) or [self.max_batch]
+            recent = ordered[len(ordered) * 3 // 4]
+            size = reservation_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
+        # (Never no reserve: the last entry and some bytes stay for copy-mode batches.)
+        return size, max(1, room_kept(self.largest_seen, arena))
+
+    def overflow_buffer(self, need: int) -> torch.Tensor:
+        """Ordinary memory for a batch that gets no slot (counted, warned about once)."""
+        self.overflow_batches += 1
+        if self.overflow_batches == 1:
+            _log.warning(
+                "a batch did not get a pinned slot and went into ordinary memory; see "
+                "DataLoader(overflow=..., oversize=..., arena_bytes=..., max_batch_bytes=...)"
+            )
+        return torch.empty(need, dtype=torch.uint8)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """No pool is made from now on (one being made ahead is made first, and closed by
+        :meth:`make_from_hint`), and the hint's thread stops."""
+        with self._lock:  # (a pool being made ahead is made first)
+            self.closed = True
+        if self.pool_hint is not None:
+            self.pool_hint.close()
+
+    def close_pool(self) -> None:
+        """Closes the pool if it is the loader's own (after :meth:`close` and whatever the
+        receiver must take back first). Returns at once: the arena is freed on a background
+        thread, once the last batch that views it dies."""
+        if self.pool is not None and self._own_pool:
+            self.pool.close()
+
+
+def background_arena(device: int | None) -> bool:
+    """Whether the loader's arena is made ready in the background (the first 16 MiB, at
+    least one part, at once, the rest while the first batches flow) or whole before the
+    first batch is delivered.
+
+    Whole, wherever the arena is pinned through the CUDA driver: registering the rest while
+    batches flow contends with the copies for the driver, stalling the main thread and
+    cutting throughput, while the whole arena is ready by the first batch anyway. In the
+    background where there is no driver to contend with (host memory): there it shortens the
+    time to the first batch. (The figures: ``docs/performance.md``, "Measurements behind the
+    code".)"""
+    return device is None or not cuda_available()
+
+
+def _made(pool: PinPool, nbytes: int, hinted: bool, device: int | None) -> dict[str, Any]:
+    """The ``pool.make`` event's details (see ``pinpool._trace.EVENTS``)."""
+    return {
+        "nbytes": nbytes,
+        "hinted": hinted,
+        "arena_bytes": pool.arena_bytes,
+        "largest": pool.largest_slot,
+        "background": background_arena(device),
+    }
+
+
+def _claimed(got: Any) -> str:
+    """The ``slot.claim`` event's ``got``: ``"slot"``, ``"later"`` or ``"overflow"``."""
+    return got if isinstance(got, str) else "slot"

@@ -1,0 +1,117 @@
+"""One epoch of a ``pinpool.DataLoader``: torch's iterator, wrapped (:class:`LoaderIter`).
+
+Each item torch's machinery produces is handed over to the consumer (``delivery.hand_over``),
+counted for ``state_dict()`` (``resume.Epoch``), and the epoch's end shuts the workers down
+(unless they persist) and takes back what they held.
+
+Invariants: every batch yielded, and every index list torch passed while raising, is counted
+in the epoch before ``__next__`` returns or raises; the end's clean-up runs once, in the
+process that iterated, and takes back only what this iterator's own workers held (another
+iterator of the same loader may still be running).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from .. import _signals, _trace
+from .._errors import PinPoolError
+from .._torch_contract import RERAISE_CODE
+from .._wire.handle import WorkerProgress
+from .delivery import hand_over
+from .reservations import ReservingSampler
+from .resume import Epoch
+from .workers import shut_down
+
+
+class LoaderIter:
+    """Wraps torch's iterator: hands each batch over and cleans up at the end."""
+
+    def __init__(self, loader: Any, inner: Iterator[Any], epoch: Epoch) -> None:
+        self._loader = loader
+        self._inner = inner
+        self._epoch = epoch  # counts the batches and samples yielded, for state_dict()
+        self._ended = False
+        loader._pin_receiver.iterator = weakref.ref(inner)
+
+    def __iter__(self) -> LoaderIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __next__(self) -> Any:
+        t0 = _trace.on and _trace.now()
+        try:
+            item = next(self._inner)
+        except StopIteration:
+            self._epoch.ended = True
+            self._end()
+            raise
+        except BaseException as exc:
+            # (torch may have passed a batch as it raised, a worker's exception: it is gone)
+            self._epoch.took(_taken(self._inner), raised=True)
+            _unkeep(exc)
+            raise
+        try:
+            if isinstance(item, WorkerProgress):
+                self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
+                item = item.batch
+            batch = hand_over(item)
+        finally:
+            self._epoch.took(_taken(self._inner), raised=False)
+        if t0:
+            _trace.span("loader.next", t0)
+        return batch
+
+    def _end(self) -> None:
+        receiver = self._loader._pin_receiver
+        if self._ended or receiver.pid != os.getpid():
+            return
+        self._ended = True
+        if not self._loader.persistent_workers:
+            try:
+                shut_down(self._inner)
+            finally:
+                # Only what this iterator's (now exited) workers had: another iterator of the
+                # same loader may still be running.
+                sampler = getattr(self._inner, "_index_sampler", None)
+                if isinstance(sampler, ReservingSampler):
+                    receiver.reservations.drop(sampler.owner)
+                receiver.retire_segments(dead_only=True)
+
+    def __del__(self) -> None:
+        try:
+            self._end()
+        except PinPoolError:
+            pass  # (what it would have cleaned up is gone: a closed pool, say)
+        except BaseException as exc:
+            if not _signals.hand_back(exc):
+                raise
+
+
+def _taken(inner: Any) -> int | None:
+    """The index lists torch's iterator has passed this epoch, yielded or raised (in order):
+    its ``_rcvd_idx`` with workers; None without, where each is passed as it is drawn."""
+    taken = getattr(inner, "_rcvd_idx", None)
+    return taken if type(taken) is int else None
+
+
+def _unkeep(exc: BaseException) -> None:
+    """torch raises a worker's exception again from ``ExceptionWrapper.reraise``, whose frame
+    keeps it in a local: a cycle (the exception, its traceback, that frame) that keeps every
+    frame of the traceback, torch's iterator's among them, and so its workers, until the
+    garbage collector runs (never, where it is disabled), after the consumer has dropped the
+    exception and the iterator. That frame's locals (the wrapper, the message, the exception
+    itself) are cleared here."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _RERAISE:
+            tb.tb_frame.clear()
+        tb = tb.tb_next
+
+
+_RERAISE = RERAISE_CODE if RERAISE_CODE is not None else _unkeep.__code__

@@ -1,0 +1,245 @@
+"""A ``pinpool.DataLoader``'s workers: torch's multi-process iterator with pinpool's
+changes (:class:`WorkersIter`), and their shutdown, finished whatever interrupts torch's.
+
+Invariants: once :meth:`WorkersIter._shutdown_workers` (or :func:`shut_down`) returns, every
+worker of the iterator has exited and been reaped, and its index queues are closed, even
+when a signal handler's exception cut torch's own shutdown short (then the first exception
+is raised again); nothing is done in a process forked from the one that started the
+workers. The loader's finalizer (:func:`close_loader`) stops the workers before its
+receiver closes: no worker may write into a slot taken back then.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .. import _signals, _trace
+from .._errors import PinPoolError
+from .._torch_contract import (
+    MultiProcessingIter,
+    mp_status_check_interval,
+    profiler_enabled,
+    python_exit_status,
+    remove_worker_pids,
+)
+from .._wire.handle import BatchHandle, WorkerProgress
+from .index_queue import write_directly
+from .receiver import Receiver
+
+
+class WorkersIter(MultiProcessingIter):
+    """torch's multi-process iterator, with four changes.
+
+    - Without a pin thread (no accelerator), a batch's segment is received (opened through
+      its worker's ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as
+      its handle comes out of torch's result queue, as the pin thread does on a GPU machine,
+      not only when the consumer reaches it: by then its worker may have exited (an iterable
+      dataset's worker whose data has run out is told to exit at once) or died.
+    - Batch indices are written to each worker's pipe by a Rust thread, not by a Python
+      feeder thread per worker (``_main.index_queue``).
+    - The first batches are dealt out from worker ``first`` on instead of worker 0 (a resumed
+      iterable dataset's epoch, whose next batch is that worker's). torch deals to the
+      workers in turn from ``_worker_queue_idx_cycle``, made afresh as each epoch starts: the
+      first one made is turned on to ``first``.
+    - ``__next__`` opens no profiler range around each batch when no profiler is recording.
+    """
+
+    def __init__(self, loader: Any, first: int) -> None:
+        self._pin_first = first
+        self._pin_receiver = loader._pin_receiver
+        self._pin_pid = os.getpid()
+        t0 = _trace.on and _trace.now()
+        super().__init__(loader)
+        if t0:
+            _trace.span("workers.start", t0, workers=loader.num_workers)
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        if first_iter:  # the workers have started; nothing was sent to them yet
+            for q in self._index_queues:
+                write_directly(q)
+        super()._reset(loader, first_iter)
+
+    def __next__(self) -> Any:
+        # torch's __next__ opens a profiler range (``record_function``) around each batch,
+        # which costs the training thread a dispatcher call in and out even when no profiler
+        # runs (docs/performance.md, "Measurements behind the code"). Without a profiler (and
+        # in the cases where torch's does more: a first call, an iterable dataset's length
+        # check) the same steps without it.
+        if (
+            profiler_enabled()
+            or self._sampler_iter is None
+            or self._IterableDataset_len_called is not None
+        ):
+            return super().__next__()
+        data = self._next_data()
+        self._num_yielded += 1
+        return data
+
+    def _try_get_data(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        success, data = super()._try_get_data(*args, **kwargs)
+        if success and not self._pin_memory:
+            item = data[1]
+            item = item.batch if isinstance(item, WorkerProgress) else item
+            if isinstance(item, BatchHandle):
+                self._pin_receiver.receive_now(item)
+        return success, data
+
+    def _shutdown_workers(self) -> None:
+        # torch's shutdown can leave workers behind. A signal handler's exception stops it
+        # wherever it lands (a SIGCHLD comes as each worker exits, and torch's own handler
+        # raises if one has failed), in its joins or in the clean-up after them: workers are
+        # left running, or exited with nobody to reap them. And one that completes leaves a
+        # worker that outlives SIGTERM and its last wait. What it left is done here, whatever
+        # was raised; then the first exception is raised again.
+        # (Nothing in a process forked from this one, where a copy of the iterator may be
+        # collected: its workers and their done event are this process's.)
+        if getattr(self, "_pin_pid", None) != os.getpid():
+            return
+        t0 = _trace.on and _trace.now()
+        errors: list[BaseException] = []
+        try:
+            super()._shutdown_workers()
+        except BaseException as exc:
+            errors.append(exc)
+        for _ in range(_CLEANUP_TRIES):
+            try:
+                _reap_workers(self)
+                _close_index_queues(self)
+                break
+            except BaseException as exc:
+                errors.append(exc)
+                if _signals.signal_of(exc) is None:
+                    break  # (not an interruption, after which each step can be done again)
+        if t0:
+            _trace.span("workers.shutdown", t0)
+        if errors:
+            raise errors[0]
+
+    def __del__(self) -> None:
+        try:
+            self._shutdown_workers()
+        except BaseException as exc:
+            if not _signals.hand_back(exc):
+                raise
+
+    @property  # type: ignore[override]
+    def _worker_queue_idx_cycle(self) -> Iterator[int]:
+        return self.__dict__["_pin_cycle"]  # type: ignore[no-any-return]
+
+    @_worker_queue_idx_cycle.setter
+    def _worker_queue_idx_cycle(self, cycle: Iterator[int]) -> None:
+        for _ in range(self.__dict__.pop("_pin_first", 0)):
+            next(cycle)
+        self.__dict__["_pin_cycle"] = cycle
+
+
+#: How many times the end of a worker shutdown is begun again when a signal handler's
+#: exception interrupts it (see ``WorkersIter._shutdown_workers``).
+_CLEANUP_TRIES = 16
+
+
+def _shutting_down_python() -> bool:
+    """Whether the interpreter is exiting (torch's worker shutdown then does nothing)."""
+    status = python_exit_status()
+    return status is True or status is None
+
+
+def _reap_workers(it: Any) -> None:
+    """Makes sure every worker of torch's iterator ``it`` has exited, and reaps it: a worker
+    torch did not get to tell is told now; one still running after torch's status-check
+    interval is killed."""
+    if _shutting_down_python():
+        return
+    if getattr(it, "_worker_pids_set", False):
+        # From here on torch's SIGCHLD handler no longer raises for these workers.
+        remove_worker_pids(id(it))
+        it._worker_pids_set = False
+    workers = list(getattr(it, "_workers", ()))
+    pending = [w for w in workers if w.pid is not None and not _reaped(w)]
+    if not pending:
+        return
+    interval = mp_status_check_interval()
+    done = getattr(it, "_workers_done_event", None)
+    if done is not None and not done.is_set():
+        done.set()
+    queues = list(getattr(it, "_index_queues", ()))
+    for w, q in zip(workers, queues, strict=False):
+        if w in pending and not getattr(q, "_closed", True):
+            try:
+                q.put(None)  # (a second one, if torch sent it already, is never read)
+            except (PinPoolError, OSError, ValueError):
+                pass  # (closed: the wait below ends in a kill)
+    deadline = time.monotonic() + interval
+    running = {w.sentinel: w for w in pending}
+    while running and (left := deadline - time.monotonic()) > 0:
+        for ready in multiprocessing.connection.wait(list(running), left):
+            del running[ready]  # type: ignore[arg-type]
+    for w in running.values():
+        w.kill()
+    # Each has exited, or is exiting: wait until the kernel has made it a zombie, and reap it.
+    deadline = time.monotonic() + interval
+    for w in pending:
+        while not _reaped(w) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        w.join(0)  # (forgets it: multiprocessing's list of children)
+
+
+def _reaped(w: Any) -> bool:
+    """Whether worker process ``w`` has exited and been reaped. By anyone: a signal handler's
+    exception can cut multiprocessing's own reaping short after the wait that reaped the
+    worker, before it kept the status (then it takes the worker for alive ever after)."""
+    return w.exitcode is not None or not os.path.exists(f"/proc/{w.pid}")
+
+
+def _close_index_queues(it: Any) -> None:
+    """torch closes the index queues last: should its shutdown stop before, their writer
+    threads and descriptors still end now, not whenever the iterator is collected."""
+    if _shutting_down_python():
+        return
+    for q in getattr(it, "_index_queues", ()):
+        q.cancel_join_thread()
+        q.close()
+
+
+def shut_down(inner: Any) -> None:
+    """Shuts a torch iterator's workers down and drops the batches it still holds (its pin
+    thread took them ahead, or they arrived out of order): each may hold a slot."""
+    shutdown = getattr(inner, "_shutdown_workers", None)
+    if shutdown is None:
+        return
+    try:
+        shutdown()
+    finally:
+        _drop_held(inner)
+
+
+def _drop_held(inner: Any) -> None:
+    """Drops the batches a shut-down torch iterator still holds."""
+    data = getattr(inner, "_data_queue", None)
+    if isinstance(data, queue.Queue):  # the pin thread's output (in-process, not a pipe)
+        while True:
+            try:
+                data.get_nowait()
+            except queue.Empty:
+                break
+    task_info = getattr(inner, "_task_info", None)
+    if isinstance(task_info, dict):
+        task_info.clear()
+
+
+def close_loader(receiver: Receiver) -> None:
+    """The loader's finalizer: its workers stop (none may write into a slot taken back
+    then), then its receiver closes."""
+    if receiver.pid != os.getpid():
+        return
+    try:
+        inner = receiver.iterator() if receiver.iterator is not None else None
+        if inner is not None:
+            shut_down(inner)
+    finally:
+        receiver.close()
