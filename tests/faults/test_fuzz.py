@@ -64,7 +64,7 @@ from pinpool._main.lazy_pool import LazyPool
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
 from pinpool._wire import codec as _codec
 from pinpool._wire.codec import ALIGN, Leaf
-from pinpool._wire.handle import BatchHandle
+from pinpool._wire.handle import BatchHandle, WorkerProgress
 from pinpool._wire.tree import KEEP, map_leaves
 from pinpool._worker import places
 
@@ -793,6 +793,41 @@ def test_batch_handle_bytes() -> None:
             del loader
 
     fuzz()
+
+
+def test_worker_progress_bytes() -> None:
+    """The pickled bytes of a resumable iterable dataset's batch (a WorkerProgress around a
+    plain batch), damaged: pickle may refuse them; what comes out is pinned ahead and read in
+    its turn with nothing but PinPoolError, and a worker it names is one of the loader's."""
+    progress = WorkerProgress({"x": torch.arange(6)}, 1, {"position": 3})
+
+    @FUZZ
+    @given(st.data())
+    def fuzz(data: Any) -> None:
+        protocol = data.draw(st.sampled_from([2, pickle.DEFAULT_PROTOCOL]), label="protocol")
+        raw = pickle.dumps(progress, protocol)
+        got = unpickled(data.draw(damage(raw), label="bytes"))
+        if not isinstance(got, WorkerProgress):
+            return  # (pickle refused the bytes, or made something else)
+        try:
+            _, worker, _ = got.pin_memory().fields(num_workers=2)
+        except PinPoolError:
+            return
+        assert worker in (0, 1)
+
+    fuzz()
+
+
+def test_a_worker_progress_without_its_fields_is_refused_clearly() -> None:
+    empty = WorkerProgress.__new__(WorkerProgress)  # (a pickle that stopped before its state)
+    assert empty.pin_memory() is empty
+    with pytest.raises(PinPoolError, match="carries none of its fields"):
+        empty.fields(num_workers=2)
+    with pytest.raises(PinPoolError, match="names worker 2 of 2"):
+        WorkerProgress(None, 2, {}).fields(num_workers=2)
+    with pytest.raises(PinPoolError, match="names worker True"):
+        WorkerProgress(None, True, {}).fields(num_workers=2)
+    assert WorkerProgress("batch", 1, "state").fields(num_workers=2) == ("batch", 1, "state")
 
 
 # --------------------------------------------------------------------------- 3. segment headers

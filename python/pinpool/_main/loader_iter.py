@@ -58,8 +58,9 @@ class LoaderIter:
             raise
         try:
             if isinstance(item, WorkerProgress):
-                self._epoch.delivered(item.worker, item.state, self._loader.num_workers)
-                item = item.batch
+                workers = self._loader.num_workers
+                item, worker, state = item.fields(workers)
+                self._epoch.delivered(worker, state, workers)
             batch = hand_over(item)
         finally:
             self._epoch.took(_taken(self._inner), raised=False)

@@ -84,7 +84,8 @@ class WorkersIter(MultiProcessingIter):
         success, data = super()._try_get_data(*args, **kwargs)
         if success and not self._pin_memory:
             item = data[1]
-            item = item.batch if isinstance(item, WorkerProgress) else item
+            if isinstance(item, WorkerProgress):
+                item = getattr(item, "batch", None)  # (a damaged one is refused in its turn)
             if isinstance(item, BatchHandle):
                 self._pin_receiver.receive_now(item)
         return success, data

@@ -233,7 +233,27 @@ class WorkerProgress:
         self.worker = worker
         self.state = state
 
+    def fields(self, num_workers: int) -> tuple[Any, int, Any]:
+        """``(batch, worker, state)``, checked: a pickle may make the object and stop before
+        its fields, and ``worker`` must name one of the loader's ``num_workers``."""
+        try:
+            batch, worker, state = self.batch, self.worker, self.state
+        except AttributeError:
+            raise PinPoolError(
+                "a damaged worker batch reached this process: it carries none of its fields"
+            ) from None
+        if type(worker) is not int or not 0 <= worker < num_workers:
+            raise PinPoolError(
+                f"a damaged worker batch reached this process: it names worker {worker!r} "
+                f"of {num_workers}"
+            )
+        return batch, worker, state
+
     def pin_memory(self) -> WorkerProgress:
-        batch = self.batch
-        pinned = batch.pin_memory() if isinstance(batch, BatchHandle) else batch
-        return WorkerProgress(pinned, self.worker, self.state)
+        try:
+            batch, worker, state = self.batch, self.worker, self.state
+        except AttributeError:
+            return self  # (damaged: refused in its turn, by fields())
+        if not isinstance(batch, BatchHandle):
+            return self
+        return WorkerProgress(batch.pin_memory(), worker, state)
