@@ -7,7 +7,11 @@ takes and how much anonymous memory the process has; then what starting a worker
 warm forkserver costs the parent instead (``Process.start()``, and the worst lateness of a
 1 ms sleeper thread meanwhile).
 
-    python3 benchmarks/fork_probe.py [--out results.json]
+With ``--arenas``, before those stages: the fork time with a pinpool arena of each size in
+GiB, pinned through the driver and made whole, one at a time, after the CUDA context (does
+pinpool's arena add to the fork stall? ``0``: none).
+
+    python3 benchmarks/fork_probe.py [--arenas 0 1 4 8] [--out results.json]
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ def starts(ctx: multiprocessing.context.BaseContext, sleeper: Sleeper, n: int = 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--arenas", type=float, nargs="*", default=[], help="GiB, see above")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -122,6 +127,17 @@ def main() -> None:
         keep.append(a @ a)
         torch.cuda.synchronize()
         stage("cuBLAS used")
+        for gib in args.arenas:
+            slots = int(gib * 16)  # of 64 MiB
+            if not slots:
+                stage("no pinpool arena")
+                continue
+            pool = pinpool.PinPool(64 << 20, slots, device=0, background=False)
+            stage(f"pinpool arena {gib:g} GiB, {pool.backend}")
+            pool.close()
+            del pool
+            pinpool.wait_for_freed_pools(timeout=120)
+            stage(f"  after it was freed ({gib:g} GiB)")
     keep.append(pinpool.PinPool(64 << 20, 16))
     stage("pinpool arena 1 GiB")
     if cuda:

@@ -66,6 +66,8 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
         assert run["probe_samples"] > 0 and run["leaked_workers"] == 0
         # The first batch comes after construction; next() is part of each step.
         assert 0 < run["time_to_first_batch_s"] < 60
+        # The epoch's final next() (StopIteration, the workers shut down) is timed alone.
+        assert 0 < run["end_of_epoch_ms"] < 60e3
         assert 0 <= run["next_ms_median"] <= run["next_ms_p99"] <= max(run["step_ms"])
         assert run["us_per_batch"] == pytest.approx(run["wall_s"] / run["steps"] * 1e6)
 
@@ -106,7 +108,12 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
         assert by_loader["torch-pinned"]["batches_per_s"]["ratio"] == pytest.approx(1.0)
         assert set(by_loader["pinpool"]["batches_per_s"]) >= {"median", "min", "max", "ratio"}
         for name in result["loaders"]:
-            for key in ("time_to_first_batch_s", "next_ms_median", "next_ms_p99"):
+            for key in (
+                "time_to_first_batch_s",
+                "end_of_epoch_ms",
+                "next_ms_median",
+                "next_ms_p99",
+            ):
                 assert by_loader[name][key]["median"] >= 0
         assert by_loader["pinpool"]["time_to_first_batch_s"]["ratio"] > 0
     for name in result["loaders"]:
@@ -137,6 +144,7 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
     # The legend says what the terms mean and which way is better.
     assert "probe late: how late a thread" in proc.stdout and "Lower is better" in proc.stdout
     assert "time to first batch, ms" in proc.stdout and "next() ms, median" in proc.stdout
+    assert "end of epoch, ms" in proc.stdout
     assert "whole life" in proc.stdout and "us per batch" in proc.stdout
     if result["meta"]["host_only"]:
         assert " x-" in proc.stdout

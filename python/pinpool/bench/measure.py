@@ -5,6 +5,8 @@ and ends the epoch: the dataset holds ``warmup + steps`` batches):
 
 - ``time_to_first_batch_s``: from just before the loader is constructed to the moment the
   first ``next()`` returns (construction, ``iter()``, workers starting, the first batch);
+- ``end_of_epoch_ms``: the first epoch's final ``next()``, the one that raises
+  ``StopIteration`` (where workers are not persistent, it shuts them down);
 - ``wall_s``: ``perf_counter`` from just before the first timed ``next()`` to the end of the
   last step, after ``torch.cuda.synchronize()``, so queued copies and kernels are inside it;
 - ``gb_per_s`` = bytes / wall / 1e9 (bytes: ``nbytes`` of every tensor of every timed batch,
@@ -285,6 +287,7 @@ def run_once(
         probe_cpu1 = probe.cpu_s()
         if not life:
             probe.stop()
+        t_last = time.perf_counter()
         if next(it, None) is not None:  # the dataset holds exactly warmup + steps batches
             raise RuntimeError("the loader yielded more batches than the run asked for")
         t_epoch1 = time.perf_counter()
@@ -343,6 +346,7 @@ def run_once(
         "us_per_batch": wall / plan.steps * 1e6,
         "background_release_s": release_s,
         "time_to_first_batch_s": first.got - t_start,
+        "end_of_epoch_ms": (t_epoch1 - t_last) * 1e3,
         "step_ms": steps_ms,
         "wait_ms": next_ms,
         "step_ms_median": float(np.median(steps_ms)),

@@ -43,6 +43,7 @@ METRICS = {
     "overflow_batches": "overflow batches (unpinned)",
     "zero_copy_fallbacks": "zero-copy fallbacks",
     "time_to_first_batch_s": "time to first batch, ms",
+    "end_of_epoch_ms": "end of epoch, ms",
 }
 #: Phase metric key -> (phase, key in the run's ``phases[phase]``).
 _PHASE_FIELDS = {
@@ -62,13 +63,28 @@ _COMMON = ["step_ms_max", "probe_p99_ms", "probe_max_ms", "cpu_ms_per_batch", "p
 _NEXT = ["next_ms_median", "next_ms_p99"]
 #: The metrics shown for each mode, headline first (tokens, varlen: for their workloads).
 SHOWN = {
-    "throughput": ["gb_per_s", "batches_per_s", *_NEXT, "time_to_first_batch_s", *_COMMON],
-    "tokens": ["gb_per_s", "us_per_batch", *_NEXT, "time_to_first_batch_s", *_COMMON],
+    "throughput": [
+        "gb_per_s",
+        "batches_per_s",
+        *_NEXT,
+        "time_to_first_batch_s",
+        "end_of_epoch_ms",
+        *_COMMON,
+    ],
+    "tokens": [
+        "gb_per_s",
+        "us_per_batch",
+        *_NEXT,
+        "time_to_first_batch_s",
+        "end_of_epoch_ms",
+        *_COMMON,
+    ],
     "varlen": [
         "gb_per_s",
         "us_per_batch",
         *_NEXT,
         "time_to_first_batch_s",
+        "end_of_epoch_ms",
         *_COMMON,
         "pinned_held_mib",
         "overflow_batches",
@@ -82,6 +98,7 @@ SHOWN = {
         "busy_ms_median",
         "step_ms_median",
         "time_to_first_batch_s",
+        "end_of_epoch_ms",
         *_COMMON,
     ],
     "stall": [
@@ -92,6 +109,7 @@ SHOWN = {
         "gb_per_s",
         "cpu_ms_per_batch",
         "time_to_first_batch_s",
+        "end_of_epoch_ms",
     ],
 }
 #: The ratio panels of ratios.png: (mode, metric).
@@ -113,6 +131,8 @@ LEGEND = [
     "  next() ms: time the training loop waited inside next() per timed step. Lower is better.",
     "  time to first batch: from constructing the loader to the first batch in hand (workers",
     "    starting included). Lower is better.",
+    "  end of epoch: the first epoch's final next(), the one that raises StopIteration (and",
+    "    shuts the workers down where they are not persistent). Lower is better.",
     "  GB/s, batches/s, steps/s: higher is better. GPU idle share, step ms, us per batch, CPU",
     "    ms/batch (main process only, workers excluded): lower is better. GPU idle share: the",
     "    share of the time outside the step's compute, the step's copy of a CPU batch to the",
