@@ -10,8 +10,10 @@
 //! - Once the pool is gone, [`Counters::final_stats`] reports every slot free and nothing
 //!   pending, with the counts as the pool left them; the fence errors are written by the
 //!   freeing thread before it frees the arena.
-//! - Slots and bytes that will never be ready (the background preparation failed, or the pool
-//!   is closed, which stops it) are not reported as preparing.
+//! - Slots and bytes that will never be ready are not reported as preparing: where the
+//!   background preparation failed they are left out (never usable), and in a closed pool
+//!   (closing stops the preparation) they count as free, as every slot of a pool that is gone
+//!   does ([`Counters::final_stats`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -89,16 +91,12 @@ impl Pool {
     /// Slots by state.
     pub fn slot_counts(&self) -> Counts {
         let mut slots = self.table.counts();
-        if self.preparation_ended_early() {
+        if self.table.is_closed() {
+            slots.free += std::mem::take(&mut slots.preparing); // as when the pool is gone
+        } else if self.prepare_error.get().is_some() {
             slots.preparing = 0; // they never will be ready
         }
         slots
-    }
-
-    /// Whether the part of the arena not ready yet never will be: its preparation failed, or
-    /// the pool was closed (which stops it).
-    fn preparation_ended_early(&self) -> bool {
-        self.prepare_error.get().is_some() || self.table.is_closed()
     }
 
     /// Counters and slot states.
@@ -120,8 +118,10 @@ impl Pool {
     /// The arena's bytes by state.
     pub fn bytes(&self) -> Bytes {
         let mut bytes = self.table.bytes();
-        if self.preparation_ended_early() {
-            bytes.preparing = 0;
+        if self.table.is_closed() {
+            bytes.free += std::mem::take(&mut bytes.preparing); // as when the pool is gone
+        } else if self.prepare_error.get().is_some() {
+            bytes.preparing = 0; // they never will be ready
         }
         bytes
     }

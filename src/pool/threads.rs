@@ -168,12 +168,14 @@ mod tests {
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
     #[cfg_attr(miri, ignore)]
     fn a_closed_pool_reports_nothing_preparing() {
-        // Closing stops the preparation: what was not ready then never will be.
+        // Closing stops the preparation: what was not ready then never will be, and counts
+        // as free, as in the stats of a pool that is gone.
         let config = PoolConfig { background: true, ..PoolConfig::host(8 << 20, 64) };
         let pool = Pool::new(&config).unwrap();
         pool.close();
         let stats = pool.stats();
         assert_eq!((stats.slots.preparing, stats.bytes.preparing), (0, 0), "{stats:?}");
+        assert_eq!((stats.slots.free, stats.bytes.free), (64, pool.arena().len()), "{stats:?}");
         assert_eq!(pool.bytes().preparing, 0);
     }
 }
