@@ -14,7 +14,7 @@ demo: build
 # disk); each step's output is printed whole when it ends.
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target checks
-	$(MAKE) --no-print-directory py-test
+	$(MAKE) --no-print-directory py-test BUILT=1
 
 checks: lint rust-test
 
@@ -47,7 +47,8 @@ rust-test:
 # A run that hangs is stopped with SIGABRT, and faulthandler prints where every thread was.
 PYTEST := PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 20m $(PY) -m pytest -q
 
-py-test: build
+# (BUILT=1: `make test` built the extension a moment ago.)
+py-test: $(if $(BUILT),,build)
 	# Everything but the fault tests, in two processes; the DataLoader tests marked every_mode
 	# in all four loader modes (copy and zero-copy, each with and without torch's pin thread:
 	# tests/conftest.py, loader_mode).
