@@ -9,8 +9,9 @@
 //! what it writes stays its own, as with the rest of its memory. It then points the part's
 //! descriptor at `/dev/null`, so it holds no way back into the parent's arena either.
 //!
-//! Other writable shared mappings (the segments of workers the main process has mapped) are
-//! registered read-only ([`register_read_only`]): a child can read them but not write them.
+//! Other writable shared mappings are registered read-only ([`register_read_only`]): a child
+//! can read them but not write them. (The segments of workers the main process has mapped
+//! are kept out of children altogether: `shm::Mapping::from_fd`.)
 //!
 //! Invariants:
 //! - A registration is live from before its part is mapped until before it is unmapped
@@ -258,6 +259,43 @@ mod tests {
         );
         // SAFETY: the mapping is ours and still mapped.
         assert_eq!(unsafe { *base.add(page) }, 5);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // (Miri cannot fork or map memfds)
+    fn a_child_has_nothing_of_another_processs_segment() {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        let page = crate::shm::page_size();
+        // A worker's segment, mapped in this process from its descriptor, as the segment
+        // cache maps it.
+        let worker = crate::shm::Mapping::memfd("pinpool-test", 2 * page).unwrap();
+        let fd = worker.fd().unwrap().as_raw_fd();
+        // SAFETY: `dup` of a descriptor we hold; the new one is owned by `OwnedFd` alone.
+        let dup = unsafe { OwnedFd::from_raw_fd(libc::dup(fd)) };
+        let m = crate::shm::Mapping::from_fd(dup, 2 * page, true).unwrap();
+        let base = m.as_ptr();
+        // SAFETY: the child only asks the kernel about the range (`msync` fails with ENOMEM
+        // where nothing is mapped) and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: as above.
+            unsafe {
+                let r = libc::msync(base.cast(), 2 * page, libc::MS_ASYNC);
+                let unmapped = r != 0 && *libc::__errno_location() == libc::ENOMEM;
+                libc::_exit(if unmapped { 0 } else { 1 });
+            }
+        }
+        let mut status = 0;
+        // SAFETY: `pid` is our child; `status` is a valid out-pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child has the segment mapped: {status}"
+        );
+        // SAFETY: still mapped here, 2 pages, read-write.
+        unsafe { base.write_bytes(3, 2 * page) };
+        drop(worker);
     }
 
     use std::os::fd::AsRawFd;

@@ -69,10 +69,12 @@ impl Mapping {
         Self::map(sealed_memfd(name, len)?, len, true)
     }
 
-    /// Maps `len` bytes of the file behind `fd` (taking ownership of `fd`), `MAP_SHARED`.
-    /// Fails if the file is not a memfd sealed against shrinking (a plain file, or a memfd
-    /// without `F_SEAL_SHRINK`, could be truncated under the mapping: a later read would
-    /// raise `SIGBUS`), or if it is shorter than `len`.
+    /// Maps `len` bytes of the file behind `fd` (taking ownership of `fd`), `MAP_SHARED`, and
+    /// keeps the mapping out of children forked from then on (see
+    /// [`Mapping::keep_from_children`]: another process's segment is this process's to copy
+    /// from, never a child's). Fails if the file is not a memfd sealed against shrinking (a
+    /// plain file, or a memfd without `F_SEAL_SHRINK`, could be truncated under the mapping: a
+    /// later read would raise `SIGBUS`), or if it is shorter than `len`.
     pub fn from_fd(fd: OwnedFd, len: usize, writable: bool) -> Result<Self> {
         if len == 0 {
             return Err(Error::Invalid("cannot map an empty segment".into()));
@@ -83,7 +85,25 @@ impl Mapping {
         if file_len < len {
             return Err(Error::OutOfRange { what: "segment file", offset: 0, len, size: file_len });
         }
-        Self::map(fd, len, writable)
+        let mut mapping = Self::map(fd, len, writable)?;
+        mapping.keep_from_children();
+        Ok(mapping)
+    }
+
+    /// Leaves the mapping out of children forked from now on (`MADV_DONTFORK`): a child has
+    /// nothing at these addresses, neither to read nor to tear down when it exits (a
+    /// DataLoader's workers of the next epoch are forked while the last epoch's segments are
+    /// still mapped here). Where the kernel refuses the advice, children get the mapping
+    /// read-only, as every writable mapping (see `fork_private`).
+    fn keep_from_children(&mut self) {
+        // SAFETY: `[ptr, ptr+len)` is exactly this value's own mapping; the advice changes
+        // only what a later fork copies, not this process's access to it.
+        let advised =
+            unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_DONTFORK) };
+        if advised == 0 {
+            // (A child forked between the advice and this finds no mapping to protect.)
+            self.read_only_in_children = None;
+        }
     }
 
     fn map(fd: OwnedFd, len: usize, writable: bool) -> Result<Self> {
