@@ -72,6 +72,12 @@ def main() -> None:
             data, keep_worker_memory=False, **kw
         ),
         "pinpool zero-copy": lambda: pinpool.DataLoader(data, zero_copy=True, **kw),
+        "pinpool stream_samples=False": lambda: pinpool.DataLoader(
+            data, stream_samples=False, **kw
+        ),
+        "pinpool worker_copy_threads=1": lambda: pinpool.DataLoader(
+            data, worker_copy_threads=1, **kw
+        ),
         "pinpool persistent": lambda: pinpool.DataLoader(data, persistent_workers=True, **kw),
     }
     for r in range(args.rounds):
