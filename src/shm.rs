@@ -70,9 +70,8 @@ impl Mapping {
     }
 
     /// Maps `len` bytes of the file behind `fd` (taking ownership of `fd`), `MAP_SHARED`, and
-    /// keeps the mapping out of children forked from then on (see
-    /// [`Mapping::keep_from_children`]: another process's segment is this process's to copy
-    /// from, never a child's). Fails if the file is not a memfd sealed against shrinking (a
+    /// keeps the mapping out of children forked from then on (`MADV_DONTFORK`: another
+    /// process's segment is this process's to copy from, never a child's). Fails if the file is not a memfd sealed against shrinking (a
     /// plain file, or a memfd without `F_SEAL_SHRINK`, could be truncated under the mapping: a
     /// later read would raise `SIGBUS`), or if it is shorter than `len`.
     pub fn from_fd(fd: OwnedFd, len: usize, writable: bool) -> Result<Self> {
