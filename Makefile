@@ -18,11 +18,12 @@ test:
 
 checks: lint rust-test
 
-# (--no-compile: Python compiles what a test imports when it imports it, not all of torch.)
+# (pip compiles every module as it installs it: where PYTHONDONTWRITEBYTECODE is set, Python
+# would otherwise compile torch again in each of the suite's many processes.)
 $(STAMP): requirements-dev.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -r requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
 build: $(STAMP)
