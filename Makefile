@@ -3,6 +3,9 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
+# Python keeps what it compiles (__pycache__, git-ignored): the suite starts many processes
+# that import torch, and pip need not compile all of it up front (--no-compile below).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test checks build lint rust-lint py-lint rust-test py-test test-modes test-oldest fuzz \
 	bench wheel clean sanitize miri tsan
@@ -18,12 +21,10 @@ test:
 
 checks: lint rust-test
 
-# (pip compiles every module as it installs it: where PYTHONDONTWRITEBYTECODE is set, Python
-# would otherwise compile torch again in each of the suite's many processes.)
 $(STAMP): requirements-dev.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-compile -r requirements-dev.txt
 	touch $@
 
 build: $(STAMP)
