@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import make_memfd
+from conftest import make_memfd, open_fd_count
 from handles import HandleFactory
 from loader_datasets import ArenaWatcher, Exiting, Indexed, ReadyBatches, ready_batch
 
@@ -189,10 +189,6 @@ def _dead_pid() -> int:
     return pid
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def test_a_handle_met_after_its_loader_closed_opens_nothing() -> None:
     # Its segment would be held in the cache for good: nothing retires segments after close.
     # (A pool of the caller's stays open when the loader closes.)
@@ -201,12 +197,12 @@ def test_a_handle_met_after_its_loader_closed_opens_nothing() -> None:
     make = HandleFactory(loader)
     taken, dropped = make.make(), make.make()
     loader._pin_receiver.close()
-    fds = _open_fds()
+    fds = open_fd_count()
     with pytest.raises(PinPoolError, match="loader was closed"):
         taken.take()
     del dropped
     gc.collect()
-    assert _open_fds() == fds
+    assert open_fd_count() == fds
     assert loader._pin_receiver.cache is None or len(loader._pin_receiver.cache) == 0
 
 
@@ -627,13 +623,13 @@ def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> N
     good = SlotReservation(
         1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
     )
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = open_fd_count()
     mapped, at = map_slot(good)
     assert len(mapped) - at == slot.nbytes < part_len and at < 4096
     mapped[at : at + 5] = b"hello"
     assert bytes(slot.view(np.uint8, (5,))) == b"hello"
     mapped.close()
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert open_fd_count() == fds
 
     unsealed = make_memfd(part_len, seal=False)
     with tempfile.TemporaryFile() as plain:
@@ -661,7 +657,7 @@ def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> N
         for name, reservation in cases.items():
             with pytest.raises(PinPoolError, match=reasons[name]):
                 map_slot(reservation)
-            assert len(os.listdir("/proc/self/fd")) == fds + 2, name  # (the two files above)
+            assert open_fd_count() == fds + 2, name  # (the two files above)
     os.close(unsealed)
     slot.release()
     first.release()

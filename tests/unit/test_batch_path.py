@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import gc
 import multiprocessing
-import os
 import queue
 import threading
 import time
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import fake_pin_thread
+from conftest import fake_pin_thread, open_fd_count
 from loader_datasets import Indexed, Sized
 
 import pinpool
@@ -24,25 +23,12 @@ from pinpool._main import delivery
 from pinpool._main.index_queue import DirectQueue, write_directly
 from pinpool._native import PipeWriter
 
-
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def settled_fd_count() -> int:
-    """Open fds once what earlier tests left behind has closed: objects left to the
-    collector, and arenas being freed on pinpool's freeing thread."""
-    gc.collect()
-    assert pinpool.wait_for_freed_pools(timeout=30)
-    return fd_count()
-
-
 # --------------------------------------------------------------------------- index queues
 
 
 def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     ctx = multiprocessing.get_context("fork")
-    before = settled_fd_count()
+    before = open_fd_count()
     q = ctx.Queue()
     assert write_directly(q)
     assert isinstance(q, DirectQueue)
@@ -63,26 +49,26 @@ def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     q.join_thread()
     del q
     gc.collect()
-    assert fd_count() == before
+    assert open_fd_count() == before
 
 
 def test_a_direct_queue_closes_every_descriptor_on_close() -> None:
     ctx = multiprocessing.get_context("fork")
-    before = settled_fd_count()
+    before = open_fd_count()
     q = ctx.Queue()
     assert write_directly(q)
     q.put("one")
     assert q.get(timeout=5) == "one"
-    assert fd_count() == before + 3  # the pipe's two ends and the writer's own
+    assert open_fd_count() == before + 3  # the pipe's two ends and the writer's own
     q.close()
-    assert fd_count() == before, "a descriptor outlived close()"
+    assert open_fd_count() == before, "a descriptor outlived close()"
     with pytest.raises(ValueError):
         q.put("after close")
 
 
 def test_close_gives_up_a_full_pipe_nobody_reads() -> None:
     """A worker that died with indices still queued: close() neither hangs nor leaks."""
-    before = settled_fd_count()
+    before = open_fd_count()
     q = multiprocessing.get_context("fork").Queue()
     fcntl.fcntl(q._writer.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
     assert write_directly(q)
@@ -92,7 +78,7 @@ def test_close_gives_up_a_full_pipe_nobody_reads() -> None:
     q.close()
     assert time.perf_counter() - t < 2.0
     assert q._pin_writer.written < 20
-    assert fd_count() == before
+    assert open_fd_count() == before
 
 
 def test_only_an_unused_multiprocessing_queue_is_turned() -> None:
