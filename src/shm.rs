@@ -150,6 +150,30 @@ impl Mapping {
         self.fd = None;
     }
 
+    /// Drops this process's page-table entries for the whole mapping (`MADV_DONTNEED`), in
+    /// pieces of [`MM_CALL_BYTES`]. The bytes stay where they are, in the shared file (every
+    /// `Mapping` is `MAP_SHARED` over a file), and the next access faults them back in: what
+    /// changes is what tearing the mapping down costs later, at `munmap` or at this process's
+    /// exit, when the kernel walks every page still mapped.
+    pub fn drop_page_tables(&self) -> Result<()> {
+        let base = self.ptr.as_ptr() as usize;
+        let mut done = 0;
+        while done < self.len {
+            let n = MM_CALL_BYTES.min(self.len - done);
+            // SAFETY: `[base+done, base+done+n)` lies inside this value's own shared file
+            // mapping; `MADV_DONTNEED` on a shared mapping discards no data (the file keeps the
+            // pages), and any pointer into the range stays valid: a later access refaults.
+            let rc = unsafe {
+                libc::madvise((base + done) as *mut libc::c_void, n, libc::MADV_DONTNEED)
+            };
+            if rc != 0 {
+                return Err(Error::last_os("madvise(MADV_DONTNEED)"));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Faults every page in, writing (so pages are allocated, not just mapped to the zero
     /// page), with `threads` threads in parallel.
     pub fn populate(&self, threads: usize) -> Result<()> {

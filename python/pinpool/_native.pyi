@@ -216,6 +216,9 @@ class WorkerSegment:
     @property
     def in_flight(self) -> bool:
         """Whether the segment is claimed: being written, or sent and not yet released."""
+    def drop_page_tables(self) -> None:
+        """Drops this process's page tables for the segment (``MADV_DONTNEED``), without the
+        GIL; the data and every view stay valid (a later access faults the pages back in)."""
     def try_claim(self) -> bool:
         """Claims the segment for a new batch (atomically); False while the consumer still
         holds the last one, when the data must not be written. Never blocks."""

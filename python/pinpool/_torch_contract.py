@@ -47,6 +47,7 @@ __all__ = [
     "COLLATE_ATTRIBUTES",
     "ITERATOR_ATTRIBUTES",
     "LOADER_ATTRIBUTES",
+    "MAP_DATASET",
     "QUEUE_ATTRIBUTES",
     "RERAISE_CODE",
     "MultiProcessingIter",
@@ -68,6 +69,10 @@ __all__ = [
 #: torch's multi-process iterator (``dataloader._MultiProcessingDataLoaderIter``):
 #: ``_main.workers.WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what it uses).
 MultiProcessingIter = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
+
+#: ``dataloader._DatasetKind.Map`` (None if missing): an iterator's ``_dataset_kind`` for a
+#: map-style dataset, whose epoch has a length (``_main.workers``: the workers' last tasks).
+MAP_DATASET: Any = getattr(getattr(torch.utils.data.dataloader, "_DatasetKind", None), "Map", None)
 
 # torch_collate, imported above (``torch.utils.data._utils.collate``): the workers collate the
 # way ``default_collate`` does with its ``collate(batch, collate_fn_map=...)``,
@@ -138,6 +143,11 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_IterableDataset_len_called": "set for an iterable dataset's length check (torch's own "
     "__next__ then)",
     "_num_yielded": "counted by the profiler-free __next__, as torch's does",
+    "_send_idx": "the number of the next index list, sent to a worker as (number, indices): "
+    "the epoch's last num_workers are each a worker's last task (_wire.last_tasks)",
+    "_num_workers": "the workers: each gets one of the epoch's last tasks",
+    "_persistent_workers": "persistent workers do not exit at the epoch's end: no last tasks",
+    "_dataset_kind": "an iterable dataset's epoch has no length: no last tasks",
 }
 
 #: The names pinpool reads or overrides on ``torch.utils.data.DataLoader``, and what for.
@@ -230,6 +240,8 @@ def _check_utils() -> list[str]:
         out.append("torch.utils.data._utils.python_exit_status is missing or not a bool")
     if not callable(getattr(_utils.signal_handling, "_remove_worker_pids", None)):
         out.append("torch.utils.data._utils.signal_handling._remove_worker_pids is missing")
+    if MAP_DATASET is None:
+        out.append("torch.utils.data.dataloader._DatasetKind.Map is missing")
     return out
 
 

@@ -131,6 +131,55 @@ def test_forked_workers_report_their_steps(tmp_path: Path, zero_copy: bool) -> N
     assert not any(n.startswith("worker.") for pid, n in lines if int(pid) == os.getpid())
 
 
+class Counting(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """0 .. n-1, split between the workers."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(start, self.n, step))
+
+
+def test_each_worker_is_told_its_last_task_of_an_epoch(tmp_path: Path) -> None:
+    """A map-style epoch's last task of each worker is followed, in that worker, by its
+    segments' page tables dropped (``worker.last_task``): once per worker and epoch, and
+    never with persistent workers, whose epoch has no end, or an iterable dataset, whose
+    length is not known. The batches are whole whatever the workers dropped."""
+    _WORKER_LOG[:] = [str(tmp_path / "events")]
+    log = tmp_path / "events"
+
+    def last_tasks() -> Counter[int]:
+        lines = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+        log.unlink(missing_ok=True)
+        return Counter(int(pid) for pid, name in lines if name == "worker.last_task")
+
+    pinpool.trace.set_hook(_log_to_file)
+    try:
+        for persistent in (False, True):
+            loader = pinpool.DataLoader(
+                Indexed(N), batch_size=BATCH, num_workers=2, persistent_workers=persistent,
+                multiprocessing_context="fork",
+            )  # fmt: skip
+            for _ in range(2):
+                assert [b["idx"].tolist() for b in loader] == EXPECTED
+                told = last_tasks()
+                if persistent:
+                    assert not told
+                else:
+                    assert sorted(told.values()) == [1, 1] and os.getpid() not in told, told
+            del loader
+        counting = pinpool.DataLoader(
+            Counting(N), batch_size=BATCH, num_workers=2, multiprocessing_context="fork"
+        )
+        assert sorted(x for b in counting for x in b.tolist()) == list(range(N))
+        assert not last_tasks()
+    finally:
+        pinpool.trace.set_hook(None)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_hook_that_raises_is_removed_and_loading_goes_on(num_workers: int) -> None:
     calls: list[str] = []

@@ -21,6 +21,7 @@ from typing import Any
 from .. import _signals, _trace
 from .._errors import PinPoolError
 from .._torch_contract import (
+    MAP_DATASET,
     MultiProcessingIter,
     mp_status_check_interval,
     profiler_enabled,
@@ -28,7 +29,7 @@ from .._torch_contract import (
     remove_worker_pids,
 )
 from .._wire.handle import BatchHandle, WorkerProgress
-from .index_queue import write_directly
+from .index_queue import DirectQueue, write_directly
 from .receiver import Receiver
 
 
@@ -62,7 +63,23 @@ class WorkersIter(MultiProcessingIter):
         if first_iter:  # the workers have started; nothing was sent to them yet
             for q in self._index_queues:
                 write_directly(q)
+        last_from = self._last_tasks_from()
+        for q in self._index_queues:
+            if isinstance(q, DirectQueue):
+                q.last_from = last_from
         super()._reset(loader, first_iter)
+
+    def _last_tasks_from(self) -> int | None:
+        """The number of the epoch's first task that is some worker's last (see
+        ``_wire.last_tasks``): the last ``num_workers`` of a sized epoch whose workers exit
+        at its end; None when there are no such tasks or their number is not known."""
+        if self._persistent_workers or MAP_DATASET is None or self._dataset_kind != MAP_DATASET:
+            return None
+        try:
+            tasks = len(self._index_sampler)
+        except TypeError:
+            return None
+        return max(tasks - self._num_workers, 0)
 
     def __next__(self) -> Any:
         # torch's __next__ opens a profiler range (``record_function``) around each batch,

@@ -19,6 +19,13 @@ written: once its handle is made (or the batch abandoned) the worker holds no ma
 descriptor of the main process's memory, so a stray write in a worker cannot reach a batch
 the consumer holds (see the trust model in ``docs/design.md``).
 
+On a worker's last task of an epoch (``_wire.last_tasks``) the page tables of its ring's
+segments are dropped on short-lived threads: the others' as the batch's place is chosen, the
+one written once its handle is made. The segments stay (the main process may still be reading
+the last batches, through its own mappings) and a later write faults their pages back in, but
+the worker's exit, which the main process waits for at the end of the epoch, has little left
+to tear down.
+
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
 handle made) or unclaimed; an arena mapping lives exactly as long as its place, and covers
@@ -38,7 +45,7 @@ from dataclasses import dataclass, field
 from .. import _trace
 from .._errors import PinPoolError
 from .._native import WorkerSegment
-from .._wire import codec, peer
+from .._wire import codec, last_tasks, peer
 from .._wire.handle import BatchHandle, SlotReservation
 
 
@@ -172,6 +179,12 @@ class Place:
         else:
             self.sid, self.segment = self.ring.acquire(nbytes)
             self.memory = memoryview(self.segment).cast("B")
+        self.last = last_tasks.take()
+        if self.last:
+            others = [seg for seg in self.ring.segments.values() if seg is not self.segment]
+            if _trace.on:
+                _trace.event("worker.last_task", segments=len(others) + (self.segment is not None))
+            _drop_page_tables(others)
         if t0:
             _trace.span("worker.place", t0, nbytes=nbytes, slot=self.segment is None)
 
@@ -181,6 +194,8 @@ class Place:
         sid, seg = self.ring.acquire(nbytes)
         memory = memoryview(seg).cast("B")
         memory[:keep] = self.memory[:keep]
+        if self.last and self.segment is not None:
+            _drop_page_tables([self.segment])
         self._let_go()
         self.sid, self.segment, self.memory = sid, seg, memory
 
@@ -196,6 +211,8 @@ class Place:
         if sid not in ring.announced:
             origin = (os.getpid(), segment.fd)
             ring.announced.add(sid)
+        if self.last:
+            _drop_page_tables([segment])
         return BatchHandle(
             self.token,
             p,
@@ -231,6 +248,22 @@ class Place:
                 mapping.close()
             except BufferError:  # a view is still held (by a traceback): it goes with it
                 pass
+
+
+def _drop_page_tables(segments: list[WorkerSegment]) -> None:
+    """Drops the page tables of ``segments``, on a thread of their own (the native call runs
+    without the GIL): the batch is written and its handle sent meanwhile."""
+    if not segments:
+        return
+
+    def drop() -> None:
+        for seg in segments:
+            try:
+                seg.drop_page_tables()
+            except (OSError, PinPoolError):
+                pass  # (only what the worker's exit costs is at stake)
+
+    threading.Thread(target=drop, name="pinpool-drop-pages", daemon=True).start()
 
 
 def write(
