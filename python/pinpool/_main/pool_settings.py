@@ -2,9 +2,9 @@
 ``pinpool.DataLoader`` or ``pinpool.pinned`` and passed down whole (to the receiver, the lazy
 pool, the delivery), instead of the same keyword list in every signature.
 
-Invariants: a :class:`PoolSettings` exists only checked (:meth:`PoolSettings.checked` runs
-``settings.check_pool_settings`` before it is made: a setting out of range, or sizes given
-with a pool of the caller's, raise ``InvalidArgument`` there), and never changes afterwards
+Invariants: a :class:`PoolSettings` exists only checked (:meth:`PoolSettings.checked` checks
+the keywords before it is made: a setting out of range, or sizes given with a pool of the
+caller's, raise ``InvalidArgument`` there), and never changes afterwards
 (frozen); the public keywords it is built from stay the loaders' own.
 """
 
@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from .._errors import InvalidArgument
 from .._native import PinPool
-from . import settings
+from .settings import MAX_COPY_THREADS, check_choice, check_int, check_timeout, cuda_device
 from .sizing import Sizing
 
 
@@ -58,21 +59,53 @@ class PoolSettings:
         in_flight: int = 1,
         default_num_slots: int | None = None,
     ) -> PoolSettings:
-        """The settings of these keywords, checked (``settings.check_pool_settings``).
-        ``in_flight``: batches in flight at once; ``default_num_slots``: the slots when
-        ``num_slots`` is not given (None: sized from the batches in flight)."""
-        out_device, pool_device = settings.check_pool_settings(
-            pool=pool,
-            arena_bytes=arena_bytes,
-            max_batch_bytes=max_batch_bytes,
-            slot_bytes=slot_bytes,
-            num_slots=num_slots,
-            copy_threads=copy_threads,
-            slot_timeout=slot_timeout,
-            overflow=overflow,
-            oversize=oversize,
-            device=device,
-        )
+        """The settings of these keywords (``pinpool.DataLoader``'s and ``pinpool.pinned``'s),
+        checked: ``InvalidArgument`` for one out of range, or sizes given with a pool of the
+        caller's. ``in_flight``: batches in flight at once; ``default_num_slots``: the slots
+        when ``num_slots`` is not given (None: sized from the batches in flight). The pool's
+        device is a given pool's, else the delivery device's, else torch's current CUDA
+        device, else None."""
+        check_choice("overflow", overflow, ("copy", "wait"))
+        check_choice("oversize", oversize, ("copy", "error"))
+        check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
+        check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
+        check_int("arena_bytes", arena_bytes, 1, 1 << 50, none_ok=True)
+        check_int("max_batch_bytes", max_batch_bytes, 1, 1 << 50, none_ok=True)
+        if slot_bytes is not None and (arena_bytes is not None or max_batch_bytes is not None):
+            raise InvalidArgument(
+                "slot_bytes= (with num_slots=) sizes the arena in equal slots; pass either it or "
+                "arena_bytes=/max_batch_bytes=, not both"
+            )
+        if None not in (arena_bytes, max_batch_bytes) and max_batch_bytes > arena_bytes:
+            raise InvalidArgument(
+                f"max_batch_bytes ({max_batch_bytes}) is larger than arena_bytes ({arena_bytes})"
+            )
+        check_int("copy_threads", copy_threads, 1, MAX_COPY_THREADS, none_ok=True)
+        check_timeout("slot_timeout", slot_timeout)
+        if pool is not None:
+            # The pool was made with its own sizes and copy threads: these would change nothing.
+            given = {
+                "arena_bytes": arena_bytes,
+                "max_batch_bytes": max_batch_bytes,
+                "slot_bytes": slot_bytes,
+                "num_slots": num_slots,
+                "copy_threads": copy_threads,
+            }
+            named = [f"{name}=" for name, value in given.items() if value is not None]
+            if named:
+                raise InvalidArgument(
+                    f"{', '.join(named)} cannot apply with pool=: a pool of your own keeps the "
+                    "sizes and copy threads it was made with; pass them to PinPool(...) instead"
+                )
+        out_device = cuda_device(device)
+        if pool is not None:
+            pool_device = pool.device
+        elif out_device is not None:
+            pool_device = out_device.index
+        elif torch.cuda.is_available():
+            pool_device = torch.cuda.current_device()
+        else:
+            pool_device = None
         sizing = Sizing(
             arena_bytes=arena_bytes,
             max_batch_bytes=max_batch_bytes,

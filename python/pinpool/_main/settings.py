@@ -96,67 +96,6 @@ def local_world_size() -> int:
         return 1
 
 
-def check_pool_settings(
-    *,
-    pool: Any,
-    arena_bytes: Any = None,
-    max_batch_bytes: Any = None,
-    slot_bytes: Any,
-    num_slots: Any,
-    copy_threads: Any,
-    slot_timeout: Any,
-    overflow: Any,
-    oversize: Any,
-    device: Any,
-) -> tuple[torch.device | None, int | None]:
-    """Checks the settings ``pinpool.DataLoader`` and ``pinpool.pinned`` share; returns the
-    CUDA device batches are delivered on (None: pinned CPU batches) and the pool's device (a
-    given pool's, else the delivery device's, else torch's current CUDA device, else None)."""
-    check_choice("overflow", overflow, ("copy", "wait"))
-    check_choice("oversize", oversize, ("copy", "error"))
-    check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
-    check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
-    check_int("arena_bytes", arena_bytes, 1, 1 << 50, none_ok=True)
-    check_int("max_batch_bytes", max_batch_bytes, 1, 1 << 50, none_ok=True)
-    if slot_bytes is not None and (arena_bytes is not None or max_batch_bytes is not None):
-        raise InvalidArgument(
-            "slot_bytes= (with num_slots=) sizes the arena in equal slots; pass either it or "
-            "arena_bytes=/max_batch_bytes=, not both"
-        )
-    if arena_bytes is not None and max_batch_bytes is not None and max_batch_bytes > arena_bytes:
-        raise InvalidArgument(
-            f"max_batch_bytes ({max_batch_bytes}) is larger than arena_bytes ({arena_bytes})"
-        )
-
-    check_int("copy_threads", copy_threads, 1, MAX_COPY_THREADS, none_ok=True)
-    check_timeout("slot_timeout", slot_timeout)
-    if pool is not None:
-        # The pool was made with its own sizes and copy threads: these would change nothing.
-        given = {
-            "arena_bytes": arena_bytes,
-            "max_batch_bytes": max_batch_bytes,
-            "slot_bytes": slot_bytes,
-            "num_slots": num_slots,
-            "copy_threads": copy_threads,
-        }
-        named = [f"{name}=" for name, value in given.items() if value is not None]
-        if named:
-            raise InvalidArgument(
-                f"{', '.join(named)} cannot apply with pool=: a pool of your own keeps the "
-                "sizes and copy threads it was made with; pass them to PinPool(...) instead"
-            )
-    out_device = cuda_device(device)
-    if pool is not None:
-        pool_device = pool.device
-    elif out_device is not None:
-        pool_device = out_device.index
-    elif torch.cuda.is_available():
-        pool_device = torch.cuda.current_device()
-    else:
-        pool_device = None
-    return out_device, pool_device
-
-
 def ignored(
     *,
     dataset: Any,

@@ -65,7 +65,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class Sizing:
-    """A loader's size settings, as given (checked by ``settings.check_pool_settings``)."""
+    """A loader's size settings, as given (checked by ``PoolSettings.checked``)."""
 
     arena_bytes: int | None = None
     max_batch_bytes: int | None = None
