@@ -13,6 +13,7 @@ import torch
 from loader_gpu_datasets import Images, Mixed
 
 import pinpool
+import pinpool.trace
 
 #: In copy mode, or the mode --zero-copy/--pin-thread choose (``tests/conftest.py``).
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("loader_mode")]
@@ -121,3 +122,31 @@ def test_big_batches_stream_through_few_slots() -> None:
     stats = ours.stats()
     assert stats["overflow_batches"] == 0
     assert stats["slots_checked_out"] == 0
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_small_device_batches_are_sent_by_the_consumer_and_big_ones_ahead(zero_copy: bool) -> None:
+    """Device batches up to ``CONSUMER_SENDS_UP_TO`` are sent in ``next()``, on the consumer's
+    thread; bigger ones by torch's pin thread, ahead. Both arrive whole."""
+    from pinpool._main.receiver import CONSUMER_SENDS_UP_TO
+
+    small = Images(32, 3, 32, 32)  # 8 x 3 KB
+    big = Images(32, 3, 512, 512)  # 8 x 786 KB
+    assert 8 * 3 * 32 * 32 <= CONSUMER_SENDS_UP_TO < 8 * 3 * 512 * 512
+    me = threading.current_thread().name
+    for data, by_consumer in ((small, True), (big, False)):
+        loader = pinpool.DataLoader(
+            data, batch_size=8, num_workers=2, device="cuda", zero_copy=zero_copy
+        )
+        with pinpool.trace.recording() as events:
+            for batch, labels in loader:
+                expected = (labels % 251).to(torch.uint8).cuda()
+                assert torch.equal(batch[:, 0, 0, 0], expected)
+                assert torch.equal(batch[:, -1, -1, -1], expected)
+        senders = {e.thread for e in events if e.name == "batch.send"}
+        assert senders, "no batch was sent"
+        assert (senders == {me}) is by_consumer, (data.shape, senders)
+        if not by_consumer:
+            assert me not in senders
+        del loader
+        gc.collect()

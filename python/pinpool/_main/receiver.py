@@ -44,6 +44,12 @@ from .lazy_pool import IN_TURN, LazyPool
 from .pool_settings import PoolSettings
 from .reservations import Reservations
 
+#: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
+#: in its turn, rather than by torch's pin thread ahead of it: for a small batch, sending it
+#: ahead saves the consumer little, while handing it from one thread to the other (each
+#: taking the GIL in turn) costs more than the send.
+CONSUMER_SENDS_UP_TO = 1 << 20
+
 
 class Receiver:
     """The intake, the lazy pool, the zero-copy reservations and the delivery of one loader."""
@@ -83,8 +89,9 @@ class Receiver:
 
         ``ahead``: called by torch's pin thread, which takes batches as they arrive, ahead of
         the consumer and in any order. It never waits for a slot that only the consumer can
-        give back, nor decides on overflow: when every slot is held by a batch, the handle
-        itself is returned, and the consumer's thread takes it when it reaches that batch,
+        give back, nor decides on overflow: when every slot is held by a batch, or the batch
+        is a small one for the device (:data:`CONSUMER_SENDS_UP_TO`), the handle itself is
+        returned, and the consumer's thread takes it when it reaches that batch,
         in order (the same rules as on a machine without an accelerator). Nor does it wait
         for a copy into a slot whose batch stays on the CPU: the consumer's thread waits for
         it (``Pending.wait``).
@@ -99,6 +106,8 @@ class Receiver:
             return self.deliver(handle.tree, [], None, 0)
         copying = None
         try:
+            if ahead and self.deliver.device is not None and self._small(handle):
+                return handle  # (sent by the consumer's thread in its turn)
             if handle.slot is not None:
                 t0 = _trace.on and _trace.now()
                 memory, specs, need = self.intake.adopt(handle)
@@ -127,6 +136,17 @@ class Receiver:
         if t0:
             _trace.span("batch.deliver", t0, nbytes=need)
         return pending
+
+    def _small(self, handle: BatchHandle) -> bool:
+        """Whether a batch bound for the device is small enough for the consumer's thread to
+        send it (:data:`CONSUMER_SENDS_UP_TO`); a segment's batch has its segment opened
+        first, here on the pin thread, while its worker surely lives."""
+        if handle.slot is None and handle._state == ARRIVED:
+            self.intake.receive(handle)
+        try:
+            return int(handle.nbytes) <= CONSUMER_SENDS_UP_TO
+        except (TypeError, ValueError, OverflowError):
+            return False  # (a corrupt zero-copy handle: refused as it is adopted)
 
     def take_in_turn(self, handle: BatchHandle) -> Any:
         """The handle's batch, on the consumer's thread and in its turn: taken, and handed
