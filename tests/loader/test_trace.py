@@ -143,11 +143,24 @@ class Counting(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         return iter(range(start, self.n, step))
 
 
+class Unsized:
+    """A batch sampler whose ``__len__`` raises (as some users' do)."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        raise NotImplementedError("no length")
+
+
 def test_each_worker_is_told_its_last_task_of_an_epoch(tmp_path: Path) -> None:
     """A map-style epoch's last task of each worker is followed, in that worker, by its
     segments' page tables dropped (``worker.last_task``): once per worker and epoch, and
-    never with persistent workers, whose epoch has no end, or an iterable dataset, whose
-    length is not known. The batches are whole whatever the workers dropped."""
+    never with persistent workers, whose epoch has no end, or an iterable dataset or a batch
+    sampler, whose length is not known. The batches are whole whatever the workers dropped."""
     _WORKER_LOG[:] = [str(tmp_path / "events")]
     log = tmp_path / "events"
 
@@ -175,6 +188,13 @@ def test_each_worker_is_told_its_last_task_of_an_epoch(tmp_path: Path) -> None:
             Counting(N), batch_size=BATCH, num_workers=2, multiprocessing_context="fork"
         )
         assert sorted(x for b in counting for x in b.tolist()) == list(range(N))
+        assert not last_tasks()
+        # A batch sampler without a length (torch never asks it for one) loads as before.
+        unsized = pinpool.DataLoader(
+            Indexed(N), batch_sampler=Unsized(EXPECTED), num_workers=2,
+            multiprocessing_context="fork",
+        )  # fmt: skip
+        assert [b["idx"].tolist() for b in unsized] == EXPECTED
         assert not last_tasks()
     finally:
         pinpool.trace.set_hook(None)

@@ -77,7 +77,7 @@ class WorkersIter(MultiProcessingIter):
             return None
         try:
             tasks = len(self._index_sampler)
-        except TypeError:
+        except Exception:  # (none, or a sampler's own that raises: torch never asks for it)
             return None
         return max(tasks - self._num_workers, 0)
 
