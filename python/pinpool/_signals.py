@@ -25,6 +25,7 @@ flag does not wake a main thread that waits in a system call.
 
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
 import threading
@@ -33,6 +34,10 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+#: ``signal``'s C module: its ``valid_signals`` and ``getsignal`` make no enum of each signal,
+#: which ``signal``'s own do, in Python frames (where another handler's exception could land)
+#: and ten times slower.
+_c_signal: Any = importlib.import_module("_signal")
 #: The finalizers that handed an exception back: the signal waits until none is running.
 _FINALIZERS: set[CodeType] = set()
 #: How long a signal handed back waits for the main thread to leave pinpool's finalizers.
@@ -45,8 +50,8 @@ def signal_of(exc: BaseException) -> int | None:
     if threading.current_thread() is not threading.main_thread():
         return None  # (handlers run in the main thread only)
     codes: dict[Any, int] = {}
-    for signum in signal.valid_signals():
-        handler = signal.getsignal(signum)
+    for signum in _c_signal.valid_signals():
+        handler = _c_signal.getsignal(signum)
         code = getattr(getattr(handler, "__func__", handler), "__code__", None)
         if code is not None:
             codes.setdefault(code, int(signum))

@@ -119,20 +119,31 @@ class WorkersIter(MultiProcessingIter):
         if getattr(self, "_pin_pid", None) != os.getpid():
             return
         t0 = _trace.on and _trace.now()
+        # A handler's exception can land anywhere, in an ``except`` clause too, and escape it.
+        # So each clause here only keeps the exception, a clause around it keeps one that
+        # lands there, and whether an exception was a handler's (which takes a while to find)
+        # is asked at the top of the next try, inside it.
         errors: list[BaseException] = []
         try:
-            super()._shutdown_workers()
-        except BaseException as exc:
-            errors.append(exc)
-        for _ in range(_CLEANUP_TRIES):
             try:
-                _reap_workers(self)
-                _close_index_queues(self)
-                break
+                super()._shutdown_workers()
             except BaseException as exc:
                 errors.append(exc)
-                if _signals.signal_of(exc) is None:
-                    break  # (not an interruption, after which each step can be done again)
+        except BaseException as exc:
+            errors.append(exc)
+        torchs = len(errors)
+        for _ in range(_CLEANUP_TRIES):
+            try:
+                try:
+                    if len(errors) > torchs and _signals.signal_of(errors[-1]) is None:
+                        break  # (not an interruption, after which each step can be done again)
+                    _reap_workers(self)
+                    _close_index_queues(self)
+                    break
+                except BaseException as exc:
+                    errors.append(exc)
+            except BaseException as exc:
+                errors.append(exc)
         if t0:
             _trace.span("workers.shutdown", t0)
         if errors:
