@@ -91,11 +91,7 @@ impl Pool {
     /// Slots by state.
     pub fn slot_counts(&self) -> Counts {
         let mut slots = self.table.counts();
-        if self.table.is_closed() {
-            slots.free += std::mem::take(&mut slots.preparing); // as when the pool is gone
-        } else if self.prepare_error.get().is_some() {
-            slots.preparing = 0; // they never will be ready
-        }
+        self.settle_preparing(&mut slots.free, &mut slots.preparing);
         slots
     }
 
@@ -118,11 +114,18 @@ impl Pool {
     /// The arena's bytes by state.
     pub fn bytes(&self) -> Bytes {
         let mut bytes = self.table.bytes();
-        if self.table.is_closed() {
-            bytes.free += std::mem::take(&mut bytes.preparing); // as when the pool is gone
-        } else if self.prepare_error.get().is_some() {
-            bytes.preparing = 0; // they never will be ready
-        }
+        self.settle_preparing(&mut bytes.free, &mut bytes.preparing);
         bytes
+    }
+
+    /// What is still being made ready (slots or bytes) as the stats report it: free once the
+    /// pool is closed, as when it is gone; nothing once making it ready has failed, as it
+    /// never will be.
+    fn settle_preparing(&self, free: &mut usize, preparing: &mut usize) {
+        if self.table.is_closed() {
+            *free += std::mem::take(preparing);
+        } else if self.prepare_error.get().is_some() {
+            *preparing = 0;
+        }
     }
 }
