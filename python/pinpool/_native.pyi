@@ -169,6 +169,10 @@ class Slot:
         tensor on the pool's device with at least ``nbytes`` bytes) on ``stream`` (a
         ``torch.cuda.Stream`` or a raw ``CUstream`` int), and an event after it. Keep
         ``target`` alive until the copy has run, and release the slot fenced on ``stream``."""
+    def send_then_release(self, target: Any, nbytes: int, stream: Any) -> None:
+        """Queues a copy of the slot's first ``nbytes`` bytes to ``target`` on ``stream`` (as
+        ``copy_to_device``), then releases the slot fenced on ``stream``: work queued on
+        ``stream`` afterwards sees the copy done. Keep ``target`` alive until then."""
     def release(self, stream: Any = None) -> None: ...
     def __enter__(self) -> Slot: ...
     def __exit__(

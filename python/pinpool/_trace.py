@@ -90,8 +90,9 @@ EVENTS: dict[str, str] = {
     "the device (span; nbytes)",
     "batch.send": "a slot's bytes (a segment's, copied in on the way) sent to the device in "
     "one call without the GIL (span; nbytes)",
-    "batch.wait": "the consumer waits for its batch: a background copy into the slot, or the "
-    "copy to the device handed to its stream (span; what: 'landing' or 'device')",
+    "batch.wait": "the consumer waits for its batch: a background copy into the slot, the "
+    "copy to the device handed to its stream, or a small batch sent to the device on its "
+    "stream (span; what: 'landing', 'device' or 'send')",
     "batch.finish": "the consumer's turn for an item torch produced: a handle taken, a copy "
     "waited for (span)",
     # A batch, worker process (events stay in the worker: see the module's doc).

@@ -159,6 +159,36 @@ impl PySlot {
         })
     }
 
+    /// Queues a copy of the slot's first `nbytes` bytes to `target` (a contiguous CUDA tensor
+    /// on the pool's device with at least `nbytes` bytes) on `stream`, then returns the slot
+    /// to the pool fenced on that stream: one call for a batch sent on the stream that uses
+    /// it, with no event to wait for. Keep `target` alive until the copy has run (work queued
+    /// on `stream` after this call sees the copy done).
+    fn send_then_release(
+        &self,
+        py: Python<'_>,
+        target: &Bound<'_, PyAny>,
+        nbytes: usize,
+        stream: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        guarded(|| {
+            let pool = Arc::clone(self.lease.pool());
+            let device = pool_device(py, &pool)?;
+            let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
+            let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
+            {
+                let _pin = self.pin(py, &pool)?; // refused once released
+                let checkout = self.lease.checkout();
+                // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device
+                // with at least `nbytes` bytes (checked above), kept alive by the caller until
+                // the copy has run; the slot is pinned for the copy's queuing and released
+                // below fenced on `stream`, behind the copy.
+                py.detach(|| unsafe { pool.send(checkout, dst, nbytes, stream) }).py(py)?;
+            }
+            self.lease.release(Some(stream)).py(py)
+        })
+    }
+
     /// Returns the slot to the pool. On a CUDA pool the slot is reused only after the work
     /// queued so far on `stream` has finished (default: torch's current stream, if torch has
     /// initialised CUDA). With live views the return waits until they die.

@@ -78,9 +78,10 @@ def test_device_batches_equal_torch_and_are_safe_on_the_consumer_stream(zero_cop
 def test_device_memory_is_recorded_on_the_stream_that_consumes_it(
     monkeypatch: pytest.MonkeyPatch, zero_copy: bool
 ) -> None:
-    """The caching allocator is told (``record_stream``) that each batch's device memory is
-    used on the consumer's stream, whichever stream that is and however it changes: recorded
-    ahead on the pin thread for the stream the consumer used last, or in ``next()``."""
+    """The caching allocator is told (``record_stream``) that each big batch's device memory
+    is used on the consumer's stream, whichever stream that is and however it changes:
+    recorded ahead on the pin thread for the stream the consumer used last, or in ``next()``.
+    (A small batch's memory is allocated on the consumer's stream itself: see below.)"""
     calls: list[tuple[int, int]] = []
     lock = threading.Lock()  # (the pin thread records too)
     record = torch.Tensor.record_stream
@@ -92,15 +93,15 @@ def test_device_memory_is_recorded_on_the_stream_that_consumes_it(
 
     monkeypatch.setattr(torch.Tensor, "record_stream", counted)
     ours = pinpool.DataLoader(
-        Mixed(96), batch_size=8, num_workers=2, device="cuda", zero_copy=zero_copy
+        Images(96, 3, 256, 256), batch_size=8, num_workers=2, device="cuda", zero_copy=zero_copy
     )
     side = torch.cuda.Stream()
     streams = [torch.cuda.default_stream()] * 4 + [side] * 4 + [torch.cuda.default_stream()] * 4
     it = iter(ours)
     for i, stream in enumerate(streams):
         with torch.cuda.stream(stream):
-            b = next(it)
-        ptr = b["image"].untyped_storage().data_ptr()
+            b, _ = next(it)
+        ptr = b.untyped_storage().data_ptr()
         with lock:
             mine = [raw for p, raw in calls if p == ptr]
             calls[:] = [c for c in calls if c[0] != ptr]  # (a later batch may reuse it)
@@ -108,6 +109,44 @@ def test_device_memory_is_recorded_on_the_stream_that_consumes_it(
     del it, b
     gc.collect()
     assert ours.stats()["slots_checked_out"] == 0
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_small_device_batches_are_copied_behind_the_consumers_work_and_fenced_there(
+    zero_copy: bool,
+) -> None:
+    """A small device batch is copied on the stream current in ``next()``, as
+    ``tensor.to(device, non_blocking=True)`` would be: behind the work queued there, with its
+    slot returned fenced on that stream. Two slots, and a long kernel queued on the
+    consumer's stream before each ``next()``: a slot reused before the copy out of it had run
+    would hand an earlier batch a later batch's bytes."""
+    from pinpool._main.receiver import CONSUMER_SENDS_UP_TO
+
+    assert 8 * 3 * 32 * 32 <= CONSUMER_SENDS_UP_TO
+    loader = pinpool.DataLoader(
+        Images(48, 3, 32, 32),
+        batch_size=8,
+        num_workers=2,
+        device="cuda",
+        zero_copy=zero_copy,
+        slot_bytes=1 << 16,
+        num_slots=2,
+    )
+    side = torch.cuda.Stream()
+    got = []
+    with torch.cuda.stream(side):
+        for batch, labels in loader:
+            got.append((batch, labels))
+            torch.cuda._sleep(100_000_000)  # about 50 ms of work before the next batch
+    torch.cuda.synchronize()
+    assert sum(len(labels) for _, labels in got) == 48
+    for batch, labels in got:
+        expected = (labels % 251).to(torch.uint8).cuda()
+        assert torch.equal(batch[:, 0, 0, 0], expected)
+        assert torch.equal(batch[:, -1, -1, -1], expected)
+    del got, batch
+    gc.collect()
+    assert loader.stats()["slots_checked_out"] == 0
 
 
 def test_big_batches_stream_through_few_slots() -> None:

@@ -48,6 +48,9 @@ from .._wire.handle import BatchHandle
 #: Where a slot's bytes still are, when a batch is sent to the device: in a worker's segment
 #: (the segment cache and the segment's key), or None: in the slot already.
 Source = tuple[SegmentCache, tuple[int, int]] | None
+#: A small batch in a slot the driver pinned, left to be sent in its turn
+#: (:meth:`Delivery.send_in_turn`): its tree, leaf specs, slot and size in bytes.
+SendLater = tuple[Any, list[codec.LeafSpec], Slot, int]
 
 
 class Pending:
@@ -63,7 +66,7 @@ class Pending:
     does that ahead, for the stream the consumer used last (``recorded``: its raw handle);
     ``wait()`` only does it again when the consumer's current stream is another one."""
 
-    __slots__ = ("batch", "copying", "delivery", "recorded", "sent", "storage")
+    __slots__ = ("batch", "copying", "delivery", "later", "recorded", "sent", "storage")
 
     def __init__(
         self,
@@ -74,6 +77,7 @@ class Pending:
         sent: Sent | torch.cuda.Event | None = None,
         delivery: Delivery | None = None,
         recorded: int | None = None,
+        later: SendLater | None = None,
     ) -> None:
         self.batch = batch
         self.copying = copying
@@ -81,15 +85,22 @@ class Pending:
         self.sent = sent
         self.delivery = delivery
         self.recorded = recorded
+        self.later = later
 
     def wait(self) -> Any:
         t0 = _trace.on and _trace.now()
+        what = "device" if self.sent is not None else "landing"
         if self.copying is not None:
             self.copying.wait()
-        if self.sent is not None:
+        if self.later is not None:
+            what = "send"
+            later, self.later = self.later, None
+            assert self.delivery is not None
+            self.batch = self.delivery.send_in_turn(*later)
+        elif self.sent is not None:
             self._hand_to_current_stream()
-        if t0 and (self.copying is not None or self.sent is not None):
-            _trace.span("batch.wait", t0, what="landing" if self.sent is None else "device")
+        if t0 and (self.copying is not None or self.sent is not None or what == "send"):
+            _trace.span("batch.wait", t0, what=what)
         return self.batch
 
     def _hand_to_current_stream(self) -> None:
@@ -282,6 +293,27 @@ class Delivery:
         storage.record_stream(consumer)
         batch = leaves.rebuild(tree, views, self.pin_opaque)
         return Pending(batch, storage=storage, sent=sent, delivery=self, recorded=raw)
+
+    def send_in_turn(
+        self, tree: Any, specs: list[codec.LeafSpec], slot: Slot, need: int
+    ) -> Any:
+        """The batch of ``tree`` on the device, sent on the consumer's thread as it is
+        yielded, on torch's current stream (as ``tensor.to(device, non_blocking=True)``
+        would): the device memory is allocated there and the slot released fenced there,
+        in one native call, so no event, no stream switch and no ``record_stream`` are
+        needed. For small batches, whose copy is too short to gain from running beside the
+        consumer's work on a stream of its own."""
+        self.batches += 1
+        self.bytes += need
+        assert self.device is not None
+        raw = self.current_raw_stream()
+        storage = torch.empty(need, dtype=torch.uint8, device=self.device)
+        views = _device_leaves(specs, slot, storage, need)
+        t0 = _trace.on and _trace.now()
+        slot.send_then_release(storage, need, raw)
+        if t0:
+            _trace.span("batch.send", t0, nbytes=need)
+        return leaves.rebuild(tree, views, self.pin_opaque)
 
     def current_raw_stream(self) -> int:
         """The raw handle of torch's current stream on the loader's device."""

@@ -106,19 +106,18 @@ class Receiver:
             return self.deliver(handle.tree, [], None, 0)
         copying = None
         try:
-            if ahead and self.deliver.device is not None and self._small(handle):
-                return handle  # (sent by the consumer's thread in its turn)
+            small = self.deliver.device is not None and self._small(handle)
             if handle.slot is not None:
                 t0 = _trace.on and _trace.now()
                 memory, specs, need = self.intake.adopt(handle)
                 if t0:
                     _trace.span("batch.adopt", t0, nbytes=need)
             else:
-                got = self._copy_in(handle, ahead)
+                got = self._copy_in(handle, ahead, small)
                 if got is IN_TURN:
                     return handle
                 memory, specs, need, copying = got
-                if copying is None and self._send_from_segment(memory):
+                if not small and copying is None and self._send_from_segment(memory):
                     # Into the slot and on to the device in one call, as it is delivered.
                     try:
                         cache = self.pools.cache
@@ -131,6 +130,10 @@ class Receiver:
             self.intake.drop(handle)
             raise
         self.intake.drop(handle, handed_back=copying is not None)
+        if small and self._send_from_segment(memory):
+            # Sent on the consumer's thread as it is yielded (Pending.wait).
+            later = (handle.tree, specs, memory, need)
+            return Pending(None, copying=copying, later=later, delivery=self.deliver)
         t0 = _trace.on and _trace.now()
         pending = self.deliver(handle.tree, specs, memory, need, copying)
         if t0:
@@ -164,12 +167,13 @@ class Receiver:
             and memory.device is not None
         )
 
-    def _copy_in(self, handle: BatchHandle, ahead: bool) -> Any:
+    def _copy_in(self, handle: BatchHandle, ahead: bool, small: bool) -> Any:
         """Copy mode: a slot (or an ordinary buffer) with the segment's batch copied in; or
         still being copied in (then also its :class:`~pinpool._native.Copying`, and the
-        segment goes back to its worker from the copy thread); or, for a batch sent to the
-        device from a slot the driver pinned, nothing copied yet (see :meth:`take`); or
-        :data:`~pinpool._main.lazy_pool.IN_TURN`."""
+        segment goes back to its worker from the copy thread); or, for a big batch sent to
+        the device from a slot the driver pinned, nothing copied yet (see :meth:`take`); or
+        :data:`~pinpool._main.lazy_pool.IN_TURN`. ``small``: a batch for the device the
+        consumer's thread sends (:data:`CONSUMER_SENDS_UP_TO`)."""
         if handle._state == ARRIVED:
             self.intake.receive(handle)
         pool, cache = self.pools.pool_for(int(handle.nbytes))
@@ -181,25 +185,27 @@ class Receiver:
         copying: Any = None
         t0 = _trace.on and _trace.now()
         if isinstance(memory, Slot):
-            if self._send_from_segment(memory):
+            pinned = self._send_from_segment(memory)
+            if pinned and not small:
                 pass  # (Delivery.send copies it)
-            elif ahead and self.deliver.device is None:
-                # The pin thread goes on to the next batch; the consumer waits (Pending.wait).
+            elif ahead and (self.deliver.device is None or pinned):
+                # The pin thread goes on to the next batch; the consumer waits (Pending.wait),
+                # and sends a small batch for the device from the slot.
                 copying = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
             else:
                 cache.copy_to_slot(key, memory, [(0, 0, need)])
         elif memory is not None:
             cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
         if t0 and memory is not None:
-            _trace.span("batch.copy", t0, nbytes=need, how=self._copy_how(memory, copying))
+            _trace.span("batch.copy", t0, nbytes=need, how=self._copy_how(memory, copying, small))
         return memory, specs, need, copying
 
-    def _copy_how(self, memory: Any, copying: Any) -> str:
+    def _copy_how(self, memory: Any, copying: Any, small: bool) -> str:
         """The ``batch.copy`` event's ``how`` (see ``pinpool._trace.EVENTS``)."""
-        if self._send_from_segment(memory):
-            return "device"
         if copying is not None:
             return "background"
+        if not small and self._send_from_segment(memory):
+            return "device"
         return "slot" if isinstance(memory, Slot) else "buffer"
 
     def receive_now(self, handle: BatchHandle) -> None:
