@@ -294,9 +294,7 @@ class Delivery:
         batch = leaves.rebuild(tree, views, self.pin_opaque)
         return Pending(batch, storage=storage, sent=sent, delivery=self, recorded=raw)
 
-    def send_in_turn(
-        self, tree: Any, specs: list[codec.LeafSpec], slot: Slot, need: int
-    ) -> Any:
+    def send_in_turn(self, tree: Any, specs: list[codec.LeafSpec], slot: Slot, need: int) -> Any:
         """The batch of ``tree`` on the device, sent on the consumer's thread as it is
         yielded, on torch's current stream (as ``tensor.to(device, non_blocking=True)``
         would): the device memory is allocated there and the slot released fenced there,
