@@ -96,8 +96,9 @@ EVENTS: dict[str, str] = {
     "batch.finish": "the consumer's turn for an item torch produced: a handle taken, a copy "
     "waited for (span)",
     # A batch, worker process (events stay in the worker: see the module's doc).
-    "worker.place": "the memory a batch is written into: its zero-copy slot mapped, or a "
-    "segment of the worker's ring claimed (span; nbytes, slot: a zero-copy slot)",
+    "worker.place": "the memory a batch is written into: its zero-copy slot's window opened, "
+    "or a segment of the worker's ring claimed (span; nbytes, slot: a zero-copy slot, mapped: "
+    "its window mapped now rather than kept from an earlier batch)",
     "worker.stream": "samples made and their big arrays streamed into the batch's memory "
     "(span; count)",
     "worker.write": "a planned batch (or its rest, after streaming) written into its memory "

@@ -608,12 +608,79 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -
         pinpool.wait_for_freed_pools(timeout=60)
 
 
+def test_a_kept_window_faults_on_a_write_between_batches() -> None:
+    """A window a zero-copy worker keeps between batches is writable only while open: a write
+    after ``close()`` (a stray pointer into a slot the consumer now holds) kills the writer
+    with SIGSEGV instead of changing the consumer's batch."""
+    code = textwrap.dedent(
+        """
+        import fcntl, os, sys
+        from pinpool._native import ArenaWindow
+        fd = os.memfd_create("pinpool-test", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 3 * 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        window = ArenaWindow(fd, 4096, 2 * 4096)
+        view = memoryview(window)
+        window.open(4096, 100)
+        view[:5] = b"batch"
+        assert os.pread(fd, 5, 4096) == b"batch"
+        print("written while open", flush=True)
+        del view
+        window.close()
+        view = memoryview(window)
+        view[:5] = b"stray"
+        print("written while closed", flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "written while open" in done.stdout, done.stderr
+    assert "written while closed" not in done.stdout
+    assert done.returncode == -11, (done.returncode, done.stderr)  # SIGSEGV
+
+
+def test_a_workers_window_is_kept_for_its_next_slot_there(make_pool: Any) -> None:
+    """A reservation at the pages of an earlier one reopens the window kept for it (checked:
+    same file, inside it); one elsewhere maps a window of its own; at most ``WINDOWS_KEPT``
+    are kept, the least recently used going first."""
+    from pinpool._wire.handle import WINDOWS_KEPT, SlotReservation
+    from pinpool._worker import places
+
+    pool = make_pool(1 << 16, 16, arena_bytes=16 << 16)
+    slots = [pool.checkout(nbytes=1 << 16) for _ in range(WINDOWS_KEPT + 1)]
+
+    def reservation(slot: Any, nonce: int) -> SlotReservation:
+        fd, offset, part_len = pool.slot_memfd(slot)
+        ino = os.fstat(fd).st_ino
+        return SlotReservation(slot.index, 1, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, ino)
+
+    places._WINDOWS.clear()
+    first, at, new = places.open_window(reservation(slots[0], 1))
+    assert at == 0 and new
+    places._close_window(first)
+    again, _, new = places.open_window(reservation(slots[0], 2))
+    assert again is first and not new, "the kept window is reopened"
+    places._close_window(again)
+    # Another file with the same offset (its inode differs): a window of its own.
+    other = reservation(slots[0], 3)._replace(arena_ino=reservation(slots[0], 3).arena_ino + 1)
+    with pytest.raises(PinPoolError, match="no longer names"):
+        places.open_window(other)
+    for n, slot in enumerate(slots[1:], start=4):
+        window, _, _ = places.open_window(reservation(slot, n))
+        assert window is not first
+        places._close_window(window)
+    assert len(places._WINDOWS) == WINDOWS_KEPT
+    assert all(w is not first for _, w in places._WINDOWS), "the oldest went first"
+    places._WINDOWS.clear()
+    for slot in slots:
+        slot.release()
+
+
 def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
     """The worker's side of a reservation maps only the slot's pages, and only from the file the
     reservation names: another file behind the descriptor, an unsealed one, one of another length
     or a slot outside it is refused with the reason, and nothing stays open."""
     from pinpool._wire.handle import SlotReservation
-    from pinpool._worker.places import map_slot
+    from pinpool._worker.places import map_window
 
     pool = make_pool(1 << 20, 4, arena_bytes=8 << 20)
     pool.checkout(nbytes=1 << 20).release()  # (the slot below starts past the first page)
@@ -626,11 +693,14 @@ def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> N
         1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
     )
     fds = open_fd_count()
-    mapped, at = map_slot(good)
-    assert len(mapped) - at == slot.nbytes < part_len and at < 4096
-    mapped[at : at + 5] = b"hello"
+    window = map_window(good)
+    assert (window.offset, window.length) == (offset, slot.nbytes) and slot.nbytes < part_len
+    window.open(offset, slot.nbytes)
+    with memoryview(window) as mapped:
+        mapped[:5] = b"hello"
+    window.close()
     assert bytes(slot.view(np.uint8, (5,))) == b"hello"
-    mapped.close()
+    del window
     assert open_fd_count() == fds
 
     unsealed = make_memfd(part_len, seal=False)
@@ -658,7 +728,7 @@ def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> N
         }
         for name, reservation in cases.items():
             with pytest.raises(PinPoolError, match=reasons[name]):
-                map_slot(reservation)
+                map_window(reservation)
             assert open_fd_count() == fds + 2, name  # (the two files above)
     os.close(unsealed)
     slot.release()

@@ -131,6 +131,54 @@ def test_forked_workers_report_their_steps(tmp_path: Path, zero_copy: bool) -> N
     assert not any(n.startswith("worker.") for pid, n in lines if int(pid) == os.getpid())
 
 
+def _log_places(e: pinpool.trace.Event) -> None:
+    """A hook for the workers: each ``worker.place`` as ``pid slot mapped`` (one write)."""
+    if e.name != "worker.place":
+        return
+    fd = os.open(_WORKER_LOG[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        line = f"{os.getpid()} {int(e.details['slot'])} {int(e.details['mapped'])}\n"
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_zero_copy_workers_write_into_windows_they_mapped_before(
+    tmp_path: Path, persistent: bool
+) -> None:
+    """Each worker is handed, first, the slots it had before, and writes most zero-copy
+    batches into a window it kept from an earlier batch: few windows are mapped per worker
+    (about what it keeps), whatever the number of batches."""
+    from pinpool._wire.handle import WINDOWS_KEPT
+
+    _WORKER_LOG[:] = [str(tmp_path / "places")]
+    pinpool.trace.set_hook(_log_places)
+    try:
+        loader = pinpool.DataLoader(
+            Indexed(192, shape=(64, 64)),
+            batch_size=4,
+            num_workers=2,
+            zero_copy=True,
+            persistent_workers=persistent,
+            multiprocessing_context="fork",
+        )
+        for _epoch in range(2):
+            assert sum(len(b["idx"]) for b in loader) == 192
+        stats = loader.stats()
+        del loader
+        gc.collect()
+    finally:
+        pinpool.trace.set_hook(None)
+    rows = [tuple(map(int, line.split())) for line in (tmp_path / "places").read_text().split("\n") if line]
+    slots = [(pid, mapped) for pid, slot, mapped in rows if slot]
+    assert len(slots) == stats["zero_copy_batches"] >= 48, stats
+    mapped = Counter(pid for pid, m in slots if m)
+    for pid in {pid for pid, _ in slots}:
+        assert mapped[pid] <= 2 * WINDOWS_KEPT, (pid, mapped)
+    assert sum(mapped.values()) <= len(slots) // 4, (mapped, len(slots))
+
+
 class Counting(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """0 .. n-1, split between the workers."""
 

@@ -191,7 +191,8 @@ class LazyPool:
                 need,
                 largest,
             )
-        reserve = room_kept(max(self.largest_seen, need), pool.arena_bytes) if ahead else 0
+        seen = max(self.largest_seen, need)
+        reserve = room_kept(seen, pool.arena_bytes, pool.largest_slot) if ahead else 0
         t0 = _trace.on and _trace.now()
         try:
             got = pool.claim(
@@ -223,10 +224,10 @@ class LazyPool:
         self.largest_seen = max(self.largest_seen, need)
         self._recent.append(need)
 
-    def reservation_size(self, arena: int) -> tuple[int, int]:
-        """The size of a zero-copy reservation in an arena of ``arena`` bytes, from the last
-        few batches (``sizing.reservation_bytes``), and the room it leaves for batches that come
-        through copy mode (``sizing.room_kept``)."""
+    def reservation_size(self, arena: int, part: int) -> tuple[int, int]:
+        """The size of a zero-copy reservation in an arena of ``arena`` bytes whose longest
+        part has ``part``, from the last few batches (``sizing.reservation_bytes``), and the
+        room it leaves for batches that come through copy mode (``sizing.room_kept``)."""
         if self.sizing.slot_bytes is not None:
             size = self.max_batch  # equal slots (slot_bytes=): a reservation is one
         else:
@@ -237,7 +238,7 @@ class LazyPool:
             recent = ordered[len(ordered) * 3 // 4]
             size = reservation_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
         # (Never no reserve: the last entry and some bytes stay for copy-mode batches.)
-        return size, max(1, room_kept(self.largest_seen, arena))
+        return size, max(1, room_kept(self.largest_seen, arena, part))
 
     def overflow_buffer(self, need: int) -> torch.Tensor:
         """Ordinary memory for a batch that gets no slot (counted, warned about once)."""

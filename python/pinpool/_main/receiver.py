@@ -238,16 +238,17 @@ class Receiver:
 
     # -- zero-copy ------------------------------------------------------------------------------
 
-    def reserve_for(self, owner: int) -> SlotReservation | None:
-        """A zero-copy reservation for the next batch of sampler ``owner``, sized from the last
-        few batches, leaving room for batches that come through copy mode
+    def reserve_for(self, owner: int, worker: int | None = None) -> SlotReservation | None:
+        """A zero-copy reservation for the next batch of sampler ``owner`` (going to worker
+        ``worker``, if known: preferably where that worker's last slots were), sized from the
+        last few batches, leaving room for batches that come through copy mode
         (``LazyPool.reservation_size``); None sends the batch through copy mode."""
         pool = self.pools.pool
         if pool is None:
             return self.reservations.reserve(None, owner, 0, 0)
-        size, reserve = self.pools.reservation_size(pool.arena_bytes)
+        size, reserve = self.pools.reservation_size(pool.arena_bytes, pool.largest_slot)
         t0 = _trace.on and _trace.now()
-        reservation = self.reservations.reserve(pool, owner, size, reserve)
+        reservation = self.reservations.reserve(pool, owner, size, reserve, worker)
         if t0:
             _trace.span("slot.reserve", t0, nbytes=size, got=reservation is not None)
         return reservation

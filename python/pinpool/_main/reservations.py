@@ -22,12 +22,12 @@ import itertools
 import os
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .._errors import OutOfBounds, PinPoolError
 from .._native import PinPool, Slot
-from .._wire.handle import SlotReservation, TaggedIndices
+from .._wire.handle import WINDOWS_KEPT, SlotReservation, TaggedIndices
 
 
 class Reservations:
@@ -38,23 +38,47 @@ class Reservations:
         self._lock = threading.Lock()
         self.fallbacks = 0  # batches sent through copy mode for want of a slot
         self.too_small = 0  # batches larger than their reservation, sent through copy mode
+        #: Per worker, the arena offsets of its last few slots, the latest first.
+        self._recent: dict[int, list[int]] = {}
+        #: How many of them are kept: what a worker keeps mapped (``_worker.places``).
+        self.remembered = WINDOWS_KEPT
+
+    def _remember(self, worker: int, offset: int) -> None:
+        recent = self._recent.setdefault(worker, [])
+        if offset in recent:
+            recent.remove(offset)
+        recent.insert(0, offset)
+        del recent[self.remembered :]
 
     def reserve(
-        self, pool: PinPool | None, owner: int, nbytes: int, reserve: int
+        self,
+        pool: PinPool | None,
+        owner: int,
+        nbytes: int,
+        reserve: int,
+        worker: int | None = None,
     ) -> SlotReservation | None:
         """Checks out a slot of ``nbytes`` for a batch about to be dispatched by sampler
-        ``owner`` (never waits: this runs on the consumer's thread). None sends the batch
-        through copy mode."""
+        ``owner`` (never waits: this runs on the consumer's thread); for worker ``worker``,
+        preferably where that worker's last few slots were (memory it has mapped already).
+        None sends the batch through copy mode."""
         # Leave room for a batch that comes through copy mode (the first ones, and any too
         # large for its reservation): it needs a slot when it arrives, and reservations must
         # not starve it.
-        slot = pool.try_checkout(nbytes, reserve=reserve) if pool is not None else None
+        recent = self._recent.get(worker) if worker is not None else None
+        slot = (
+            pool.try_checkout(nbytes, reserve=reserve, prefer=list(recent) if recent else None)
+            if pool is not None
+            else None
+        )
         where = pool.slot_memfd(slot) if pool is not None and slot is not None else None
         if slot is None or pool is None or where is None:
             self.fallbacks += 1
             return None  # (a slot checked out above returns to the pool as it dies here)
         fd, offset, part_len = where
         ino = os.fstat(fd).st_ino
+        if worker is not None:
+            self._remember(worker, slot.offset)
         nonce = random.getrandbits(63)
         with self._lock:
             self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
@@ -114,14 +138,22 @@ class ReservingSampler:
 
     torch keeps one per iterator; ``owner`` names the slots it handed out, so that iterator's
     end takes back its own and no other's.
+
+    The slot is checked out as torch asks for the indices, before it picks the worker; or,
+    with ``at_put`` (set by the workers' iterator when every index queue is a
+    ``index_queue.DirectQueue``), as the indices are put on the chosen worker's queue
+    (:meth:`reserve_at_put`), so that the worker can be handed memory it has mapped before.
     """
 
     _next_owner = itertools.count(1)
 
-    def __init__(self, base: Any, reserve: Callable[[int], SlotReservation | None]) -> None:
+    def __init__(
+        self, base: Any, reserve: Callable[[int, int | None], SlotReservation | None]
+    ) -> None:
         self.base = base
         self.reserve = reserve
         self.owner = next(ReservingSampler._next_owner)
+        self.at_put = False
 
     def __iter__(self) -> Iterator[TaggedIndices]:
         return self._tagged(iter(self.base))  # iter() now, when torch calls it, as torch would
@@ -130,7 +162,16 @@ class ReservingSampler:
         # (not ``for indices in it``: that calls iter() on it again, which restarts a sampler
         # whose iter() returns itself)
         while (indices := next(it, _END)) is not _END:
-            yield TaggedIndices(indices, self.reserve(self.owner))
+            if self.at_put:
+                yield TaggedIndices(indices, None)  # (reserve_at_put tags it)
+            else:
+                yield TaggedIndices(indices, self.reserve(self.owner, None))
+
+    def reserve_at_put(self, task: TaggedIndices, worker: int) -> None:
+        """Tags ``task`` (this sampler's, about to be put on worker ``worker``'s queue) with a
+        slot, preferably one that worker had before."""
+        if self.at_put and task.reservation is None:
+            task.reservation = self.reserve(self.owner, worker)
 
     def __len__(self) -> int:
         return len(self.base)

@@ -154,10 +154,12 @@ def reservation_bytes(recent: int, largest: int, arena: int, in_flight: int) -> 
     return min(largest, share, _pages(max(1, recent) * HEADROOM))
 
 
-def room_kept(largest_seen: int, arena: int) -> int:
+def room_kept(largest_seen: int, arena: int, part: int) -> int:
     """Bytes a claim made ahead of the consumer (a zero-copy reservation, a batch taken by the pin
     thread) leaves free in one range: two of the largest batch seen (the one the consumer
     holds while it asks for the next, and that next one), so that the consumer, who takes
     batches in order and cannot wait for those taken ahead of it, finds room; at most all but
-    one of them."""
-    return min(2 * largest_seen, max(0, arena - largest_seen))
+    one of them, and at most one of the arena's parts (``part`` bytes: no range is longer, so
+    more could never be kept and every claim ahead would fail; a whole part still holds a
+    batch of the largest size)."""
+    return min(largest_seen, max(0, arena - largest_seen), part)

@@ -31,10 +31,11 @@ from .._torch_contract import (
 from .._wire.handle import BatchHandle, WorkerProgress
 from .index_queue import DirectQueue, write_directly
 from .receiver import Receiver
+from .reservations import ReservingSampler
 
 
 class WorkersIter(MultiProcessingIter):
-    """torch's multi-process iterator, with four changes.
+    """torch's multi-process iterator, with five changes.
 
     - Without a pin thread (no accelerator), a batch's segment is received (opened through
       its worker's ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as
@@ -48,6 +49,9 @@ class WorkersIter(MultiProcessingIter):
       workers in turn from ``_worker_queue_idx_cycle``, made afresh as each epoch starts: the
       first one made is turned on to ``first``.
     - ``__next__`` opens no profiler range around each batch when no profiler is recording.
+    - Zero-copy: a batch's slot is checked out as its indices are put on the chosen worker's
+      queue (``ReservingSampler.reserve_at_put``), not as torch asks the sampler for them,
+      so that the worker can be handed memory it has mapped already.
     """
 
     def __init__(self, loader: Any, first: int) -> None:
@@ -64,9 +68,19 @@ class WorkersIter(MultiProcessingIter):
             for q in self._index_queues:
                 write_directly(q)
         last_from = self._last_tasks_from()
-        for q in self._index_queues:
+        sampler = self._index_sampler
+        # Zero-copy: a task's slot is checked out as it is put on its worker's queue, where
+        # that worker's earlier slots can be preferred (every queue must do it, or none).
+        at_put = isinstance(sampler, ReservingSampler) and all(
+            isinstance(q, DirectQueue) for q in self._index_queues
+        )
+        for worker, q in enumerate(self._index_queues):
             if isinstance(q, DirectQueue):
                 q.last_from = last_from
+                q.worker = worker
+                q.reserve = sampler.reserve_at_put if at_put else None
+        if at_put:
+            sampler.at_put = True
         super()._reset(loader, first_iter)
 
     def _last_tasks_from(self) -> int | None:

@@ -26,6 +26,13 @@ from .._errors import PinPoolError
 from . import codec, registry
 
 
+#: How many slots' memory a worker keeps mapped between batches (``_worker.places``), and how
+#: many of a worker's last slots the main process offers it again first
+#: (``_main.reservations``): a worker has at most ``prefetch_factor`` (2 by default) batches in
+#: flight, and the consumer holds one or two more.
+WINDOWS_KEPT = 4
+
+
 class SlotReservation(NamedTuple):
     """A slot handed to the worker that will collate one batch (zero-copy mode)."""
 

@@ -14,22 +14,28 @@ main process to drop its own.
 A reservation's slot is reached the same way (``/proc/<main pid>/fd/<fd>``), checked before
 anything is mapped: the file is the one the reservation names (its inode), sealed against
 shrinking (nothing can truncate it under the mapping) and of the announced length, and the
-slot lies inside it. Only the slot's own pages are mapped, for as long as the batch is being
-written: once its handle is made (or the batch abandoned) the worker holds no mapping and no
-descriptor of the main process's memory, so a stray write in a worker cannot reach a batch
-the consumer holds (see the trust model in ``docs/design.md``).
+slot lies inside it. Only the slot's own pages are mapped (an ``ArenaWindow``), and they are
+writable only while the batch is being written: once its handle is made (or the batch
+abandoned) the window is made inaccessible again and the descriptor is long closed, so a
+stray write in a worker cannot reach a batch the consumer holds (see the trust model in
+``docs/design.md``). The window itself is kept, page tables and all, for the worker's next
+batches: the main process hands a worker, first, the slots it had before
+(``_main.reservations``), and reopening a kept window costs one ``mprotect`` where mapping
+the slot afresh faulted in every page and unmapped them again (about 54 ms per 256 MB). A
+worker keeps at most ``handle.WINDOWS_KEPT`` windows, the latest used first.
 
 On a worker's last task of an epoch (``_wire.last_tasks``) the page tables of its ring's
-segments are dropped on short-lived threads: the others' as the batch's place is chosen, the
-one written once its handle is made. The segments stay (the main process may still be reading
-the last batches, through its own mappings) and a later write faults their pages back in, but
-the worker's exit, which the main process waits for at the end of the epoch, has little left
-to tear down.
+segments and of its kept windows are dropped on short-lived threads: the others' as the
+batch's place is chosen, the one written once its handle is made. The segments stay (the
+main process may still be reading the last batches, through its own mappings) and a later
+write faults their pages back in, but the worker's exit, which the main process waits for at
+the end of the epoch, has little left to tear down.
 
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
-handle made) or unclaimed; an arena mapping lives exactly as long as its place, and covers
-only the reservation's slot.
+handle made) or unclaimed; an arena window covers only slots the main process handed this
+worker, is writable only while its place lives, and is checked against the file it maps
+(inode and range) each time it is reused.
 """
 
 from __future__ import annotations
@@ -41,12 +47,13 @@ import random
 import stat
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import _trace
 from .._errors import PinPoolError
-from .._native import WorkerSegment
+from .._native import ArenaWindow, WorkerSegment
 from .._wire import codec, last_tasks, peer
-from .._wire.handle import BatchHandle, SlotReservation
+from .._wire.handle import WINDOWS_KEPT, BatchHandle, SlotReservation
 
 
 @dataclass
@@ -133,19 +140,65 @@ def _check_part(fd: int, reservation: SlotReservation) -> None:
         raise _refuse(reservation, f"bytes {offset}..{offset + nbytes} lie outside the file")
 
 
-def map_slot(reservation: SlotReservation) -> tuple[mmap.mmap, int]:
-    """A writable mapping of the pages holding the reservation's slot, and where the slot starts in
-    it. The descriptor opened to make it is closed before this returns."""
+def map_window(reservation: SlotReservation) -> ArenaWindow:
+    """A window over the pages holding the reservation's slot (mapped, faulted in, and
+    inaccessible until opened). The descriptor opened to make it is closed before this
+    returns."""
     fd = peer.open_fd_of(reservation.arena_pid, reservation.arena_fd)
     try:
         _check_part(fd, reservation)
-        start = reservation.offset - reservation.offset % mmap.ALLOCATIONGRANULARITY
-        # Populate the page tables in one call rather than fault on every page written.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, reservation.offset + reservation.nbytes - start, flags, offset=start)
+        start = reservation.offset - reservation.offset % mmap.PAGESIZE
+        end = reservation.offset + reservation.nbytes
+        end += -end % mmap.PAGESIZE
+        return ArenaWindow(fd, start, end - start)
     finally:
         os.close(fd)
-    return mapped, reservation.offset - start
+
+
+#: This process's kept windows, the latest used first: ``((main pid, inode), window)``.
+_WINDOWS: list[tuple[tuple[int, int], ArenaWindow]] = []
+_WINDOWS_PID = os.getpid()
+
+
+def open_window(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
+    """A window holding the reservation's slot, opened for writing the slot's bytes, where the
+    slot starts in it, and whether it was mapped now: a kept one if one holds the slot (in the
+    same file: its inode, which cannot name another file while the window keeps this one
+    mapped), else a new one, kept in place of the least recently used."""
+    global _WINDOWS_PID
+    if _WINDOWS_PID != os.getpid():  # (a process forked from this one keeps none)
+        _WINDOWS.clear()
+        _WINDOWS_PID = os.getpid()
+    key = (reservation.arena_pid, reservation.arena_ino)
+    offset, nbytes = reservation.offset, reservation.nbytes
+    for i, (k, window) in enumerate(_WINDOWS):
+        if k == key and nbytes > 0 and window.contains(offset, nbytes):
+            _WINDOWS.insert(0, _WINDOWS.pop(i))
+            new = False
+            break
+    else:
+        window = map_window(reservation)
+        _WINDOWS.insert(0, (key, window))
+        del _WINDOWS[WINDOWS_KEPT:]  # (unmapped as they die)
+        new = True
+    window.open(offset, nbytes)
+    return window, offset - window.offset, new
+
+
+def _close_window(window: ArenaWindow) -> None:
+    """Makes ``window`` inaccessible again; one that cannot be (a view of it is still held, by
+    a traceback) is no longer kept, and is unmapped when that view dies."""
+    try:
+        window.close()
+    except BufferError:
+        _WINDOWS[:] = [(k, w) for k, w in _WINDOWS if w is not window]
+
+
+def _let_windows_go() -> list[ArenaWindow]:
+    """The kept windows, no longer kept (a worker's last task: their page tables are dropped)."""
+    windows = [w for _, w in _WINDOWS]
+    _WINDOWS.clear()
+    return windows
 
 
 def _release(view: memoryview) -> None:
@@ -168,25 +221,29 @@ class Place:
         self.token = token
         self.ring = ring_for(token, ring_size)
         self.reservation = reservation
-        self._mapping: mmap.mmap | None = None
+        self._window: ArenaWindow | None = None
         self._arena: memoryview | None = None
         self.segment: WorkerSegment | None = None
         self.sid = -1
+        mapped = False
         if reservation is not None and nbytes <= reservation.nbytes:
-            self._mapping, at = map_slot(reservation)
-            self._arena = memoryview(self._mapping)
+            self._window, at, mapped = open_window(reservation)
+            self._arena = memoryview(self._window)
             self.memory = self._arena[at : at + reservation.nbytes]
         else:
             self.sid, self.segment = self.ring.acquire(nbytes)
             self.memory = memoryview(self.segment).cast("B")
         self.last = last_tasks.take()
         if self.last:
-            others = [seg for seg in self.ring.segments.values() if seg is not self.segment]
+            others: list[Any] = [s for s in self.ring.segments.values() if s is not self.segment]
+            others += [w for w in _let_windows_go() if w is not self._window]
             if _trace.on:
-                _trace.event("worker.last_task", segments=len(others) + (self.segment is not None))
+                _trace.event("worker.last_task", segments=len(others) + 1)
             _drop_page_tables(others)
         if t0:
-            _trace.span("worker.place", t0, nbytes=nbytes, slot=self.segment is None)
+            _trace.span(
+                "worker.place", t0, nbytes=nbytes, slot=self.segment is None, mapped=mapped
+            )
 
     def grow(self, nbytes: int, keep: int) -> None:
         """Moves to a segment with room for ``nbytes``, with the first ``keep`` bytes written
@@ -201,11 +258,13 @@ class Place:
 
     def send(self, p: codec.Plan, count: int | None) -> BatchHandle:
         """The handle of the batch planned as ``p``, now written here."""
-        segment, sid, ring = self.segment, self.sid, self.ring
+        segment, sid, ring, window = self.segment, self.sid, self.ring, self._window
         claim = None if self.reservation is None else self.reservation.claim
         self._drop_views()
         if segment is None:
             assert claim is not None
+            if self.last and window is not None:
+                _drop_page_tables([window])
             return BatchHandle(self.token, p, count, slot=claim)
         origin = None
         if sid not in ring.announced:
@@ -242,17 +301,14 @@ class Place:
         if self._arena is not None:
             _release(self._arena)
             self._arena = None
-        if self._mapping is not None:
-            mapping, self._mapping = self._mapping, None
-            try:
-                mapping.close()
-            except BufferError:  # a view is still held (by a traceback): it goes with it
-                pass
+        if self._window is not None:
+            window, self._window = self._window, None
+            _close_window(window)
 
 
-def _drop_page_tables(segments: list[WorkerSegment]) -> None:
-    """Drops the page tables of ``segments``, on a thread of their own (the native call runs
-    without the GIL): the batch is written and its handle sent meanwhile."""
+def _drop_page_tables(segments: list[Any]) -> None:
+    """Drops the page tables of ``segments`` (and windows), on a thread of their own (the
+    native call runs without the GIL): the batch is written and its handle sent meanwhile."""
     if not segments:
         return
 
