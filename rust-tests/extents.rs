@@ -1,5 +1,5 @@
 //! Slots of any size in one pool: random sizes, random hold and release orders, fences that
-//! complete late, and threads.
+//! complete late, checkouts that prefer where earlier slots were, and threads.
 //!
 //! Each slot is filled with a pattern of its own when it is checked out, and the pattern is
 //! verified when it is released and again when its fence completes: two live slots that
@@ -43,6 +43,9 @@ fn intact(h: &Held) -> bool {
 enum Op {
     /// Check out a slot of this many bytes.
     Take(usize),
+    /// Check out a slot of this many bytes, preferring where slots released before were (by
+    /// their positions in the list of released ones) and one arbitrary offset.
+    TakePreferring(usize, Vec<usize>, usize),
     /// Release the held slot at this position, fenced on a stream (or not).
     Release(usize, Option<StreamHandle>),
     /// The GPU reaches every fence recorded on this stream.
@@ -59,6 +62,8 @@ fn op(largest: usize) -> impl Strategy<Value = Op> {
             1 => 1usize..=largest,
         ]
         .prop_map(Op::Take),
+        3 => (1usize..=largest, proptest::collection::vec(any::<usize>(), 0..4), any::<usize>())
+            .prop_map(|(n, picks, any)| Op::TakePreferring(n, picks, any)),
         3 => (any::<usize>(), prop_oneof![Just(None), (0usize..3).prop_map(Some)])
             .prop_map(|(i, s)| Op::Release(i, s)),
         2 => (0usize..3).prop_map(Op::Complete),
@@ -88,11 +93,22 @@ proptest! {
         // Fenced slots, with whether their stream has completed since their release.
         let mut fenced: Vec<(Held, StreamHandle, bool)> = Vec::new();
         let mut next_fill = 1u8;
+        // Arena offsets of the slots released so far.
+        let mut released: Vec<usize> = Vec::new();
         for op in ops {
             match op {
-                Op::Take(n) => {
+                Op::Take(n) | Op::TakePreferring(n, ..) => {
                     let before = pool.bytes();
-                    match pool.try_checkout_bytes(n, 0).unwrap() {
+                    let prefer: Vec<usize> = match &op {
+                        Op::TakePreferring(_, picks, any) => picks
+                            .iter()
+                            .filter(|_| !released.is_empty())
+                            .map(|i| released[i % released.len()])
+                            .chain([*any])
+                            .collect(),
+                        _ => Vec::new(),
+                    };
+                    match pool.try_checkout_bytes_preferring(n, 0, &prefer).unwrap() {
                         Some(t) => {
                             next_fill = next_fill.wrapping_add(1).max(1);
                             let h = fill(&pool, t, next_fill);
@@ -109,6 +125,7 @@ proptest! {
                 Op::Release(i, stream) if !held.is_empty() => {
                     let h = held.swap_remove(i % held.len());
                     prop_assert!(intact(&h), "slot {:?} overwritten while held", h.checkout);
+                    released.push(pool.extent(h.checkout).unwrap().0);
                     pool.release(h.checkout, stream).unwrap();
                     prop_assert!(pool.release(h.checkout, stream).is_err());
                     if let Some(s) = stream {

@@ -19,10 +19,17 @@
 //!   `[0, len)`, and none crosses a boundary (the arena's parts: separate memfds and driver
 //!   registrations, which one copy or mapping must not straddle). Two free ranges that touch
 //!   are merged unless a boundary lies between them.
-//! - An extent handed out by [`ExtentMap::alloc`] lies inside one free range, which loses
-//!   exactly its bytes: no two live extents overlap. [`ExtentMap::free`] refuses a range that
-//!   overlaps free bytes (a double free), changing nothing.
+//! - An extent handed out by [`ExtentMap::alloc`] or [`ExtentMap::alloc_preferring`] lies
+//!   inside one free range, which loses exactly its bytes (what is left of it, before and
+//!   after the extent, stays free as up to two ranges): no two live extents overlap.
+//!   [`ExtentMap::free`] refuses a range that overlaps free bytes (a double free), changing
+//!   nothing.
 //! - `free_bytes` is the sum of the free list's lengths.
+//!
+//! A preferred place: [`ExtentMap::alloc_preferring`] takes an extent exactly where the
+//! caller asks, when that place is free, before it falls back to first fit. A zero-copy
+//! worker keeps a mapping of the extents it wrote its last batches into; handing it those
+//! same bytes again spares it mapping (and faulting in) new ones.
 //!
 //! What fragmentation can do: a request for `n` bytes may find `free_bytes() >= n` but no
 //! single range of `n` (see [`ExtentMap::largest_free`]). The allocator never moves a live
@@ -123,21 +130,78 @@ impl ExtentMap {
         let size = self.round(n)?;
         let keep = if keep == 0 { 0 } else { self.round(keep)? };
         let at = self.free.iter().position(|r| r.1 >= size)?;
-        if keep > 0 {
-            let rest = self.free[at].1 - size;
-            let elsewhere = self.free.iter().enumerate().any(|(i, r)| i != at && r.1 >= keep);
-            if rest < keep && !elsewhere {
-                return None;
+        let offset = self.free[at].0;
+        if !self.keeps(at, offset, size, keep) {
+            return None;
+        }
+        self.take(at, offset, size);
+        Some((offset, size))
+    }
+
+    /// As [`ExtentMap::alloc`], but first tries each offset of `prefer`, in order: the first
+    /// that is a whole number of units and starts `n` bytes (rounded up to units) lying
+    /// wholly inside one free range (so crossing no part), with at least `keep` bytes left
+    /// in one range afterwards, is taken, exactly there. If none is, first fit, as
+    /// [`ExtentMap::alloc`]. Returns the extent's `(offset, len)`, or None.
+    pub fn alloc_preferring(
+        &mut self,
+        n: usize,
+        keep: usize,
+        prefer: &[usize],
+    ) -> Option<(usize, usize)> {
+        let size = self.round(n)?;
+        let keep = if keep == 0 { 0 } else { self.round(keep)? };
+        for &offset in prefer {
+            if offset % self.unit != 0 {
+                continue;
+            }
+            let Some(end) = offset.checked_add(size) else { continue };
+            // The free range that could hold it: the last one starting at or before it.
+            let Some(at) = self.free.partition_point(|r| r.0 <= offset).checked_sub(1) else {
+                continue;
+            };
+            let (start, len) = self.free[at];
+            if end <= start + len && self.keeps(at, offset, size, keep) {
+                self.take(at, offset, size);
+                return Some((offset, size));
             }
         }
-        let (offset, len) = self.free[at];
-        if len == size {
-            self.free.remove(at);
-        } else {
-            self.free[at] = (offset + size, len - size);
+        self.alloc(n, keep)
+    }
+
+    /// Whether taking `[offset, offset + size)` out of free range `at` (which holds it) would
+    /// leave `keep` bytes free in one range: a piece of that range, before or after the
+    /// extent, or another range.
+    fn keeps(&self, at: usize, offset: usize, size: usize, keep: usize) -> bool {
+        if keep == 0 {
+            return true;
+        }
+        let (start, len) = self.free[at];
+        let before = offset - start;
+        let after = start + len - (offset + size);
+        before >= keep
+            || after >= keep
+            || self.free.iter().enumerate().any(|(i, r)| i != at && r.1 >= keep)
+    }
+
+    /// Takes `[offset, offset + size)` out of free range `at`, which holds it: what is left
+    /// before and after it stays free (two ranges that do not touch, in the same part).
+    fn take(&mut self, at: usize, offset: usize, size: usize) {
+        let (start, len) = self.free[at];
+        let before = offset - start;
+        let after = start + len - (offset + size);
+        match (before > 0, after > 0) {
+            (false, false) => {
+                self.free.remove(at);
+            }
+            (true, false) => self.free[at].1 = before,
+            (false, true) => self.free[at] = (offset + size, after),
+            (true, true) => {
+                self.free[at].1 = before;
+                self.free.insert(at + 1, (offset + size, after));
+            }
         }
         self.free_bytes -= size;
-        Some((offset, size))
     }
 
     /// Gives back `[offset, offset + len)` (whole units, inside the arena, no byte of it free
@@ -287,12 +351,116 @@ mod tests {
         assert_eq!(m.alloc(U, U), Some((2 * U, U)));
     }
 
-    /// One step of a random workload: allocate some units, or free the live extent at some
-    /// position in the list of live ones.
+    #[test]
+    fn a_preferred_free_offset_is_taken_exactly() {
+        let mut m = whole(16 * U, &[]);
+        // In the middle of the free range: it is cut in two around the extent.
+        assert_eq!(m.alloc_preferring(2 * U - 5, 0, &[5 * U]), Some((5 * U, 2 * U)));
+        assert_eq!(m.free_ranges(), &[(0, 5 * U), (7 * U, 9 * U)]);
+        assert_eq!(m.free_bytes(), 14 * U);
+        // At the start of a range, and at its very end.
+        assert_eq!(m.alloc_preferring(U, 0, &[7 * U]), Some((7 * U, U)));
+        assert_eq!(m.alloc_preferring(U, 0, &[15 * U]), Some((15 * U, U)));
+        assert_eq!(m.free_ranges(), &[(0, 5 * U), (8 * U, 7 * U)]);
+        // A whole range: it goes.
+        assert_eq!(m.alloc_preferring(5 * U, 0, &[0]), Some((0, 5 * U)));
+        assert_eq!(m.free_ranges(), &[(8 * U, 7 * U)]);
+        // The first of several that works wins, not the lowest.
+        assert_eq!(m.alloc_preferring(U, 0, &[0, 12 * U, 9 * U]), Some((12 * U, U)));
+        assert_eq!(m.free_ranges(), &[(8 * U, 4 * U), (13 * U, 2 * U)]);
+        assert_eq!(m.free_bytes(), 6 * U);
+        // Every byte comes back into one range.
+        for (o, l) in [(0, 5 * U), (5 * U, 2 * U), (7 * U, U), (15 * U, U), (12 * U, U)] {
+            m.free(o, l).unwrap();
+        }
+        assert_eq!(m.free_ranges(), &[(0, 16 * U)]);
+    }
+
+    #[test]
+    fn a_busy_straddling_or_misaligned_preference_falls_back_to_first_fit() {
+        let mut m = whole(8 * U, &[4 * U]);
+        assert_eq!(m.alloc(U, 0), Some((0, U)));
+        assert_eq!(m.alloc_preferring(U, 0, &[5 * U]), Some((5 * U, U)));
+        assert_eq!(m.free_ranges(), &[(U, 3 * U), (4 * U, U), (6 * U, 2 * U)]);
+        let refused = [
+            0,                  // busy
+            5 * U,              // busy
+            4 * U,              // starts free, runs into the busy extent at 5U
+            3 * U,              // straddles the part boundary at 4U
+            7 * U,              // runs past the arena's end
+            2 * U + 1,          // not a whole unit
+            8 * U,              // past the end
+            usize::MAX - U + 1, // its end overflows
+        ];
+        for (i, &p) in refused.iter().enumerate() {
+            let mut n = m.clone();
+            assert_eq!(n.alloc_preferring(2 * U, 0, &[p]), Some((U, 2 * U)), "offset #{i}");
+            assert_eq!(n.free_ranges(), &[(3 * U, U), (4 * U, U), (6 * U, 2 * U)]);
+            assert_eq!(n.free_bytes(), 4 * U);
+        }
+        // All of them together, then one that works: that one.
+        let mut prefer = refused.to_vec();
+        prefer.push(6 * U);
+        assert_eq!(m.alloc_preferring(2 * U, 0, &prefer), Some((6 * U, 2 * U)));
+        // No preference, or none that works, and no room at all: None, nothing changed.
+        assert_eq!(m.alloc_preferring(4 * U, 0, &[U]), None);
+        assert_eq!(m.alloc_preferring(4 * U, 0, &[]), None);
+        assert_eq!(m.free_ranges(), &[(U, 3 * U), (4 * U, U)]);
+    }
+
+    #[test]
+    fn keep_is_honoured_when_preferring() {
+        // The pieces around a preferred extent count, before or after it.
+        let mut m = whole(8 * U, &[]);
+        assert_eq!(m.alloc_preferring(2 * U, 2 * U, &[2 * U]), Some((2 * U, 2 * U)));
+        let mut m = whole(8 * U, &[]);
+        assert_eq!(m.alloc_preferring(2 * U, 4 * U, &[2 * U]), Some((2 * U, 2 * U)));
+        // Neither piece holds `keep` (nor another range): first fit, which leaves it after.
+        let mut m = whole(4 * U, &[]);
+        assert_eq!(m.alloc_preferring(2 * U, 2 * U, &[U]), Some((0, 2 * U)));
+        assert_eq!(m.free_ranges(), &[(2 * U, 2 * U)]);
+        // ... unless first fit cannot either: None, nothing taken.
+        let mut m = whole(2 * U, &[]);
+        assert_eq!(m.alloc_preferring(U, 2 * U - 1, &[0, U]), None);
+        assert_eq!(m.free_ranges(), &[(0, 2 * U)]);
+        // Another range holds `keep`: the preferred extent may take all of its own.
+        let mut m = whole(8 * U, &[4 * U]);
+        assert_eq!(m.alloc_preferring(4 * U, 4 * U, &[4 * U]), Some((4 * U, 4 * U)));
+        // (Now one range of 4 units.) At 1 unit it would leave 1 and 2; first fit leaves 3.
+        assert_eq!(m.alloc_preferring(U, 3 * U, &[U]), Some((0, U)));
+        assert_eq!(m.alloc_preferring(U, 3 * U, &[2 * U]), None, "3 units cannot stay free");
+        assert_eq!(m.alloc_preferring(U, U, &[3 * U]), Some((3 * U, U)));
+        assert_eq!(m.free_ranges(), &[(U, 2 * U)]);
+    }
+
+    /// One step of a random workload: allocate some units (first fit, or preferring some
+    /// offsets, with some bytes to keep), or free the live extent at some position in the
+    /// list of live ones.
     #[derive(Debug, Clone)]
     enum Step {
         Alloc(usize),
+        Prefer(usize, usize, Vec<Pick>),
         Free(usize),
+    }
+
+    /// A preferred offset: of an extent freed before (by its position in the list of freed
+    /// ones), any whole unit, or any number at all.
+    #[derive(Debug, Clone)]
+    enum Pick {
+        Freed(usize),
+        Unit(usize),
+        Any(usize),
+    }
+
+    fn picks() -> impl Strategy<Value = Vec<Pick>> {
+        proptest::collection::vec(
+            prop_oneof![
+                4 => any::<usize>().prop_map(Pick::Freed),
+                2 => (0usize..80).prop_map(Pick::Unit),
+                1 => any::<usize>().prop_map(Pick::Any),
+            ],
+            0..5,
+        )
     }
 
     fn steps() -> impl Strategy<Value = Vec<Step>> {
@@ -300,17 +468,48 @@ mod tests {
             prop_oneof![
                 3 => (1usize..=6 * U).prop_map(Step::Alloc),
                 1 => (1usize..=40 * U).prop_map(Step::Alloc),
+                3 => (
+                    prop_oneof![1usize..=6 * U, 1usize..=40 * U],
+                    prop_oneof![Just(0usize), 1usize..=8 * U],
+                    picks(),
+                )
+                    .prop_map(|(n, keep, picks)| Step::Prefer(n, keep, picks)),
                 3 => any::<usize>().prop_map(Step::Free),
             ],
             1..200,
         )
     }
 
+    /// What [`ExtentMap::alloc_preferring`] must return, worked out from the free ranges
+    /// alone: the first preferred offset whose extent lies in one free range with `keep` left
+    /// in one range, else what first fit returns.
+    fn expected(m: &ExtentMap, n: usize, keep: usize, prefer: &[usize]) -> Option<(usize, usize)> {
+        let size = n.div_ceil(U) * U;
+        let keep = keep.div_ceil(U) * U;
+        let free = m.free_ranges();
+        for &p in prefer {
+            let Some(end) = p.checked_add(size).filter(|_| p % U == 0) else { continue };
+            let Some(i) = free.iter().position(|&(o, l)| o <= p && end <= o + l) else {
+                continue;
+            };
+            let (o, l) = free[i];
+            let left = [p - o, o + l - end]
+                .into_iter()
+                .chain(free.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, r)| r.1));
+            if keep == 0 || left.clone().any(|l| l >= keep) {
+                return Some((p, size));
+            }
+        }
+        m.clone().alloc(n, keep)
+    }
+
     proptest! {
         #![proptest_config(crate::proptest_config(512))]
 
-        /// Random sizes, random free orders, random parts: live extents never overlap and
-        /// never cross a part; the free list stays sorted, disjoint, coalesced within parts;
+        /// Random sizes, random free orders, random parts, first fit and preferred offsets
+        /// (freed before, random, misaligned) with random `keep`s: a preference is taken
+        /// exactly when its extent is free and `keep` allows it, first fit otherwise; live
+        /// extents never overlap and never cross a part; the free list stays sorted, disjoint, coalesced within parts;
         /// the byte count adds up; an allocation fails only when no free range could hold it;
         /// and once everything is freed, the whole arena is one range per part again.
         #[test]
@@ -325,28 +524,50 @@ mod tests {
                 .collect();
             let mut m = whole(len, &bounds);
             let mut live: Vec<(usize, usize)> = Vec::new();
+            // Offsets of extents freed so far, for preferences.
+            let mut freed: Vec<usize> = Vec::new();
             let part_of = |o: usize| bounds.partition_point(|&b| b <= o);
             for step in steps {
-                match step {
+                let got = match step {
                     Step::Alloc(n) => {
                         let largest = m.largest_free();
-                        match m.alloc(n, 0) {
-                            Some((o, l)) => {
-                                prop_assert_eq!(l, n.div_ceil(U) * U);
-                                prop_assert_eq!(part_of(o), part_of(o + l - 1));
-                                for &(p, q) in &live {
-                                    prop_assert!(o + l <= p || p + q <= o, "overlap");
-                                }
-                                live.push((o, l));
-                            }
-                            None => prop_assert!(largest < n.div_ceil(U) * U),
+                        let got = m.alloc(n, 0);
+                        if got.is_none() {
+                            prop_assert!(largest < n.div_ceil(U) * U);
                         }
+                        got.map(|g| (g, n))
+                    }
+                    Step::Prefer(n, keep, picks) => {
+                        let prefer: Vec<usize> = picks
+                            .iter()
+                            .map(|pick| match *pick {
+                                Pick::Freed(i) if !freed.is_empty() => freed[i % freed.len()],
+                                Pick::Freed(i) | Pick::Any(i) => i,
+                                Pick::Unit(u) => u * U,
+                            })
+                            .collect();
+                        let want = expected(&m, n, keep, &prefer);
+                        let got = m.alloc_preferring(n, keep, &prefer);
+                        prop_assert_eq!(got, want, "preferring {:?}", prefer);
+                        got.map(|g| (g, n))
                     }
                     Step::Free(i) if !live.is_empty() => {
                         let (o, l) = live.swap_remove(i % live.len());
                         m.free(o, l).unwrap();
+                        freed.push(o);
+                        None
                     }
-                    Step::Free(_) => {}
+                    Step::Free(_) => None,
+                };
+                if let Some(((o, l), n)) = got {
+                    prop_assert_eq!(l, n.div_ceil(U) * U);
+                    prop_assert_eq!(o % U, 0);
+                    prop_assert!(o + l <= len);
+                    prop_assert_eq!(part_of(o), part_of(o + l - 1));
+                    for &(p, q) in &live {
+                        prop_assert!(o + l <= p || p + q <= o, "overlap");
+                    }
+                    live.push((o, l));
                 }
                 let free = m.free_ranges();
                 prop_assert_eq!(free.iter().map(|r| r.1).sum::<usize>(), m.free_bytes());
@@ -362,6 +583,9 @@ mod tests {
                 }
                 for &(o, l) in free {
                     prop_assert_eq!(part_of(o), part_of(o + l - 1), "a free range crosses");
+                    for &(p, q) in &live {
+                        prop_assert!(o + l <= p || p + q <= o, "a live extent's bytes are free");
+                    }
                 }
             }
             for (o, l) in live {

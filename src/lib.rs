@@ -13,6 +13,8 @@
 //! - [`lease`]: one checked-out slot held by one owner: pins and deferred release;
 //! - [`copy`]: multi-threaded copies of byte ranges;
 //! - [`shm`]: sealed shared-memory files and their mappings (the arena's parts, segments);
+//! - [`window`]: a zero-copy worker's lasting mapping of arena extents, inaccessible between
+//!   batches;
 //! - [`transport`]: batches from worker processes in shared-memory segments, and the
 //!   reclaimer that maps, counts and unmaps them on a background thread;
 //! - [`freeing`]: the thread that frees a dropped pool's arena, so no caller waits for it;
@@ -45,6 +47,7 @@ pub mod shm;
 pub mod slots;
 pub mod topology;
 pub mod transport;
+pub mod window;
 
 #[cfg(feature = "python")]
 mod python;

@@ -156,22 +156,8 @@ impl Mapping {
     /// changes is what tearing the mapping down costs later, at `munmap` or at this process's
     /// exit, when the kernel walks every page still mapped.
     pub fn drop_page_tables(&self) -> Result<()> {
-        let base = self.ptr.as_ptr() as usize;
-        let mut done = 0;
-        while done < self.len {
-            let n = MM_CALL_BYTES.min(self.len - done);
-            // SAFETY: `[base+done, base+done+n)` lies inside this value's own shared file
-            // mapping; `MADV_DONTNEED` on a shared mapping discards no data (the file keeps the
-            // pages), and any pointer into the range stays valid: a later access refaults.
-            let rc = unsafe {
-                libc::madvise((base + done) as *mut libc::c_void, n, libc::MADV_DONTNEED)
-            };
-            if rc != 0 {
-                return Err(Error::last_os("madvise(MADV_DONTNEED)"));
-            }
-            done += n;
-        }
-        Ok(())
+        // SAFETY: `[ptr, ptr+len)` is this value's own shared file mapping, page-aligned.
+        unsafe { drop_page_tables_of(self.ptr.as_ptr(), self.len) }
     }
 
     /// Faults every page in, writing (so pages are allocated, not just mapped to the zero
@@ -464,6 +450,65 @@ fn sealed_memfd(name: &str, len: usize) -> Result<OwnedFd> {
 }
 
 const MADV_POPULATE_WRITE: libc::c_int = 23;
+
+/// Drops this process's page-table entries for `[ptr, ptr + len)` (`MADV_DONTNEED`), in
+/// pieces of [`MM_CALL_BYTES`]: see [`Mapping::drop_page_tables`].
+///
+/// # Safety
+/// `ptr` must be page-aligned and `[ptr, ptr + len)` lie inside `MAP_SHARED` file mappings
+/// of the caller's (on a private or anonymous mapping, `MADV_DONTNEED` would discard data).
+pub unsafe fn drop_page_tables_of(ptr: *mut u8, len: usize) -> Result<()> {
+    let base = ptr as usize;
+    let mut done = 0;
+    while done < len {
+        let n = MM_CALL_BYTES.min(len - done);
+        // SAFETY: `[base+done, base+done+n)` lies inside the caller's shared file mappings;
+        // `MADV_DONTNEED` on a shared mapping discards no data (the file keeps the pages), and
+        // any pointer into the range stays valid: a later access refaults.
+        let rc =
+            unsafe { libc::madvise((base + done) as *mut libc::c_void, n, libc::MADV_DONTNEED) };
+        if rc != 0 {
+            return Err(Error::last_os("madvise(MADV_DONTNEED)"));
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+/// Faults `[ptr, ptr + len)` in for writing without changing a byte of it: `MADV_POPULATE_WRITE`
+/// in pieces of [`MM_CALL_BYTES`] (the page-table entries made writable and dirty, so that a
+/// later write, even after an `mprotect` round trip, takes no fault), or, on kernels before
+/// 5.14, which lack it, a read of one byte per page (entries made, a later write may still
+/// take a minor fault). Unlike [`Mapping::populate`], for memory that holds data already.
+///
+/// # Safety
+/// `ptr` must be page-aligned and `[ptr, ptr + len)` lie inside a readable and writable
+/// `MAP_SHARED` mapping of the caller's, of a file at least that long (no `SIGBUS`).
+pub unsafe fn prefault_shared(ptr: *mut u8, len: usize) -> Result<()> {
+    let base = ptr as usize;
+    let mut done = 0;
+    while done < len {
+        let n = MM_CALL_BYTES.min(len - done);
+        // SAFETY: `[base+done, base+done+n)` lies inside the caller's writable shared mapping;
+        // the advice only faults pages in, writing nothing.
+        let rc =
+            unsafe { libc::madvise((base + done) as *mut libc::c_void, n, MADV_POPULATE_WRITE) };
+        if rc != 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            if errno != libc::EINVAL || done > 0 {
+                return Err(Error::Os { call: "madvise(MADV_POPULATE_WRITE)", errno });
+            }
+            for off in (0..len).step_by(page_size()) {
+                // SAFETY: `base + off` lies inside the caller's readable mapping (off < len),
+                // of a file at least that long; reading changes nothing.
+                unsafe { std::ptr::read_volatile((base + off) as *const u8) };
+            }
+            return Ok(());
+        }
+        done += n;
+    }
+    Ok(())
+}
 
 /// Faults `[addr, addr+len)` in, [`MM_CALL_BYTES`] bytes per `madvise` call: the kernel holds
 /// the process's address-space lock (shared) for the whole of one call, which keeps every

@@ -12,6 +12,7 @@ from pinpool._stats import PoolStats
 
 __all__ = [
     "SEGMENT_DATA_OFFSET",
+    "ArenaWindow",
     "Copying",
     "PinPool",
     "PipeWriter",
@@ -79,7 +80,16 @@ class PinPool:
         arena_bytes: int | None = None,
     ) -> PinPool: ...
     def checkout(self, timeout: float | None = None, nbytes: int | None = None) -> Slot: ...
-    def try_checkout(self, nbytes: int | None = None, reserve: int = 0) -> Slot | None: ...
+    def try_checkout(
+        self, nbytes: int | None = None, reserve: int = 0, prefer: Sequence[int] | None = None
+    ) -> Slot | None:
+        """Takes a slot of ``nbytes`` (default: ``slot_bytes``), or returns None at once if
+        there is no room for it, or (with ``reserve``) none that leaves ``reserve`` bytes free
+        in one range for other callers. ``prefer``: arena offsets (``Slot.offset`` values, at
+        most 64) where the slot should start, in order of preference: the first where it can
+        start now (free, a whole number of pages, in one part, ``reserve`` honoured) is taken,
+        else it goes wherever first fit puts it. A negative offset, or more than 64, raises
+        ``InvalidArgument``; a value that is not an int, ``TypeError``."""
     def claim(
         self,
         nbytes: int | None = None,
@@ -179,6 +189,48 @@ class Slot:
         self,
         *_args: type[BaseException] | BaseException | TracebackType | None,
     ) -> bool: ...
+
+@final
+class ArenaWindow:
+    """A lasting mapping of ``length`` bytes of an arena memfd from file offset ``offset``,
+    kept by a zero-copy worker between batches, inaccessible (``PROT_NONE``) except for the one
+    range ``open()`` makes readable and writable while a batch is written into it.
+
+    ``ArenaWindow(fd, offset, length)``: ``fd`` is only borrowed (neither kept nor closed); it
+    must be a memfd sealed against shrinking at least ``offset + length`` bytes long;
+    ``offset`` is page-aligned and ``length`` a whole number of pages. The pages are faulted
+    in (without the GIL) and then made inaccessible: their page-table entries stay, so opening
+    them later is cheap. The mapping is not inherited by forked children. Raises
+    ``InvalidArgument`` or ``OutOfBounds`` (both ``ValueError``) for bad arguments.
+
+    The buffer protocol exports the whole window (``memoryview(window)[a:b]``, where byte 0 is
+    file offset ``offset``), writable, closed or not: touching a byte outside the open range
+    faults, by design. Each view keeps the window alive, and ``close()`` refuses while one is.
+    """
+
+    def __new__(cls, fd: int, offset: int, length: int) -> ArenaWindow: ...
+    # The buffer protocol (memoryview(window)): declared for type checkers.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    @property
+    def offset(self) -> int:
+        """The file offset of the window's first byte."""
+    @property
+    def length(self) -> int:
+        """The window's length in bytes (whole pages)."""
+    def contains(self, offset: int, nbytes: int) -> bool:
+        """Whether the file's bytes ``[offset, offset + nbytes)`` lie inside the window."""
+    def open(self, offset: int, nbytes: int) -> None:
+        """Makes the pages holding the file's bytes ``[offset, offset + nbytes)`` readable and
+        writable (the range must lie inside the window and hold at least one byte). One range
+        at a time: raises ``InvalidArgument`` while one is open."""
+    def close(self) -> None:
+        """Makes the whole window inaccessible again (nothing to do if nothing is open).
+        Raises ``BufferError``, changing nothing, while a view of the window is alive."""
+    def drop_page_tables(self) -> None:
+        """Drops this process's page tables for the whole window (``MADV_DONTNEED``), without
+        the GIL, open or not: the bytes stay in the file, and the next access of an open page
+        faults it back in."""
 
 @final
 class WorkerSegment:

@@ -348,16 +348,31 @@ impl Pool {
     /// it with `keep` bytes left in one free range afterwards. A size no slot can ever have
     /// is [`Error::BatchTooLarge`].
     pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Result<Option<Checkout>> {
+        self.try_checkout_bytes_preferring(bytes, keep, &[])
+    }
+
+    /// As [`Pool::try_checkout_bytes`], but the slot starts at the first arena offset of
+    /// `prefer` where a slot of `bytes` can start now (free, a whole number of pages, inside
+    /// one part, `keep` honoured: [`crate::extents::ExtentMap::alloc_preferring`]), else
+    /// wherever first fit puts it. A zero-copy worker that keeps the extents of its last
+    /// batches mapped asks for them again. (Bytes whose fence has completed but was not
+    /// retired yet are not free: fences are retired here only when nothing fits at all.)
+    pub fn try_checkout_bytes_preferring(
+        &self,
+        bytes: usize,
+        keep: usize,
+        prefer: &[usize],
+    ) -> Result<Option<Checkout>> {
         self.check_owner()?;
         if self.table.is_closed() {
             return Err(Error::Closed);
         }
         self.check_size(bytes)?;
-        let mut checkout = self.table.try_checkout_bytes(bytes, keep);
+        let mut checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer);
         if checkout.is_none() {
             if let Some(f) = self.fences.as_ref() {
                 if f.try_retire_ready(&self.table) > 0 {
-                    checkout = self.table.try_checkout_bytes(bytes, keep);
+                    checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer);
                 }
             }
         }
@@ -557,6 +572,50 @@ mod tests {
         assert!(matches!(err, Error::Exhausted { num_slots: 1, .. }), "{err}");
         assert!(t0.elapsed() >= Duration::from_millis(30));
         assert_eq!(pool.stats().waits, 1);
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_released_extent_is_handed_out_again_once_its_fence_is_retired() {
+        let fences = Arc::new(crate::fence::ManualFences::new());
+        let slot = 4 * page_size();
+        let config = PoolConfig::host(slot, 4);
+        let pool = Pool::with_fences(&config, Box::new(Arc::clone(&fences))).unwrap();
+        let held: Vec<Checkout> = (0..4).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+        let at = |t| pool.extent(t).unwrap().0;
+        let (first, wanted) = (at(held[0]), at(held[2]));
+        assert_ne!(first, wanted);
+        pool.release(held[0], None).unwrap();
+        pool.release(held[2], Some(7)).unwrap();
+        // Fenced: not handed out, even when asked for; first fit instead.
+        let other = pool.try_checkout_bytes_preferring(slot, 0, &[wanted]).unwrap().unwrap();
+        assert_eq!(at(other), first);
+        pool.release(other, None).unwrap();
+        // Once its fence completed and was retired, exactly that extent, though first fit
+        // would give the lower one.
+        pool.retire_fences(); // (records the queued fence)
+        fences.complete_all();
+        pool.retire_fences();
+        let again = pool.try_checkout_bytes_preferring(slot, 0, &[wanted]).unwrap().unwrap();
+        assert_eq!(pool.extent(again), Ok((wanted, slot)));
+        assert_eq!(
+            pool.extent(pool.try_checkout_bytes(slot, 0).unwrap().unwrap()).unwrap().0,
+            first
+        );
+        // The arena full but for a fenced slot whose fence has completed: the checkout
+        // retires it and takes it, where it was.
+        pool.release(again, Some(7)).unwrap();
+        assert!(pool.is_fenced(again));
+        pool.retire_fences();
+        fences.complete_all();
+        let back = pool.try_checkout_bytes_preferring(slot, 0, &[wanted]).unwrap();
+        assert_eq!(back.map(|t| pool.extent(t)), Some(Ok((wanted, slot))));
+        // Every check of a checkout applies: too large, closed.
+        let too_large = pool.try_checkout_bytes_preferring(pool.largest_slot() + 1, 0, &[0]);
+        assert!(matches!(too_large, Err(Error::BatchTooLarge { .. })), "{too_large:?}");
+        pool.close();
+        assert_eq!(pool.try_checkout_bytes_preferring(slot, 0, &[wanted]), Err(Error::Closed));
     }
 
     #[test]

@@ -22,6 +22,7 @@ mod pool;
 mod segment;
 mod sent;
 mod slot;
+mod window;
 
 /// Runs `f`, turning a panic into `pinpool.PinPoolError`.
 pub(crate) fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
@@ -229,6 +230,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<segment::PyCopying>()?;
     m.add_class::<sent::PySent>()?;
     m.add_class::<pipe::PyPipeWriter>()?;
+    m.add_class::<window::PyArenaWindow>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;

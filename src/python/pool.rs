@@ -159,6 +159,29 @@ impl PyPinPool {
     }
 }
 
+/// The most offsets a `prefer=` argument may hold: each costs a look at the free list, under
+/// the slot table's lock.
+pub(crate) const MAX_PREFERRED: usize = 64;
+
+/// Converts a `prefer=` argument: None, or an iterable of at most [`MAX_PREFERRED`]
+/// non-negative ints (arena offsets). A negative or huge int, or too many, is an
+/// `InvalidArgument`; anything that is not an int (or not iterable) keeps Python's
+/// `TypeError`.
+fn preferred_offsets(py: Python<'_>, prefer: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<usize>> {
+    let Some(prefer) = prefer.filter(|p| !p.is_none()) else { return Ok(Vec::new()) };
+    let mut offsets = Vec::new();
+    for item in prefer.try_iter()? {
+        if offsets.len() == MAX_PREFERRED {
+            return Err(to_py(
+                py,
+                Error::Invalid(format!("prefer holds more than {MAX_PREFERRED} offsets")),
+            ));
+        }
+        offsets.push(size_arg(py, &item?, "each offset in prefer")?);
+    }
+    Ok(offsets)
+}
+
 fn stats_dict<'py>(
     py: Python<'py>,
     s: &Stats,
@@ -343,13 +366,17 @@ impl PyPinPool {
 
     /// Takes a slot of `nbytes` (default: `slot_bytes`), or returns None at once if there is
     /// no room for it, or (with `reserve`) none that leaves `reserve` bytes free in one range
-    /// for other callers.
-    #[pyo3(signature = (nbytes = None, reserve = 0))]
+    /// for other callers. `prefer`: arena offsets (`Slot.offset`s, at most 64) where the slot
+    /// should start, in order of preference: the first where it can start now (free, a whole
+    /// number of pages, in one part, `reserve` honoured) is taken, else it goes wherever
+    /// first fit puts it.
+    #[pyo3(signature = (nbytes = None, reserve = 0, prefer = None))]
     fn try_checkout(
         &self,
         py: Python<'_>,
         nbytes: Option<&Bound<'_, PyAny>>,
         reserve: usize,
+        prefer: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<PySlot>> {
         guarded(|| {
             let pool = self.get(py)?;
@@ -357,7 +384,11 @@ impl PyPinPool {
                 Some(n) => size_arg(py, n, "nbytes")?,
                 None => self.slot_bytes,
             };
-            Ok(pool.try_checkout_bytes(bytes, reserve).py(py)?.map(|t| self.wrap(pool, t)))
+            let prefer = preferred_offsets(py, prefer)?;
+            Ok(pool
+                .try_checkout_bytes_preferring(bytes, reserve, &prefer)
+                .py(py)?
+                .map(|t| self.wrap(pool, t)))
         })
     }
 

@@ -1,0 +1,171 @@
+//! `pinpool._native.ArenaWindow`: a zero-copy worker's window onto the main process's arena
+//! ([`crate::window::Window`]), with the buffer protocol.
+//!
+//! Invariants:
+//! - This layer only converts arguments and errors; what is open, and when, is the core's.
+//! - Every buffer export is counted by the core ([`Window::add_view`]) and ended once
+//!   ([`Window::remove_view`]); each holds a reference to this object, so the window is never
+//!   unmapped under a view, and `close()` refuses (`BufferError`) while one is alive.
+
+use std::ffi::c_int;
+use std::os::fd::BorrowedFd;
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use super::{guarded, size_arg, to_py, IntoPy};
+use crate::error::Error;
+use crate::window::Window;
+
+/// A lasting mapping of `length` bytes of an arena memfd from file offset `offset`, kept by a
+/// zero-copy worker between batches, inaccessible (`PROT_NONE`) except for the one range
+/// `open()` makes readable and writable while a batch is written into it.
+///
+/// `ArenaWindow(fd, offset, length)`: `fd` is only borrowed (neither kept nor closed); it
+/// must be a memfd sealed against shrinking at least `offset + length` bytes long;
+/// `offset` is page-aligned and `length` a whole number of pages. The pages are faulted in
+/// (without the GIL) and then made inaccessible: their page-table entries stay, so opening
+/// them later is cheap. The mapping is not inherited by forked children. Raises
+/// `InvalidArgument` or `OutOfBounds` (both `ValueError`s) for bad arguments.
+///
+/// The buffer protocol exports the whole window (`memoryview(window)[a:b]`, where byte 0 is
+/// file offset `offset`), writable, closed or not: touching a byte outside the open range
+/// faults, by design. Each view keeps the window alive, and `close()` refuses while one is.
+#[pyclass(name = "ArenaWindow", module = "pinpool._native", frozen)]
+pub struct PyArenaWindow {
+    window: Window,
+}
+
+#[pymethods]
+impl PyArenaWindow {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        fd: i32,
+        offset: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        guarded(|| {
+            if fd < 0 {
+                return Err(to_py(py, Error::Invalid(format!("bad file descriptor {fd}"))));
+            }
+            let offset = size_arg(py, offset, "offset")?;
+            let length = size_arg(py, length, "length")?;
+            let window = py
+                .detach(|| {
+                    // SAFETY: only borrowed for this call, while the caller keeps `fd` open
+                    // (documented); a closed or reused number fails the seal and size checks
+                    // or maps another sealed memfd, never a file that could shrink.
+                    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+                    Window::new(fd, offset, length)
+                })
+                .py(py)?;
+            Ok(PyArenaWindow { window })
+        })
+    }
+
+    /// The file offset of the window's first byte.
+    #[getter]
+    fn offset(&self) -> usize {
+        self.window.offset()
+    }
+
+    /// The window's length in bytes (whole pages).
+    #[getter]
+    fn length(&self) -> usize {
+        self.window.len()
+    }
+
+    /// Whether the file's bytes `[offset, offset + nbytes)` lie inside the window.
+    fn contains(
+        &self,
+        py: Python<'_>,
+        offset: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        guarded(|| {
+            let offset = size_arg(py, offset, "offset")?;
+            let nbytes = size_arg(py, nbytes, "nbytes")?;
+            Ok(self.window.contains(offset, nbytes))
+        })
+    }
+
+    /// Makes the pages holding the file's bytes `[offset, offset + nbytes)` readable and
+    /// writable (the range must lie inside the window and hold at least one byte). One range
+    /// at a time: raises `InvalidArgument` while one is open.
+    fn open(
+        &self,
+        py: Python<'_>,
+        offset: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        guarded(|| {
+            let offset = size_arg(py, offset, "offset")?;
+            let nbytes = size_arg(py, nbytes, "nbytes")?;
+            self.window.open(offset, nbytes).py(py)
+        })
+    }
+
+    /// Makes the whole window inaccessible again (nothing to do if nothing is open). Raises
+    /// `BufferError`, changing nothing, while a view of the window is alive.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| {
+            if !self.window.close().py(py)? {
+                return Err(PyBufferError::new_err(format!(
+                    "cannot close the window while {} view(s) of it are alive: release them \
+                     first",
+                    self.window.views()
+                )));
+            }
+            Ok(())
+        })
+    }
+
+    /// Drops this process's page tables for the whole window (`MADV_DONTNEED`), without the
+    /// GIL, open or not: the bytes stay in the file, and the next access of an open page
+    /// faults it back in.
+    fn drop_page_tables(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| py.detach(|| self.window.drop_page_tables()).py(py))
+    }
+
+    /// # Safety
+    /// Called by CPython with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        guarded(|| {
+            let window = &slf.get().window;
+            let len = isize::try_from(window.len())
+                .map_err(|_| PyBufferError::new_err("window too large for a buffer"))?;
+            let ptr = window.add_view();
+            // SAFETY: `view` is valid (CPython's contract); the window is mapped for as long
+            // as this object lives, `len` bytes from `ptr`, and `PyBuffer_FillInfo` takes a
+            // new reference on `slf` for the buffer's life. The view is counted from here
+            // until `__releasebuffer__`.
+            let rc =
+                unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast(), len, 0, flags) };
+            if rc != 0 {
+                window.remove_view();
+                return Err(PyErr::fetch(slf.py()));
+            }
+            Ok(())
+        })
+    }
+
+    /// # Safety
+    /// Called by CPython once per successful `__getbuffer__`.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        self.window.remove_view();
+    }
+
+    fn __repr__(&self) -> String {
+        let (start, end) = (self.window.offset(), self.window.offset() + self.window.len());
+        match self.window.open_range() {
+            Some((a, b)) => format!("ArenaWindow([{start}, {end}), open [{a}, {b}))"),
+            None => format!("ArenaWindow([{start}, {end}), closed)"),
+        }
+    }
+}

@@ -1,0 +1,550 @@
+//! A zero-copy worker's window onto the main process's arena: one mapping of a few of its
+//! extents, kept between batches but inaccessible except while a batch is written into it.
+//!
+//! In zero-copy mode a worker writes each batch straight into a slot of the arena (a memfd of
+//! the main process's). Mapping the slot's pages per batch, faulting them in and unmapping
+//! them afterwards costs tens of milliseconds for a batch of hundreds of megabytes. A
+//! [`Window`] maps a stretch of the file once, faults it in, and makes it `PROT_NONE`: the
+//! page-table entries stay, so [`Window::open`]ing the pages of the next batch's slot is one
+//! `mprotect` (the main process hands the worker the same extents again when it can:
+//! [`crate::extents::ExtentMap::alloc_preferring`]), and a stray write between batches, or
+//! into bytes that are not this batch's slot, still faults.
+//!
+//! Invariants:
+//! - A window owns exactly one `MAP_SHARED` mapping of `len > 0` bytes (whole pages) of a
+//!   memfd sealed against shrinking, from a page-aligned file offset, with `offset + len` no
+//!   more than the file's size when it was mapped (checked with `fstat` after the seals): the
+//!   file can never shrink under it, so no access of a mapped page raises `SIGBUS`. The
+//!   descriptor is only borrowed to map it. Dropping the window unmaps the range once, in
+//!   pieces ([`crate::shm::unmap_in_chunks`]); nothing else unmaps it.
+//! - Every page is `PROT_NONE` except, between an [`Window::open`] and the next successful
+//!   [`Window::close`], the pages of the one range opened (rounded out to pages), which are
+//!   readable and writable. At most one range is open at a time. Protections change in
+//!   pieces of [`crate::shm::MM_CALL_BYTES`] (each `mprotect` call holds the process's
+//!   address-space lock, as `munmap` does).
+//! - Views (the Python buffer exports) are counted; [`Window::close`] changes nothing while
+//!   one is alive, so a view is never made inaccessible under a writer that was handed it.
+//!   The open range and the count change only under the window's lock.
+//! - Forked children do not inherit the mapping (`MADV_DONTFORK`); where the kernel refuses
+//!   the advice, they get it read-only ([`crate::fork_private`]), never writable.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::ptr::NonNull;
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::fork_private;
+use crate::shm::{
+    check_range, check_sealed, drop_page_tables_of, page_size, prefault_shared, unmap_in_chunks,
+    MM_CALL_BYTES,
+};
+
+/// A mapping of `[offset, offset + len)` of an arena memfd, inaccessible but for the range
+/// opened.
+pub struct Window {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// The file offset of the mapping's first byte.
+    offset: usize,
+    state: Mutex<State>,
+    /// Set only where `MADV_DONTFORK` was refused: children get the window read-only.
+    read_only_in_children: Option<fork_private::Registration>,
+}
+
+/// What the lock guards.
+#[derive(Debug, Default)]
+struct State {
+    /// The accessible pages, `[start, end)` from the mapping's first byte.
+    open: Option<(usize, usize)>,
+    /// Views alive.
+    views: usize,
+}
+
+// SAFETY: the window is a mapping owned by this value; its open range and view count change
+// only under its lock, and who writes which bytes when is for the holders of its pointer to
+// coordinate (one worker writing one batch), as for `shm::Mapping`.
+unsafe impl Send for Window {}
+// SAFETY: as above: `&Window` changes nothing but under its lock.
+unsafe impl Sync for Window {}
+
+impl std::fmt::Debug for Window {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Window")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("state", &*self.state.lock())
+            .finish()
+    }
+}
+
+impl Window {
+    /// Maps `len` bytes (a whole number of pages, at least one) of the file behind `fd`
+    /// (only borrowed) from file offset `offset` (page-aligned), shared, readable and
+    /// writable; faults every page in, then makes them all inaccessible. Fails unless the
+    /// file is a memfd sealed against shrinking at least `offset + len` bytes long.
+    pub fn new(fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<Self> {
+        let page = page_size();
+        if len == 0 || len % page != 0 || offset % page != 0 {
+            return Err(Error::Invalid(format!(
+                "a window must start on a page boundary and be a whole number of pages \
+                 ({page} bytes), not {len} bytes from offset {offset}"
+            )));
+        }
+        check_sealed(fd)?;
+        let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat", e))?;
+        let size = usize::try_from(st.st_size).unwrap_or(0);
+        check_range("arena file", offset, len, size)?;
+        // (Fits, being inside the file, whose size an `off_t` holds.)
+        let file_offset = libc::off_t::try_from(offset).map_err(|_| Error::OutOfRange {
+            what: "arena file",
+            offset,
+            len,
+            size,
+        })?;
+        // SAFETY: a fresh mapping chosen by the kernel (addr NULL) of `len` bytes of a file at
+        // least `offset + len` bytes long that cannot shrink; it aliases no Rust object.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                file_offset,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(Error::last_os("mmap"));
+        }
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(Error::Os { call: "mmap", errno: 0 })?;
+        // From here on, dropping `window` unmaps the range.
+        let mut window = Window {
+            ptr,
+            len,
+            offset,
+            state: Mutex::new(State::default()),
+            read_only_in_children: Some(fork_private::register_read_only(
+                ptr.as_ptr() as usize,
+                len,
+            )),
+        };
+        window.keep_from_children();
+        // SAFETY: the range is this window's own readable and writable shared mapping, of a
+        // file that holds all of it.
+        unsafe { prefault_shared(ptr.as_ptr(), len)? };
+        window.protect(0, len, libc::PROT_NONE)?;
+        Ok(window)
+    }
+
+    /// Leaves the mapping out of children forked from now on (`MADV_DONTFORK`), as
+    /// `shm::Mapping` does with a worker's segment; where the kernel refuses, the read-only
+    /// registration stays.
+    fn keep_from_children(&mut self) {
+        // SAFETY: `[ptr, ptr+len)` is exactly this window's mapping; the advice changes only
+        // what a later fork copies.
+        let advised =
+            unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_DONTFORK) };
+        if advised == 0 {
+            self.read_only_in_children = None;
+        }
+    }
+
+    /// Sets the protection of `[start, end)` (whole pages, from the first byte) to `prot`, in
+    /// pieces of [`MM_CALL_BYTES`].
+    fn protect(&self, start: usize, end: usize, prot: libc::c_int) -> Result<()> {
+        debug_assert!(start <= end && end <= self.len && start % page_size() == 0);
+        let mut at = start;
+        while at < end {
+            let n = MM_CALL_BYTES.min(end - at);
+            // SAFETY: `[at, at+n)` lies inside this window's own mapping and starts on a page
+            // boundary; only the protection changes. No reference into the range exists on
+            // our side; a view's holder that touches pages made inaccessible faults, by
+            // design, and a view is never closed under (see the module's invariants).
+            let rc = unsafe { libc::mprotect(self.ptr.as_ptr().add(at).cast(), n, prot) };
+            if rc != 0 {
+                return Err(Error::last_os("mprotect"));
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// The file offset of the window's first byte.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Length in bytes (whole pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: windows are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The window's first byte (file offset [`Window::offset`]). Only the open range may be
+    /// touched.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Whether the file's bytes `[offset, offset + nbytes)` lie inside the window.
+    pub fn contains(&self, offset: usize, nbytes: usize) -> bool {
+        offset >= self.offset
+            && offset.checked_add(nbytes).is_some_and(|end| end <= self.offset + self.len)
+    }
+
+    /// Makes the pages holding the file's bytes `[offset, offset + nbytes)` (inside the
+    /// window, at least one byte) readable and writable. Refused while a range is open.
+    pub fn open(&self, offset: usize, nbytes: usize) -> Result<()> {
+        if nbytes == 0 {
+            return Err(Error::Invalid("cannot open an empty range of a window".into()));
+        }
+        if !self.contains(offset, nbytes) {
+            return Err(Error::Invalid(format!(
+                "bytes [{offset}, {offset}+{nbytes}) of the file are not all inside the window \
+                 [{}, {})",
+                self.offset,
+                self.offset + self.len
+            )));
+        }
+        let mut state = self.state.lock();
+        if let Some((start, end)) = state.open {
+            return Err(Error::Invalid(format!(
+                "bytes [{}, {}) of the window are open already: close() it first",
+                self.offset + start,
+                self.offset + end
+            )));
+        }
+        let page = page_size();
+        let from = offset - self.offset;
+        let start = from / page * page;
+        // (At most `len`: the window is whole pages, and the range inside it.)
+        let end = (from + nbytes).div_ceil(page) * page;
+        if let Err(err) = self.protect(start, end, libc::PROT_READ | libc::PROT_WRITE) {
+            // Whatever pieces were opened are closed again (best effort: the error is the
+            // first failure's).
+            let _ = self.protect(start, end, libc::PROT_NONE);
+            return Err(err);
+        }
+        state.open = Some((start, end));
+        Ok(())
+    }
+
+    /// The file offsets `[start, end)` of the pages open, if a range is.
+    pub fn open_range(&self) -> Option<(usize, usize)> {
+        self.state.lock().open.map(|(start, end)| (self.offset + start, self.offset + end))
+    }
+
+    /// Makes the whole window inaccessible again. Returns false, changing nothing, while a
+    /// view is alive ([`Window::add_view`]); true once closed (at once, if nothing was open).
+    pub fn close(&self) -> Result<bool> {
+        let mut state = self.state.lock();
+        if state.views > 0 {
+            return Ok(false);
+        }
+        if let Some((start, end)) = state.open {
+            // (On failure the range stays recorded as open: a later close tries again.)
+            self.protect(start, end, libc::PROT_NONE)?;
+            state.open = None;
+        }
+        Ok(true)
+    }
+
+    /// Counts one more view of the whole window (a buffer export); returns its first byte.
+    pub fn add_view(&self) -> *mut u8 {
+        self.state.lock().views += 1;
+        self.ptr.as_ptr()
+    }
+
+    /// Ends one view counted by [`Window::add_view`].
+    pub fn remove_view(&self) {
+        let mut state = self.state.lock();
+        state.views = state.views.saturating_sub(1);
+    }
+
+    /// Views alive.
+    pub fn views(&self) -> usize {
+        self.state.lock().views
+    }
+
+    /// Drops this process's page-table entries for the whole window (`MADV_DONTNEED`, in
+    /// pieces of [`MM_CALL_BYTES`]), open or not: the bytes stay in the file, and the next
+    /// access of an open page faults it back in. What it saves is the teardown of the entries
+    /// at `munmap` or at the process's exit.
+    pub fn drop_page_tables(&self) -> Result<()> {
+        // SAFETY: the window's own page-aligned `MAP_SHARED` file mapping.
+        unsafe { drop_page_tables_of(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        // Children forked from now on leave the range alone (before it can be reused).
+        self.read_only_in_children = None;
+        // SAFETY: `ptr`/`len` describe exactly the mapping made in `new`, unmapped only here;
+        // no view can be alive (each holds its owner, and so this window, alive).
+        unsafe { unmap_in_chunks(self.ptr.as_ptr(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use rustix::fs::MemfdFlags;
+
+    use super::*;
+    use crate::shm::Mapping;
+
+    /// One mapping (VMA) of this process, from `/proc/self/smaps`.
+    #[derive(Debug)]
+    struct Vma {
+        start: usize,
+        end: usize,
+        perms: String,
+        path: String,
+        rss: usize,
+        flags: Vec<String>,
+    }
+
+    /// The mappings of this process that overlap `[addr, addr + len)`.
+    fn vmas(addr: usize, len: usize) -> Vec<Vma> {
+        let text = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut all: Vec<Vma> = Vec::new();
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            let first = words.next().unwrap_or("");
+            if let Some((a, b)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+                if let (Ok(start), Ok(end)) =
+                    (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                {
+                    let perms = words.next().unwrap_or("").to_owned();
+                    let path = words.nth(3).unwrap_or("").to_owned();
+                    all.push(Vma { start, end, perms, path, rss: 0, flags: Vec::new() });
+                    continue;
+                }
+            }
+            let Some(vma) = all.last_mut() else { continue };
+            match first {
+                "Rss:" => vma.rss = words.next().unwrap().parse::<usize>().unwrap() * 1024,
+                "VmFlags:" => vma.flags = words.map(str::to_owned).collect(),
+                _ => {}
+            }
+        }
+        all.retain(|v| v.start < addr + len && addr < v.end);
+        all
+    }
+
+    /// The protections of the window's pages, page by page (`"rw-s"`, `"---s"`).
+    fn page_perms(w: &Window) -> Vec<String> {
+        let base = w.as_ptr() as usize;
+        let found = vmas(base, w.len());
+        (0..w.len() / page_size())
+            .map(|i| {
+                let at = base + i * page_size();
+                found.iter().find(|v| v.start <= at && at < v.end).unwrap().perms.clone()
+            })
+            .collect()
+    }
+
+    /// A sealed memfd of `pages` pages, each filled with its own number plus one.
+    fn arena(pages: usize) -> Mapping {
+        named_arena("pinpool-window-test", pages)
+    }
+
+    fn named_arena(name: &str, pages: usize) -> Mapping {
+        let m = Mapping::memfd(name, pages * page_size()).unwrap();
+        for i in 0..pages {
+            // SAFETY: page `i` lies inside the test's own writable mapping.
+            unsafe {
+                std::ptr::write_bytes(m.as_ptr().add(i * page_size()), i as u8 + 1, page_size())
+            };
+        }
+        m
+    }
+
+    fn byte(m: &Mapping, at: usize) -> u8 {
+        assert!(at < m.len());
+        // SAFETY: inside the test's own readable mapping.
+        unsafe { m.as_ptr().add(at).read_volatile() }
+    }
+
+    #[test]
+    // Miri: memfds, mmap and mprotect are foreign calls Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_window_is_mapped_populated_inaccessible_and_kept_from_children() {
+        let p = page_size();
+        let m = arena(8);
+        let w = Window::new(m.fd().unwrap(), 2 * p, 4 * p).unwrap();
+        assert_eq!((w.offset(), w.len(), w.open_range(), w.views()), (2 * p, 4 * p, None, 0));
+        let found = vmas(w.as_ptr() as usize, w.len());
+        assert_eq!(found.iter().map(|v| v.end - v.start).sum::<usize>(), 4 * p);
+        assert_eq!(found.iter().map(|v| v.rss).sum::<usize>(), 4 * p, "not populated: {found:?}");
+        for v in &found {
+            assert_eq!(v.perms, "---s", "{found:?}");
+            assert!(v.flags.iter().any(|f| f == "dc"), "inherited by children: {found:?}");
+        }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn an_open_range_is_written_through_to_the_file_and_closed_again() {
+        let p = page_size();
+        let m = arena(8);
+        let w = Window::new(m.fd().unwrap(), 2 * p, 4 * p).unwrap();
+        // File bytes [3p + 10, 4p + 1): file pages 3 and 4, window pages 1 and 2.
+        w.open(3 * p + 10, p - 9).unwrap();
+        assert_eq!(w.open_range(), Some((3 * p, 5 * p)));
+        assert_eq!(page_perms(&w), ["---s", "rw-s", "rw-s", "---s"]);
+        // SAFETY: window bytes [p + 10, 2p + 1) are open; the test alone touches them.
+        unsafe {
+            let at = w.as_ptr().add(p + 10);
+            assert_eq!(at.read_volatile(), 4, "the file's page 3 as it was");
+            std::ptr::write_bytes(at, 0xAB, p - 9);
+        }
+        assert_eq!(byte(&m, 3 * p + 9), 4);
+        assert!((3 * p + 10..4 * p + 1).all(|i| byte(&m, i) == 0xAB), "not in the file");
+        assert_eq!(byte(&m, 4 * p + 1), 5);
+        // One range at a time.
+        let again = w.open(2 * p, 1).unwrap_err();
+        assert!(again.to_string().contains("open already"), "{again}");
+        assert_eq!(page_perms(&w), ["---s", "rw-s", "rw-s", "---s"]);
+        assert_eq!(w.close(), Ok(true));
+        assert_eq!(w.open_range(), None);
+        assert_eq!(page_perms(&w), ["---s"; 4]);
+        assert_eq!(w.close(), Ok(true), "a second close is no error");
+        // The whole window, then its last byte.
+        w.open(2 * p, 4 * p).unwrap();
+        assert_eq!(page_perms(&w), ["rw-s"; 4]);
+        w.close().unwrap();
+        w.open(6 * p - 1, 1).unwrap();
+        assert_eq!(page_perms(&w), ["---s", "---s", "---s", "rw-s"]);
+        // SAFETY: the window's last page is open.
+        assert_eq!(unsafe { w.as_ptr().add(4 * p - 1).read_volatile() }, 6);
+        w.close().unwrap();
+        assert_eq!(page_perms(&w), ["---s"; 4]);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn contains_is_exact() {
+        let p = page_size();
+        let m = arena(8);
+        let w = Window::new(m.fd().unwrap(), 2 * p, 4 * p).unwrap();
+        assert!(w.contains(2 * p, 4 * p));
+        assert!(w.contains(3 * p + 7, p));
+        assert!(w.contains(6 * p - 1, 1));
+        assert!(w.contains(6 * p, 0));
+        assert!(!w.contains(2 * p - 1, 1), "starts before");
+        assert!(!w.contains(2 * p, 4 * p + 1), "ends after");
+        assert!(!w.contains(6 * p, 1), "past the end");
+        assert!(!w.contains(0, p));
+        assert!(!w.contains(3 * p, usize::MAX), "overflows");
+        assert!(!w.contains(usize::MAX, 2));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn bad_windows_and_ranges_are_refused() {
+        let p = page_size();
+        let m = arena(8);
+        let fd = m.fd().unwrap();
+        let invalid = |r: Result<Window>| matches!(r, Err(Error::Invalid(_)));
+        let beyond = |r: Result<Window>| matches!(r, Err(Error::OutOfRange { .. }));
+        assert!(invalid(Window::new(fd, p + 1, p)), "offset not page-aligned");
+        assert!(invalid(Window::new(fd, 0, 0)), "empty");
+        assert!(invalid(Window::new(fd, 0, p + 1)), "not whole pages");
+        assert!(beyond(Window::new(fd, 6 * p, 4 * p)), "past the file's end");
+        assert!(beyond(Window::new(fd, 8 * p, p)), "starts at the file's end");
+        assert!(beyond(Window::new(fd, usize::MAX / p * p, p)), "offset + len overflows");
+        assert!(Window::new(fd, 4 * p, 4 * p).is_ok(), "up to the file's end");
+        // Files that could shrink under the mapping.
+        let unsealed =
+            rustix::fs::memfd_create("pinpool-window-test", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&unsealed, 4 * p as u64).unwrap();
+        let err = Window::new(unsealed.as_fd(), 0, p).unwrap_err();
+        assert!(err.to_string().contains("sealed"), "{err}");
+        let file = std::fs::File::open("/proc/self/exe").unwrap();
+        let err = Window::new(file.as_fd(), 0, p).unwrap_err();
+        assert!(err.to_string().contains("sealed"), "{err}");
+        // Ranges outside the window, or empty, are not opened.
+        let w = Window::new(fd, 2 * p, 4 * p).unwrap();
+        for (offset, nbytes) in [(p, p), (2 * p - 1, 2), (5 * p, p + 1), (6 * p, 1), (3 * p, 0)] {
+            let err = w.open(offset, nbytes).unwrap_err();
+            assert!(matches!(err, Error::Invalid(_)), "[{offset}, +{nbytes}): {err}");
+            assert_eq!(w.open_range(), None);
+        }
+        assert_eq!(page_perms(&w), ["---s"; 4]);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn close_leaves_a_range_open_while_a_view_is_alive() {
+        let p = page_size();
+        let m = arena(4);
+        let w = Window::new(m.fd().unwrap(), 0, 4 * p).unwrap();
+        assert_eq!(w.add_view(), w.as_ptr(), "a view of a closed window");
+        w.open(p, p).unwrap();
+        assert_eq!(w.add_view(), w.as_ptr());
+        assert_eq!(w.views(), 2);
+        assert_eq!(w.close(), Ok(false));
+        assert_eq!(w.open_range(), Some((p, 2 * p)));
+        assert_eq!(page_perms(&w), ["---s", "rw-s", "---s", "---s"]);
+        w.remove_view();
+        assert_eq!(w.close(), Ok(false));
+        w.remove_view();
+        assert_eq!(w.close(), Ok(true));
+        assert_eq!((w.views(), w.open_range()), (0, None));
+        assert_eq!(page_perms(&w), ["---s"; 4]);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn dropping_the_page_tables_keeps_the_bytes() {
+        let p = page_size();
+        let m = arena(8);
+        let w = Window::new(m.fd().unwrap(), 4 * p, 4 * p).unwrap();
+        let rss =
+            |w: &Window| vmas(w.as_ptr() as usize, w.len()).iter().map(|v| v.rss).sum::<usize>();
+        w.open(5 * p, 2 * p).unwrap();
+        // SAFETY: window pages 1 and 2 are open; the test alone touches them.
+        unsafe { std::ptr::write_bytes(w.as_ptr().add(p), 0x5A, 2 * p) };
+        w.drop_page_tables().unwrap(); // open
+        assert_eq!(rss(&w), 0, "page tables left");
+        // SAFETY: still open; the pages fault back in with the bytes written.
+        assert_eq!(unsafe { w.as_ptr().add(2 * p + 3).read_volatile() }, 0x5A);
+        w.close().unwrap();
+        w.drop_page_tables().unwrap(); // closed
+        assert_eq!(rss(&w), 0, "page tables left");
+        assert_eq!(page_perms(&w), ["---s"; 4]);
+        assert!((5 * p..7 * p).all(|i| byte(&m, i) == 0x5A));
+        assert_eq!((byte(&m, 5 * p - 1), byte(&m, 7 * p)), (5, 8));
+        w.open(4 * p, 4 * p).unwrap();
+        // SAFETY: the whole window is open.
+        let seen = unsafe { std::slice::from_raw_parts(w.as_ptr(), 4 * p) };
+        assert!(seen[..p].iter().all(|&b| b == 5) && seen[3 * p..].iter().all(|&b| b == 8));
+        assert!(seen[p..3 * p].iter().all(|&b| b == 0x5A));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn dropping_a_window_unmaps_it() {
+        let p = page_size();
+        // (A name of its own: other tests may map their files where this window was.)
+        let name = "pinpool-window-drop-test";
+        let m = named_arena(name, 4);
+        let w = Window::new(m.fd().unwrap(), 0, 4 * p).unwrap();
+        w.open(0, p).unwrap();
+        let (addr, len) = (w.as_ptr() as usize, w.len());
+        let ours = |v: &Vma| v.path.contains(name);
+        assert_eq!(vmas(addr, len).iter().filter(|v| ours(v)).count(), 2, "open and closed");
+        drop(w);
+        let left: Vec<Vma> = vmas(addr, len).into_iter().filter(ours).collect();
+        assert!(left.is_empty(), "still mapped: {left:?}");
+        assert_eq!(byte(&m, 0), 1, "the file keeps its bytes");
+    }
+}
