@@ -108,7 +108,7 @@ proptest! {
                             .collect(),
                         _ => Vec::new(),
                     };
-                    match pool.try_checkout_bytes_preferring(n, 0, &prefer).unwrap() {
+                    match pool.try_checkout_bytes_preferring(n, 0, &prefer, false).unwrap() {
                         Some(t) => {
                             next_fill = next_fill.wrapping_add(1).max(1);
                             let h = fill(&pool, t, next_fill);

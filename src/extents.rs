@@ -149,6 +149,15 @@ impl ExtentMap {
         keep: usize,
         prefer: &[usize],
     ) -> Option<(usize, usize)> {
+        match self.alloc_at(n, keep, prefer) {
+            Some(extent) => Some(extent),
+            None => self.alloc(n, keep),
+        }
+    }
+
+    /// As [`ExtentMap::alloc_preferring`], without the first fit: None unless the extent can
+    /// start at one of the offsets of `prefer`.
+    pub fn alloc_at(&mut self, n: usize, keep: usize, prefer: &[usize]) -> Option<(usize, usize)> {
         let size = self.round(n)?;
         let keep = if keep == 0 { 0 } else { self.round(keep)? };
         for &offset in prefer {
@@ -166,7 +175,7 @@ impl ExtentMap {
                 return Some((offset, size));
             }
         }
-        self.alloc(n, keep)
+        None
     }
 
     /// Whether taking `[offset, offset + size)` out of free range `at` (which holds it) would
@@ -397,6 +406,11 @@ mod tests {
             assert_eq!(n.alloc_preferring(2 * U, 0, &[p]), Some((U, 2 * U)), "offset #{i}");
             assert_eq!(n.free_ranges(), &[(3 * U, U), (4 * U, U), (6 * U, 2 * U)]);
             assert_eq!(n.free_bytes(), 4 * U);
+            // Only there: nothing, and nothing taken.
+            let mut n = m.clone();
+            assert_eq!(n.alloc_at(2 * U, 0, &[p]), None, "offset #{i}");
+            assert_eq!(n.free_ranges(), m.free_ranges());
+            assert_eq!(n.free_bytes(), m.free_bytes());
         }
         // All of them together, then one that works: that one.
         let mut prefer = refused.to_vec();

@@ -293,24 +293,30 @@ impl SlotTable {
     /// holds it with `keep` bytes left in one range afterwards; with `keep`, one free entry
     /// is left too. Never blocks.
     pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Option<Checkout> {
-        self.try_checkout_bytes_preferring(bytes, keep, &[])
+        self.try_checkout_bytes_preferring(bytes, keep, &[], false)
     }
 
     /// As [`SlotTable::try_checkout_bytes`], but the slot's extent starts at the first arena
     /// offset of `prefer` where it can ([`ExtentMap::alloc_preferring`]: a free, whole-page
-    /// place inside one part, `keep` honoured), else wherever first fit puts it. Never blocks.
+    /// place inside one part, `keep` honoured), else (unless `only`) wherever first fit puts
+    /// it. Never blocks.
     pub fn try_checkout_bytes_preferring(
         &self,
         bytes: usize,
         keep: usize,
         prefer: &[usize],
+        only: bool,
     ) -> Option<Checkout> {
         let mut inner = self.lock();
         if keep > 0 && inner.spare.len() < 2 {
             return None; // the last entry is kept with the bytes
         }
         let index = *inner.spare.last()?;
-        let (offset, len) = inner.map.alloc_preferring(bytes, keep, prefer)?;
+        let (offset, len) = if only {
+            inner.map.alloc_at(bytes, keep, prefer)?
+        } else {
+            inner.map.alloc_preferring(bytes, keep, prefer)?
+        };
         inner.spare.pop();
         let cell = &self.words[index as usize];
         let (generation, state) = split(cell.load(Ordering::Acquire));
@@ -590,21 +596,21 @@ mod tests {
         t.release(a, false).unwrap();
         t.release(c, false).unwrap();
         // First fit would give a's page back; c's is asked for.
-        let again = t.try_checkout_bytes_preferring(u, 0, &[2 * u]).unwrap();
+        let again = t.try_checkout_bytes_preferring(u, 0, &[2 * u], false).unwrap();
         assert_eq!(t.extent(again), Some((2 * u, u)));
         // Held (b), fenced (again), or not a page boundary: first fit.
         t.release(again, true).unwrap();
-        let other = t.try_checkout_bytes_preferring(u, 0, &[u, 2 * u, 3 * u + 1]).unwrap();
+        let other = t.try_checkout_bytes_preferring(u, 0, &[u, 2 * u, 3 * u + 1], false).unwrap();
         assert_eq!(t.extent(other), Some((0, u)));
         assert!(t.complete_fence(again));
-        let back = t.try_checkout_bytes_preferring(u, 0, &[2 * u]).unwrap();
+        let back = t.try_checkout_bytes_preferring(u, 0, &[2 * u], false).unwrap();
         assert_eq!(t.extent(back), Some((2 * u, u)));
         // Two pages from a's (held by `other`) would overlap it: first fit, after `back`.
-        let two = t.try_checkout_bytes_preferring(2 * u, 0, &[0]).unwrap();
+        let two = t.try_checkout_bytes_preferring(2 * u, 0, &[0], false).unwrap();
         assert_eq!(t.extent(two), Some((3 * u, 2 * u)));
         // `keep` counts: the last free page is not taken if a page must stay free.
-        assert!(t.try_checkout_bytes_preferring(u, u, &[5 * u]).is_none(), "`keep` ignored");
-        let last = t.try_checkout_bytes_preferring(u, 0, &[5 * u]).unwrap();
+        assert!(t.try_checkout_bytes_preferring(u, u, &[5 * u], false).is_none(), "`keep` ignored");
+        let last = t.try_checkout_bytes_preferring(u, 0, &[5 * u], false).unwrap();
         assert_eq!(t.extent(last), Some((5 * u, u)));
         let b = t.bytes();
         assert_eq!((b.free, b.checked_out), (0, 6 * u));

@@ -81,15 +81,20 @@ class PinPool:
     ) -> PinPool: ...
     def checkout(self, timeout: float | None = None, nbytes: int | None = None) -> Slot: ...
     def try_checkout(
-        self, nbytes: int | None = None, reserve: int = 0, prefer: Sequence[int] | None = None
+        self,
+        nbytes: int | None = None,
+        reserve: int = 0,
+        prefer: Sequence[int] | None = None,
+        prefer_only: bool = False,
     ) -> Slot | None:
         """Takes a slot of ``nbytes`` (default: ``slot_bytes``), or returns None at once if
         there is no room for it, or (with ``reserve``) none that leaves ``reserve`` bytes free
         in one range for other callers. ``prefer``: arena offsets (``Slot.offset`` values, at
         most 64) where the slot should start, in order of preference: the first where it can
         start now (free, a whole number of pages, in one part, ``reserve`` honoured) is taken,
-        else it goes wherever first fit puts it. A negative offset, or more than 64, raises
-        ``InvalidArgument``; a value that is not an int, ``TypeError``."""
+        else it goes wherever first fit puts it; with ``prefer_only``, nowhere else (None). A
+        negative offset, or more than 64, raises ``InvalidArgument``; a value that is not an
+        int, ``TypeError``."""
     def claim(
         self,
         nbytes: int | None = None,

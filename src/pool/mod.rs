@@ -348,31 +348,39 @@ impl Pool {
     /// it with `keep` bytes left in one free range afterwards. A size no slot can ever have
     /// is [`Error::BatchTooLarge`].
     pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Result<Option<Checkout>> {
-        self.try_checkout_bytes_preferring(bytes, keep, &[])
+        self.try_checkout_bytes_preferring(bytes, keep, &[], false)
     }
 
     /// As [`Pool::try_checkout_bytes`], but the slot starts at the first arena offset of
     /// `prefer` where a slot of `bytes` can start now (free, a whole number of pages, inside
     /// one part, `keep` honoured: [`crate::extents::ExtentMap::alloc_preferring`]), else
-    /// wherever first fit puts it. A zero-copy worker that keeps the extents of its last
-    /// batches mapped asks for them again. (Bytes whose fence has completed but was not
-    /// retired yet are not free: fences are retired here only when nothing fits at all.)
+    /// (unless `only`: then None) wherever first fit puts it. A zero-copy worker that keeps
+    /// the extents of its last batches mapped asks for them again. (With `prefer`, fences that
+    /// have completed are retired first: their bytes are free only once retired.)
     pub fn try_checkout_bytes_preferring(
         &self,
         bytes: usize,
         keep: usize,
         prefer: &[usize],
+        only: bool,
     ) -> Result<Option<Checkout>> {
         self.check_owner()?;
         if self.table.is_closed() {
             return Err(Error::Closed);
         }
         self.check_size(bytes)?;
-        let mut checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer);
+        if !prefer.is_empty() {
+            // A preferred extent whose fence has completed is free only once retired: retire
+            // what is ready first, or first fit would hand out other bytes meanwhile.
+            if let Some(f) = self.fences.as_ref() {
+                f.try_retire_ready(&self.table);
+            }
+        }
+        let mut checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, only);
         if checkout.is_none() {
             if let Some(f) = self.fences.as_ref() {
                 if f.try_retire_ready(&self.table) > 0 {
-                    checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer);
+                    checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, only);
                 }
             }
         }
@@ -589,7 +597,7 @@ mod tests {
         pool.release(held[0], None).unwrap();
         pool.release(held[2], Some(7)).unwrap();
         // Fenced: not handed out, even when asked for; first fit instead.
-        let other = pool.try_checkout_bytes_preferring(slot, 0, &[wanted]).unwrap().unwrap();
+        let other = pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false).unwrap().unwrap();
         assert_eq!(at(other), first);
         pool.release(other, None).unwrap();
         // Once its fence completed and was retired, exactly that extent, though first fit
@@ -597,7 +605,7 @@ mod tests {
         pool.retire_fences(); // (records the queued fence)
         fences.complete_all();
         pool.retire_fences();
-        let again = pool.try_checkout_bytes_preferring(slot, 0, &[wanted]).unwrap().unwrap();
+        let again = pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false).unwrap().unwrap();
         assert_eq!(pool.extent(again), Ok((wanted, slot)));
         assert_eq!(
             pool.extent(pool.try_checkout_bytes(slot, 0).unwrap().unwrap()).unwrap().0,
@@ -609,13 +617,13 @@ mod tests {
         assert!(pool.is_fenced(again));
         pool.retire_fences();
         fences.complete_all();
-        let back = pool.try_checkout_bytes_preferring(slot, 0, &[wanted]).unwrap();
+        let back = pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false).unwrap();
         assert_eq!(back.map(|t| pool.extent(t)), Some(Ok((wanted, slot))));
         // Every check of a checkout applies: too large, closed.
-        let too_large = pool.try_checkout_bytes_preferring(pool.largest_slot() + 1, 0, &[0]);
+        let too_large = pool.try_checkout_bytes_preferring(pool.largest_slot() + 1, 0, &[0], false);
         assert!(matches!(too_large, Err(Error::BatchTooLarge { .. })), "{too_large:?}");
         pool.close();
-        assert_eq!(pool.try_checkout_bytes_preferring(slot, 0, &[wanted]), Err(Error::Closed));
+        assert_eq!(pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false), Err(Error::Closed));
     }
 
     #[test]

@@ -369,14 +369,15 @@ impl PyPinPool {
     /// for other callers. `prefer`: arena offsets (`Slot.offset`s, at most 64) where the slot
     /// should start, in order of preference: the first where it can start now (free, a whole
     /// number of pages, in one part, `reserve` honoured) is taken, else it goes wherever
-    /// first fit puts it.
-    #[pyo3(signature = (nbytes = None, reserve = 0, prefer = None))]
+    /// first fit puts it; with `prefer_only`, nowhere else (None).
+    #[pyo3(signature = (nbytes = None, reserve = 0, prefer = None, prefer_only = false))]
     fn try_checkout(
         &self,
         py: Python<'_>,
         nbytes: Option<&Bound<'_, PyAny>>,
         reserve: usize,
         prefer: Option<&Bound<'_, PyAny>>,
+        prefer_only: bool,
     ) -> PyResult<Option<PySlot>> {
         guarded(|| {
             let pool = self.get(py)?;
@@ -386,7 +387,7 @@ impl PyPinPool {
             };
             let prefer = preferred_offsets(py, prefer)?;
             Ok(pool
-                .try_checkout_bytes_preferring(bytes, reserve, &prefer)
+                .try_checkout_bytes_preferring(bytes, reserve, &prefer, prefer_only)
                 .py(py)?
                 .map(|t| self.wrap(pool, t)))
         })

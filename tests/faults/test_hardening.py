@@ -651,7 +651,9 @@ def test_a_workers_window_is_kept_for_its_next_slot_there(make_pool: Any) -> Non
     def reservation(slot: Any, nonce: int) -> SlotReservation:
         fd, offset, part_len = pool.slot_memfd(slot)
         ino = os.fstat(fd).st_ino
-        return SlotReservation(slot.index, 1, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, ino)
+        return SlotReservation(
+            slot.index, 1, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, ino
+        )
 
     places._WINDOWS.clear()
     first, at, new = places.open_window(reservation(slots[0], 1))

@@ -170,7 +170,11 @@ def test_zero_copy_workers_write_into_windows_they_mapped_before(
         gc.collect()
     finally:
         pinpool.trace.set_hook(None)
-    rows = [tuple(map(int, line.split())) for line in (tmp_path / "places").read_text().split("\n") if line]
+    rows = [
+        tuple(map(int, line.split()))
+        for line in (tmp_path / "places").read_text().split("\n")
+        if line
+    ]
     slots = [(pid, mapped) for pid, slot, mapped in rows if slot]
     assert len(slots) == stats["zero_copy_batches"] >= 48, stats
     mapped = Counter(pid for pid, m in slots if m)

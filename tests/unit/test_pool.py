@@ -1011,3 +1011,24 @@ def test_a_background_pool_readies_its_slots_while_it_is_used() -> None:
             x.release()
     finally:
         pool.close(wait=True)
+
+
+def test_a_checkout_goes_where_it_is_preferred_or_only_there(make_pool) -> None:
+    """``prefer``: the first of the offsets where the slot can start now is taken, else first
+    fit; with ``prefer_only``, nowhere else (None, and nothing taken). Bad offsets are
+    refused."""
+    pool = make_pool(1 << 16, 8, arena_bytes=8 << 16)
+    slots = [pool.checkout(nbytes=1 << 16) for _ in range(3)]
+    offsets = [s.offset for s in slots]
+    slots[1].release()
+    again = pool.try_checkout(1 << 16, prefer=[offsets[0], offsets[1]])
+    assert again is not None and again.offset == offsets[1], "the first free preferred place"
+    assert pool.try_checkout(1 << 16, prefer=[offsets[1]], prefer_only=True) is None
+    assert pool.stats()["slots_checked_out"] == 3, "nothing taken by a refused checkout"
+    elsewhere = pool.try_checkout(1 << 16, prefer=[offsets[1]])
+    assert elsewhere is not None and elsewhere.offset not in offsets
+    for bad, error in (([-4096], InvalidArgument), (["x"], TypeError), ([0] * 65, InvalidArgument)):
+        with pytest.raises(error):
+            pool.try_checkout(1 << 16, prefer=bad)
+    for s in (slots[0], slots[2], again, elsewhere):
+        s.release()

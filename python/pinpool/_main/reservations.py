@@ -1,11 +1,14 @@
 """Zero-copy mode, the main process's half: slots handed out with the indices.
 
 The arena is shared memory: a few memfds back to back (``cuda-register`` or ``host``
-backend). When torch asks the sampler for the next batch's indices, :class:`ReservingSampler`
-checks a slot out (without waiting: the asking thread is the consumer), sized before the
-batch exists from the recent batches' sizes (``sizing.reservation_bytes``), and tags the index
-list with a :class:`~pinpool._wire.handle.SlotReservation`: the slot's place in shared memory and
-a random nonce. A batch that turns out larger goes through its worker's segment (counted).
+backend). As torch puts the next batch's indices on the chosen worker's queue
+(``index_queue.DirectQueue``; where the queues are not those, when torch asks the sampler for
+them), :class:`ReservingSampler` checks a slot out (without waiting: the asking thread is the
+consumer), sized before the batch exists from the recent batches' sizes
+(``sizing.reservation_bytes``), preferably where that worker's last slots were (it keeps
+windows on them: ``_worker.places``), and tags the index list with a
+:class:`~pinpool._wire.handle.SlotReservation`: the slot's place in shared memory and a random
+nonce. A batch that turns out larger goes through its worker's segment (counted).
 The worker writes the batch into that slot (``pinpool._worker.places``) and
 its handle names the slot; :meth:`Reservations.adopt` gives the slot back to the receiver only if
 it was handed out for that batch (index, generation and nonce).
@@ -22,12 +25,17 @@ import itertools
 import os
 import random
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._errors import OutOfBounds, PinPoolError
 from .._native import PinPool, Slot
 from .._wire.handle import WINDOWS_KEPT, SlotReservation, TaggedIndices
+
+#: Reservations of at least this many bytes go only where the worker has a window already,
+#: once it keeps as many as it may (see :meth:`Reservations.reserve`); smaller ones may go
+#: anywhere (a new window of a few MiB costs the worker well under a millisecond).
+ONLY_KEPT_FROM = 8 << 20
 
 
 class Reservations:
@@ -66,8 +74,14 @@ class Reservations:
         # large for its reservation): it needs a slot when it arrives, and reservations must
         # not starve it.
         recent = self._recent.get(worker) if worker is not None else None
+        # A worker that keeps as many windows as it may gets a big batch's slot only where one
+        # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
+        # more than the main process's copy of the batch out of its segment.
+        only = recent is not None and len(recent) >= self.remembered and nbytes >= ONLY_KEPT_FROM
         slot = (
-            pool.try_checkout(nbytes, reserve=reserve, prefer=list(recent) if recent else None)
+            pool.try_checkout(
+                nbytes, reserve=reserve, prefer=list(recent) if recent else None, prefer_only=only
+            )
             if pool is not None
             else None
         )

@@ -241,9 +241,7 @@ class Place:
                 _trace.event("worker.last_task", segments=len(others) + 1)
             _drop_page_tables(others)
         if t0:
-            _trace.span(
-                "worker.place", t0, nbytes=nbytes, slot=self.segment is None, mapped=mapped
-            )
+            _trace.span("worker.place", t0, nbytes=nbytes, slot=self.segment is None, mapped=mapped)
 
     def grow(self, nbytes: int, keep: int) -> None:
         """Moves to a segment with room for ``nbytes``, with the first ``keep`` bytes written
