@@ -27,6 +27,10 @@
 //!   The open range and the count change only under the window's lock.
 //! - Forked children do not inherit the mapping (`MADV_DONTFORK`); where the kernel refuses
 //!   the advice, they get it read-only ([`crate::fork_private`]), never writable.
+//! - Only the process that mapped the window acts on its addresses. A copy of the value in a
+//!   forked child (a Python object inherited with its parent's memory) names addresses the
+//!   child does not have mapped as the window, or has since used for something else: there
+//!   it opens nothing, exports no view, drops no page tables, and unmaps nothing when dropped.
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
@@ -50,6 +54,8 @@ pub struct Window {
     state: Mutex<State>,
     /// Set only where `MADV_DONTFORK` was refused: children get the window read-only.
     read_only_in_children: Option<fork_private::Registration>,
+    /// The process that mapped it (see the invariants).
+    owner: u32,
 }
 
 /// What the lock guards.
@@ -128,6 +134,7 @@ impl Window {
                 ptr.as_ptr() as usize,
                 len,
             )),
+            owner: std::process::id(),
         };
         window.keep_from_children();
         // SAFETY: the range is this window's own readable and writable shared mapping, of a
@@ -200,6 +207,13 @@ impl Window {
     /// Makes the pages holding the file's bytes `[offset, offset + nbytes)` (inside the
     /// window, at least one byte) readable and writable. Refused while a range is open.
     pub fn open(&self, offset: usize, nbytes: usize) -> Result<()> {
+        if !self.is_ours() {
+            return Err(Error::Invalid(
+                "this window was mapped by the process this one was forked from: it is not \
+                 mapped here"
+                    .into(),
+            ));
+        }
         if nbytes == 0 {
             return Err(Error::Invalid("cannot open an empty range of a window".into()));
         }
@@ -242,6 +256,9 @@ impl Window {
     /// Makes the whole window inaccessible again. Returns false, changing nothing, while a
     /// view is alive ([`Window::add_view`]); true once closed (at once, if nothing was open).
     pub fn close(&self) -> Result<bool> {
+        if !self.is_ours() {
+            return Ok(true); // (nothing of it is mapped here)
+        }
         let mut state = self.state.lock();
         if state.views > 0 {
             return Ok(false);
@@ -276,8 +293,17 @@ impl Window {
     /// access of an open page faults it back in. What it saves is the teardown of the entries
     /// at `munmap` or at the process's exit.
     pub fn drop_page_tables(&self) -> Result<()> {
-        // SAFETY: the window's own page-aligned `MAP_SHARED` file mapping.
+        if !self.is_ours() {
+            return Ok(()); // (nothing of it is mapped here)
+        }
+        // SAFETY: the window's own page-aligned `MAP_SHARED` file mapping (in the process
+        // that mapped it: checked above).
         unsafe { drop_page_tables_of(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Whether this is the process that mapped the window (not a child forked from it).
+    pub fn is_ours(&self) -> bool {
+        std::process::id() == self.owner
     }
 }
 
@@ -285,8 +311,12 @@ impl Drop for Window {
     fn drop(&mut self) {
         // Children forked from now on leave the range alone (before it can be reused).
         self.read_only_in_children = None;
-        // SAFETY: `ptr`/`len` describe exactly the mapping made in `new`, unmapped only here;
-        // no view can be alive (each holds its owner, and so this window, alive).
+        if !self.is_ours() {
+            return; // a forked child's copy: the range is not this window's here
+        }
+        // SAFETY: `ptr`/`len` describe exactly the mapping made in `new`, in the process
+        // that made it (checked above), unmapped only here; no view can be alive (each holds
+        // its owner, and so this window, alive).
         unsafe { unmap_in_chunks(self.ptr.as_ptr(), self.len) };
     }
 }

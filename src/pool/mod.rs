@@ -623,7 +623,10 @@ mod tests {
         let too_large = pool.try_checkout_bytes_preferring(pool.largest_slot() + 1, 0, &[0], false);
         assert!(matches!(too_large, Err(Error::BatchTooLarge { .. })), "{too_large:?}");
         pool.close();
-        assert_eq!(pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false), Err(Error::Closed));
+        assert_eq!(
+            pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false),
+            Err(Error::Closed)
+        );
     }
 
     #[test]

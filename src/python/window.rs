@@ -138,6 +138,11 @@ impl PyArenaWindow {
     ) -> PyResult<()> {
         guarded(|| {
             let window = &slf.get().window;
+            if !window.is_ours() {
+                return Err(PyBufferError::new_err(
+                    "this window was mapped by the process this one was forked from",
+                ));
+            }
             let len = isize::try_from(window.len())
                 .map_err(|_| PyBufferError::new_err("window too large for a buffer"))?;
             let ptr = window.add_view();

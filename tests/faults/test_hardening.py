@@ -677,6 +677,57 @@ def test_a_workers_window_is_kept_for_its_next_slot_there(make_pool: Any) -> Non
         slot.release()
 
 
+def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> None:
+    """A window kept in this process (writing a batch here keeps one) is not mapped in a child
+    forked from it (``MADV_DONTFORK``), where its addresses may be reused: there it opens
+    nothing, exports nothing, drops no page tables and unmaps nothing; a worker's last task
+    lets no inherited window go; and forked workers run whole epochs."""
+    from pinpool._wire.handle import SlotReservation
+    from pinpool._worker import places
+
+    pool = make_pool(1 << 16, 8, arena_bytes=8 << 16)
+    slot = pool.checkout(nbytes=1 << 16)
+    fd, offset, part_len = pool.slot_memfd(slot)
+    reservation = SlotReservation(
+        slot.index, 1, 1, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
+    )
+    places._WINDOWS.clear()
+    window, _, _ = places.open_window(reservation)
+    places._close_window(window)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            code = 0
+            try:
+                try:
+                    window.open(offset, 1)
+                    code = 2
+                except PinPoolError as exc:
+                    code = 0 if "forked from" in str(exc) else 3
+                try:
+                    memoryview(window)
+                    code = code or 4
+                except BufferError:
+                    pass
+                window.drop_page_tables()
+                code = code or (5 if places._let_windows_go() else 0)
+            except BaseException:
+                code = 6
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        loader = pinpool.DataLoader(
+            Indexed(64), batch_size=4, num_workers=2, multiprocessing_context="fork"
+        )
+        for _epoch in range(2):
+            assert sum(len(b["idx"]) for b in loader) == 64
+        del loader
+    finally:
+        places._WINDOWS.clear()
+        del window
+        slot.release()
+
+
 def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
     """The worker's side of a reservation maps only the slot's pages, and only from the file the
     reservation names: another file behind the descriptor, an unsealed one, one of another length

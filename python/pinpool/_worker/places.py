@@ -195,8 +195,9 @@ def _close_window(window: ArenaWindow) -> None:
 
 
 def _let_windows_go() -> list[ArenaWindow]:
-    """The kept windows, no longer kept (a worker's last task: their page tables are dropped)."""
-    windows = [w for _, w in _WINDOWS]
+    """The kept windows, no longer kept (a worker's last task: their page tables are dropped);
+    none in a process forked from the one that kept them (the windows are not mapped there)."""
+    windows = [w for _, w in _WINDOWS] if _WINDOWS_PID == os.getpid() else []
     _WINDOWS.clear()
     return windows
 
