@@ -516,7 +516,8 @@ impl Pool {
         self.fences.as_ref().map_or(0, |f| f.retire_ready(&self.table))
     }
 
-    /// handed out), if it did.
+    /// Why making the rest of the arena ready in the background failed (the bytes not made
+    /// ready are never handed out), if it did.
     pub fn prepare_error(&self) -> Option<&str> {
         self.prepare_error.get().map(String::as_str)
     }
