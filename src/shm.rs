@@ -458,21 +458,11 @@ const MADV_POPULATE_WRITE: libc::c_int = 23;
 /// `ptr` must be page-aligned and `[ptr, ptr + len)` lie inside `MAP_SHARED` file mappings
 /// of the caller's (on a private or anonymous mapping, `MADV_DONTNEED` would discard data).
 pub unsafe fn drop_page_tables_of(ptr: *mut u8, len: usize) -> Result<()> {
-    let base = ptr as usize;
-    let mut done = 0;
-    while done < len {
-        let n = MM_CALL_BYTES.min(len - done);
-        // SAFETY: `[base+done, base+done+n)` lies inside the caller's shared file mappings;
-        // `MADV_DONTNEED` on a shared mapping discards no data (the file keeps the pages), and
-        // any pointer into the range stays valid: a later access refaults.
-        let rc =
-            unsafe { libc::madvise((base + done) as *mut libc::c_void, n, libc::MADV_DONTNEED) };
-        if rc != 0 {
-            return Err(Error::last_os("madvise(MADV_DONTNEED)"));
-        }
-        done += n;
-    }
-    Ok(())
+    // SAFETY: the caller's shared file mappings; `MADV_DONTNEED` on a shared mapping discards
+    // no data (the file keeps the pages), and any pointer into the range stays valid: a later
+    // access refaults.
+    unsafe { advise_in_pieces(ptr as usize, len, libc::MADV_DONTNEED) }
+        .map_err(|(_, errno)| Error::Os { call: "madvise(MADV_DONTNEED)", errno })
 }
 
 /// Faults `[ptr, ptr + len)` in for writing without changing a byte of it: `MADV_POPULATE_WRITE`
@@ -486,24 +476,41 @@ pub unsafe fn drop_page_tables_of(ptr: *mut u8, len: usize) -> Result<()> {
 /// `MAP_SHARED` mapping of the caller's, of a file at least that long (no `SIGBUS`).
 pub unsafe fn prefault_shared(ptr: *mut u8, len: usize) -> Result<()> {
     let base = ptr as usize;
-    let mut done = 0;
-    while done < len {
-        let n = MM_CALL_BYTES.min(len - done);
-        // SAFETY: `[base+done, base+done+n)` lies inside the caller's writable shared mapping;
-        // the advice only faults pages in, writing nothing.
-        let rc =
-            unsafe { libc::madvise((base + done) as *mut libc::c_void, n, MADV_POPULATE_WRITE) };
-        if rc != 0 {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            if errno != libc::EINVAL || done > 0 {
-                return Err(Error::Os { call: "madvise(MADV_POPULATE_WRITE)", errno });
-            }
+    // SAFETY: the caller's writable shared mapping; the advice only faults pages in, writing
+    // nothing.
+    match unsafe { advise_in_pieces(base, len, MADV_POPULATE_WRITE) } {
+        Ok(()) => Ok(()),
+        Err((0, libc::EINVAL)) => {
             for off in (0..len).step_by(page_size()) {
                 // SAFETY: `base + off` lies inside the caller's readable mapping (off < len),
                 // of a file at least that long; reading changes nothing.
                 unsafe { std::ptr::read_volatile((base + off) as *const u8) };
             }
-            return Ok(());
+            Ok(())
+        }
+        Err((_, errno)) => Err(Error::Os { call: "madvise(MADV_POPULATE_WRITE)", errno }),
+    }
+}
+
+/// `madvise(advice)` over `[base, base + len)` in pieces of [`MM_CALL_BYTES`] (each call holds
+/// the process's address-space lock, which keeps every `mmap` or `munmap` elsewhere in the
+/// process waiting). On a failure: the bytes done before it, and its errno.
+///
+/// # Safety
+/// The range lies inside mappings of the caller's for which `advice` is harmless (see each
+/// caller).
+unsafe fn advise_in_pieces(
+    base: usize,
+    len: usize,
+    advice: libc::c_int,
+) -> std::result::Result<(), (usize, i32)> {
+    let mut done = 0;
+    while done < len {
+        let n = MM_CALL_BYTES.min(len - done);
+        // SAFETY: `[base+done, base+done+n)` lies inside the caller's range (the contract).
+        let rc = unsafe { libc::madvise((base + done) as *mut libc::c_void, n, advice) };
+        if rc != 0 {
+            return Err((done, std::io::Error::last_os_error().raw_os_error().unwrap_or(0)));
         }
         done += n;
     }
@@ -514,23 +521,13 @@ pub unsafe fn prefault_shared(ptr: *mut u8, len: usize) -> Result<()> {
 /// the process's address-space lock (shared) for the whole of one call, which keeps every
 /// `mmap` or `munmap` elsewhere in the process waiting.
 fn populate_range(addr: usize, len: usize, page: usize) -> std::result::Result<(), i32> {
-    let mut done = 0;
-    while done < len {
-        let n = MM_CALL_BYTES.min(len - done);
-        // SAFETY: `[addr+done, addr+done+n)` is inside a live writable mapping owned by the
-        // caller.
-        let rc =
-            unsafe { libc::madvise((addr + done) as *mut libc::c_void, n, MADV_POPULATE_WRITE) };
-        if rc != 0 {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            if errno != libc::EINVAL || done > 0 {
-                return Err(errno);
-            }
-            return touch_pages(addr, len, page);
-        }
-        done += n;
+    // SAFETY: `[addr, addr+len)` is inside a live writable mapping owned by the caller; the
+    // advice only faults its pages in.
+    match unsafe { advise_in_pieces(addr, len, MADV_POPULATE_WRITE) } {
+        Ok(()) => Ok(()),
+        Err((0, libc::EINVAL)) => touch_pages(addr, len, page),
+        Err((_, errno)) => Err(errno),
     }
-    Ok(())
 }
 
 fn touch_pages(addr: usize, len: usize, page: usize) -> std::result::Result<(), i32> {

@@ -53,6 +53,30 @@ impl PySlot {
         self.lease.pin_owned(pool).py(py)
     }
 
+    /// The copy of [`PySlot::copy_to_device`] and [`PySlot::send_then_release`]: queued on
+    /// `stream` with an event after it; returns the event and the raw stream. The caller
+    /// releases the slot fenced on that stream (or later).
+    fn send(
+        &self,
+        py: Python<'_>,
+        target: &Bound<'_, PyAny>,
+        nbytes: usize,
+        stream: &Bound<'_, PyAny>,
+    ) -> PyResult<(crate::cuda::Event, usize)> {
+        let pool = Arc::clone(self.lease.pool());
+        let device = pool_device(py, &pool)?;
+        let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
+        let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
+        let _pin = self.pin(py, &pool)?; // refused once released
+        let checkout = self.lease.checkout();
+        // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with at
+        // least `nbytes` bytes (checked above), kept alive by the caller until the copy has
+        // run; the slot is pinned while the copy is queued, and the caller releases it fenced
+        // on `stream`, behind the copy (both methods' documented contract).
+        let event = py.detach(|| unsafe { pool.send(checkout, dst, nbytes, stream) }).py(py)?;
+        Ok((event, stream))
+    }
+
     fn fence_stream(
         &self,
         py: Python<'_>,
@@ -143,20 +167,7 @@ impl PySlot {
         nbytes: usize,
         stream: &Bound<'_, PyAny>,
     ) -> PyResult<PySent> {
-        guarded(|| {
-            let pool = Arc::clone(self.lease.pool());
-            let device = pool_device(py, &pool)?;
-            let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
-            let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
-            let _pin = self.pin(py, &pool)?; // refused once released
-            let checkout = self.lease.checkout();
-            // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
-            // at least `nbytes` bytes (checked above), kept alive by the caller until the copy
-            // has run; the slot is pinned for the call and released by the caller fenced on
-            // `stream` (the method's documented contract).
-            let event = py.detach(|| unsafe { pool.send(checkout, dst, nbytes, stream) }).py(py)?;
-            Ok(PySent::new(event))
-        })
+        guarded(|| Ok(PySent::new(self.send(py, target, nbytes, stream)?.0)))
     }
 
     /// Queues a copy of the slot's first `nbytes` bytes to `target` (a contiguous CUDA tensor
@@ -172,19 +183,7 @@ impl PySlot {
         stream: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         guarded(|| {
-            let pool = Arc::clone(self.lease.pool());
-            let device = pool_device(py, &pool)?;
-            let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
-            let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
-            {
-                let _pin = self.pin(py, &pool)?; // refused once released
-                let checkout = self.lease.checkout();
-                // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device
-                // with at least `nbytes` bytes (checked above), kept alive by the caller until
-                // the copy has run; the slot is pinned for the copy's queuing and released
-                // below fenced on `stream`, behind the copy.
-                py.detach(|| unsafe { pool.send(checkout, dst, nbytes, stream) }).py(py)?;
-            }
+            let (_, stream) = self.send(py, target, nbytes, stream)?;
             self.lease.release(Some(stream)).py(py)
         })
     }

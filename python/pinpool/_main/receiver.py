@@ -45,9 +45,9 @@ from .pool_settings import PoolSettings
 from .reservations import Reservations
 
 #: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
-#: in its turn, rather than by torch's pin thread ahead of it: for a small batch, sending it
-#: ahead saves the consumer little, while handing it from one thread to the other (each
-#: taking the GIL in turn) costs more than the send.
+#: in its turn, on its current stream (torch's pin thread only has them copied into their slot
+#: ahead): for a small batch, a stream of its own, its event and the hand-over between the
+#: threads cost more than the copy gains from running beside the consumer's work.
 CONSUMER_SENDS_UP_TO = 1 << 20
 
 
@@ -89,16 +89,16 @@ class Receiver:
 
         ``ahead``: called by torch's pin thread, which takes batches as they arrive, ahead of
         the consumer and in any order. It never waits for a slot that only the consumer can
-        give back, nor decides on overflow: when every slot is held by a batch, or the batch
-        is a small one for the device (:data:`CONSUMER_SENDS_UP_TO`), the handle itself is
-        returned, and the consumer's thread takes it when it reaches that batch,
+        give back, nor decides on overflow: when every slot is held by a batch, the handle
+        itself is returned, and the consumer's thread takes it when it reaches that batch,
         in order (the same rules as on a machine without an accelerator). Nor does it wait
-        for a copy into a slot whose batch stays on the CPU: the consumer's thread waits for
-        it (``Pending.wait``).
+        for a copy into a slot whose batch stays on the CPU or is a small one for the device
+        (:data:`CONSUMER_SENDS_UP_TO`): the consumer's thread waits for it, and sends the
+        latter on its current stream (``Pending.wait``).
 
-        A batch for the device whose slot the driver pinned is copied into the slot and on
-        to the device in one call without the GIL (``SegmentCache.copy_to_device``), as it is
-        delivered; its segment goes back after that."""
+        A bigger batch for the device whose slot the driver pinned is copied into the slot
+        and on to the device in one call without the GIL (``SegmentCache.copy_to_device``),
+        as it is delivered; its segment goes back after that."""
         if not handle._state:
             raise PinPoolError("this batch handle was taken or dropped already")
         if handle.slot is None and handle.segment is None and handle.worker is None:

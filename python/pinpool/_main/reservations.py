@@ -46,17 +46,16 @@ class Reservations:
         self._lock = threading.Lock()
         self.fallbacks = 0  # batches sent through copy mode for want of a slot
         self.too_small = 0  # batches larger than their reservation, sent through copy mode
-        #: Per worker, the arena offsets of its last few slots, the latest first.
+        #: Per worker, the arena offsets of its last ``WINDOWS_KEPT`` slots (those it keeps
+        #: mapped: ``_worker.places``), the latest first.
         self._recent: dict[int, list[int]] = {}
-        #: How many of them are kept: what a worker keeps mapped (``_worker.places``).
-        self.remembered = WINDOWS_KEPT
 
     def _remember(self, worker: int, offset: int) -> None:
         recent = self._recent.setdefault(worker, [])
         if offset in recent:
             recent.remove(offset)
         recent.insert(0, offset)
-        del recent[self.remembered :]
+        del recent[WINDOWS_KEPT:]
 
     def reserve(
         self,
@@ -77,7 +76,7 @@ class Reservations:
         # A worker that keeps as many windows as it may gets a big batch's slot only where one
         # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
         # more than the main process's copy of the batch out of its segment.
-        only = recent is not None and len(recent) >= self.remembered and nbytes >= ONLY_KEPT_FROM
+        only = recent is not None and len(recent) >= WINDOWS_KEPT and nbytes >= ONLY_KEPT_FROM
         slot = (
             pool.try_checkout(
                 nbytes, reserve=reserve, prefer=list(recent) if recent else None, prefer_only=only
