@@ -137,14 +137,17 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "torch.accelerator.is_available() (False on MPS)",
     "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots)",
     "_task_info": "batches held out of order, dropped at shutdown",
-    "_rcvd_idx": "how many index lists the epoch has passed on (checkpoints)",
+    "_rcvd_idx": "how many index lists the epoch has passed on (checkpoints); when it reaches "
+    "_send_idx, no task is in flight: an ended epoch's shutdown goes to the ending thread",
+    "_shutdown": "set by torch's shutdown: an iterator not yet shut down ends in the background",
     "_index_sampler": "the loader's index sampler as the iterator started (zero-copy reservations)",
     "_sampler_iter": "None before the first __next__ (torch's own __next__ then)",
     "_IterableDataset_len_called": "set for an iterable dataset's length check (torch's own "
     "__next__ then)",
     "_num_yielded": "counted by the profiler-free __next__, as torch's does",
     "_send_idx": "the number of the next index list, sent to a worker as (number, indices): "
-    "the epoch's last num_workers are each a worker's last task (_wire.last_tasks)",
+    "the epoch's last num_workers are each a worker's last task (_wire.last_tasks); every "
+    "task sent is answered once _rcvd_idx reaches it",
     "_num_workers": "the workers: each gets one of the epoch's last tasks",
     "_persistent_workers": "persistent workers do not exit at the epoch's end: no last tasks",
     "_dataset_kind": "an iterable dataset's epoch has no length: no last tasks",

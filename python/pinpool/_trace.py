@@ -63,7 +63,10 @@ EVENTS: dict[str, str] = {
     "(span; num_workers > 0)",
     "loader.next": "one next() of the loader's iterator, from the call to the batch returned "
     "(span)",
-    "workers.shutdown": "the loader's workers told to exit, joined, reaped (span)",
+    "workers.shutdown": "the loader's workers told to exit, joined, reaped (span; background: "
+    "at an epoch's natural end, only begun here, and finished by workers.end)",
+    "workers.end": "an ended epoch's workers shut down on a thread of their own, and what they "
+    "held taken back (span)",
     "loader.close": "the loader's receiver closed: reservations and segments taken back, its own "
     "pool closed (span)",
     # The pool.

@@ -40,6 +40,7 @@ from loader_datasets import (
 )
 
 import pinpool
+from pinpool._main import ending
 
 #: Every test here runs in copy mode; those marked ``every_mode`` in all four loader modes
 #: (``tests/conftest.py``: ``loader_mode``). Marked ``faults``: they count this process's fds
@@ -277,7 +278,9 @@ def test_normal_end_of_epoch(pool: pinpool.PinPool, num_workers: int) -> None:
     del batch
     gc.collect()
     if num_workers:
-        # The epoch is over: the workers are gone and their segments unmapped already.
+        # The epoch is over: once the ending thread has shut its workers down (the final
+        # next() did not wait for it), they are gone and their segments unmapped.
+        ending.wait_all()
         assert pin.stats()["segments_cached"] == 0
         assert_pool_clean(pool)
     del pin

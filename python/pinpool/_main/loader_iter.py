@@ -24,7 +24,7 @@ from .._wire.handle import WorkerProgress
 from .delivery import hand_over
 from .reservations import ReservingSampler
 from .resume import Epoch
-from .workers import shut_down
+from .workers import WorkersIter, shut_down
 
 
 class LoaderIter:
@@ -73,16 +73,25 @@ class LoaderIter:
         if self._ended or receiver.pid != os.getpid():
             return
         self._ended = True
-        if not self._loader.persistent_workers:
-            try:
-                shut_down(self._inner)
-            finally:
-                # Only what this iterator's (now exited) workers had: another iterator of the
-                # same loader may still be running.
-                sampler = getattr(self._inner, "_index_sampler", None)
-                if isinstance(sampler, ReservingSampler):
-                    receiver.reservations.drop(sampler.owner)
-                receiver.retire_segments(dead_only=True)
+        if self._loader.persistent_workers:
+            return
+        # Only what this iterator's workers had, once they have exited: another iterator of
+        # the same loader may still be running.
+        sampler = getattr(self._inner, "_index_sampler", None)
+        owner = sampler.owner if isinstance(sampler, ReservingSampler) else None
+
+        def take_back() -> None:
+            if owner is not None:
+                receiver.reservations.drop(owner)
+            receiver.retire_segments(dead_only=True)
+
+        # (At an epoch's natural end the workers are shut down on a thread of their own.)
+        if isinstance(self._inner, WorkersIter) and self._inner.after_shutdown(take_back):
+            return
+        try:
+            shut_down(self._inner)
+        finally:
+            take_back()
 
     def __del__(self) -> None:
         try:

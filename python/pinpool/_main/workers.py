@@ -1,12 +1,20 @@
 """A ``pinpool.DataLoader``'s workers: torch's multi-process iterator with pinpool's
 changes (:class:`WorkersIter`), and their shutdown, finished whatever interrupts torch's.
 
+At an epoch's natural end (every task sent to a worker answered, workers not persistent) the
+training thread only starts the shutdown: torch's steps (stopping the pin thread, telling each
+worker to exit, joining it) and pinpool's (reaping, closing the index queues) run on a thread
+of their own, while the kernel tears the exiting workers down, so the final ``next()`` does not
+wait for it. No worker has a task then, so none writes into the arena any more.
+
 Invariants: once :meth:`WorkersIter._shutdown_workers` (or :func:`shut_down`) returns, every
 worker of the iterator has exited and been reaped, and its index queues are closed, even
 when a signal handler's exception cut torch's own shutdown short (then the first exception
-is raised again); nothing is done in a process forked from the one that started the
-workers. The loader's finalizer (:func:`close_loader`) stops the workers before its
-receiver closes: no worker may write into a slot taken back then.
+is raised again), except for the call at an epoch's natural end, which leaves that to its
+ending thread: any later call (the iterator's collection, the loader's finalizer) waits for
+that thread. The loader's finalizer (:func:`close_loader`) waits for every ending thread of
+the process and stops the workers before its receiver closes: no worker may write into a slot
+taken back then. Nothing is done in a process forked from the one that started the workers.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import queue
+import threading
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import _signals, _trace
@@ -29,6 +39,7 @@ from .._torch_contract import (
     remove_worker_pids,
 )
 from .._wire.handle import BatchHandle, WorkerProgress
+from . import ending
 from .index_queue import DirectQueue, write_directly
 from .receiver import Receiver
 from .reservations import ReservingSampler
@@ -60,6 +71,8 @@ class WorkersIter(MultiProcessingIter):
         self._pin_pid = os.getpid()
         t0 = _trace.on and _trace.now()
         super().__init__(loader)
+        if not self._persistent_workers:
+            ending.start()  # (now, not at the epoch's end: see _main.ending)
         if t0:
             _trace.span("workers.start", t0, workers=loader.num_workers)
 
@@ -132,7 +145,76 @@ class WorkersIter(MultiProcessingIter):
         # collected: its workers and their done event are this process's.)
         if getattr(self, "_pin_pid", None) != os.getpid():
             return
+        ended = self.__dict__.get("_pin_ended")
+        if ended is not None:  # (begun at the epoch's end: the ending thread finishes it)
+            if not ending.on_ending_thread():
+                ended.wait()
+            return
+        if self._ends_naturally():
+            self._end_in_background()
+            return
         t0 = _trace.on and _trace.now()
+        try:
+            self._shutdown_now()
+        finally:
+            if t0:
+                _trace.span("workers.shutdown", t0)
+
+    def _ends_naturally(self) -> bool:
+        """Whether the epoch is over with nothing left in flight: workers not persistent,
+        each task sent to them answered and taken, nothing shut down yet."""
+        return (
+            not self._persistent_workers
+            and not getattr(self, "_shutdown", True)
+            and self._rcvd_idx >= self._send_idx
+            and not _shutting_down_python()
+        )
+
+    def _end_in_background(self) -> None:
+        """Hands the shutdown's waits to the ending thread (see the module's doc). The
+        workers' pids leave torch's SIGCHLD check first: their exits no longer concern the
+        training thread, whose batches are all in."""
+        t0 = _trace.on and _trace.now()
+        if getattr(self, "_worker_pids_set", False):
+            remove_worker_pids(id(self))
+            self._worker_pids_set = False
+        self.__dict__["_pin_then"] = []
+        self.__dict__["_pin_ended"] = ending.hand_over(self._finish_ending)
+        if t0:
+            _trace.span("workers.shutdown", t0, background=True)
+
+    def after_shutdown(self, then: Callable[[], None]) -> bool:
+        """Has ``then`` called once the ending thread has shut the workers down; False
+        (nothing done) where the shutdown was not handed to it."""
+        if self.__dict__.get("_pin_ended") is None:
+            return False
+        with _THEN_LOCK:
+            later = self.__dict__["_pin_then"]
+            if later is not None:  # (None: the shutdown is done)
+                later.append(then)
+                return True
+        then()
+        return True
+
+    def _finish_ending(self) -> None:
+        t0 = _trace.on and _trace.now()
+        try:
+            self._shutdown_now()
+            _drop_held(self)
+        except BaseException as exc:  # (nothing may escape the ending thread)
+            _warn_ending(exc)
+        finally:
+            with _THEN_LOCK:
+                later, self.__dict__["_pin_then"] = self.__dict__["_pin_then"], None
+            for then in later:
+                try:
+                    then()
+                except BaseException as exc:
+                    _warn_ending(exc)
+            if t0:
+                _trace.span("workers.end", t0)
+
+    def _shutdown_now(self) -> None:
         # A handler's exception can land anywhere, in an ``except`` clause too, and escape it.
         # So each clause here only keeps the exception, a clause around it keeps one that
         # lands there, and whether an exception was a handler's (which takes a while to find)
@@ -158,8 +240,6 @@ class WorkersIter(MultiProcessingIter):
                     errors.append(exc)
             except BaseException as exc:
                 errors.append(exc)
-        if t0:
-            _trace.span("workers.shutdown", t0)
         if errors:
             raise errors[0]
 
@@ -179,6 +259,18 @@ class WorkersIter(MultiProcessingIter):
         for _ in range(self.__dict__.pop("_pin_first", 0)):
             next(cycle)
         self.__dict__["_pin_cycle"] = cycle
+
+
+#: Guards each iterator's list of what to do after its shutdown on the ending thread.
+_THEN_LOCK = threading.Lock()
+
+
+def _warn_ending(exc: BaseException) -> None:
+    warnings.warn(
+        f"pinpool: the workers of an ended epoch could not all be shut down: {exc!r}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 #: How many times the end of a worker shutdown is begun again when a signal handler's
@@ -281,6 +373,7 @@ def close_loader(receiver: Receiver) -> None:
     if receiver.pid != os.getpid():
         return
     try:
+        ending.wait_all()
         inner = receiver.iterator() if receiver.iterator is not None else None
         if inner is not None:
             shut_down(inner)

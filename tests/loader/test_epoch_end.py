@@ -1,0 +1,129 @@
+"""An epoch's end: the final ``next()`` hands the workers' shutdown to pinpool's ending thread
+instead of waiting for each worker to exit, and nothing is lost by it: the next epoch runs
+while the old workers still exit, every worker is reaped once the loader is closed, and an
+epoch left early is still shut down before ``next()`` or ``del`` returns."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing.util
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from loader_datasets import Indexed
+
+import pinpool
+import pinpool.trace
+
+N, BATCH = 24, 4
+
+
+class _HeldAtExit:
+    """A ``worker_init_fn`` that writes the worker's pid to ``folder``, and, while the file
+    ``folder/hold`` exists, keeps the worker from exiting until it is removed (a finalizer
+    multiprocessing runs as the worker's process ends)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def __call__(self, worker_id: int) -> None:
+        (self.folder / f"pid-{os.getpid()}").write_text("")
+        if (self.folder / "hold").exists():
+            multiprocessing.util.Finalize(None, _wait_gone, (self.folder / "hold",), exitpriority=1)
+
+
+def _wait_gone(path: Path) -> None:
+    deadline = 30.0
+    while path.exists() and deadline > 0:
+        threading.Event().wait(0.01)
+        deadline -= 0.01
+
+
+def _pids(folder: Path) -> set[int]:
+    return {int(p.name[4:]) for p in folder.glob("pid-*")}
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not yet a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_an_epochs_final_next_leaves_the_workers_exit_to_the_ending_thread(
+    tmp_path: Path, zero_copy: bool
+) -> None:
+    (tmp_path / "hold").write_text("")
+    loader = pinpool.DataLoader(
+        Indexed(N),
+        batch_size=BATCH,
+        num_workers=2,
+        zero_copy=zero_copy,
+        worker_init_fn=_HeldAtExit(tmp_path),
+    )
+    with pinpool.trace.recording() as events:
+        got = [b["idx"].tolist() for b in loader]  # the final next() returns: StopIteration
+        first = _pids(tmp_path)
+        assert len(first) == 2
+        # Its workers are still held in their exit: the final next() did not wait for them.
+        assert all(_running(pid) for pid in first)
+        (tmp_path / "hold").unlink()
+        for f in tmp_path.glob("pid-*"):
+            f.unlink()
+        # A second epoch runs while the first one's workers exit.
+        again = [b["idx"].tolist() for b in loader]
+        del loader
+        gc.collect()
+    expected = [list(range(i, i + BATCH)) for i in range(0, N, BATCH)]
+    assert got == again == expected
+    # Closing the loader waited for both epochs' workers: exited and reaped.
+    second = _pids(tmp_path)
+    assert len(second) == 2 and not second & first
+    assert not [pid for pid in first | second if os.path.exists(f"/proc/{pid}")]
+    shutdowns = [e for e in events if e.name == "workers.shutdown"]
+    assert len(shutdowns) == 2 and all(e.details.get("background") for e in shutdowns)
+    ends = [e for e in events if e.name == "workers.end"]
+    assert len(ends) == 2 and {e.thread for e in ends} == {"pinpool-workers-end"}
+
+
+def test_an_epoch_left_early_is_shut_down_before_del_returns(tmp_path: Path) -> None:
+    loader = pinpool.DataLoader(
+        Indexed(N), batch_size=BATCH, num_workers=2, worker_init_fn=_HeldAtExit(tmp_path)
+    )
+    it = iter(loader)
+    assert next(it)["idx"].tolist() == [0, 1, 2, 3]
+    pids = _pids(tmp_path)
+    assert len(pids) == 2
+    del it
+    gc.collect()
+    # Tasks were in flight: the workers were joined on this thread, not handed over.
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    del loader
+    gc.collect()
+
+
+def test_a_worker_that_fails_to_exit_is_killed_by_the_ending_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker stuck in its exit is killed after torch's status-check interval, as torch's
+    # own shutdown would, by the ending thread, and the loader's close still waits for it.
+    from pinpool._main import workers
+
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    monkeypatch.setattr(workers, "mp_status_check_interval", lambda: 0.2)
+    (tmp_path / "hold").write_text("")
+    loader = pinpool.DataLoader(
+        Indexed(N), batch_size=BATCH, num_workers=2, worker_init_fn=_HeldAtExit(tmp_path)
+    )
+    assert len(list(loader)) == N // BATCH
+    pids = _pids(tmp_path)
+    del loader
+    gc.collect()
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    assert (tmp_path / "hold").exists()  # (nobody let them go: they were killed)
