@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 import pinpool
+from pinpool._main import ending
 
 
 def open_fd_count() -> int:
@@ -62,7 +63,9 @@ def shm_entries_left(before: frozenset[str], settle: float = 5.0) -> list[str]:
 
 
 def child_pids() -> set[int]:
-    """This process's children (zombies included: they are children until reaped)."""
+    """This process's children (zombies included: they are children until reaped), once the
+    workers of every ended epoch have been shut down (on pinpool's ending thread)."""
+    ending.wait_all()
     pids: set[int] = set()
     for task in os.listdir("/proc/self/task"):
         try:

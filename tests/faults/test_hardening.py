@@ -35,6 +35,7 @@ from loader_datasets import ArenaWatcher, Exiting, Indexed, ReadyBatches, ready_
 
 import pinpool
 from pinpool import InvalidArgument, OutOfBounds, PinPoolError, WorkerLost
+from pinpool._main import ending
 from pinpool._main.sizing import MIN_ARENA
 from pinpool._wire.handle import BatchHandle
 
@@ -603,8 +604,11 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -
             assert len(reached) == 0, f"made while the arena was reachable: {reached.tolist()}"
         assert loader.stats()["zero_copy_batches"] >= 12, loader.stats()
         # (A child forked while an arena is being freed may inherit it as it was: nothing
-        # uses that arena any more, but it would count here.)
+        # uses that arena any more, but it would count here. The last epoch's iterator, which
+        # holds the arena, goes once the ending thread has shut its workers down.)
         del loader
+        ending.wait_all()
+        gc.collect()
         pinpool.wait_for_freed_pools(timeout=60)
 
 
@@ -645,7 +649,7 @@ def test_a_workers_window_is_kept_for_its_next_slot_there(make_pool: Any) -> Non
     from pinpool._wire.handle import WINDOWS_KEPT, SlotReservation
     from pinpool._worker import places
 
-    pool = make_pool(1 << 16, 16, arena_bytes=16 << 16)
+    pool = make_pool(1 << 16, WINDOWS_KEPT + 4, arena_bytes=(WINDOWS_KEPT + 4) << 16)
     slots = [pool.checkout(nbytes=1 << 16) for _ in range(WINDOWS_KEPT + 1)]
 
     def reservation(slot: Any, nonce: int) -> SlotReservation:

@@ -107,6 +107,7 @@ class Resources:
 
     @staticmethod
     def now() -> Resources:
+        ending.wait_all()  # (an ended epoch's workers exit, and leave, on the ending thread)
         count = open_fd_count()
         targets = []
         for fd in os.listdir("/proc/self/fd"):

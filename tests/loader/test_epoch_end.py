@@ -1,7 +1,8 @@
 """An epoch's end: the final ``next()`` hands the workers' shutdown to pinpool's ending thread
-instead of waiting for each worker to exit, and nothing is lost by it: the next epoch runs
-while the old workers still exit, every worker is reaped once the loader is closed, and an
-epoch left early is still shut down before ``next()`` or ``del`` returns."""
+instead of waiting for each worker to exit, and nothing is lost by it: the next epoch runs,
+and the loader can be closed, while the old workers still exit; the ending thread reaps every
+one of them (and kills one stuck in its exit); an epoch left early is still shut down before
+``del`` returns."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from loader_datasets import Indexed
 
 import pinpool
 import pinpool.trace
+from pinpool._main import ending
 
 N, BATCH = 24, 4
 
@@ -73,18 +75,21 @@ def test_an_epochs_final_next_leaves_the_workers_exit_to_the_ending_thread(
         assert len(first) == 2
         # Its workers are still held in their exit: the final next() did not wait for them.
         assert all(_running(pid) for pid in first)
-        (tmp_path / "hold").unlink()
         for f in tmp_path.glob("pid-*"):
             f.unlink()
         # A second epoch runs while the first one's workers exit.
         again = [b["idx"].tolist() for b in loader]
+        second = _pids(tmp_path)
+        assert len(second) == 2 and not second & first
+        # Nor does closing the loader wait: its workers had nothing left to write.
         del loader
         gc.collect()
+        assert all(_running(pid) for pid in first | second)
+        (tmp_path / "hold").unlink()
+        ending.wait_all()
     expected = [list(range(i, i + BATCH)) for i in range(0, N, BATCH)]
     assert got == again == expected
-    # Closing the loader waited for both epochs' workers: exited and reaped.
-    second = _pids(tmp_path)
-    assert len(second) == 2 and not second & first
+    # Both epochs' workers have exited and been reaped, by the ending thread.
     assert not [pid for pid in first | second if os.path.exists(f"/proc/{pid}")]
     shutdowns = [e for e in events if e.name == "workers.shutdown"]
     assert len(shutdowns) == 2 and all(e.details.get("background") for e in shutdowns)
@@ -112,7 +117,7 @@ def test_a_worker_that_fails_to_exit_is_killed_by_the_ending_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A worker stuck in its exit is killed after torch's status-check interval, as torch's
-    # own shutdown would, by the ending thread, and the loader's close still waits for it.
+    # own shutdown would, by the ending thread.
     from pinpool._main import workers
 
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
@@ -125,5 +130,6 @@ def test_a_worker_that_fails_to_exit_is_killed_by_the_ending_thread(
     pids = _pids(tmp_path)
     del loader
     gc.collect()
+    ending.wait_all()
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
     assert (tmp_path / "hold").exists()  # (nobody let them go: they were killed)

@@ -193,7 +193,8 @@ class Intake:
             cache.retire_all()
             self._worker_pids.clear()
             return
+        # (Also on the ending thread, after an ended epoch's workers exit: the consumer's
+        # thread may retire every segment meanwhile, the loader being closed.)
         for worker, pid in list(self._worker_pids.items()):
-            if not peer.alive(pid):
+            if not peer.alive(pid) and self._worker_pids.pop(worker, None) is not None:
                 cache.retire_all(worker)
-                del self._worker_pids[worker]

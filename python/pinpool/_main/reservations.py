@@ -30,7 +30,7 @@ from typing import Any
 
 from .._errors import OutOfBounds, PinPoolError
 from .._native import PinPool, Slot
-from .._wire.handle import WINDOWS_KEPT, SlotReservation, TaggedIndices
+from .._wire.handle import SlotReservation, TaggedIndices, windows_kept
 
 #: Reservations of at least this many bytes go only where the worker has a window already,
 #: once it keeps as many as it may (see :meth:`Reservations.reserve`); smaller ones may go
@@ -46,16 +46,19 @@ class Reservations:
         self._lock = threading.Lock()
         self.fallbacks = 0  # batches sent through copy mode for want of a slot
         self.too_small = 0  # batches larger than their reservation, sent through copy mode
-        #: Per worker, the arena offsets of its last ``WINDOWS_KEPT`` slots (those it keeps
-        #: mapped: ``_worker.places``), the latest first.
-        self._recent: dict[int, list[int]] = {}
+        #: Per (sampler, worker), the arena offsets of the worker's last slots (as many as
+        #: ``handle.windows_kept`` of their size: those it keeps mapped, ``_worker.places``),
+        #: the latest first. Per sampler: each iterator has its own, and a new iterator's
+        #: workers are new processes, which have mapped nothing yet (persistent workers keep
+        #: their iterator).
+        self._recent: dict[tuple[int, int], list[int]] = {}
 
-    def _remember(self, worker: int, offset: int) -> None:
-        recent = self._recent.setdefault(worker, [])
+    def _remember(self, key: tuple[int, int], offset: int, nbytes: int) -> None:  # (locked)
+        recent = self._recent.setdefault(key, [])
         if offset in recent:
             recent.remove(offset)
         recent.insert(0, offset)
-        del recent[WINDOWS_KEPT:]
+        del recent[windows_kept(nbytes) :]
 
     def reserve(
         self,
@@ -72,11 +75,15 @@ class Reservations:
         # Leave room for a batch that comes through copy mode (the first ones, and any too
         # large for its reservation): it needs a slot when it arrives, and reservations must
         # not starve it.
-        recent = self._recent.get(worker) if worker is not None else None
+        key = (owner, worker) if worker is not None else None
+        with self._lock:  # (an ended iterator's are dropped on the ending thread)
+            recent = list(self._recent.get(key, ())) if key is not None else None
         # A worker that keeps as many windows as it may gets a big batch's slot only where one
         # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
         # more than the main process's copy of the batch out of its segment.
-        only = recent is not None and len(recent) >= WINDOWS_KEPT and nbytes >= ONLY_KEPT_FROM
+        only = (
+            recent is not None and len(recent) >= windows_kept(nbytes) and nbytes >= ONLY_KEPT_FROM
+        )
         slot = (
             pool.try_checkout(
                 nbytes, reserve=reserve, prefer=list(recent) if recent else None, prefer_only=only
@@ -90,10 +97,10 @@ class Reservations:
             return None  # (a slot checked out above returns to the pool as it dies here)
         fd, offset, part_len = where
         ino = os.fstat(fd).st_ino
-        if worker is not None:
-            self._remember(worker, slot.offset)
         nonce = random.getrandbits(63)
         with self._lock:
+            if key is not None:
+                self._remember(key, slot.offset, slot.nbytes)
             self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
         return SlotReservation(
             slot.index,
@@ -141,6 +148,8 @@ class Reservations:
         with self._lock:
             for key in [k for k, v in self._reserved.items() if owner in (None, v[2])]:
                 del self._reserved[key]
+            for recent in [k for k in self._recent if owner in (None, k[0])]:
+                del self._recent[recent]
 
 
 _END = object()

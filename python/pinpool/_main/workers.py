@@ -10,11 +10,11 @@ wait for it. No worker has a task then, so none writes into the arena any more.
 Invariants: once :meth:`WorkersIter._shutdown_workers` (or :func:`shut_down`) returns, every
 worker of the iterator has exited and been reaped, and its index queues are closed, even
 when a signal handler's exception cut torch's own shutdown short (then the first exception
-is raised again), except for the call at an epoch's natural end, which leaves that to its
-ending thread: any later call (the iterator's collection, the loader's finalizer) waits for
-that thread. The loader's finalizer (:func:`close_loader`) waits for every ending thread of
-the process and stops the workers before its receiver closes: no worker may write into a slot
-taken back then. Nothing is done in a process forked from the one that started the workers.
+is raised again); except at an epoch's natural end, where that is the ending thread's to do
+(later calls leave it to it), and the workers, having no task, write nothing any more. The
+loader's finalizer (:func:`close_loader`) stops the workers of an epoch left early before its
+receiver closes: no worker may write into a slot taken back then. Nothing is done in a
+process forked from the one that started the workers.
 """
 
 from __future__ import annotations
@@ -145,11 +145,8 @@ class WorkersIter(MultiProcessingIter):
         # collected: its workers and their done event are this process's.)
         if getattr(self, "_pin_pid", None) != os.getpid():
             return
-        ended = self.__dict__.get("_pin_ended")
-        if ended is not None:  # (begun at the epoch's end: the ending thread finishes it)
-            if not ending.on_ending_thread():
-                ended.wait()
-            return
+        if self.__dict__.get("_pin_ended") is not None:
+            return  # (begun at the epoch's end: the ending thread finishes it)
         if self._ends_naturally():
             self._end_in_background()
             return
@@ -373,7 +370,6 @@ def close_loader(receiver: Receiver) -> None:
     if receiver.pid != os.getpid():
         return
     try:
-        ending.wait_all()
         inner = receiver.iterator() if receiver.iterator is not None else None
         if inner is not None:
             shut_down(inner)

@@ -25,11 +25,20 @@ from .. import _signals, _trace
 from .._errors import PinPoolError
 from . import codec, registry
 
-#: How many slots' memory a worker keeps mapped between batches (``_worker.places``), and how
-#: many of a worker's last slots the main process offers it again first
+#: How many slots' memory a worker keeps mapped between batches at most (``_worker.places``),
+#: and how many of a worker's last slots the main process offers it again first
 #: (``_main.reservations``): a worker has at most ``prefetch_factor`` (2 by default) batches in
-#: flight, and the consumer holds one or two more.
-WINDOWS_KEPT = 4
+#: flight, and the consumer, and torch's pin thread ahead of it, hold several more of its
+#: batches (each of those slots is busy when the worker's next reservation is made).
+WINDOWS_KEPT = 16
+#: How many bytes of windows a worker keeps mapped at most: big slots get fewer windows (four of
+#: 335 MB), small ones the full number. A window costs its page tables, not memory.
+WINDOW_BYTES_KEPT = 3 << 29
+
+
+def windows_kept(nbytes: int) -> int:
+    """How many windows over slots of ``nbytes`` a worker keeps (at least one)."""
+    return max(1, min(WINDOWS_KEPT, WINDOW_BYTES_KEPT // max(nbytes, 1)))
 
 
 class SlotReservation(NamedTuple):

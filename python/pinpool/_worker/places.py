@@ -22,7 +22,8 @@ stray write in a worker cannot reach a batch the consumer holds (see the trust m
 batches: the main process hands a worker, first, the slots it had before
 (``_main.reservations``), and reopening a kept window costs one ``mprotect`` where mapping
 the slot afresh faulted in every page and unmapped them again (about 54 ms per 256 MB). A
-worker keeps at most ``handle.WINDOWS_KEPT`` windows, the latest used first.
+worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most ``handle.WINDOW_BYTES_KEPT``
+bytes of them, the latest used first.
 
 On a worker's last task of an epoch (``_wire.last_tasks``) the page tables of its ring's
 segments and of its kept windows are dropped on short-lived threads: the others' as the
@@ -53,7 +54,7 @@ from .. import _trace
 from .._errors import PinPoolError
 from .._native import ArenaWindow, WorkerSegment
 from .._wire import codec, last_tasks, peer
-from .._wire.handle import WINDOWS_KEPT, BatchHandle, SlotReservation
+from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, BatchHandle, SlotReservation
 
 
 @dataclass
@@ -179,7 +180,10 @@ def open_window(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
     else:
         window = map_window(reservation)
         _WINDOWS.insert(0, (key, window))
-        del _WINDOWS[WINDOWS_KEPT:]  # (unmapped as they die)
+        mapped = sum(w.length for _, w in _WINDOWS)
+        # The least recently used go (unmapped as they die), the new one stays.
+        while len(_WINDOWS) > 1 and (len(_WINDOWS) > WINDOWS_KEPT or mapped > WINDOW_BYTES_KEPT):
+            mapped -= _WINDOWS.pop()[1].length
         new = True
     window.open(offset, nbytes)
     return window, offset - window.offset, new

@@ -207,6 +207,16 @@ def _step(spec: LoaderSpec, it: Any, device: torch.device | None, work: ComputeW
     return Step(nbytes, t0, t1, time.perf_counter(), events)
 
 
+def _outliving_workers(grace_s: float = 5.0) -> int:
+    """Worker processes still alive ``grace_s`` (torch's status-check interval) after the
+    loader went: pinpool's workers of an ended epoch exit, and are reaped, on a thread of
+    pinpool's, as the training loop goes on."""
+    deadline = time.monotonic() + grace_s
+    while (alive := len(multiprocessing.active_children())) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return alive
+
+
 def _phase(
     probe: StallProbe, outside: OutsideProbe, start: float, end: float, **extra: Any
 ) -> dict[str, Any]:
@@ -363,7 +373,7 @@ def run_once(
         "pool": pool,
         "loader_stats": stats,
         **pinned_held(stats, pool, torch_held),
-        "leaked_workers": len(multiprocessing.active_children()),
+        "leaked_workers": _outliving_workers(),
     }
     if life:
         rec["phases"] = {
