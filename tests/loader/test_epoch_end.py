@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import multiprocessing.util
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -133,3 +135,35 @@ def test_a_worker_that_fails_to_exit_is_killed_by_the_ending_thread(
     ending.wait_all()
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
     assert (tmp_path / "hold").exists()  # (nobody let them go: they were killed)
+
+
+EXIT_SCRIPT = """
+import multiprocessing.util, sys, time
+import torch
+import pinpool, pinpool.trace
+
+def slow_exit(worker_id):
+    multiprocessing.util.Finalize(None, time.sleep, (0.5,), exitpriority=1)
+
+def seen(event):
+    if event.name == "workers.end":
+        print("workers.end", flush=True)
+
+pinpool.trace.set_hook(seen)
+loader = pinpool.DataLoader(
+    torch.arange(24), batch_size=4, num_workers=2, worker_init_fn=slow_exit
+)
+assert sum(len(b) for b in loader) == 24
+print("epoch over", flush=True)
+"""
+
+
+def test_the_interpreters_exit_waits_for_an_ended_epochs_workers() -> None:
+    # The script ends right after the epoch, its workers still in their (slow) exit: the
+    # interpreter waits for the ending thread to shut them down, rather than tearing
+    # everything down under it.
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["epoch", "over", "workers.end"], proc.stdout

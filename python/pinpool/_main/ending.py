@@ -11,11 +11,13 @@ set when it has run (whatever it raised); :func:`wait_all` returns once every sh
 over before it was called has run (nothing in pinpool waits for it: the workers of an ended
 epoch have no task left, so nothing has to wait for their exit; tests use it to count what
 they leave); a process forked from this one starts a thread of its own
-(the parent's is not running there) and inherits no pending shutdown.
+(the parent's is not running there) and inherits no pending shutdown; the interpreter's exit
+waits for every shutdown handed over (:func:`wait_all`, at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -34,6 +36,12 @@ def start() -> None:
     with _lock:
         if _pid == os.getpid() and _thread is not None:
             return
+        if _pid == 0:
+            # The interpreter's exit waits for what was handed over: the thread is a daemon,
+            # and one still joining workers as the interpreter tears down (torch, CUDA, the
+            # pool's native objects) can crash it. (Before torch's own exit handler, which
+            # turns its shutdown into a no-op: handlers run last registered first.)
+            atexit.register(wait_all)
         _pid = os.getpid()
         _work = queue.SimpleQueue()
         _pending.clear()
