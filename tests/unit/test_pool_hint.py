@@ -16,13 +16,15 @@ import pytest
 from loader_datasets import Lopsided, Paced, Sized, sum_collate
 
 import pinpool
-from pinpool._main import lazy_pool
+from pinpool._main import ending, lazy_pool
 from pinpool._main.sizing import MIN_ARENA
 from pinpool._wire.pool_hint import PoolHint
 
 
 def open_fds() -> dict[str, str]:
-    """This process's open fds and what each is."""
+    """This process's open fds and what each is, once the workers of ended epochs are shut
+    down (on pinpool's ending thread, which closes their pipes)."""
+    ending.wait_all()
     out = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
