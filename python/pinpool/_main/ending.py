@@ -8,11 +8,10 @@ would hold the GIL for up to a switch interval before the training thread could 
 
 Invariants: each handed-over shutdown runs once, in the order handed over, and its event is
 set when it has run (whatever it raised); :func:`wait_all` returns once every shutdown handed
-over before it was called has run (nothing in pinpool waits for it: the workers of an ended
-epoch have no task left, so nothing has to wait for their exit; tests use it to count what
-they leave); a process forked from this one starts a thread of its own
-(the parent's is not running there) and inherits no pending shutdown; the interpreter's exit
-waits for every shutdown handed over (:func:`wait_all`, at exit).
+over before it was called has run (only the interpreter's exit waits for it in pinpool: the
+workers of an ended epoch have no task left, so nothing else has to wait for their exit;
+tests use it to count what they leave); a process forked from this one starts a thread of
+its own (the parent's is not running there) and inherits no pending shutdown.
 """
 
 from __future__ import annotations
