@@ -32,6 +32,7 @@ from ._errors import (
     SlotReleased,
     WorkerLost,
 )
+from ._main.ending import wait_for_freed_pools
 from ._native import (
     SEGMENT_DATA_OFFSET,
     Copying,
@@ -43,7 +44,6 @@ from ._native import (
     check_segment,
     cuda_available,
     page_size,
-    wait_for_freed_pools,
 )
 from ._stats import LoaderStats, PoolStats
 

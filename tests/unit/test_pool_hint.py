@@ -23,8 +23,11 @@ from pinpool._wire.pool_hint import PoolHint
 
 def open_fds() -> dict[str, str]:
     """This process's open fds and what each is, once the workers of ended epochs are shut
-    down (on pinpool's ending thread, which closes their pipes)."""
+    down (on pinpool's ending thread, which closes their pipes and then lets their iterator,
+    and the pool it holds, go) and every pool dropped so far is freed (its memfds closed)."""
     ending.wait_all()
+    gc.collect()
+    pinpool.wait_for_freed_pools(timeout=30)
     out = {}
     for fd in os.listdir("/proc/self/fd"):
         try:

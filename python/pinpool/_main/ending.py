@@ -20,7 +20,10 @@ import atexit
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
+
+from .. import _native
 
 _lock = threading.Lock()
 _pid = 0
@@ -64,14 +67,34 @@ def on_ending_thread() -> bool:
     return _thread is threading.current_thread()
 
 
-def wait_all() -> None:
-    """Waits until every shutdown handed over so far has run (at once on the ending thread)."""
+def wait_all(timeout: float | None = None) -> bool:
+    """Waits until every shutdown handed over so far has run (at once on the ending thread),
+    at most ``timeout`` seconds (None: as long as it takes); whether they all have."""
     if on_ending_thread():
-        return
+        return True
     with _lock:
         pending = list(_pending) if _pid == os.getpid() else []
+    deadline = None if timeout is None else time.monotonic() + timeout
     for done in pending:
-        done.wait()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not done.wait(left):
+            return False
+    return True
+
+
+def wait_for_freed_pools(timeout: float | None = None) -> bool:
+    """``pinpool.wait_for_freed_pools``: waits until every pool dropped so far is freed, at
+    most ``timeout`` seconds (None: as long as it takes); whether it was.
+
+    An ended epoch's iterator, which holds its loader's pool, goes once the ending thread
+    has shut its workers down: that is waited for first, within the same ``timeout``."""
+    if timeout is not None and not timeout >= 0:  # (negative or NaN: refused, as ever)
+        return _native.wait_for_freed_pools(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if not wait_all(timeout):
+        return False
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    return _native.wait_for_freed_pools(left)
 
 
 def _run(work: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]]) -> None:
