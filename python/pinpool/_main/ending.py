@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .. import _native
+from .._native import wait_for_freed_pools as _freed
 
 _lock = threading.Lock()
 _pid = 0
@@ -89,12 +89,12 @@ def wait_for_freed_pools(timeout: float | None = None) -> bool:
     An ended epoch's iterator, which holds its loader's pool, goes once the ending thread
     has shut its workers down: that is waited for first, within the same ``timeout``."""
     if timeout is not None and not timeout >= 0:  # (negative or NaN: refused, as ever)
-        return _native.wait_for_freed_pools(timeout)
+        return _freed(timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     if not wait_all(timeout):
         return False
     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-    return _native.wait_for_freed_pools(left)
+    return _freed(left)
 
 
 def _run(work: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]]) -> None:
