@@ -136,6 +136,8 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_try_get_data); pin_memory and, on 2.6, torch.cuda.is_available(), on 2.15 "
     "torch.accelerator.is_available() (False on MPS)",
     "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots)",
+    "_worker_result_queue": "the workers' results: its feeder is not waited for at exit once "
+    "the workers are shut down (torch's shutdown may be cut short before it says so)",
     "_task_info": "batches held out of order, dropped at shutdown",
     "_rcvd_idx": "how many index lists the epoch has passed on (checkpoints); when it reaches "
     "_send_idx, no task is in flight: an ended epoch's shutdown goes to the ending thread",

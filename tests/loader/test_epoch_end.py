@@ -167,3 +167,23 @@ def test_the_interpreters_exit_waits_for_an_ended_epochs_workers() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["epoch", "over", "workers.end"], proc.stdout
+
+
+def test_the_result_queues_feeder_is_not_waited_for_at_exit_after_a_shutdown() -> None:
+    # torch cancels that wait only on its pin thread's path, after joining the thread: a
+    # shutdown cut short there left the interpreter's exit waiting for a feeder that a worker
+    # dead holding the queue's write lock keeps stuck for ever. pinpool cancels it after
+    # every shutdown, at an epoch's end (on the ending thread) and when left early.
+    loader = pinpool.DataLoader(Indexed(N), batch_size=BATCH, num_workers=2)
+    ended = iter(loader)
+    assert len(list(ended)) == N // BATCH
+    left = iter(loader)
+    next(left)
+    inners = [ended._inner, left._inner]  # type: ignore[attr-defined]
+    del left
+    gc.collect()
+    ending.wait_all()
+    for inner in inners:
+        assert inner._worker_result_queue._joincancelled
+    del ended, inners, loader
+    gc.collect()

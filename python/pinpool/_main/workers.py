@@ -330,12 +330,19 @@ def _reaped(w: Any) -> bool:
 
 def _close_index_queues(it: Any) -> None:
     """torch closes the index queues last: should its shutdown stop before, their writer
-    threads and descriptors still end now, not whenever the iterator is collected."""
+    threads and descriptors still end now, not whenever the iterator is collected. And the
+    result queue's feeder is not waited for at the interpreter's exit: with a pin thread,
+    torch's shutdown puts one message on that queue here and cancels the wait only after
+    joining the pin thread; cut short in between, the exit would wait for a feeder that can
+    be stuck for ever (a worker that died holding the queue's write lock: torch's hazard)."""
     if _shutting_down_python():
         return
     for q in getattr(it, "_index_queues", ()):
         q.cancel_join_thread()
         q.close()
+    results = getattr(it, "_worker_result_queue", None)
+    if results is not None:
+        results.cancel_join_thread()
 
 
 def shut_down(inner: Any) -> None:
