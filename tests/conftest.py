@@ -28,9 +28,9 @@ def open_fd_count() -> int:
     """How many file descriptors this process has open, once earlier garbage is collected and
     the freeing thread has freed every pool dropped so far (it closes their memfds in the
     background): a count taken before and after a step then changes by that step's fds only,
-    not by an earlier test's objects that a collection in between happens to close. The
-    workers of ended epochs are shut down first (on pinpool's ending thread: their pipes)."""
-    ending.wait_all()
+    not by an earlier test's objects that a collection in between happens to close. (It waits
+    for the workers of ended epochs first, which close their pipes on pinpool's ending
+    thread.)"""
     gc.collect()
     pinpool.wait_for_freed_pools(timeout=60)
     return len(os.listdir("/proc/self/fd"))

@@ -16,16 +16,15 @@ import pytest
 from loader_datasets import Lopsided, Paced, Sized, sum_collate
 
 import pinpool
-from pinpool._main import ending, lazy_pool
+from pinpool._main import lazy_pool
 from pinpool._main.sizing import MIN_ARENA
 from pinpool._wire.pool_hint import PoolHint
 
 
 def open_fds() -> dict[str, str]:
-    """This process's open fds and what each is, once the workers of ended epochs are shut
-    down (on pinpool's ending thread, which closes their pipes and then lets their iterator,
-    and the pool it holds, go) and every pool dropped so far is freed (its memfds closed)."""
-    ending.wait_all()
+    """This process's open fds and what each is, once every pool dropped so far is freed (its
+    memfds closed; the wait also covers the workers of ended epochs, whose pipes pinpool's
+    ending thread closes before it lets their iterator, and the pool it holds, go)."""
     gc.collect()
     pinpool.wait_for_freed_pools(timeout=30)
     out = {}

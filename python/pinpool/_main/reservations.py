@@ -85,9 +85,7 @@ class Reservations:
             recent is not None and len(recent) >= windows_kept(nbytes) and nbytes >= ONLY_KEPT_FROM
         )
         slot = (
-            pool.try_checkout(
-                nbytes, reserve=reserve, prefer=list(recent) if recent else None, prefer_only=only
-            )
+            pool.try_checkout(nbytes, reserve=reserve, prefer=recent or None, prefer_only=only)
             if pool is not None
             else None
         )
