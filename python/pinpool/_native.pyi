@@ -223,15 +223,20 @@ class ArenaWindow:
     @property
     def length(self) -> int:
         """The window's length in bytes (whole pages)."""
+    @property
+    def open_range(self) -> tuple[int, int] | None:
+        """The file offsets ``[start, end)`` of the pages open (readable and writable), or
+        None while the window is closed."""
     def contains(self, offset: int, nbytes: int) -> bool:
         """Whether the file's bytes ``[offset, offset + nbytes)`` lie inside the window."""
     def open(self, offset: int, nbytes: int) -> None:
         """Makes the pages holding the file's bytes ``[offset, offset + nbytes)`` readable and
-        writable (the range must lie inside the window and hold at least one byte). One range
-        at a time: raises ``InvalidArgument`` while one is open."""
+        writable (the range must lie inside the window and hold at least one byte), without
+        the GIL. One range at a time: raises ``InvalidArgument`` while one is open."""
     def close(self) -> None:
-        """Makes the whole window inaccessible again (nothing to do if nothing is open).
-        Raises ``BufferError``, changing nothing, while a view of the window is alive."""
+        """Makes the whole window inaccessible again (nothing to do if nothing is open),
+        without the GIL. Raises ``BufferError``, changing nothing, while a view of the window
+        is alive."""
     def drop_page_tables(self) -> None:
         """Drops this process's page tables for the whole window (``MADV_DONTNEED``), without
         the GIL, open or not: the bytes stay in the file, and the next access of an open page

@@ -91,9 +91,16 @@ impl PyArenaWindow {
         })
     }
 
+    /// The file offsets `[start, end)` of the pages open (readable and writable), or None
+    /// while the window is closed.
+    #[getter]
+    fn open_range(&self) -> Option<(usize, usize)> {
+        self.window.open_range()
+    }
+
     /// Makes the pages holding the file's bytes `[offset, offset + nbytes)` readable and
-    /// writable (the range must lie inside the window and hold at least one byte). One range
-    /// at a time: raises `InvalidArgument` while one is open.
+    /// writable (the range must lie inside the window and hold at least one byte), without
+    /// the GIL. One range at a time: raises `InvalidArgument` while one is open.
     fn open(
         &self,
         py: Python<'_>,
@@ -103,15 +110,15 @@ impl PyArenaWindow {
         guarded(|| {
             let offset = size_arg(py, offset, "offset")?;
             let nbytes = size_arg(py, nbytes, "nbytes")?;
-            self.window.open(offset, nbytes).py(py)
+            py.detach(|| self.window.open(offset, nbytes)).py(py)
         })
     }
 
-    /// Makes the whole window inaccessible again (nothing to do if nothing is open). Raises
-    /// `BufferError`, changing nothing, while a view of the window is alive.
+    /// Makes the whole window inaccessible again (nothing to do if nothing is open), without
+    /// the GIL. Raises `BufferError`, changing nothing, while a view of the window is alive.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         guarded(|| {
-            if !self.window.close().py(py)? {
+            if !py.detach(|| self.window.close()).py(py)? {
                 return Err(PyBufferError::new_err(format!(
                     "cannot close the window while {} view(s) of it are alive: release them \
                      first",

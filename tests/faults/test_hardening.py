@@ -647,7 +647,7 @@ def test_a_workers_window_is_kept_for_its_next_slot_there(make_pool: Any) -> Non
     same file, inside it); one elsewhere maps a window of its own; at most ``WINDOWS_KEPT``
     are kept, the least recently used going first."""
     from pinpool._wire.handle import WINDOWS_KEPT, SlotReservation
-    from pinpool._worker import places
+    from pinpool._worker import windows
 
     pool = make_pool(1 << 16, WINDOWS_KEPT + 4, arena_bytes=(WINDOWS_KEPT + 4) << 16)
     slots = [pool.checkout(nbytes=1 << 16) for _ in range(WINDOWS_KEPT + 1)]
@@ -659,24 +659,24 @@ def test_a_workers_window_is_kept_for_its_next_slot_there(make_pool: Any) -> Non
             slot.index, 1, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, ino
         )
 
-    places._WINDOWS.clear()
-    first, at, new = places.open_window(reservation(slots[0], 1))
+    windows._WINDOWS.clear()
+    first, at, new = windows.open_for(reservation(slots[0], 1))
     assert at == 0 and new
-    places._close_window(first)
-    again, _, new = places.open_window(reservation(slots[0], 2))
+    windows.close(first)
+    again, _, new = windows.open_for(reservation(slots[0], 2))
     assert again is first and not new, "the kept window is reopened"
-    places._close_window(again)
+    windows.close(again)
     # Another file with the same offset (its inode differs): a window of its own.
     other = reservation(slots[0], 3)._replace(arena_ino=reservation(slots[0], 3).arena_ino + 1)
     with pytest.raises(PinPoolError, match="no longer names"):
-        places.open_window(other)
+        windows.open_for(other)
     for n, slot in enumerate(slots[1:], start=4):
-        window, _, _ = places.open_window(reservation(slot, n))
+        window, _, _ = windows.open_for(reservation(slot, n))
         assert window is not first
-        places._close_window(window)
-    assert len(places._WINDOWS) == WINDOWS_KEPT
-    assert all(w is not first for _, w in places._WINDOWS), "the oldest went first"
-    places._WINDOWS.clear()
+        windows.close(window)
+    assert len(windows._WINDOWS) == WINDOWS_KEPT
+    assert all(w is not first for _, w in windows._WINDOWS), "the oldest went first"
+    windows._WINDOWS.clear()
     for slot in slots:
         slot.release()
 
@@ -687,7 +687,7 @@ def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> 
     nothing, exports nothing, drops no page tables and unmaps nothing; a worker's last task
     lets no inherited window go; and forked workers run whole epochs."""
     from pinpool._wire.handle import SlotReservation
-    from pinpool._worker import places
+    from pinpool._worker import windows
 
     pool = make_pool(1 << 16, 8, arena_bytes=8 << 16)
     slot = pool.checkout(nbytes=1 << 16)
@@ -695,9 +695,9 @@ def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> 
     reservation = SlotReservation(
         slot.index, 1, 1, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
     )
-    places._WINDOWS.clear()
-    window, _, _ = places.open_window(reservation)
-    places._close_window(window)
+    windows._WINDOWS.clear()
+    window, _, _ = windows.open_for(reservation)
+    windows.close(window)
     try:
         pid = os.fork()
         if pid == 0:  # the child: report through the exit status only
@@ -714,7 +714,7 @@ def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> 
                 except BufferError:
                     pass
                 window.drop_page_tables()
-                code = code or (5 if places._let_windows_go() else 0)
+                code = code or (5 if windows.let_go() else 0)
             except BaseException:
                 code = 6
             os._exit(code)
@@ -727,7 +727,7 @@ def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> 
             assert sum(len(b["idx"]) for b in loader) == 64
         del loader
     finally:
-        places._WINDOWS.clear()
+        windows._WINDOWS.clear()
         del window
         slot.release()
 
@@ -737,7 +737,7 @@ def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> N
     reservation names: another file behind the descriptor, an unsealed one, one of another length
     or a slot outside it is refused with the reason, and nothing stays open."""
     from pinpool._wire.handle import SlotReservation
-    from pinpool._worker.places import map_window
+    from pinpool._worker.windows import map_window
 
     pool = make_pool(1 << 20, 4, arena_bytes=8 << 20)
     pool.checkout(nbytes=1 << 20).release()  # (the slot below starts past the first page)

@@ -11,19 +11,10 @@ with. The first time a segment is used, its handle says where the main process c
 small for a batch are retired: the worker drops its mapping and the next handle tells the
 main process to drop its own.
 
-A reservation's slot is reached the same way (``/proc/<main pid>/fd/<fd>``), checked before
-anything is mapped: the file is the one the reservation names (its inode), sealed against
-shrinking (nothing can truncate it under the mapping) and of the announced length, and the
-slot lies inside it. Only the slot's own pages are mapped (an ``ArenaWindow``), and they are
-writable only while the batch is being written: once its handle is made (or the batch
-abandoned) the window is made inaccessible again and the descriptor is long closed, so a
-stray write in a worker cannot reach a batch the consumer holds (see the trust model in
-``docs/design.md``). The window itself is kept, page tables and all, for the worker's next
-batches: the main process hands a worker, first, the slots it had before
-(``_main.reservations``), and reopening a kept window costs one ``mprotect`` where mapping
-the slot afresh faulted in every page and unmapped them again (about 54 ms per 256 MB). A
-worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most ``handle.WINDOW_BYTES_KEPT``
-bytes of them, the latest used first.
+A reservation's slot is written through a window onto the main process's arena, which the
+worker keeps for its next batches (``windows``): open while the batch is written, made
+inaccessible again once its handle is made (or the batch abandoned), and the handle is not
+sent before that is done.
 
 On a worker's last task of an epoch (``_wire.last_tasks``) the page tables of its ring's
 segments and of its kept windows are dropped on short-lived threads: the others' as the
@@ -34,27 +25,25 @@ the end of the epoch, has little left to tear down.
 
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
-handle made) or unclaimed; an arena window covers only slots the main process handed this
-worker, is writable only while its place lives, and is checked against the file it maps
-(inode and range) each time it is reused.
+handle made) or unclaimed; a handle made after a window was closed is sent only once the window is
+inaccessible (``windows``).
 """
 
 from __future__ import annotations
 
-import fcntl
-import mmap
 import os
 import random
-import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _trace
 from .._errors import PinPoolError
 from .._native import ArenaWindow, WorkerSegment
-from .._wire import codec, last_tasks, peer
-from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, BatchHandle, SlotReservation
+from .._wire import codec, last_tasks
+from .._wire.handle import BatchHandle, SlotReservation
+from . import windows
 
 
 @dataclass
@@ -112,100 +101,6 @@ def ring_for(token: str, limit: int) -> _Ring:
         return ring
 
 
-def _refuse(reservation: SlotReservation, why: str) -> PinPoolError:
-    return PinPoolError(
-        f"the slot handed out with this batch's indices (fd {reservation.arena_fd} of process "
-        f"{reservation.arena_pid}) cannot be written: {why}"
-    )
-
-
-def _check_part(fd: int, reservation: SlotReservation) -> None:
-    """Raises unless ``fd`` is the arena part ``reservation`` names and its slot lies inside."""
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_ino != reservation.arena_ino:
-        raise _refuse(
-            reservation, "that descriptor no longer names the arena the reservation was made for"
-        )
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = 0  # (not a memfd)
-    if not seals & fcntl.F_SEAL_SHRINK:
-        raise _refuse(reservation, "the file is not sealed against shrinking")
-    if info.st_size != reservation.arena_len:
-        raise _refuse(
-            reservation, f"the file holds {info.st_size} bytes, not {reservation.arena_len}"
-        )
-    offset, nbytes = reservation.offset, reservation.nbytes
-    if not (0 <= offset and 0 < nbytes and offset + nbytes <= info.st_size):
-        raise _refuse(reservation, f"bytes {offset}..{offset + nbytes} lie outside the file")
-
-
-def map_window(reservation: SlotReservation) -> ArenaWindow:
-    """A window over the pages holding the reservation's slot (mapped, faulted in, and
-    inaccessible until opened). The descriptor opened to make it is closed before this
-    returns."""
-    fd = peer.open_fd_of(reservation.arena_pid, reservation.arena_fd)
-    try:
-        _check_part(fd, reservation)
-        start = reservation.offset - reservation.offset % mmap.PAGESIZE
-        end = reservation.offset + reservation.nbytes
-        end += -end % mmap.PAGESIZE
-        return ArenaWindow(fd, start, end - start)
-    finally:
-        os.close(fd)
-
-
-#: This process's kept windows, the latest used first: ``((main pid, inode), window)``.
-_WINDOWS: list[tuple[tuple[int, int], ArenaWindow]] = []
-_WINDOWS_PID = os.getpid()
-
-
-def open_window(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
-    """A window holding the reservation's slot, opened for writing the slot's bytes, where the
-    slot starts in it, and whether it was mapped now: a kept one if one holds the slot (in the
-    same file: its inode, which cannot name another file while the window keeps this one
-    mapped), else a new one, kept in place of the least recently used."""
-    global _WINDOWS_PID
-    if _WINDOWS_PID != os.getpid():  # (a process forked from this one keeps none)
-        _WINDOWS.clear()
-        _WINDOWS_PID = os.getpid()
-    key = (reservation.arena_pid, reservation.arena_ino)
-    offset, nbytes = reservation.offset, reservation.nbytes
-    for i, (k, window) in enumerate(_WINDOWS):
-        if k == key and nbytes > 0 and window.contains(offset, nbytes):
-            _WINDOWS.insert(0, _WINDOWS.pop(i))
-            new = False
-            break
-    else:
-        window = map_window(reservation)
-        _WINDOWS.insert(0, (key, window))
-        mapped = sum(w.length for _, w in _WINDOWS)
-        # The least recently used go (unmapped as they die), the new one stays.
-        while len(_WINDOWS) > 1 and (len(_WINDOWS) > WINDOWS_KEPT or mapped > WINDOW_BYTES_KEPT):
-            mapped -= _WINDOWS.pop()[1].length
-        new = True
-    window.open(offset, nbytes)
-    return window, offset - window.offset, new
-
-
-def _close_window(window: ArenaWindow) -> None:
-    """Makes ``window`` inaccessible again; one that cannot be (a view of it is still held, by
-    a traceback) is no longer kept, and is unmapped when that view dies."""
-    try:
-        window.close()
-    except BufferError:
-        _WINDOWS[:] = [(k, w) for k, w in _WINDOWS if w is not window]
-
-
-def _let_windows_go() -> list[ArenaWindow]:
-    """The kept windows, no longer kept (a worker's last task: their page tables are dropped);
-    none in a process forked from the one that kept them (the windows are not mapped there)."""
-    windows = [w for _, w in _WINDOWS] if _WINDOWS_PID == os.getpid() else []
-    _WINDOWS.clear()
-    return windows
-
-
 def _release(view: memoryview) -> None:
     try:
         view.release()
@@ -228,20 +123,23 @@ class Place:
         self.reservation = reservation
         self._window: ArenaWindow | None = None
         self._arena: memoryview | None = None
+        #: What the handle waits for before it is sent (a window being closed).
+        self._sent_after: Callable[[], None] | None = None
         self.segment: WorkerSegment | None = None
         self.sid = -1
         mapped = False
         if reservation is not None and nbytes <= reservation.nbytes:
-            self._window, at, mapped = open_window(reservation)
+            self._window, at, mapped = windows.open_for(reservation)
             self._arena = memoryview(self._window)
             self.memory = self._arena[at : at + reservation.nbytes]
         else:
+            windows.drop_ahead(reservation)
             self.sid, self.segment = self.ring.acquire(nbytes)
             self.memory = memoryview(self.segment).cast("B")
         self.last = last_tasks.take()
         if self.last:
             others: list[Any] = [s for s in self.ring.segments.values() if s is not self.segment]
-            others += [w for w in _let_windows_go() if w is not self._window]
+            others += [w for w in windows.let_go() if w is not self._window]
             if _trace.on:
                 _trace.event("worker.last_task", segments=len(others) + 1)
             _drop_page_tables(others)
@@ -268,14 +166,16 @@ class Place:
             assert claim is not None
             if self.last and window is not None:
                 _drop_page_tables([window])
-            return BatchHandle(self.token, p, count, slot=claim)
+            handle = BatchHandle(self.token, p, count, slot=claim)
+            handle.sent_after(self._sent_after)
+            return handle
         origin = None
         if sid not in ring.announced:
             origin = (os.getpid(), segment.fd)
             ring.announced.add(sid)
         if self.last:
             _drop_page_tables([segment])
-        return BatchHandle(
+        handle = BatchHandle(
             self.token,
             p,
             count,
@@ -287,6 +187,8 @@ class Place:
             retired=ring.take_retired(),
             unused=claim,
         )
+        handle.sent_after(self._sent_after)  # (its unused slot: written by nobody)
+        return handle
 
     def abandon(self) -> None:
         """Nothing is sent: the segment goes back to the ring (a zero-copy slot is taken back
@@ -306,7 +208,7 @@ class Place:
             self._arena = None
         if self._window is not None:
             window, self._window = self._window, None
-            _close_window(window)
+            self._sent_after = windows.close(window)
 
 
 def _drop_page_tables(segments: list[Any]) -> None:
