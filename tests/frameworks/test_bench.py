@@ -292,3 +292,27 @@ def test_varlen_workload_reports_pinned_memory_held_and_pinpool_counters(tmp_pat
         assert label in proc.stdout
     if host_only:
         assert "n/a (no CUDA)" in proc.stdout
+
+
+def test_the_outside_probe_stops_while_a_forked_child_lives() -> None:
+    """The outside probe's process stops on a line sent to it, not on its stdin's end: a
+    DataLoader worker forked meanwhile holds a copy of that pipe's write end, and one still
+    alive (a loader that failed, its iterator not yet collected) kept the bench waiting out
+    the probe's 60 s."""
+    import os
+    import signal
+
+    from pinpool.bench.probes import OutsideProbe
+
+    probe = OutsideProbe().start()
+    child = os.fork()
+    if child == 0:  # holds every descriptor it inherited, the probe's stdin included
+        signal.pause()
+        os._exit(0)
+    try:
+        probe.stop()
+        assert probe.lateness, "the sleeper's record came back"
+        assert os.waitpid(child, os.WNOHANG) == (0, 0), "the child was alive meanwhile"
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

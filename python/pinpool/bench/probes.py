@@ -89,13 +89,15 @@ class StallProbe(Lateness):
         self.stop()
 
 
-#: The outside probe's process: the same sleeper loop, until its stdin closes; then the due
-#: times and the lateness, as two arrays of doubles, on stdout.
+#: The outside probe's process: the same sleeper loop, until a line comes on its stdin (or it
+#: closes); then the due times and the lateness, as two arrays of doubles, on stdout. (Not
+#: the pipe's end alone: DataLoader workers forked meanwhile hold a copy of its write end,
+#: and a worker still alive, say after a loader failed, would keep it open.)
 _OUTSIDE_SLEEPER = """
 import array, sys, threading, time
 interval = float(sys.argv[1])
 stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
 due, late = array.array("d"), array.array("d")
 clock, sleep = time.perf_counter, time.sleep
 print("ready", flush=True)
@@ -133,7 +135,7 @@ class OutsideProbe(Lateness):
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(b"stop\n", timeout=60)
         values = np.frombuffer(out[: len(out) // 16 * 16], dtype=np.float64)
         half = len(values) // 2
         self.due, self.lateness = values[:half].tolist(), values[half:].tolist()
