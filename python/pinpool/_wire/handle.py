@@ -19,7 +19,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .. import _signals, _trace
@@ -104,7 +103,6 @@ class BatchHandle:
     """
 
     __slots__ = (
-        "_sent_after",
         "_state",
         "count",
         "nbytes",
@@ -183,19 +181,8 @@ class BatchHandle:
         self.retired = retired
         self.unused = unused
         self._state = 0  # made here: nothing to take or drop in this process
-        self._sent_after: Callable[[], None] | None = None
-
-    def sent_after(self, wait: Callable[[], None] | None) -> None:
-        """The worker's side: ``wait`` returns once the handle may leave this process (the
-        window its batch was written through is inaccessible again); pickling the handle,
-        which torch's result queue does on its feeder thread, waits for it first."""
-        self._sent_after = wait
 
     def __getstate__(self) -> tuple[Any, ...]:
-        wait = getattr(self, "_sent_after", None)
-        if wait is not None:
-            self._sent_after = None
-            wait()
         return tuple(getattr(self, name) for name in self._STATE)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:

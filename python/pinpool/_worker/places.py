@@ -13,8 +13,7 @@ main process to drop its own.
 
 A reservation's slot is written through a window onto the main process's arena, which the
 worker keeps for its next batches (``windows``): open while the batch is written, made
-inaccessible again once its handle is made (or the batch abandoned), and the handle is not
-sent before that is done.
+inaccessible again before its handle is made (or the batch abandoned).
 
 On a worker's last task of an epoch (``_wire.last_tasks``) the page tables of its ring's
 segments and of its kept windows are dropped on short-lived threads: the others' as the
@@ -25,8 +24,8 @@ the end of the epoch, has little left to tear down.
 
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
-handle made) or unclaimed; a handle made after a window was closed is sent only once the window is
-inaccessible (``windows``).
+handle made) or unclaimed; a window is inaccessible again before the handle of the batch written
+in it is made (``windows``).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,8 +121,6 @@ class Place:
         self.reservation = reservation
         self._window: ArenaWindow | None = None
         self._arena: memoryview | None = None
-        #: What the handle waits for before it is sent (a window being closed).
-        self._sent_after: Callable[[], None] | None = None
         self.segment: WorkerSegment | None = None
         self.sid = -1
         mapped = False
@@ -133,7 +129,6 @@ class Place:
             self._arena = memoryview(self._window)
             self.memory = self._arena[at : at + reservation.nbytes]
         else:
-            windows.drop_ahead(reservation)
             self.sid, self.segment = self.ring.acquire(nbytes)
             self.memory = memoryview(self.segment).cast("B")
         self.last = last_tasks.take()
@@ -166,16 +161,14 @@ class Place:
             assert claim is not None
             if self.last and window is not None:
                 _drop_page_tables([window])
-            handle = BatchHandle(self.token, p, count, slot=claim)
-            handle.sent_after(self._sent_after)
-            return handle
+            return BatchHandle(self.token, p, count, slot=claim)
         origin = None
         if sid not in ring.announced:
             origin = (os.getpid(), segment.fd)
             ring.announced.add(sid)
         if self.last:
             _drop_page_tables([segment])
-        handle = BatchHandle(
+        return BatchHandle(
             self.token,
             p,
             count,
@@ -187,8 +180,6 @@ class Place:
             retired=ring.take_retired(),
             unused=claim,
         )
-        handle.sent_after(self._sent_after)  # (its unused slot: written by nobody)
-        return handle
 
     def abandon(self) -> None:
         """Nothing is sent: the segment goes back to the ring (a zero-copy slot is taken back
@@ -208,7 +199,7 @@ class Place:
             self._arena = None
         if self._window is not None:
             window, self._window = self._window, None
-            self._sent_after = windows.close(window)
+            windows.close(window)
 
 
 def _drop_page_tables(segments: list[Any]) -> None:

@@ -42,7 +42,6 @@ from .._torch_contract import torch_collate
 from .._wire import codec
 from .._wire.handle import ReservedItems
 from .._wire.tree import KEEP, map_leaves
-from . import windows
 
 #: Arrays smaller than this are left to ordinary collation.
 STREAM_MIN = 16 << 10
@@ -80,7 +79,6 @@ class StreamingDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitems__(self, indices: Any) -> Any:
         reservation = getattr(indices, "reservation", None)
-        windows.ahead(reservation)  # (its slot is opened while the samples are made)
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems:
             return ReservedItems(getitems(list(indices)), reservation)

@@ -1,5 +1,5 @@
-"""A zero-copy worker's windows onto the main process's arena: which ones it keeps, and the
-thread that opens and closes the big ones off the worker's path.
+"""A zero-copy worker's windows onto the main process's arena: which ones it keeps, opened only
+while a batch is written.
 
 A reservation's slot is reached through ``/proc/<main pid>/fd/<fd>``, checked before anything
 is mapped: the file is the one the reservation names (its inode), sealed against shrinking
@@ -13,111 +13,39 @@ a kept window costs one ``mprotect`` where mapping the slot afresh faults in eve
 54 ms per 256 MB). A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
 ``handle.WINDOW_BYTES_KEPT`` bytes of them, the latest used first.
 
-Opening and closing a window of hundreds of megabytes costs milliseconds each (4.2 and 4.4 ms
-for 268 MB on the H200), a fifth of what writing the batch costs the worker. So a window of
-:data:`OFF_PATH_BYTES` or more is opened and closed by this process's window thread
-(``pinpool-windows``): :func:`ahead` starts opening a reservation's slot as its indices
-arrive, while the dataset makes the batch's first sample, and :func:`close` starts closing a
-window as the batch's handle is made, and returns what the handle waits for before it is
-sent (torch's result queue pickles it on its feeder thread, so the worker goes on to its next
-batch meanwhile).
-
 Invariants:
 
-- The main process never receives the handle of a batch whose window is still writable: a
-  handle is pickled only after its window's close is done (or the window given up, below).
-- A window's opens and closes happen in the order they were asked for: a big window's run one
-  at a time on the window thread, in order; anything done on the caller's thread waits first
-  until the window thread has done everything asked of it.
-- At most one reservation is opened ahead; an ahead not taken by the batch it was made for is
-  closed again (on the window thread) when the next one is asked for, or when that batch goes
-  into a segment instead.
+- A window covers only slots the main process handed this worker, is checked against the file
+  it maps (inode and range) each time it is reused, and is writable only between
+  :func:`open_for` and :func:`close` (one range at a time: ``src/window.rs``).
 - A window that cannot be closed (a view of it is still alive, held by a traceback, or
   ``mprotect`` failed) is no longer kept: it is unmapped when the last reference to it goes.
-- The kept windows are changed under :data:`_LOCK` only; a process forked from this one keeps
-  none of them (they are not mapped there) and starts its own window thread.
+- A process forked from this one keeps none of these windows (they are not mapped there).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import fcntl
 import mmap
 import os
-import queue
 import stat
-import threading
-from collections.abc import Callable
-from typing import Any
 
 from .._errors import PinPoolError
 from .._native import ArenaWindow
 from .._wire import peer
 from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation
 
-#: Windows at least this long are opened and closed on the window thread.
-OFF_PATH_BYTES = 8 << 20
-
-_LOCK = threading.Lock()
 #: This process's kept windows, the latest used first: ``((main pid, inode), window)``.
 _WINDOWS: list[tuple[tuple[int, int], ArenaWindow]] = []
 _PID = os.getpid()
-_THREAD: _WindowThread | None = None
-#: The reservation opened ahead, and its open: ``(reservation, future of open_window)``.
-_AHEAD: tuple[SlotReservation, concurrent.futures.Future[Any]] | None = None
-
-
-class _WindowThread:
-    """One daemon thread running the jobs given to it one at a time, in order."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
-        self._jobs = queue.SimpleQueue()
-        self._last: concurrent.futures.Future[Any] | None = None
-        threading.Thread(target=self._run, name="pinpool-windows", daemon=True).start()
-
-    def submit(self, job: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._jobs.put((job, done))
-        self._last = done
-        return done
-
-    def wait_idle(self) -> None:
-        """Returns once every job given so far has run (they run in order)."""
-        last = self._last
-        if last is not None:
-            concurrent.futures.wait([last])
-
-    def _run(self) -> None:
-        while True:
-            job, done = self._jobs.get()
-            try:
-                done.set_result(job())
-            except BaseException as exc:
-                done.set_exception(exc)
-            del job, done  # (a window given up is unmapped here, off the worker's path)
 
 
 def _here() -> None:
-    """Forgets what this process inherited from the one it was forked from."""
-    global _PID, _THREAD, _AHEAD
+    """Forgets the windows a process this one was forked from kept (not mapped here)."""
+    global _PID
     if _PID != os.getpid():
         _WINDOWS.clear()
-        _THREAD = None
-        _AHEAD = None
         _PID = os.getpid()
-
-
-def _thread() -> _WindowThread:
-    global _THREAD
-    if _THREAD is None:
-        _THREAD = _WindowThread()
-    return _THREAD
-
-
-def _wait_idle() -> None:
-    if _THREAD is not None:
-        _THREAD.wait_idle()
 
 
 def _refuse(reservation: SlotReservation, why: str) -> PinPoolError:
@@ -164,130 +92,51 @@ def map_window(reservation: SlotReservation) -> ArenaWindow:
         os.close(fd)
 
 
-def _open(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
+def open_for(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
     """A window holding the reservation's slot, opened for writing the slot's bytes, where the
     slot starts in it, and whether it was mapped now: a kept one if one holds the slot (in the
     same file: its inode, which cannot name another file while the window keeps this one
-    mapped), else a new one, kept in place of the least recently used."""
+    mapped), else a new one, kept in place of the least recently used. Raises
+    ``PinPoolError`` if the slot cannot be reached (see :func:`map_window`)."""
+    _here()
     key = (reservation.arena_pid, reservation.arena_ino)
     offset, nbytes = reservation.offset, reservation.nbytes
-    window = None
-    with _LOCK:
-        for i, (k, kept) in enumerate(_WINDOWS):
-            if k == key and nbytes > 0 and kept.contains(offset, nbytes):
-                _WINDOWS.insert(0, _WINDOWS.pop(i))
-                window = kept
-                break
-    new = window is None
-    if window is None:
-        window = map_window(reservation)
-        with _LOCK:
-            _WINDOWS.insert(0, (key, window))
-            mapped = sum(w.length for _, w in _WINDOWS)
-            gone = []  # the least recently used go (unmapped as they die), the new one stays
-            while len(_WINDOWS) > 1 and (
-                len(_WINDOWS) > WINDOWS_KEPT or mapped > WINDOW_BYTES_KEPT
-            ):
-                gone.append(_WINDOWS.pop())
-                mapped -= gone[-1][1].length
-        del gone
+    for i, (k, kept_window) in enumerate(_WINDOWS):
+        if k == key and nbytes > 0 and kept_window.contains(offset, nbytes):
+            _WINDOWS.insert(0, _WINDOWS.pop(i))
+            window, new = kept_window, False
+            break
+    else:
+        window, new = map_window(reservation), True
+        _WINDOWS.insert(0, (key, window))
+        mapped = sum(w.length for _, w in _WINDOWS)
+        # The least recently used go (unmapped as they die), the new one stays.
+        while len(_WINDOWS) > 1 and (len(_WINDOWS) > WINDOWS_KEPT or mapped > WINDOW_BYTES_KEPT):
+            mapped -= _WINDOWS.pop()[1].length
     window.open(offset, nbytes)
     return window, offset - window.offset, new
 
 
-def _close(window: ArenaWindow) -> None:
-    """Makes ``window`` inaccessible again; one that cannot be is no longer kept."""
+def close(window: ArenaWindow) -> None:
+    """Makes ``window`` inaccessible again (its views released); one that cannot be is no
+    longer kept."""
+    _here()
     try:
         window.close()
     except (BufferError, OSError, PinPoolError):
-        with _LOCK:
-            _WINDOWS[:] = [(k, w) for k, w in _WINDOWS if w is not window]
-
-
-def _drop_ahead() -> None:
-    """Closes again, on the window thread, what was opened ahead and not taken."""
-    global _AHEAD
-    if _AHEAD is None:
-        return
-    opened = _AHEAD[1]
-    _AHEAD = None
-
-    def undo() -> None:
-        try:
-            window, _, _ = opened.result()  # (run before this job: done)
-        except BaseException:
-            return  # nothing was opened
-        _close(window)
-
-    _thread().submit(undo)
-
-
-def ahead(reservation: SlotReservation | None) -> None:
-    """Starts opening the reservation's slot on the window thread, if it is big, as the batch's
-    indices arrive (the batch that takes it calls :func:`open_for`)."""
-    global _AHEAD
-    _here()
-    _drop_ahead()
-    if reservation is not None and reservation.nbytes >= OFF_PATH_BYTES:
-        _AHEAD = (reservation, _thread().submit(lambda: _open(reservation)))
-
-
-def drop_ahead(reservation: SlotReservation | None) -> None:
-    """The batch of ``reservation`` does not go into its slot: what was opened ahead for it is
-    closed again."""
-    _here()
-    if _AHEAD is not None and _AHEAD[0] is reservation:
-        _drop_ahead()
-
-
-def open_for(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
-    """The window to write the reservation's batch in, open over its slot: ``(window, where the
-    slot starts in it, whether it was mapped now)``. Raises ``PinPoolError`` if the slot
-    cannot be reached (see :func:`map_window`)."""
-    global _AHEAD
-    _here()
-    if _AHEAD is not None and _AHEAD[0] is reservation:
-        opened = _AHEAD[1]
-        _AHEAD = None
-        result: tuple[ArenaWindow, int, bool] = opened.result()
-        return result
-    _drop_ahead()
-    if reservation.nbytes >= OFF_PATH_BYTES:
-        result = _thread().submit(lambda: _open(reservation)).result()
-        return result
-    _wait_idle()
-    return _open(reservation)
-
-
-def close(window: ArenaWindow) -> Callable[[], None] | None:
-    """Makes ``window`` inaccessible again (its views released). A big one is closed on the
-    window thread: returns what waits for that (a batch written there must not be sent
-    before); None when it is closed already."""
-    _here()
-    if window.length >= OFF_PATH_BYTES:
-        closing = _thread().submit(lambda: _close(window))
-
-        def closed() -> None:
-            concurrent.futures.wait([closing])
-
-        return closed
-    _wait_idle()
-    _close(window)
-    return None
+        _WINDOWS[:] = [(k, w) for k, w in _WINDOWS if w is not window]
 
 
 def let_go() -> list[ArenaWindow]:
     """The kept windows, no longer kept (a worker's last task: their page tables are dropped);
     none in a process forked from the one that kept them (the windows are not mapped there)."""
     _here()
-    with _LOCK:
-        windows = [w for _, w in _WINDOWS]
-        _WINDOWS.clear()
+    windows = [w for _, w in _WINDOWS]
+    _WINDOWS.clear()
     return windows
 
 
 def kept() -> list[ArenaWindow]:
     """The windows this process keeps, the latest used first."""
     _here()
-    with _LOCK:
-        return [w for _, w in _WINDOWS]
+    return [w for _, w in _WINDOWS]
