@@ -128,7 +128,7 @@ def test_batches_into_big_and_small_slots_land_and_leave_nothing_open(
     """Batches into big and small slots in any order: every open finds its range closed (no
     "open already"), every batch's bytes land in its slot, at most ``WINDOWS_KEPT`` windows
     and ``WINDOW_BYTES_KEPT`` bytes are kept, and nothing is open at the end."""
-    pool = make_pool(SMALL, 8, arena_bytes=2 * BIG + 4 * SMALL)
+    pool = make_pool(BIG, 4, arena_bytes=4 * BIG)
     slots = [pool.checkout(nbytes=n) for n in (BIG, SMALL, BIG, SMALL)]
     windows._WINDOWS.clear()
     for n, i in enumerate(steps, start=1):
