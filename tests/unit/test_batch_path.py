@@ -45,6 +45,11 @@ def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     for i in range(300):
         q.put(i)
         assert q.get(timeout=5) == i
+    # (The writer counts a message once its write returned, which may be after the reader
+    # has it.)
+    deadline = time.monotonic() + 5
+    while q._pin_writer.written < len(sent) + 300 and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert q._pin_writer.written == len(sent) + 300
     q.close()
     q.join_thread()
