@@ -6,7 +6,7 @@ backend). As torch puts the next batch's indices on the chosen worker's queue
 them), :class:`ReservingSampler` checks a slot out (without waiting: the asking thread is the
 consumer), sized before the batch exists from the recent batches' sizes
 (``sizing.reservation_bytes``), preferably where that worker's last slots were (it keeps
-windows on them: ``_worker.places``), and tags the index list with a
+windows on them: ``_worker.windows``), and tags the index list with a
 :class:`~pinpool._wire.handle.SlotReservation`: the slot's place in shared memory and a random
 nonce. A batch that turns out larger goes through its worker's segment (counted).
 The worker writes the batch into that slot (``pinpool._worker.places``) and
@@ -47,7 +47,7 @@ class Reservations:
         self.fallbacks = 0  # batches sent through copy mode for want of a slot
         self.too_small = 0  # batches larger than their reservation, sent through copy mode
         #: Per (sampler, worker), the arena offsets of the worker's last slots (as many as
-        #: ``handle.windows_kept`` of their size: those it keeps mapped, ``_worker.places``),
+        #: ``handle.windows_kept`` of their size: those it keeps mapped, ``_worker.windows``),
         #: the latest first. Per sampler: each iterator has its own, and a new iterator's
         #: workers are new processes, which have mapped nothing yet (persistent workers keep
         #: their iterator).

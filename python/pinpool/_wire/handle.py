@@ -25,7 +25,7 @@ from .. import _signals, _trace
 from .._errors import PinPoolError
 from . import codec, registry
 
-#: How many slots' memory a worker keeps mapped between batches at most (``_worker.places``),
+#: How many slots' memory a worker keeps mapped between batches at most (``_worker.windows``),
 #: and how many of a worker's last slots the main process offers it again first
 #: (``_main.reservations``): a worker has at most ``prefetch_factor`` (2 by default) batches in
 #: flight, and the consumer, and torch's pin thread ahead of it, hold several more of its
