@@ -18,6 +18,8 @@
 //! - [`transport`]: batches from worker processes in shared-memory segments, and the
 //!   reclaimer that maps, counts and unmaps them on a background thread;
 //! - [`freeing`]: the thread that frees a dropped pool's arena, so no caller waits for it;
+//! - [`handoff`]: a job handed to another thread and waited for, taken back if not begun in
+//!   time;
 //! - [`priority`]: pinpool's background threads give way to the training thread;
 //! - [`forks`]: whether this is still the process that made a pool, without a system call;
 //! - [`fork_private`]: a forked child gets the arenas as private copy-on-write memory;
@@ -39,6 +41,7 @@ pub mod fence;
 pub mod fork_private;
 pub mod forks;
 pub mod freeing;
+pub mod handoff;
 pub mod lease;
 pub mod numa;
 pub mod pool;

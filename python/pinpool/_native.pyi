@@ -14,6 +14,7 @@ __all__ = [
     "SEGMENT_DATA_OFFSET",
     "ArenaWindow",
     "Copying",
+    "Handoff",
     "PinPool",
     "PipeWriter",
     "SegmentCache",
@@ -312,6 +313,28 @@ class Sent:
     def make_wait(self, stream: Any = None) -> None:
         """Makes the work queued on ``stream`` from now on (default: torch's current stream)
         wait for the copy; the calling thread does not wait."""
+
+@final
+class Handoff:
+    """A job one thread hands to another and waits for. The wait releases the GIL and only the
+    job's end (or the time given to take it back) ends it: a signal's Python handler runs once
+    the wait has returned, not inside it (``threading.Event.wait`` runs it inside, where its
+    exception cuts the wait short)."""
+
+    def __new__(cls) -> Handoff:
+        """A hand-off nobody has begun."""
+    def take(self) -> bool:
+        """For the runner: whether it is the one to run the job (nobody had taken it, not even
+        a waiter taking it back)."""
+    def finish(self) -> None:
+        """The job is done: every waiter is woken."""
+    @property
+    def stage(self) -> Literal["waiting", "taken", "done"]:
+        """Where the hand-off stands."""
+    def wait(self, take_back_after: float | None = None) -> bool:
+        """Waits until the job is done: True. With ``take_back_after`` seconds, a job nobody
+        has begun by then is taken back: False, and the caller runs it (and says
+        ``finish``). Raises ``InvalidArgument`` for a negative or NaN time."""
 
 @final
 class PipeWriter:

@@ -14,9 +14,9 @@ handler of the caller's. Such an exception goes through pinpool unchanged, where
   Python prints the exception and goes on, so torch's error would only come from its next
   status check of the workers, seconds later, and an interrupt not at all. A finalizer hands
   it back to its signal (:func:`hand_back`): the signal is sent to the main thread again as
-  soon as that thread has left pinpool's finalizers, and its handler raises there if what it
-  found still holds (torch's looks at the workers of the iterators still running, not at
-  those just shut down).
+  soon as that thread has left the finalizers it runs (pinpool's, and those the object's going
+  sets off), and its handler raises there if what it found still holds (torch's looks at the
+  workers of the iterators still running, not at those just shut down).
 
 The signal is sent again, rather than flagged with ``_thread.interrupt_main``: a flag set in
 the finalizer would run the handler at the finalizer's next step, inside it again, and a
@@ -26,10 +26,12 @@ flag does not wake a main thread that waits in a system call.
 from __future__ import annotations
 
 import importlib
+import multiprocessing.util
 import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
@@ -40,7 +42,7 @@ from typing import Any
 _c_signal: Any = importlib.import_module("_signal")
 #: The finalizers that handed an exception back: the signal waits until none is running.
 _FINALIZERS: set[CodeType] = set()
-#: How long a signal handed back waits for the main thread to leave pinpool's finalizers.
+#: How long a signal handed back waits for the main thread to leave the finalizers it runs.
 _WAIT_S = 60.0
 
 
@@ -72,8 +74,8 @@ def signal_of(exc: BaseException) -> int | None:
 
 def hand_back(exc: BaseException) -> bool:
     """For a finalizer that caught ``exc`` from its cleanup: if a signal handler raised it,
-    the signal is sent to the main thread again once that thread has left pinpool's
-    finalizers, and True is returned (the finalizer drops ``exc``); else False (the finalizer
+    the signal is sent to the main thread again once that thread has left the finalizers it
+    runs, and True is returned (the finalizer drops ``exc``); else False (the finalizer
     raises it, for Python to report)."""
     signum = signal_of(exc)
     if signum is None:
@@ -98,12 +100,26 @@ def _send_when_out(signum: int) -> None:
 
 
 def _main_in_finalizer(main: threading.Thread) -> bool:
+    """Whether the main thread is running a finalizer: pinpool's that handed a signal back, or
+    any other, where the handler's exception would be lost as well. A finalizer's return can
+    set off others: when a ``__del__`` returns, the object goes, and what only it held goes
+    with it (multiprocessing's queues and processes run their ``Finalize`` callbacks then).
+    Between two of them the main thread is in C and holds the GIL, so this thread, which
+    looks with the GIL held, sees it inside one or past them all."""
     frame: FrameType | None = sys._current_frames().get(main.ident)  # type: ignore[arg-type]
     while frame is not None:
-        if frame.f_code in _FINALIZERS:
+        code = frame.f_code
+        if code in _FINALIZERS or code in _OTHER_FINALIZERS or code.co_name == "__del__":
             return True
         frame = frame.f_back
     return False
+
+
+#: The code of the calls that run other libraries' finalizers: multiprocessing's ``Finalize``
+#: (itself a weak reference's callback) and ``weakref.finalize``.
+_OTHER_FINALIZERS: frozenset[CodeType] = frozenset(
+    {multiprocessing.util.Finalize.__call__.__code__, weakref.finalize.__call__.__code__}
+)
 
 
 def finalizing(cleanup: Callable[..., Any], *args: Any) -> None:

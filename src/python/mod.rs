@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 use crate::error::Error;
 
 mod gather;
+mod handoff;
 mod pipe;
 mod pool;
 mod segment;
@@ -231,6 +232,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sent::PySent>()?;
     m.add_class::<pipe::PyPipeWriter>()?;
     m.add_class::<window::PyArenaWindow>()?;
+    m.add_class::<handoff::PyHandoff>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;

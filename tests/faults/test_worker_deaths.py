@@ -288,10 +288,11 @@ def test_a_signal_handlers_exception_while_the_workers_shut_down(
     zero_copy: bool, pin_thread: bool
 ) -> None:
     """A SIGCHLD handler that raises on every child's exit (a program's own, say) while the
-    iterator is dropped mid-epoch: its exception cuts torch's worker shutdown short, once in
-    its joins and again in the clean-up after them. Every worker is still reaped before the
-    iterator's finalizer returns, and the exception is raised in the consumer right after it,
-    not swallowed by the finalizer."""
+    iterator is dropped mid-epoch: run on the main thread, torch's worker shutdown would be
+    cut short by its exception (in its joins, in the clean-up after them, in pinpool's steps
+    after those). Every worker is reaped before the iterator's finalizer returns, and the
+    exception is raised in the consumer right after it, not swallowed by the finalizer nor
+    by the finalizers of the iterator's queues and processes, which run as it goes."""
     here = sys._getframe().f_code
     armed = [True]
 

@@ -99,7 +99,24 @@ def test_an_epochs_final_next_leaves_the_workers_exit_to_the_ending_thread(
     assert len(ends) == 2 and {e.thread for e in ends} == {"pinpool-workers-end"}
 
 
-def test_an_epoch_left_early_is_shut_down_before_del_returns(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ending_thread", ["idle", "busy"])
+def test_an_epoch_left_early_is_shut_down_before_del_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending_thread: str
+) -> None:
+    """Tasks were in flight: the workers are shut down and reaped before ``del`` returns, on
+    the ending thread (where no signal handler can cut it short), or, if that thread is busy
+    with another shutdown for longer than the main thread gives it, on the main thread."""
+    from pinpool._main import workers
+
+    ran_on: list[str] = []
+    steps = workers.WorkersIter._shutdown_steps
+
+    def recorded(self: workers.WorkersIter) -> list[BaseException]:
+        ran_on.append(threading.current_thread().name)
+        return steps(self)
+
+    monkeypatch.setattr(workers.WorkersIter, "_shutdown_steps", recorded)
+    monkeypatch.setattr(workers, "_TAKEN_UP_S", 0.2)
     loader = pinpool.DataLoader(
         Indexed(N), batch_size=BATCH, num_workers=2, worker_init_fn=_HeldAtExit(tmp_path)
     )
@@ -107,10 +124,17 @@ def test_an_epoch_left_early_is_shut_down_before_del_returns(tmp_path: Path) -> 
     assert next(it)["idx"].tolist() == [0, 1, 2, 3]
     pids = _pids(tmp_path)
     assert len(pids) == 2
+    busy = threading.Event()
+    if ending_thread == "busy":
+        ending.hand_over(lambda: busy.wait(10.0))
     del it
     gc.collect()
-    # Tasks were in flight: the workers were joined on this thread, not handed over.
+    busy.set()
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    expected = "pinpool-workers-end" if ending_thread == "idle" else "MainThread"
+    assert ran_on == [expected]
+    ending.wait_all()
+    assert ran_on == [expected]  # (taken back: the ending thread did not run it again)
     del loader
     gc.collect()
 

@@ -1,10 +1,13 @@
-"""One thread per process that finishes the worker shutdowns of ended epochs.
+"""One thread per process that runs worker shutdowns: those of ended epochs, and the rest.
 
 At an epoch's natural end the training thread only hands the rest of its workers' shutdown
 (torch's joins, pinpool's reaping and taking back) to this thread, so that the final
-``next()`` waits for none of it (see ``_main.workers``). The thread is started once, when the
-first loader with workers starts them, rather than at the epoch's end: a thread started then
-would hold the GIL for up to a switch interval before the training thread could go on.
+``next()`` waits for none of it (see ``_main.workers``). Any other shutdown called on the
+main thread (an epoch left early, an error, the loader's deletion) runs here too, the main
+thread waiting for it: no signal handler runs on this thread, to cut it short. The thread
+is started once, when the first loader with workers starts them, rather than at the epoch's
+end: a thread started then would hold the GIL for up to a switch interval before the
+training thread could go on.
 
 Invariants: each handed-over shutdown runs once, in the order handed over, and its event is
 set when it has run (whatever it raised); :func:`wait_all` returns once every shutdown handed
@@ -17,26 +20,35 @@ its own (the parent's is not running there) and inherits no pending shutdown.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 from .._native import wait_for_freed_pools as _freed
 
-_lock = threading.Lock()
+#: Guards the thread's start. Re-entrant: a collection set off while it is held can run,
+#: on the same thread, a finalizer that hands a shutdown over.
+_lock = threading.RLock()
 _pid = 0
 _thread: threading.Thread | None = None
 _work: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = queue.SimpleQueue()
+#: Each handed-over shutdown's event until it has run. No lock: its appends and removals are
+#: each one step under the GIL, and a lock held around them could be wanted by a finalizer
+#: that a collection runs meanwhile, or by the ending thread while the main thread waits.
 _pending: list[threading.Event] = []
 
 
 def start() -> None:
     """Starts this process's ending thread if it is not running yet."""
     global _pid, _thread, _work
+    if _running_here():
+        return
     with _lock:
-        if _pid == os.getpid() and _thread is not None:
+        if _running_here():
             return
         if _pid == 0:
             # The interpreter's exit waits for what was handed over: the thread is a daemon,
@@ -52,13 +64,18 @@ def start() -> None:
         _thread.start()
 
 
+def _running_here() -> bool:
+    thread = _thread
+    return _pid == os.getpid() and thread is not None and thread.is_alive()
+
+
 def hand_over(finish: Callable[[], None]) -> threading.Event:
     """Has the ending thread call ``finish``; the event is set once it has."""
     start()
     done = threading.Event()
-    with _lock:
-        _pending.append(done)
-        _work.put((finish, done))
+    item = (finish, done)
+    _pending.append(done)
+    _work.put(item)
     return done
 
 
@@ -72,8 +89,7 @@ def wait_all(timeout: float | None = None) -> bool:
     at most ``timeout`` seconds (None: as long as it takes); whether they all have."""
     if on_ending_thread():
         return True
-    with _lock:
-        pending = list(_pending) if _pid == os.getpid() else []
+    pending = list(_pending) if _pid == os.getpid() else []
     deadline = None if timeout is None else time.monotonic() + timeout
     for done in pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -101,10 +117,13 @@ def _run(work: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]]) ->
     while True:
         finish, done = work.get()
         try:
-            finish()  # (it reports its own errors: nothing escapes it)
+            finish()  # (it reports its own errors)
+        except BaseException as exc:  # (one that escaped all the same: the thread goes on)
+            warnings.warn(
+                f"pinpool: a worker shutdown failed: {exc!r}", RuntimeWarning, stacklevel=1
+            )
         finally:
             del finish  # (no reference to the iterator kept while waiting for the next)
-            with _lock:
-                if done in _pending:
-                    _pending.remove(done)
+            with contextlib.suppress(ValueError):  # (gone if a fork's start cleared it)
+                _pending.remove(done)
             done.set()

@@ -8,10 +8,13 @@ of their own, while the kernel tears the exiting workers down, so the final ``ne
 wait for it. No worker has a task then, so none writes into the arena any more.
 
 Invariants: once :meth:`WorkersIter._shutdown_workers` (or :func:`shut_down`) returns, every
-worker of the iterator has exited and been reaped, and its index queues are closed, even
-when a signal handler's exception cut torch's own shutdown short (then the first exception
-is raised again); except at an epoch's natural end, where that is the ending thread's to do
-(later calls leave it to it), and the workers, having no task, write nothing any more. The
+worker of the iterator has exited and been reaped, and its index queues are closed, whatever
+a signal handler raised meanwhile (on the main thread the shutdown runs on the ending thread,
+where no handler runs, and the main thread's wait for it is one no handler cuts short; the
+handler's exception is raised as the wait returns; should that thread be busy with another
+for a second, the main thread takes the shutdown back and does it itself, as before); except at an epoch's natural end, where
+that is the ending thread's to do (later calls leave it to it), and the workers, having no
+task, write nothing any more. The
 loader's finalizer (:func:`close_loader`) stops the workers of an epoch left early before its
 receiver closes: no worker may write into a slot taken back then. Nothing is done in a
 process forked from the one that started the workers.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -30,6 +34,7 @@ from typing import Any
 
 from .. import _signals, _trace
 from .._errors import PinPoolError
+from .._native import Handoff
 from .._torch_contract import (
     MAP_DATASET,
     MultiProcessingIter,
@@ -135,12 +140,12 @@ class WorkersIter(MultiProcessingIter):
         return success, data
 
     def _shutdown_workers(self) -> None:
-        # torch's shutdown can leave workers behind. A signal handler's exception stops it
-        # wherever it lands (a SIGCHLD comes as each worker exits, and torch's own handler
-        # raises if one has failed), in its joins or in the clean-up after them: workers are
-        # left running, or exited with nobody to reap them. And one that completes leaves a
-        # worker that outlives SIGTERM and its last wait. What it left is done here, whatever
-        # was raised; then the first exception is raised again.
+        # torch's shutdown can leave workers behind: one that outlives SIGTERM and its last
+        # wait, and, were it run on the main thread, whatever a signal handler's exception
+        # cut it short of (a SIGCHLD comes as each worker exits, and torch's own handler
+        # raises if one has failed): workers left running, or exited with nobody to reap
+        # them. See ``_shutdown_now``; what torch left is done after it, whatever it raised;
+        # then the first exception is raised again.
         # (Nothing in a process forked from this one, where a copy of the iterator may be
         # collected: its workers and their done event are this process's.)
         if getattr(self, "_pin_pid", None) != os.getpid():
@@ -212,33 +217,44 @@ class WorkersIter(MultiProcessingIter):
                 _trace.span("workers.end", t0)
 
     def _shutdown_now(self) -> None:
-        # A handler's exception can land anywhere, in an ``except`` clause too, and escape it.
-        # So each clause here only keeps the exception, a clause around it keeps one that
-        # lands there, and whether an exception was a handler's (which takes a while to find)
-        # is asked at the top of the next try, inside it.
-        errors: list[BaseException] = []
-        try:
-            try:
-                super()._shutdown_workers()
-            except BaseException as exc:
-                errors.append(exc)
-        except BaseException as exc:
-            errors.append(exc)
-        torchs = len(errors)
-        for _ in range(_CLEANUP_TRIES):
-            try:
-                try:
-                    if len(errors) > torchs and _signals.signal_of(errors[-1]) is None:
-                        break  # (not an interruption, after which each step can be done again)
-                    _reap_workers(self)
-                    _close_index_queues(self)
-                    break
-                except BaseException as exc:
-                    errors.append(exc)
-            except BaseException as exc:
-                errors.append(exc)
+        # A signal's Python handler runs in the main thread between any two steps of what
+        # that thread runs (inside an ``except`` clause too), and a SIGCHLD comes as each
+        # worker exits: no Python code there can both be cut short by its exception and be
+        # sure to finish its steps. So the main thread hands the shutdown to the ending
+        # thread, where no handler runs, and waits in a wait no handler cuts short
+        # (``_native.Handoff``); a handler whose signal came meanwhile runs as the wait
+        # returns, its exception going on to the caller once every worker is reaped.
+        # (Should the ending thread not take the shutdown up soon, busy with another, the main
+        # thread takes it back, as a lock it holds might be what that other wants.)
+        if self.__dict__.get("_pin_shut_down"):
+            return  # (done whole before: each step would find nothing to do)
+        errors = None
+        if _on_main_thread_with_an_ending_thread():
+            handed = _HandedShutdown(self)
+            ending.hand_over(handed.run)
+            if handed.handoff.wait(_TAKEN_UP_S):
+                errors = handed.errors
+        if errors is None:
+            errors = self._shutdown_steps()
         if errors:
             raise errors[0]
+
+    def _shutdown_steps(self) -> list[BaseException]:
+        """torch's shutdown, then pinpool's reaping and closing of what it left; the errors
+        they raised (each step is done whatever the one before raised)."""
+        errors: list[BaseException] = []
+        try:
+            super()._shutdown_workers()
+        except BaseException as exc:
+            errors.append(exc)
+        try:
+            _reap_workers(self)
+            _close_index_queues(self)
+        except BaseException as exc:
+            errors.append(exc)
+        if not errors and getattr(self, "_shutdown", False):
+            self.__dict__["_pin_shut_down"] = True
+        return errors
 
     def __del__(self) -> None:
         try:
@@ -270,9 +286,49 @@ def _warn_ending(exc: BaseException) -> None:
     )
 
 
-#: How many times the end of a worker shutdown is begun again when a signal handler's
-#: exception interrupts it (see ``WorkersIter._shutdown_workers``).
-_CLEANUP_TRIES = 16
+def _on_main_thread_with_an_ending_thread() -> bool:
+    """Whether a shutdown called here is handed to the ending thread (see
+    ``WorkersIter._shutdown_now``): on the main thread, where signal handlers run, while the
+    interpreter is not exiting (torch's shutdown does nothing then, and a daemon thread may
+    not run again)."""
+    return (
+        threading.current_thread() is threading.main_thread()
+        and not ending.on_ending_thread()
+        and not sys.is_finalizing()
+        and not _shutting_down_python()
+    )
+
+
+#: How long the main thread waits for the ending thread to take a shutdown up before doing it
+#: itself (see ``WorkersIter._shutdown_now``).
+_TAKEN_UP_S = 1.0
+
+
+class _HandedShutdown:
+    """A worker shutdown handed to the ending thread by the main thread, which waits on
+    ``handoff`` (and may take it back, see ``WorkersIter._shutdown_now``)."""
+
+    def __init__(self, it: WorkersIter) -> None:
+        self.it: WorkersIter | None = it
+        self.errors: list[BaseException] = []
+        self.handoff = Handoff()
+
+    def run(self) -> None:
+        """On the ending thread: shuts the workers down, keeping what the steps raised, unless
+        the main thread took it back. The iterator is let go before the main thread is woken,
+        so that it goes there, as the caller's finalizer returns (the finalizers of its
+        queues and processes with it)."""
+        it, self.it = self.it, None
+        if not self.handoff.take():
+            return
+        try:
+            if it is not None:
+                self.errors.extend(it._shutdown_steps())
+        except BaseException as exc:  # (nothing may escape the ending thread)
+            self.errors.append(exc)
+        finally:
+            del it
+            self.handoff.finish()
 
 
 def _shutting_down_python() -> bool:

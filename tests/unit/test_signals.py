@@ -1,0 +1,166 @@
+"""Signal handlers' exceptions around pinpool's waits and finalizers (``pinpool._signals``,
+``_native.Handoff``): a wait no handler cuts short, and a signal handed back by a finalizer
+that comes once the finalizers its object's going sets off have run, not inside one of them."""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from pinpool import _signals
+from pinpool._native import Handoff
+
+
+class Interrupted(Exception):
+    """What the test's signal handlers raise."""
+
+
+@contextmanager
+def on_sigusr1(fn: Callable[[int, Any], None]) -> Iterator[None]:
+    old = signal.signal(signal.SIGUSR1, fn)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def after(seconds: float, then: Callable[[], None]) -> threading.Thread:
+    def run() -> None:
+        time.sleep(seconds)
+        then()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def signal_main() -> None:
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+
+
+def sleep_until_interrupted(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("kind", ["handoff", "event"])
+def test_a_handler_runs_after_a_handoffs_wait_not_inside_it(kind: str) -> None:
+    """A signal comes while the main thread waits for a job done on another thread: with a
+    hand-off the handler runs once the wait has returned, the job done; with a
+    ``threading.Event`` (the contrast) inside the wait, which its exception ends before the
+    job is done."""
+    handoff = Handoff()
+    event = threading.Event()
+    seen: list[bool] = []
+
+    def record(signum: int, frame: Any) -> None:
+        seen.append(handoff.stage == "done" if kind == "handoff" else event.is_set())
+        raise Interrupted
+
+    def job() -> None:
+        assert handoff.take()
+        time.sleep(0.3)
+        handoff.finish()
+        event.set()
+
+    with on_sigusr1(record):
+        sender = after(0.05, signal_main)
+        runner = after(0.0, job)
+        try:
+            with pytest.raises(Interrupted):
+                assert handoff.wait() if kind == "handoff" else event.wait(10.0)
+                sleep_until_interrupted(5.0)
+        finally:
+            sender.join()
+            runner.join()
+    assert seen == ([True] if kind == "handoff" else [False])
+
+
+def test_a_job_nobody_began_in_time_is_taken_back() -> None:
+    """The waiter takes back a job its runner has not begun in the time given (the runner
+    then skips it); one begun in time is waited for to its end, past that time."""
+    handoff = Handoff()
+    t0 = time.monotonic()
+    assert handoff.wait(0.05) is False
+    assert time.monotonic() - t0 >= 0.05
+    assert handoff.stage == "taken"
+    assert handoff.take() is False
+    handoff.finish()
+    assert handoff.wait(0.0) is True
+
+    begun = Handoff()
+    assert begun.take() is True
+
+    def job() -> None:
+        begun.finish()
+
+    runner = after(0.2, job)
+    t0 = time.monotonic()
+    assert begun.wait(0.01) is True
+    assert time.monotonic() - t0 >= 0.15
+    runner.join()
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            Handoff().wait(bad)
+
+
+class _Resource:
+    """Something with a multiprocessing ``Finalize`` (as a queue or a process has), whose
+    callback takes a while and sleeps, so a signal can come in it."""
+
+    def __init__(self, log: list[str]) -> None:
+        multiprocessing.util.Finalize(self, _Resource._release, (log,))
+
+    @staticmethod
+    def _release(log: list[str]) -> None:
+        log.append("release begun")
+        time.sleep(0.2)
+        log.append("release done")
+
+
+class _Holder:
+    """An object whose finalizer takes a signal handler's exception and hands it back, and
+    which alone holds a ``_Resource``: the resource's finalizer runs as the holder goes,
+    right after the holder's ``__del__`` returns."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.resource = _Resource(log)
+
+    def __del__(self) -> None:
+        try:
+            signal.raise_signal(signal.SIGUSR1)
+        except BaseException as exc:
+            if not _signals.hand_back(exc):
+                raise
+
+
+def test_a_signal_handed_back_comes_after_the_finalizers_its_object_sets_off() -> None:
+    """The handler raises in the holder's ``__del__``, which hands the signal back; the
+    resource's finalizer then runs (0.2 s, asleep): the signal comes after it, in the
+    consumer's code, rather than inside it, where Python would only print the exception."""
+    log: list[str] = []
+    landed: list[str] = []
+
+    def record(signum: int, frame: Any) -> None:
+        landed.append(frame.f_code.co_name if frame is not None else "?")
+        log.append(f"raised in {landed[-1]}")
+        raise Interrupted
+
+    holder = _Holder(log)
+    with on_sigusr1(record), pytest.raises(Interrupted):
+        del holder
+        sleep_until_interrupted(5.0)
+    assert log == [
+        "raised in __del__",
+        "release begun",
+        "release done",
+        "raised in sleep_until_interrupted",
+    ], log
