@@ -9,15 +9,15 @@ wait for it. No worker has a task then, so none writes into the arena any more.
 
 Invariants: once :meth:`WorkersIter._shutdown_workers` (or :func:`shut_down`) returns, every
 worker of the iterator has exited and been reaped, and its index queues are closed, whatever
-a signal handler raised meanwhile (on the main thread the shutdown runs on the ending thread,
-where no handler runs, and the main thread's wait for it is one no handler cuts short; the
-handler's exception is raised as the wait returns; should that thread be busy with another
-for a second, the main thread takes the shutdown back and does it itself, as before); except at an epoch's natural end, where
-that is the ending thread's to do (later calls leave it to it), and the workers, having no
-task, write nothing any more. The
-loader's finalizer (:func:`close_loader`) stops the workers of an epoch left early before its
-receiver closes: no worker may write into a slot taken back then. Nothing is done in a
-process forked from the one that started the workers.
+a signal handler raised meanwhile: on the main thread the shutdown runs on the ending thread,
+where no handler runs, and the main thread waits for it in a wait no handler cuts short (the
+handler's exception is raised as the wait returns). Two exceptions: should the ending thread
+be busy with another shutdown for a second, the main thread takes this one back and does it
+itself, where a handler's exception can still cut it short; and at an epoch's natural end the
+shutdown is the ending thread's to finish (later calls leave it to it), the workers, having
+no task, writing nothing any more. The loader's finalizer (:func:`close_loader`) stops the
+workers of an epoch left early before its receiver closes: no worker may write into a slot
+taken back then. Nothing is done in a process forked from the one that started the workers.
 """
 
 from __future__ import annotations
