@@ -1,13 +1,16 @@
-"""The room a claim made ahead of the consumer leaves free (``sizing.room_kept``): it must be
-possible to keep (no free range is longer than one of the arena's parts) and enough for the
-batch the consumer waits for."""
+"""An arena sized automatically (``sizing.Sizing.plan``) holds the batches in flight in whole
+parts; and the room a claim made ahead of the consumer leaves free (``sizing.room_kept``) can
+be kept (no free range is longer than one of the arena's parts) and is enough for the batch
+the consumer waits for."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pinpool._main.sizing import room_kept
+from pinpool._main import sizing
+from pinpool._main.sizing import HEADROOM, Sizing, room_kept
 
 PAGE = 4096
 
@@ -29,3 +32,22 @@ def test_the_room_kept_fits_in_one_part_and_holds_the_next_batch(
     assert keep <= part, "no free range is longer than a part: a claim ahead could never keep it"
     assert keep <= arena - largest_seen
     assert keep >= min(largest_seen, arena - largest_seen), "the next batch must still fit"
+
+
+@given(first=st.integers(1, 1 << 30), in_flight=st.integers(1, 64))
+def test_an_automatic_arena_holds_its_batches_in_parts_one_batch_long(
+    first: int, in_flight: int
+) -> None:
+    # No batch crosses a part, and a part may be one largest batch long (an arena made ready
+    # in the background, or cut among more copy threads than it has such units): the
+    # batches in flight, each of the first batch's room, must fit in whole units. (Batches
+    # of 84 MB in an arena of six 128 MiB units: six fit, not the eight it was sized for.)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sizing, "available_memory", lambda: None)  # (no cap: the sizing alone)
+        sized = Sizing(in_flight=in_flight)
+        plan = sized.plan(first)
+    room = -(-int(first * HEADROOM) // PAGE) * PAGE
+    units = plan.arena // plan.largest
+    assert plan.arena % plan.largest == 0
+    assert plan.largest >= room
+    assert units * (plan.largest // room) >= sized.batches, (plan, room)

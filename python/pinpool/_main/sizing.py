@@ -12,6 +12,10 @@ short first batch, say); the largest batch is half the arena, at most
 takes at most :data:`MEMORY_SHARE` of the memory available, divided among the ranks on this
 host; past that it is made smaller (down to two of the first batch) rather than refused.
 
+The batches in flight are counted in whole parts: no batch crosses one of the arena's parts,
+and a part may be as short as the largest batch, so an arena holds ``batches`` of the first
+batch's room only if its largest-batch units, each holding as many as fit in it, hold them.
+
 Settings: ``arena_bytes=`` (the whole arena) and ``max_batch_bytes=`` (the largest batch; the
 arena is a whole number of them). ``slot_bytes=`` with ``num_slots=`` is the older form:
 ``num_slots`` batches of up to ``slot_bytes`` each.
@@ -106,6 +110,11 @@ class Sizing:
             largest = _pages(max(room, min(arena // 2, LARGEST_DEFAULT)))
         if self.arena_bytes is None:
             arena = max(arena, 2 * largest)  # a batch of the largest size never waits alone
+            # No batch crosses a part of the arena, and a part may be one largest batch long:
+            # the batches in flight must fit whole units, each holding as many as fit in it
+            # (batches of 84 MB leave 44 of a 128 MiB unit unused).
+            per_unit = max(1, largest // room)
+            arena = max(arena, -(-self.batches // per_unit) * largest)
         arena = -(-arena // largest) * largest
         cap = self._memory_cap()
         if cap is not None and arena > cap:
