@@ -223,7 +223,9 @@ class WorkersIter(MultiProcessingIter):
         # sure to finish its steps. So the main thread hands the shutdown to the ending
         # thread, where no handler runs, and waits in a wait no handler cuts short
         # (``_native.Handoff``); a handler whose signal came meanwhile runs as the wait
-        # returns, its exception going on to the caller once every worker is reaped.
+        # returns, its exception going on to the caller once every worker is reaped (an
+        # interrupt too: Ctrl-C waits for the shutdown, which torch's joins bound, 5 s a
+        # worker that does not exit, and pinpool's kill after them).
         # (Should the ending thread not take the shutdown up soon, busy with another, the main
         # thread takes it back, as a lock it holds might be what that other wants.)
         if self.__dict__.get("_pin_shut_down"):
