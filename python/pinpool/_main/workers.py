@@ -11,13 +11,13 @@ Invariants: once :meth:`WorkersIter._shutdown_workers` (or :func:`shut_down`) re
 worker of the iterator has exited and been reaped, and its index queues are closed, whatever
 a signal handler raised meanwhile: on the main thread the shutdown runs on the ending thread,
 where no handler runs, and the main thread waits for it in a wait no handler cuts short (the
-handler's exception is raised as the wait returns). Two exceptions: should the ending thread
-be busy with another shutdown for a second, the main thread takes this one back and does it
-itself, where a handler's exception can still cut it short; and at an epoch's natural end the
-shutdown is the ending thread's to finish (later calls leave it to it), the workers, having
-no task, writing nothing any more. The loader's finalizer (:func:`close_loader`) stops the
-workers of an epoch left early before its receiver closes: no worker may write into a slot
-taken back then. Nothing is done in a process forked from the one that started the workers.
+handler's exception is raised as the wait returns; should the ending thread be busy with
+another shutdown for a second, the main thread takes this one back and has a thread of its
+own run it). Except at an epoch's natural end, where the shutdown is the ending thread's to
+finish (later calls leave it to it), the workers, having no task, writing nothing any more.
+The loader's finalizer (:func:`close_loader`) stops the workers of an epoch left early before
+its receiver closes: no worker may write into a slot taken back then. Nothing is done in a
+process forked from the one that started the workers.
 """
 
 from __future__ import annotations
@@ -227,16 +227,23 @@ class WorkersIter(MultiProcessingIter):
         # interrupt too: Ctrl-C waits for the shutdown, which torch's joins bound, 5 s a
         # worker that does not exit, and pinpool's kill after them).
         # (Should the ending thread not take the shutdown up soon, busy with another, the main
-        # thread takes it back, as a lock it holds might be what that other wants.)
+        # thread takes it back and has a thread of its own run it: a lock the main thread
+        # holds might be what that other shutdown waits for.)
         if self.__dict__.get("_pin_shut_down"):
             return  # (done whole before: each step would find nothing to do)
-        errors = None
         if _on_main_thread_with_an_ending_thread():
             handed = _HandedShutdown(self)
             ending.hand_over(handed.run)
-            if handed.handoff.wait(_TAKEN_UP_S):
-                errors = handed.errors
-        if errors is None:
+            if not handed.handoff.wait(_TAKEN_UP_S):
+                try:
+                    threading.Thread(
+                        target=handed.run_taken_back, name="pinpool-workers-shutdown", daemon=True
+                    ).start()
+                except RuntimeError:  # (no thread can start: here, then)
+                    handed.run_taken_back()
+                handed.handoff.wait()
+            errors = handed.errors
+        else:
             errors = self._shutdown_steps()
         if errors:
             raise errors[0]
@@ -308,7 +315,8 @@ _TAKEN_UP_S = 1.0
 
 class _HandedShutdown:
     """A worker shutdown handed to the ending thread by the main thread, which waits on
-    ``handoff`` (and may take it back, see ``WorkersIter._shutdown_now``)."""
+    ``handoff`` (and may take it back, to have a thread of its own run it: see
+    ``WorkersIter._shutdown_now``)."""
 
     def __init__(self, it: WorkersIter) -> None:
         self.it: WorkersIter | None = it
@@ -316,17 +324,23 @@ class _HandedShutdown:
         self.handoff = Handoff()
 
     def run(self) -> None:
-        """On the ending thread: shuts the workers down, keeping what the steps raised, unless
-        the main thread took it back. The iterator is let go before the main thread is woken,
-        so that it goes there, as the caller's finalizer returns (the finalizers of its
-        queues and processes with it)."""
+        """On the ending thread: the shutdown, unless the main thread took it back."""
+        if self.handoff.take():
+            self._steps()
+
+    def run_taken_back(self) -> None:
+        """The shutdown the main thread took back."""
+        self._steps()
+
+    def _steps(self) -> None:
+        """Shuts the workers down, keeping what the steps raised. The iterator is let go
+        before the main thread is woken, so that it goes there, as the caller's finalizer
+        returns (the finalizers of its queues and processes with it)."""
         it, self.it = self.it, None
-        if not self.handoff.take():
-            return
         try:
             if it is not None:
                 self.errors.extend(it._shutdown_steps())
-        except BaseException as exc:  # (nothing may escape the ending thread)
+        except BaseException as exc:  # (nothing may escape a thread of pinpool's)
             self.errors.append(exc)
         finally:
             del it
