@@ -126,8 +126,12 @@ def test_an_epoch_left_early_is_shut_down_before_del_returns(
     pids = _pids(tmp_path)
     assert len(pids) == 2
     busy = threading.Event()
+
+    def hold() -> None:  # (another shutdown, keeping the ending thread busy)
+        busy.wait(10.0)
+
     if ending_thread == "busy":
-        ending.hand_over(lambda: busy.wait(10.0))
+        ending.hand_over(hold)
     del it
     gc.collect()
     busy.set()
@@ -212,3 +216,25 @@ def test_the_result_queues_feeder_is_not_waited_for_at_exit_after_a_shutdown() -
         assert inner._worker_result_queue._joincancelled
     del ended, inners, loader
     gc.collect()
+
+
+def test_the_ending_thread_is_started_again_if_it_has_ended() -> None:
+    """A job that escapes its own error handling does not end the ending thread (a warning
+    says so), and an ending thread that has ended all the same is started again before the
+    next shutdown is handed over, rather than left with work nobody runs. (The thread the
+    test sets aside stays, idle, waiting on the queue it was given.)"""
+
+    def escapes() -> None:
+        raise RuntimeError("a job's own error")
+
+    ending.start()
+    with pytest.warns(RuntimeWarning, match="a job's own error"):
+        ending.hand_over(escapes).wait(10.0)
+    assert ending._thread is not None and ending._thread.is_alive()
+    gone = threading.Thread(target=lambda: None)
+    gone.start()
+    gone.join()
+    ending._thread = gone
+    ran = threading.Event()
+    assert ending.hand_over(ran.set).wait(10.0)
+    assert ran.is_set() and ending._thread is not gone and ending._thread.is_alive()
