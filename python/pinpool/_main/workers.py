@@ -302,7 +302,6 @@ def _on_main_thread_with_an_ending_thread() -> bool:
     not run again)."""
     return (
         threading.current_thread() is threading.main_thread()
-        and not ending.on_ending_thread()
         and not sys.is_finalizing()
         and not _shutting_down_python()
     )
