@@ -13,14 +13,17 @@ handler of the caller's. Such an exception goes through pinpool unchanged, where
 - a finalizer (a ``__del__``, a ``weakref.finalize`` callback) cannot raise to anyone:
   Python prints the exception and goes on, so torch's error would only come from its next
   status check of the workers, seconds later, and an interrupt not at all. A finalizer hands
-  it back to its signal (:func:`hand_back`): the signal is sent to the main thread again as
-  soon as that thread has left the finalizers it runs (pinpool's, and those the object's going
-  sets off), and its handler raises there if what it found still holds (torch's looks at the
-  workers of the iterators still running, not at those just shut down).
+  the exception back to its signal (:func:`hand_back`): the signal's handler is replaced,
+  for one call, by one that puts the original back and raises that same exception, and the
+  signal is sent to the main thread again as soon as that thread has left the finalizers it
+  runs (pinpool's, and those the object's going sets off).
 
-The signal is sent again, rather than flagged with ``_thread.interrupt_main``: a flag set in
-the finalizer would run the handler at the finalizer's next step, inside it again, and a
-flag does not wake a main thread that waits in a system call.
+The exception itself is raised again, not the handler run a second time: torch's SIGCHLD
+handler reports a failed worker once (it forgets that iterator's workers as it raises), so a
+second run finds nothing and the error would wait for torch's status check. The signal is
+sent again, rather than flagged with ``_thread.interrupt_main``: a flag set in the finalizer
+would run the handler at the finalizer's next step, inside it again, and a flag does not wake
+a main thread that waits in a system call.
 """
 
 from __future__ import annotations
@@ -74,18 +77,40 @@ def signal_of(exc: BaseException) -> int | None:
 
 def hand_back(exc: BaseException) -> bool:
     """For a finalizer that caught ``exc`` from its cleanup: if a signal handler raised it,
-    the signal is sent to the main thread again once that thread has left the finalizers it
-    runs, and True is returned (the finalizer drops ``exc``); else False (the finalizer
+    ``exc`` is raised again in the main thread once that thread has left the finalizers it
+    runs (by the signal, sent again, whose handler raises it once and is then the original
+    again), and True is returned (the finalizer drops ``exc``); else False (the finalizer
     raises it, for Python to report)."""
     signum = signal_of(exc)
     if signum is None:
         return False
+    original = _c_signal.getsignal(signum)
+    # Kept without the frames it went through: they hold what the finalizer was letting go
+    # (the object, and what only it holds), which must go now, not when the exception does.
+    exc.__traceback__ = None
+    exc.__context__ = None
+    exc.add_note(
+        f"(raised by the handler of signal {signum} in a finalizer of pinpool's, which "
+        "handed it back to be raised here)"
+    )
+
+    def raise_once(got: int, frame: FrameType | None) -> None:
+        if _c_signal.getsignal(got) is raise_once:
+            _c_signal.signal(got, original)
+        raise exc
+
     _FINALIZERS.add(sys._getframe(1).f_code)
     try:
-        threading.Thread(
+        sender = threading.Thread(
             target=_send_when_out, args=(signum,), name="pinpool-signal", daemon=True
-        ).start()
-    except RuntimeError:  # (the interpreter is exiting: no thread can start)
+        )
+        _c_signal.signal(signum, raise_once)
+        try:
+            sender.start()
+        except BaseException:
+            _c_signal.signal(signum, original)
+            raise
+    except (RuntimeError, ValueError):  # (the interpreter is exiting: no thread can start)
         return False
     return True
 
@@ -115,10 +140,23 @@ def _main_in_finalizer(main: threading.Thread) -> bool:
     return False
 
 
+def _callbacks_of(*inits: Any) -> set[CodeType]:
+    """The code of the functions ``inits`` define inside them (the weak references' callbacks
+    of ``weakref``'s containers, made in their ``__init__``)."""
+    return {c for init in inits for c in init.__code__.co_consts if isinstance(c, CodeType)}
+
+
 #: The code of the calls that run other libraries' finalizers: multiprocessing's ``Finalize``
-#: (itself a weak reference's callback) and ``weakref.finalize``.
+#: (itself a weak reference's callback), ``weakref.finalize``, and the callbacks by which
+#: ``weakref``'s containers forget an entry that went (they run as the object goes, one
+#: after another: multiprocessing's registries and torch's are such containers).
 _OTHER_FINALIZERS: frozenset[CodeType] = frozenset(
     {multiprocessing.util.Finalize.__call__.__code__, weakref.finalize.__call__.__code__}
+    | _callbacks_of(
+        weakref.WeakValueDictionary.__init__,
+        weakref.WeakKeyDictionary.__init__,
+        weakref.WeakSet.__init__,
+    )
 )
 
 

@@ -9,6 +9,7 @@ import fcntl
 import gc
 import multiprocessing
 import queue
+import sys
 import threading
 import time
 from typing import Any
@@ -95,6 +96,46 @@ def test_a_direct_queue_closes_every_descriptor_on_close() -> None:
     assert open_fd_count() == before, "a descriptor outlived close()"
     with pytest.raises(ValueError):
         q.put("after close")
+
+
+class _ClosesItsQueue:
+    """As a dropped iterator does: its finalizer closes (and first writes to) its queue."""
+
+    def __init__(self, q: Any) -> None:
+        self.q = q
+        self.errors: list[BaseException] = []
+
+    def __del__(self) -> None:
+        try:
+            self.q.put(None)
+            self.q.close()
+        except BaseException as exc:
+            self.errors.append(exc)
+            raise
+
+
+def test_a_direct_queue_in_a_reference_cycle_closes_each_descriptor_once() -> None:
+    """A queue and what closes it in a reference cycle: the collector finalizes every object
+    of the cycle before it clears any, in no set order (the pipe's ``Connection`` objects
+    among them, which close their descriptors but keep their numbers). Nothing raises (no
+    EBADF: the same number closed twice, which could as well close another file), and every
+    descriptor is closed once the cycle is gone; also when the queue is never closed."""
+    ctx = multiprocessing.get_context("fork")
+    lost: list[BaseException] = []
+    before = open_fd_count()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "unraisablehook", lambda u: lost.append(u.exc_value))
+        for closer in (True, False):
+            for _ in range(20):
+                q = ctx.Queue()
+                assert write_directly(q)
+                q.put("x")
+                cycle: list[Any] = [q, _ClosesItsQueue(q) if closer else None]
+                cycle.append(cycle)
+                del q, cycle
+                gc.collect()
+    assert lost == []
+    assert open_fd_count() == before
 
 
 def test_close_gives_up_a_full_pipe_nobody_reads() -> None:

@@ -143,24 +143,52 @@ class _Holder:
 
 
 def test_a_signal_handed_back_comes_after_the_finalizers_its_object_sets_off() -> None:
-    """The handler raises in the holder's ``__del__``, which hands the signal back; the
-    resource's finalizer then runs (0.2 s, asleep): the signal comes after it, in the
-    consumer's code, rather than inside it, where Python would only print the exception."""
+    """The handler raises in the holder's ``__del__``, which hands the exception back; the
+    resource's finalizer then runs (0.2 s, asleep): the same exception comes after it, in the
+    consumer's code, rather than inside it, where Python would only print it. The handler
+    itself runs once (as torch's SIGCHLD handler reports a dead worker once: run again, it
+    would find nothing to raise), and is the signal's handler again afterwards."""
     log: list[str] = []
-    landed: list[str] = []
+    raised: list[BaseException] = []
 
     def record(signum: int, frame: Any) -> None:
-        landed.append(frame.f_code.co_name if frame is not None else "?")
-        log.append(f"raised in {landed[-1]}")
-        raise Interrupted
+        log.append(f"raised in {frame.f_code.co_name if frame is not None else '?'}")
+        raised.append(Interrupted("once"))
+        raise raised[-1]
 
     holder = _Holder(log)
-    with on_sigusr1(record), pytest.raises(Interrupted):
-        del holder
-        sleep_until_interrupted(5.0)
-    assert log == [
-        "raised in __del__",
-        "release begun",
-        "release done",
-        "raised in sleep_until_interrupted",
-    ], log
+    with on_sigusr1(record):
+        with pytest.raises(Interrupted) as caught:
+            del holder
+            sleep_until_interrupted(5.0)
+            log.append("not raised")
+        assert signal.getsignal(signal.SIGUSR1) is record
+    assert log == ["raised in __del__", "release begun", "release done"], log
+    assert raised == [caught.value]
+    tb = caught.value.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert "sleep_until_interrupted" in frames and "__del__" not in frames, frames
+    assert any("handed it back" in note for note in caught.value.__notes__)
+
+
+def test_a_finalizer_not_in_the_main_thread_hands_nothing_back() -> None:
+    """Handlers run in the main thread only: an exception a finalizer catches elsewhere is
+    not a handler's, and the signal's handler is left as it was."""
+    got: list[bool] = []
+
+    def run() -> None:
+        try:
+            raise Interrupted("not a handler's")
+        except Interrupted as exc:
+            got.append(_signals.hand_back(exc))
+
+    with on_sigusr1(lambda signum, frame: None) as _:
+        before = signal.getsignal(signal.SIGUSR1)
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert signal.getsignal(signal.SIGUSR1) is before
+    assert got == [False]

@@ -20,7 +20,8 @@ Invariants:
 - ``put()`` never waits for the worker, whatever the message's size; the writer's thread does.
 - ``close()`` lets the writer finish what was put (the exit message torch sends last), giving
   up on a pipe that stays full with nobody reading, then closes the pipe's ends: no
-  descriptor outlives the queue's use.
+  descriptor outlives the queue's use. Each end is closed exactly once, by ``close()`` or
+  as the queue goes (in a reference cycle too), never by the ``Connection``'s own finalizer.
 - A task numbered ``last_from`` or later (set each epoch by the workers' iterator) goes out
   as a ``_wire.last_tasks.LastTask``, which the worker unpickles into the same message.
 - A task's zero-copy slot, when the workers' iterator asks for it here (``reserve``), is
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import io
 import threading
+import weakref
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from queue import Full
@@ -48,6 +50,8 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
     module's doc). Made by :func:`write_directly`."""
 
     _pin_writer: PipeWriter
+    #: Closes the pipe's ends, once (see :func:`write_directly`).
+    _pin_ends: weakref.finalize
     _pin_pickler: tuple[io.BytesIO, ForkingPickler, threading.Lock]
     #: Tasks ``(number, indices)`` numbered from here on are each a worker's last of the
     #: epoch (None: none is known to be).
@@ -81,7 +85,10 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
         """``ForkingPickler.dumps(obj)``, by a pickler kept for the queue: making one copies
         copyreg's whole dispatch table and torch's reducers, most of a put's pickling."""
         buf, pickler, lock = self._pin_pickler
-        if not lock.acquire(blocking=False):  # another thread is pickling: one of its own
+        # Another thread is pickling: one of its own. Or the buffer is closed: a queue in a
+        # reference cycle, whose objects the collector finalizes in any order (the BytesIO may
+        # go before the iterator whose shutdown puts the workers' exit messages).
+        if buf.closed or not lock.acquire(blocking=False):
             return bytes(ForkingPickler.dumps(obj))
         try:
             buf.seek(0)
@@ -97,10 +104,17 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
         whatever happens first."""
         try:
             super().close()
-            self._reader.close()  # type: ignore[attr-defined]  # (a dead worker's pipe: EPIPE)
         finally:
             self._pin_writer.close()
-            self._writer.close()  # type: ignore[attr-defined]
+            self._pin_ends()  # (once: later calls do nothing)
+
+
+def _close_ends(reader: Any, writer: Any) -> None:
+    """Closes a queue's two ends of its pipe (each once, whatever the other's close raised)."""
+    try:
+        reader.close()
+    finally:
+        writer.close()
 
 
 def write_directly(queue: Any) -> bool:
@@ -110,6 +124,13 @@ def write_directly(queue: Any) -> bool:
     if type(queue) is not MultiprocessingQueue or queue._thread is not None:
         return False
     queue._pin_writer = PipeWriter(queue._writer.fileno())
+    # The pipe's ends are closed once, by close() or as the queue goes, never by their own
+    # finalizers: in a reference cycle the collector finalizes every object in it before it
+    # clears any, in no set order, and a ``Connection`` finalized there closes its
+    # descriptor but keeps its number, so the queue's close() (as the iterator's shutdown
+    # runs) would close that number again: EBADF, or another file that took the number since.
+    # (torch's own queues escape this: their feeder thread holds their ends.)
+    queue._pin_ends = weakref.finalize(queue, _close_ends, queue._reader, queue._writer)
     buf = io.BytesIO()
     queue._pin_pickler = (buf, ForkingPickler(buf), threading.Lock())
     queue.last_from = None

@@ -49,9 +49,12 @@ from .index_queue import DirectQueue, write_directly
 from .receiver import Receiver
 from .reservations import ReservingSampler
 
+#: How often a consumer waiting for a batch looks at the workers' states (torch: every 5 s).
+WORKERS_LOOKED_AT_S = 0.25
+
 
 class WorkersIter(MultiProcessingIter):
-    """torch's multi-process iterator, with five changes.
+    """torch's multi-process iterator, with six changes.
 
     - Without a pin thread (no accelerator), a batch's segment is received (opened through
       its worker's ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as
@@ -68,6 +71,8 @@ class WorkersIter(MultiProcessingIter):
     - Zero-copy: a batch's slot is checked out as its indices are put on the chosen worker's
       queue (``ReservingSampler.reserve_at_put``), not as torch asks the sampler for them,
       so that the worker can be handed memory it has mapped already.
+    - A consumer waiting for a batch looks at the workers' states every
+      :data:`WORKERS_LOOKED_AT_S`, not every 5 s (see ``_try_get_data``).
     """
 
     def __init__(self, loader: Any, first: int) -> None:
@@ -130,7 +135,18 @@ class WorkersIter(MultiProcessingIter):
         return data
 
     def _try_get_data(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
-        success, data = super()._try_get_data(*args, **kwargs)
+        # torch looks at its workers' states whenever a wait for data ends empty-handed, and
+        # waits 5 s at a time (its status-check interval): a death its SIGCHLD handler's
+        # error did not report (the handler raised in a finalizer or a weakref callback,
+        # where Python only prints the error; or no SIGCHLD came: a forkserver's workers)
+        # is then found up to 5 s late. The same wait, in slices of WORKERS_LOOKED_AT_S.
+        timeout = args[0] if args else kwargs.get("timeout", mp_status_check_interval())
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            success, data = super()._try_get_data(max(min(left, WORKERS_LOOKED_AT_S), 0.0))
+            if success or left <= WORKERS_LOOKED_AT_S:
+                break
         if success and not self._pin_memory:
             item = data[1]
             if isinstance(item, WorkerProgress):
