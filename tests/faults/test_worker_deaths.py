@@ -19,6 +19,7 @@ import multiprocessing.resource_tracker
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -29,10 +30,12 @@ import pytest
 import torch
 from conftest import child_pids, process_state
 from handles import HandleFactory
-from loader_datasets import Dying, Indexed
+from loader_datasets import Dying, Indexed, Paced
 
 import pinpool
+import pinpool._wire.handle
 import pinpool._wire.peer
+from pinpool._main import ending
 
 #: Run alone, as the other fault tests (``test_loader_faults.py`` says why).
 pytestmark = pytest.mark.faults
@@ -218,6 +221,58 @@ def test_a_killed_workers_error_comes_at_once_while_an_old_iterator_is_dropped(
             f"lost in {where}: {exc!r} ({frames})"
         )
         assert not ours, f"torch's error lost in pinpool's code ({where}): {ours}"
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_an_iterator_collected_on_its_own_pin_thread_is_shut_down(zero_copy: bool) -> None:
+    """An epoch left early whose iterator is in a reference cycle (an exception's frames hold
+    it, say) is collected wherever an allocation sets the collector off: here on its own pin
+    thread, which is still taking batches ahead. torch's shutdown joins that thread, which
+    cannot join itself: the shutdown goes to the ending thread, nothing is raised into the
+    void ("cannot join current thread"), and every worker is reaped, the pin thread gone."""
+    lost: list[BaseException] = []
+    collected_on: list[str] = []
+    real_pin = pinpool._wire.handle.BatchHandle.pin_memory
+    armed = [False]
+
+    def pin_memory(self: Any) -> Any:
+        if armed[0]:
+            armed[0] = False
+            collected_on.append(threading.current_thread().name)
+            gc.collect()  # (the iterator is collected here, on its pin thread)
+        return real_pin(self)
+
+    pool = pinpool.PinPool(2 * MiB, 16, device="cpu")
+    with accelerator(True), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "unraisablehook", lambda u: lost.append(u.exc_value))
+        mp.setattr(pinpool._wire.handle.BatchHandle, "pin_memory", pin_memory)
+        loader = pinpool.DataLoader(
+            Paced(400, (4,), 0.02), batch_size=2, num_workers=2, pool=pool, zero_copy=zero_copy
+        )
+        before = child_pids()
+        it = iter(loader)
+        workers = worker_pids(it)
+        pin_thread = it._inner._pin_memory_thread
+        batch = next(it)
+        del batch
+        cycle: list[Any] = [it]
+        cycle.append(cycle)
+        armed[0] = True
+        del it, cycle
+        deadline = time.monotonic() + 10
+        while armed[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert collected_on and collected_on[0] == pin_thread.name, collected_on
+        ending.wait_all(30)
+        pin_thread.join(10)
+        assert not pin_thread.is_alive()
+        left = leftovers(before, workers)
+    assert not lost, lost
+    assert not left, f"left after the iterator was collected: {left}"
+    del loader
+    gc.collect()
+    pool.flush()
+    assert pool.stats()["slots_free"] == pool.num_slots, pool.stats()
 
 
 @pytest.mark.parametrize("zero_copy, pin_thread", [(True, False), (False, True)])

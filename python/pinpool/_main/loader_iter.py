@@ -85,13 +85,17 @@ class LoaderIter:
                 receiver.reservations.drop(owner)
             receiver.retire_segments(dead_only=True)
 
-        # (At an epoch's natural end the workers are shut down on a thread of their own.)
+        # (At an epoch's natural end the workers are shut down on a thread of their own; and
+        # where the shutdown is called on the iterator's own pin thread.)
         if isinstance(self._inner, WorkersIter) and self._inner.after_shutdown(take_back):
             return
+        later = False
         try:
             shut_down(self._inner)
+            later = isinstance(self._inner, WorkersIter) and self._inner.after_shutdown(take_back)
         finally:
-            take_back()
+            if not later:
+                take_back()
 
     def __del__(self) -> None:
         try:

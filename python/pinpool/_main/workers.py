@@ -14,7 +14,10 @@ where no handler runs, and the main thread waits for it in a wait no handler cut
 handler's exception is raised as the wait returns; should the ending thread be busy with
 another shutdown for a second, the main thread takes this one back and has a thread of its
 own run it). Except at an epoch's natural end, where the shutdown is the ending thread's to
-finish (later calls leave it to it), the workers, having no task, writing nothing any more.
+finish (later calls leave it to it), the workers, having no task, writing nothing any more;
+and where the iterator's own pin thread calls it (the collector ran the iterator's finalizer
+there), which cannot join itself: the ending thread finishes it, and what must wait for the
+workers' exit waits for it (``after_shutdown``).
 The loader's finalizer (:func:`close_loader`) stops the workers of an epoch left early before
 its receiver closes: no worker may write into a slot taken back then. Nothing is done in a
 process forked from the one that started the workers.
@@ -191,7 +194,7 @@ class WorkersIter(MultiProcessingIter):
     def _end_in_background(self) -> None:
         """Hands the shutdown's waits to the ending thread (see the module's doc). The
         workers' pids leave torch's SIGCHLD check first: their exits no longer concern the
-        training thread, whose batches are all in."""
+        training thread, whose batches are all in (or whose iterator is being collected)."""
         t0 = _trace.on and _trace.now()
         if getattr(self, "_worker_pids_set", False):
             remove_worker_pids(id(self))
@@ -247,6 +250,15 @@ class WorkersIter(MultiProcessingIter):
         # holds might be what that other shutdown waits for.)
         if self.__dict__.get("_pin_shut_down"):
             return  # (done whole before: each step would find nothing to do)
+        if self._on_own_pin_thread():
+            # The collector ran this iterator's finalizer on its own pin thread (the iterator
+            # in a reference cycle, collected where an allocation set the collector off).
+            # torch's shutdown joins that thread, which cannot join itself: the ending thread
+            # does it all (what is to follow it waits for it: ``after_shutdown``), once this
+            # thread is back in its loop, where it sees the shutdown's done event and ends.
+            # Nothing waits for it here: that would wait for ever.
+            self._end_in_background()
+            return
         if _on_main_thread_with_an_ending_thread():
             handed = _HandedShutdown(self)
             ending.hand_over(handed.run)
@@ -263,6 +275,10 @@ class WorkersIter(MultiProcessingIter):
             errors = self._shutdown_steps()
         if errors:
             raise errors[0]
+
+    def _on_own_pin_thread(self) -> bool:
+        pin_thread = self.__dict__.get("_pin_memory_thread")
+        return pin_thread is not None and pin_thread is threading.current_thread()
 
     def _shutdown_steps(self) -> list[BaseException]:
         """torch's shutdown, then pinpool's reaping and closing of what it left; the errors
