@@ -13,6 +13,7 @@
 //! - [`lease`]: one checked-out slot held by one owner: pins and deferred release;
 //! - [`copy`]: multi-threaded copies of byte ranges;
 //! - [`shm`]: sealed shared-memory files and their mappings (the arena's parts, segments);
+//! - [`pkeys`]: memory protection keys, a thread's own switch for its access to a mapping;
 //! - [`window`]: a zero-copy worker's lasting mapping of arena extents, inaccessible between
 //!   batches;
 //! - [`transport`]: batches from worker processes in shared-memory segments, and the
@@ -44,6 +45,7 @@ pub mod freeing;
 pub mod handoff;
 pub mod lease;
 pub mod numa;
+pub mod pkeys;
 pub mod pool;
 pub mod priority;
 pub mod shm;

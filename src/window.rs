@@ -10,6 +10,15 @@
 //! [`crate::extents::ExtentMap::alloc_preferring`]), and a stray write between batches, or
 //! into bytes that are not this batch's slot, still faults.
 //!
+//! Where the processor and the kernel have memory protection keys ([`crate::pkeys`]), a
+//! window gets a key of its own and a range can be opened *keyed*: its pages are made readable
+//! and writable under that key once, and kept so between batches, while each thread's access
+//! to the key is off but between [`Window::allow`] and [`Window::deny`] (or [`Window::close`])
+//! on the thread that writes. Reopening the same range then changes no page-table entry: a
+//! stray write between batches still faults, from any thread, and so does a write while the
+//! writing thread runs code of the caller's with access switched off (a streamed batch's
+//! next sample being made).
+//!
 //! Invariants:
 //! - A window owns exactly one `MAP_SHARED` mapping of `len > 0` bytes (whole pages) of a
 //!   memfd sealed against shrinking, from a page-aligned file offset, with `offset + len` no
@@ -17,14 +26,22 @@
 //!   file can never shrink under it, so no access of a mapped page raises `SIGBUS`. The
 //!   descriptor is only borrowed to map it. Dropping the window unmaps the range once, in
 //!   pieces ([`crate::shm::unmap_in_chunks`]); nothing else unmaps it.
-//! - Every page is `PROT_NONE` except, between an [`Window::open`] and the next successful
-//!   [`Window::close`], the pages of the one range opened (rounded out to pages), which are
-//!   readable and writable. At most one range is open at a time. Protections change in
+//! - Every page is `PROT_NONE` except (a) between an [`Window::open`] and the next successful
+//!   [`Window::close`], the pages of the one range opened (rounded out to pages), and (b) on a
+//!   window with a key, the *armed* range: the pages of the last range opened keyed, readable
+//!   and writable under the window's key, which stay so after the close. A range opened
+//!   plainly is under key 0 (any thread may write it while it is open); a window opened
+//!   plainly has no armed range. At most one range is open at a time. Protections change in
 //!   pieces of [`crate::shm::MM_CALL_BYTES`] (each `mprotect` call holds the process's
 //!   address-space lock, as `munmap` does).
+//! - A thread has access to a window's key only between [`Window::allow`] and the next
+//!   [`Window::deny`] or [`Window::close`] on that thread, while a keyed range is open. A
+//!   close on another thread than the one allowed makes the armed range `PROT_NONE` (that
+//!   thread's access can only be switched off by itself), and a window dropped while a thread
+//!   may still have access keeps its key allocated for good, so that no later window gets it.
 //! - Views (the Python buffer exports) are counted; [`Window::close`] changes nothing while
 //!   one is alive, so a view is never made inaccessible under a writer that was handed it.
-//!   The open range and the count change only under the window's lock.
+//!   The open range, the armed range and the count change only under the window's lock.
 //! - Forked children do not inherit the mapping (`MADV_DONTFORK`); where the kernel refuses
 //!   the advice, they get it read-only ([`crate::fork_private`]), never writable.
 //! - Only the process that mapped the window acts on its addresses. A copy of the value in a
@@ -39,6 +56,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::fork_private;
+use crate::pkeys::{self, Key};
 use crate::shm::{
     check_range, check_sealed, drop_page_tables_of, page_size, prefault_shared, unmap_in_chunks,
     MM_CALL_BYTES,
@@ -56,13 +74,22 @@ pub struct Window {
     read_only_in_children: Option<fork_private::Registration>,
     /// The process that mapped it (see the invariants).
     owner: u32,
+    /// The window's protection key, where the machine has them and one was left.
+    key: Option<Key>,
 }
 
 /// What the lock guards.
 #[derive(Debug, Default)]
 struct State {
-    /// The accessible pages, `[start, end)` from the mapping's first byte.
+    /// The pages open for the batch being written, `[start, end)` from the mapping's first
+    /// byte.
     open: Option<(usize, usize)>,
+    /// Whether the open range is the armed one (its access switched per thread).
+    keyed: bool,
+    /// The pages readable and writable under the window's key, kept between batches.
+    armed: Option<(usize, usize)>,
+    /// The thread whose access to the key is on, if one's is.
+    allowed: Option<std::thread::ThreadId>,
     /// Views alive.
     views: usize,
 }
@@ -79,6 +106,7 @@ impl std::fmt::Debug for Window {
         f.debug_struct("Window")
             .field("offset", &self.offset)
             .field("len", &self.len)
+            .field("key", &self.key.as_ref().map(Key::id))
             .field("state", &*self.state.lock())
             .finish()
     }
@@ -135,12 +163,14 @@ impl Window {
                 len,
             )),
             owner: std::process::id(),
+            key: None,
         };
         window.keep_from_children();
         // SAFETY: the range is this window's own readable and writable shared mapping, of a
         // file that holds all of it.
         unsafe { prefault_shared(ptr.as_ptr(), len)? };
-        window.protect(0, len, libc::PROT_NONE)?;
+        window.protect(0, len, libc::PROT_NONE, None)?;
+        window.key = Key::alloc();
         Ok(window)
     }
 
@@ -158,19 +188,31 @@ impl Window {
     }
 
     /// Sets the protection of `[start, end)` (whole pages, from the first byte) to `prot`, in
-    /// pieces of [`MM_CALL_BYTES`].
-    fn protect(&self, start: usize, end: usize, prot: libc::c_int) -> Result<()> {
+    /// pieces of [`MM_CALL_BYTES`], and its pages' key to `key` where one is given (else the
+    /// pages keep theirs).
+    fn protect(&self, start: usize, end: usize, prot: libc::c_int, key: Option<u32>) -> Result<()> {
         debug_assert!(start <= end && end <= self.len && start % page_size() == 0);
         let mut at = start;
         while at < end {
             let n = MM_CALL_BYTES.min(end - at);
             // SAFETY: `[at, at+n)` lies inside this window's own mapping and starts on a page
-            // boundary; only the protection changes. No reference into the range exists on
-            // our side; a view's holder that touches pages made inaccessible faults, by
-            // design, and a view is never closed under (see the module's invariants).
-            let rc = unsafe { libc::mprotect(self.ptr.as_ptr().add(at).cast(), n, prot) };
-            if rc != 0 {
-                return Err(Error::last_os("mprotect"));
+            // boundary; only the protection (and the key) changes. No reference into the
+            // range exists on our side; a view's holder that touches pages made inaccessible
+            // faults, by design, and a view is never closed under (see the module's
+            // invariants).
+            let done = unsafe {
+                let addr = self.ptr.as_ptr().add(at);
+                match key {
+                    Some(key) => pkeys::protect(addr, n, prot, key),
+                    None => libc::mprotect(addr.cast(), n, prot) == 0,
+                }
+            };
+            if !done {
+                return Err(Error::last_os(if key.is_some() {
+                    "pkey_mprotect"
+                } else {
+                    "mprotect"
+                }));
             }
             at += n;
         }
@@ -204,9 +246,20 @@ impl Window {
             && offset.checked_add(nbytes).is_some_and(|end| end <= self.offset + self.len)
     }
 
+    /// Whether the window has a protection key (so that [`Window::open`] with `keyed` keeps
+    /// the range's pages writable between batches and access is switched per thread).
+    pub fn has_key(&self) -> bool {
+        self.key.is_some()
+    }
+
     /// Makes the pages holding the file's bytes `[offset, offset + nbytes)` (inside the
     /// window, at least one byte) readable and writable. Refused while a range is open.
-    pub fn open(&self, offset: usize, nbytes: usize) -> Result<()> {
+    ///
+    /// With `keyed`, on a window that has a key, the pages are made so under the key (at
+    /// once, if they are the armed range already), and only threads that [`Window::allow`]
+    /// it may touch them; without, or on a window without a key, by any thread, until
+    /// [`Window::close`].
+    pub fn open(&self, offset: usize, nbytes: usize, keyed: bool) -> Result<()> {
         if !self.is_ours() {
             return Err(Error::Invalid(
                 "this window was mapped by the process this one was forked from: it is not \
@@ -238,14 +291,78 @@ impl Window {
         let start = from / page * page;
         // (At most `len`: the window is whole pages, and the range inside it.)
         let end = (from + nbytes).div_ceil(page) * page;
-        if let Err(err) = self.protect(start, end, libc::PROT_READ | libc::PROT_WRITE) {
-            // Whatever pieces were opened are closed again (best effort: the error is the
-            // first failure's).
-            let _ = self.protect(start, end, libc::PROT_NONE);
-            return Err(err);
+        match (&self.key, keyed) {
+            (Some(key), true) => {
+                if state.armed != Some((start, end)) {
+                    self.disarm(&mut state)?;
+                    if let Err(err) =
+                        self.protect(start, end, libc::PROT_READ | libc::PROT_WRITE, Some(key.id()))
+                    {
+                        let _ = self.protect(start, end, libc::PROT_NONE, None);
+                        return Err(err);
+                    }
+                    state.armed = Some((start, end));
+                }
+                state.keyed = true;
+            }
+            (key, _) => {
+                self.disarm(&mut state)?;
+                // (Under key 0 on a window with a key: any thread may write it.)
+                let plain = key.as_ref().map(|_| 0);
+                if let Err(err) =
+                    self.protect(start, end, libc::PROT_READ | libc::PROT_WRITE, plain)
+                {
+                    // Whatever pieces were opened are closed again (best effort: the error is
+                    // the first failure's).
+                    let _ = self.protect(start, end, libc::PROT_NONE, None);
+                    return Err(err);
+                }
+                state.keyed = false;
+            }
         }
         state.open = Some((start, end));
         Ok(())
+    }
+
+    /// Makes the armed range inaccessible (`PROT_NONE`: no thread's rights reach it then).
+    fn disarm(&self, state: &mut State) -> Result<()> {
+        if let Some((start, end)) = state.armed {
+            self.protect(start, end, libc::PROT_NONE, None)?;
+            state.armed = None;
+        }
+        Ok(())
+    }
+
+    /// Switches the calling thread's access to the open range on, where it was opened keyed
+    /// (elsewhere every thread has it while the range is open: nothing to do).
+    pub fn allow(&self) -> Result<()> {
+        let mut state = self.state.lock();
+        let (Some(key), true, Some(_)) = (&self.key, state.keyed, state.open) else {
+            return Ok(());
+        };
+        let me = std::thread::current().id();
+        if let Some(other) = state.allowed {
+            if other != me {
+                return Err(Error::Invalid(
+                    "another thread has access to this window: one writer at a time".into(),
+                ));
+            }
+        }
+        pkeys::allow(key);
+        state.allowed = Some(me);
+        Ok(())
+    }
+
+    /// Switches the calling thread's access to the window's key off (nothing to do where it
+    /// has none).
+    pub fn deny(&self) {
+        let mut state = self.state.lock();
+        if let Some(key) = &self.key {
+            pkeys::deny(key);
+            if state.allowed == Some(std::thread::current().id()) {
+                state.allowed = None;
+            }
+        }
     }
 
     /// The file offsets `[start, end)` of the pages open, if a range is.
@@ -253,8 +370,15 @@ impl Window {
         self.state.lock().open.map(|(start, end)| (self.offset + start, self.offset + end))
     }
 
-    /// Makes the whole window inaccessible again. Returns false, changing nothing, while a
-    /// view is alive ([`Window::add_view`]); true once closed (at once, if nothing was open).
+    /// The file offsets `[start, end)` of the armed range (see the module's invariants).
+    pub fn armed_range(&self) -> Option<(usize, usize)> {
+        self.state.lock().armed.map(|(start, end)| (self.offset + start, self.offset + end))
+    }
+
+    /// Makes the whole window inaccessible again: the open range's pages, or, for a range
+    /// opened keyed, the calling thread's access (the pages stay armed for the next batch).
+    /// Returns false, changing nothing, while a view is alive ([`Window::add_view`]); true
+    /// once closed (at once, if nothing was open).
     pub fn close(&self) -> Result<bool> {
         if !self.is_ours() {
             return Ok(true); // (nothing of it is mapped here)
@@ -265,7 +389,20 @@ impl Window {
         }
         if let Some((start, end)) = state.open {
             // (On failure the range stays recorded as open: a later close tries again.)
-            self.protect(start, end, libc::PROT_NONE)?;
+            if state.keyed {
+                if let Some(key) = &self.key {
+                    pkeys::deny(key);
+                }
+                let me = std::thread::current().id();
+                if state.allowed.is_some_and(|t| t != me) {
+                    // Only that thread can switch its own access off.
+                    self.disarm(&mut state)?;
+                }
+            } else {
+                self.protect(start, end, libc::PROT_NONE, None)?;
+            }
+            state.allowed = None;
+            state.keyed = false;
             state.open = None;
         }
         Ok(true)
@@ -311,13 +448,27 @@ impl Drop for Window {
     fn drop(&mut self) {
         // Children forked from now on leave the range alone (before it can be reused).
         self.read_only_in_children = None;
+        let key = self.key.take();
         if !self.is_ours() {
+            std::mem::forget(key); // (a copy of the parent's: the number is not ours to free)
             return; // a forked child's copy: the range is not this window's here
         }
         // SAFETY: `ptr`/`len` describe exactly the mapping made in `new`, in the process
         // that made it (checked above), unmapped only here; no view can be alive (each holds
         // its owner, and so this window, alive).
         unsafe { unmap_in_chunks(self.ptr.as_ptr(), self.len) };
+        if let Some(key) = key {
+            let state = self.state.get_mut();
+            if let Some(thread) = state.allowed {
+                if thread != std::thread::current().id() {
+                    // That thread may still have access to the key: never hand it out again.
+                    std::mem::forget(key);
+                    return;
+                }
+                pkeys::deny(&key);
+            }
+            drop(key);
+        }
     }
 }
 
@@ -339,6 +490,7 @@ mod tests {
         path: String,
         rss: usize,
         flags: Vec<String>,
+        pkey: Option<u32>,
     }
 
     /// The mappings of this process that overlap `[addr, addr + len)`.
@@ -354,7 +506,15 @@ mod tests {
                 {
                     let perms = words.next().unwrap_or("").to_owned();
                     let path = words.nth(3).unwrap_or("").to_owned();
-                    all.push(Vma { start, end, perms, path, rss: 0, flags: Vec::new() });
+                    all.push(Vma {
+                        start,
+                        end,
+                        perms,
+                        path,
+                        rss: 0,
+                        flags: Vec::new(),
+                        pkey: None,
+                    });
                     continue;
                 }
             }
@@ -362,6 +522,7 @@ mod tests {
             match first {
                 "Rss:" => vma.rss = words.next().unwrap().parse::<usize>().unwrap() * 1024,
                 "VmFlags:" => vma.flags = words.map(str::to_owned).collect(),
+                "ProtectionKey:" => vma.pkey = words.next().and_then(|k| k.parse().ok()),
                 _ => {}
             }
         }
@@ -379,6 +540,40 @@ mod tests {
                 found.iter().find(|v| v.start <= at && at < v.end).unwrap().perms.clone()
             })
             .collect()
+    }
+
+    /// The protection keys of the window's pages, page by page (None where smaps shows none).
+    fn page_keys(w: &Window) -> Vec<Option<u32>> {
+        let base = w.as_ptr() as usize;
+        let found = vmas(base, w.len());
+        (0..w.len() / page_size())
+            .map(|i| {
+                let at = base + i * page_size();
+                found.iter().find(|v| v.start <= at && at < v.end).unwrap().pkey
+            })
+            .collect()
+    }
+
+    /// Whether the machine must have protection keys for these tests (set where it does, so
+    /// that the keyed tests cannot pass by finding none): `PINPOOL_REQUIRE_PKEYS=1`.
+    fn keys_required() -> bool {
+        std::env::var_os("PINPOOL_REQUIRE_PKEYS").is_some_and(|v| v == "1")
+    }
+
+    /// Whether the calling thread may write the byte at `at` now (its protection-key rights
+    /// and the page's protection): the kernel writes it there for this thread, as a `read`
+    /// from a pipe, and fails with `EFAULT` where the thread could not (no fault is raised).
+    /// (A forked child cannot tell: windows are not mapped in children.)
+    fn writes(at: *mut u8) -> bool {
+        let (r, w) = rustix::pipe::pipe().unwrap();
+        assert_eq!(rustix::io::write(&w, &[0xEE]).unwrap(), 1);
+        // SAFETY: `read` writes at most one byte at `at`, an address of the test's window; the
+        // kernel checks the access and fails instead of faulting.
+        let got = unsafe { libc::read(r.as_raw_fd(), at.cast(), 1) };
+        if got < 0 {
+            assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::EFAULT));
+        }
+        got == 1
     }
 
     /// A sealed memfd of `pages` pages, each filled with its own number plus one.
@@ -427,7 +622,7 @@ mod tests {
         let m = arena(8);
         let w = Window::new(m.fd().unwrap(), 2 * p, 4 * p).unwrap();
         // File bytes [3p + 10, 4p + 1): file pages 3 and 4, window pages 1 and 2.
-        w.open(3 * p + 10, p - 9).unwrap();
+        w.open(3 * p + 10, p - 9, false).unwrap();
         assert_eq!(w.open_range(), Some((3 * p, 5 * p)));
         assert_eq!(page_perms(&w), ["---s", "rw-s", "rw-s", "---s"]);
         // SAFETY: window bytes [p + 10, 2p + 1) are open; the test alone touches them.
@@ -440,7 +635,7 @@ mod tests {
         assert!((3 * p + 10..4 * p + 1).all(|i| byte(&m, i) == 0xAB), "not in the file");
         assert_eq!(byte(&m, 4 * p + 1), 5);
         // One range at a time.
-        let again = w.open(2 * p, 1).unwrap_err();
+        let again = w.open(2 * p, 1, false).unwrap_err();
         assert!(again.to_string().contains("open already"), "{again}");
         assert_eq!(page_perms(&w), ["---s", "rw-s", "rw-s", "---s"]);
         assert_eq!(w.close(), Ok(true));
@@ -448,10 +643,10 @@ mod tests {
         assert_eq!(page_perms(&w), ["---s"; 4]);
         assert_eq!(w.close(), Ok(true), "a second close is no error");
         // The whole window, then its last byte.
-        w.open(2 * p, 4 * p).unwrap();
+        w.open(2 * p, 4 * p, false).unwrap();
         assert_eq!(page_perms(&w), ["rw-s"; 4]);
         w.close().unwrap();
-        w.open(6 * p - 1, 1).unwrap();
+        w.open(6 * p - 1, 1, false).unwrap();
         assert_eq!(page_perms(&w), ["---s", "---s", "---s", "rw-s"]);
         // SAFETY: the window's last page is open.
         assert_eq!(unsafe { w.as_ptr().add(4 * p - 1).read_volatile() }, 6);
@@ -504,7 +699,7 @@ mod tests {
         // Ranges outside the window, or empty, are not opened.
         let w = Window::new(fd, 2 * p, 4 * p).unwrap();
         for (offset, nbytes) in [(p, p), (2 * p - 1, 2), (5 * p, p + 1), (6 * p, 1), (3 * p, 0)] {
-            let err = w.open(offset, nbytes).unwrap_err();
+            let err = w.open(offset, nbytes, false).unwrap_err();
             assert!(matches!(err, Error::Invalid(_)), "[{offset}, +{nbytes}): {err}");
             assert_eq!(w.open_range(), None);
         }
@@ -518,7 +713,7 @@ mod tests {
         let m = arena(4);
         let w = Window::new(m.fd().unwrap(), 0, 4 * p).unwrap();
         assert_eq!(w.add_view(), w.as_ptr(), "a view of a closed window");
-        w.open(p, p).unwrap();
+        w.open(p, p, false).unwrap();
         assert_eq!(w.add_view(), w.as_ptr());
         assert_eq!(w.views(), 2);
         assert_eq!(w.close(), Ok(false));
@@ -540,7 +735,7 @@ mod tests {
         let w = Window::new(m.fd().unwrap(), 4 * p, 4 * p).unwrap();
         let rss =
             |w: &Window| vmas(w.as_ptr() as usize, w.len()).iter().map(|v| v.rss).sum::<usize>();
-        w.open(5 * p, 2 * p).unwrap();
+        w.open(5 * p, 2 * p, false).unwrap();
         // SAFETY: window pages 1 and 2 are open; the test alone touches them.
         unsafe { std::ptr::write_bytes(w.as_ptr().add(p), 0x5A, 2 * p) };
         w.drop_page_tables().unwrap(); // open
@@ -553,7 +748,7 @@ mod tests {
         assert_eq!(page_perms(&w), ["---s"; 4]);
         assert!((5 * p..7 * p).all(|i| byte(&m, i) == 0x5A));
         assert_eq!((byte(&m, 5 * p - 1), byte(&m, 7 * p)), (5, 8));
-        w.open(4 * p, 4 * p).unwrap();
+        w.open(4 * p, 4 * p, false).unwrap();
         // SAFETY: the whole window is open.
         let seen = unsafe { std::slice::from_raw_parts(w.as_ptr(), 4 * p) };
         assert!(seen[..p].iter().all(|&b| b == 5) && seen[3 * p..].iter().all(|&b| b == 8));
@@ -568,7 +763,7 @@ mod tests {
         let name = "pinpool-window-drop-test";
         let m = named_arena(name, 4);
         let w = Window::new(m.fd().unwrap(), 0, 4 * p).unwrap();
-        w.open(0, p).unwrap();
+        w.open(0, p, false).unwrap();
         let (addr, len) = (w.as_ptr() as usize, w.len());
         let ours = |v: &Vma| v.path.contains(name);
         assert_eq!(vmas(addr, len).iter().filter(|v| ours(v)).count(), 2, "open and closed");
@@ -576,5 +771,139 @@ mod tests {
         let left: Vec<Vma> = vmas(addr, len).into_iter().filter(ours).collect();
         assert!(left.is_empty(), "still mapped: {left:?}");
         assert_eq!(byte(&m, 0), 1, "the file keeps its bytes");
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn a_keyed_range_stays_armed_and_only_a_thread_allowed_reaches_it() {
+        let p = page_size();
+        let m = arena(8);
+        let w = Window::new(m.fd().unwrap(), 2 * p, 4 * p).unwrap();
+        let at = |i: usize| {
+            // SAFETY: an address inside the window (touched only as each check says).
+            unsafe { w.as_ptr().add(i) }
+        };
+        if !w.has_key() {
+            assert!(!keys_required(), "no protection key for the window");
+            // No keys here: a keyed open is a plain one.
+            w.open(3 * p, p, true).unwrap();
+            assert_eq!(page_perms(&w), ["---s", "rw-s", "---s", "---s"]);
+            w.allow().unwrap();
+            w.deny();
+            assert!(writes(at(p)));
+            w.close().unwrap();
+            assert_eq!((page_perms(&w), w.armed_range()), (vec!["---s".to_owned(); 4], None));
+            assert!(!writes(at(p)));
+            return;
+        }
+        let key = w.key.as_ref().unwrap().id();
+        // Another thread, started while nobody has access.
+        let (tx, rx) = std::sync::mpsc::channel::<usize>();
+        let (back, answers) = std::sync::mpsc::channel::<bool>();
+        let other = std::thread::spawn(move || {
+            for addr in rx {
+                back.send(writes(addr as *mut u8)).unwrap();
+            }
+        });
+        let other_writes = |i: usize| {
+            tx.send(at(i) as usize).unwrap();
+            answers.recv().unwrap()
+        };
+        w.open(3 * p + 5, p, true).unwrap(); // window pages 1 and 2
+        assert_eq!(page_perms(&w), ["---s", "rw-s", "rw-s", "---s"]);
+        assert_eq!(page_keys(&w)[1..3], [Some(key), Some(key)]);
+        assert!(!writes(at(p)), "open, but this thread's access is off");
+        w.allow().unwrap();
+        assert!(writes(at(p)), "allowed");
+        assert!(!other_writes(p), "another thread, not allowed");
+        assert!(!writes(at(0)), "outside the range");
+        // SAFETY: open and allowed on this thread.
+        unsafe { at(p + 5).write_volatile(0x77) };
+        assert_eq!(byte(&m, 3 * p + 5), 0x77);
+        assert_eq!(w.close(), Ok(true));
+        assert_eq!(w.armed_range(), Some((3 * p, 5 * p)), "kept armed");
+        assert_eq!(page_perms(&w), ["---s", "rw-s", "rw-s", "---s"]);
+        assert!(!writes(at(p)), "closed: this thread's access is off again");
+        assert!(!other_writes(2 * p));
+        // The same range again: nothing to change but this thread's access.
+        w.open(3 * p, 2 * p, true).unwrap();
+        w.allow().unwrap();
+        assert!(writes(at(2 * p)));
+        w.deny();
+        assert!(!writes(at(2 * p)), "switched off while the range is open");
+        w.close().unwrap();
+        // Another range, keyed: the old one is disarmed.
+        w.open(5 * p, p, true).unwrap();
+        assert_eq!(page_perms(&w), ["---s", "---s", "---s", "rw-s"]);
+        assert_eq!(w.armed_range(), Some((5 * p, 6 * p)));
+        w.close().unwrap();
+        // Opened plainly: under key 0, any thread may write it while it is open.
+        w.open(2 * p, p, false).unwrap();
+        assert_eq!(page_perms(&w), ["rw-s", "---s", "---s", "---s"]);
+        assert_eq!(page_keys(&w)[0], Some(0));
+        assert_eq!(w.armed_range(), None);
+        assert!(other_writes(0));
+        w.close().unwrap();
+        assert_eq!(page_perms(&w), ["---s"; 4]);
+        assert!(!other_writes(0));
+        drop(tx);
+        other.join().unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn a_keyed_range_closed_on_another_thread_is_disarmed() {
+        let p = page_size();
+        let m = arena(4);
+        let w = Window::new(m.fd().unwrap(), 0, 4 * p).unwrap();
+        if !w.has_key() {
+            assert!(!keys_required(), "no protection key for the window");
+            return; // (nothing keyed here: the plain case is the tests' above)
+        }
+        w.open(p, p, true).unwrap();
+        w.allow().unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let err = w.allow().unwrap_err();
+                assert!(err.to_string().contains("one writer"), "{err}");
+                assert_eq!(w.close(), Ok(true));
+            });
+        });
+        // This thread's access is still on, but the pages are inaccessible.
+        assert_eq!((w.armed_range(), w.open_range()), (None, None));
+        assert_eq!(page_perms(&w), ["---s"; 4]);
+        // SAFETY: an address inside the window (the child only tries to write it).
+        assert!(!writes(unsafe { w.as_ptr().add(p) }));
+        w.deny();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn copy_threads_write_a_keyed_range_with_the_callers_rights_and_keep_none() {
+        let p = page_size();
+        let pages = 1024; // 4 MiB: a copy the copier splits among its threads
+        let m = Mapping::memfd("pinpool-window-copy-test", pages * p).unwrap();
+        let w = Window::new(m.fd().unwrap(), 0, pages * p).unwrap();
+        let copier = crate::copy::Copier::new(4).unwrap();
+        let src = vec![0x3Cu8; pages * p];
+        let ranges = [crate::copy::CopyRange { src: 0, dst: 0, len: pages * p }];
+        assert!(w.has_key() || !keys_required(), "no protection key for the window");
+        w.open(0, pages * p, true).unwrap();
+        w.allow().unwrap();
+        // SAFETY: the source is the test's own vector, the destination the open window (this
+        // thread allowed; the copy's threads take its rights), disjoint, nothing else writing.
+        let copied = unsafe { copier.copy(src.as_ptr(), w.as_ptr(), &ranges) };
+        assert_eq!(copied, pages * p);
+        assert!((0..pages * p).step_by(4093).all(|i| byte(&m, i) == 0x3C));
+        // The copy's threads gave the rights up again.
+        let at = w.as_ptr() as usize;
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..8 {
+            let tx = tx.clone();
+            copier.spawn(move || tx.send(writes(at as *mut u8)).unwrap());
+        }
+        let seen: Vec<bool> = rx.iter().take(8).collect();
+        assert_eq!(seen, vec![!w.has_key(); 8], "a copy thread kept access to the key");
+        w.close().unwrap();
     }
 }

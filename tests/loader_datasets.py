@@ -6,6 +6,7 @@ They live in an importable module (not in the test files) so that workers starte
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -451,16 +452,33 @@ def ready_batch(batch: Any) -> Any:
     return batch
 
 
+def _reachable(addr: int) -> bool:
+    """Whether this thread can touch the byte at ``addr`` now: the page's protection and, where
+    the machine has memory protection keys, this thread's rights to the page's key (a window
+    kept writable under its key between batches is out of reach but while its worker writes).
+    The kernel reads the byte for this thread (``write`` to a pipe), failing instead of
+    faulting; nothing is changed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    r, w = os.pipe()
+    try:
+        return int(libc.write(w, ctypes.c_void_p(addr), 1)) == 1
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def arena_reach() -> tuple[int, int]:
     """What this process can reach of a pinpool arena right now: the bytes it has mapped
-    writable and shared from one, and the descriptors it holds of one."""
+    writable and shared from one (and that this thread can touch), and the descriptors it
+    holds of one."""
     mapped = 0
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and "pinpool-arena" in fields[5] and fields[1][1] == "w":
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                mapped += hi - lo if fields[1][3] == "s" else 0
+                if fields[1][3] == "s" and _reachable(lo):
+                    mapped += hi - lo
     fds = 0
     for fd in os.listdir("/proc/self/fd"):
         try:

@@ -228,16 +228,38 @@ class ArenaWindow:
     def open_range(self) -> tuple[int, int] | None:
         """The file offsets ``[start, end)`` of the pages open (readable and writable), or
         None while the window is closed."""
+    @property
+    def has_key(self) -> bool:
+        """Whether the window has a memory protection key of its own (where the processor and
+        the kernel have them, and one was left): then ``open(..., keyed=True)`` keeps the
+        range's pages writable between batches, and only a thread that calls ``allow()``
+        reaches them."""
+    @property
+    def armed_range(self) -> tuple[int, int] | None:
+        """The file offsets ``[start, end)`` of the pages kept readable and writable under the
+        window's key between batches (the last range opened keyed), or None."""
     def contains(self, offset: int, nbytes: int) -> bool:
         """Whether the file's bytes ``[offset, offset + nbytes)`` lie inside the window."""
-    def open(self, offset: int, nbytes: int) -> None:
+    def open(self, offset: int, nbytes: int, keyed: bool = False) -> None:
         """Makes the pages holding the file's bytes ``[offset, offset + nbytes)`` readable and
         writable (the range must lie inside the window and hold at least one byte), without
-        the GIL. One range at a time: raises ``InvalidArgument`` while one is open."""
+        the GIL. One range at a time: raises ``InvalidArgument`` while one is open.
+
+        With ``keyed=True`` on a window with a key, the pages are made so under the key (at
+        once, if they are the range opened keyed last), and only a thread that calls
+        ``allow()`` may touch them, until it calls ``deny()`` or ``close()``; otherwise any
+        thread may, until ``close()``."""
+    def allow(self) -> None:
+        """Switches the calling thread's access to the range opened keyed on (nothing to do
+        for a range opened otherwise). Raises ``InvalidArgument`` while another thread's is
+        on."""
+    def deny(self) -> None:
+        """Switches the calling thread's access to the window's key off."""
     def close(self) -> None:
         """Makes the whole window inaccessible again (nothing to do if nothing is open),
-        without the GIL. Raises ``BufferError``, changing nothing, while a view of the window
-        is alive."""
+        without the GIL: the open range's pages, or, for a range opened keyed, the calling
+        thread's access (the pages stay so under the key for the next batch). Raises
+        ``BufferError``, changing nothing, while a view of the window is alive."""
     def drop_page_tables(self) -> None:
         """Drops this process's page tables for the whole window (``MADV_DONTNEED``), without
         the GIL, open or not: the bytes stay in the file, and the next access of an open page

@@ -98,24 +98,59 @@ impl PyArenaWindow {
         self.window.open_range()
     }
 
+    /// Whether the window has a memory protection key of its own (where the processor and the
+    /// kernel have them, and one was left): then `open(..., keyed=True)` keeps the range's
+    /// pages writable between batches, and only a thread that calls `allow()` reaches them.
+    #[getter]
+    fn has_key(&self) -> bool {
+        self.window.has_key()
+    }
+
+    /// The file offsets `[start, end)` of the pages kept readable and writable under the
+    /// window's key between batches (the last range opened keyed), or None.
+    #[getter]
+    fn armed_range(&self) -> Option<(usize, usize)> {
+        self.window.armed_range()
+    }
+
     /// Makes the pages holding the file's bytes `[offset, offset + nbytes)` readable and
     /// writable (the range must lie inside the window and hold at least one byte), without
     /// the GIL. One range at a time: raises `InvalidArgument` while one is open.
+    ///
+    /// With `keyed=True` on a window with a key, the pages are made so under the key (at
+    /// once, if they are the range opened keyed last), and only a thread that calls
+    /// `allow()` may touch them, until it calls `deny()` or `close()`; otherwise any thread
+    /// may, until `close()`.
+    #[pyo3(signature = (offset, nbytes, keyed = false))]
     fn open(
         &self,
         py: Python<'_>,
         offset: &Bound<'_, PyAny>,
         nbytes: &Bound<'_, PyAny>,
+        keyed: bool,
     ) -> PyResult<()> {
         guarded(|| {
             let offset = size_arg(py, offset, "offset")?;
             let nbytes = size_arg(py, nbytes, "nbytes")?;
-            py.detach(|| self.window.open(offset, nbytes)).py(py)
+            py.detach(|| self.window.open(offset, nbytes, keyed)).py(py)
         })
     }
 
+    /// Switches the calling thread's access to the range opened keyed on (nothing to do for
+    /// a range opened otherwise). Raises `InvalidArgument` while another thread's is on.
+    fn allow(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| self.window.allow().py(py))
+    }
+
+    /// Switches the calling thread's access to the window's key off.
+    fn deny(&self) {
+        self.window.deny()
+    }
+
     /// Makes the whole window inaccessible again (nothing to do if nothing is open), without
-    /// the GIL. Raises `BufferError`, changing nothing, while a view of the window is alive.
+    /// the GIL: the open range's pages, or, for a range opened keyed, the calling thread's
+    /// access (the pages stay so under the key for the next batch). Raises `BufferError`,
+    /// changing nothing, while a view of the window is alive.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         guarded(|| {
             if !py.detach(|| self.window.close()).py(py)? {

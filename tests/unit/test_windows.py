@@ -7,14 +7,17 @@ through ``/proc/<own pid>/fd`` as a worker reaches the main process's arena."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loader_datasets import _reachable
 
 from pinpool._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation
 from pinpool._worker import windows
@@ -62,6 +65,53 @@ def test_a_window_is_open_only_between_open_for_and_close(
     windows.close(again)
     view = memoryview(slot)
     assert view[0] == 7 and view[r.nbytes - 1] == 7
+    view.release()
+    slot.release()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_slot_is_opened_keyed_where_one_thread_writes_it(
+    make_pool: Callable[..., Any], fresh_windows: None, threads: int
+) -> None:
+    """Where the machine has memory protection keys: with torch on one thread (as in its
+    workers) the slot is opened under the window's key, reached only between ``allow`` and
+    ``deny`` (or the close) on this thread, and left armed between batches, so that opening it
+    again changes nothing but this thread's access; with torch on more, opened plainly
+    (torch's own threads write it). Without keys (or ``PINPOOL_REQUIRE_PKEYS=1`` unset and
+    none here), opened plainly either way."""
+    pool = make_pool(SMALL, 2, arena_bytes=2 * SMALL)
+    slot = pool.checkout(nbytes=SMALL)
+    r = reserve(pool, slot)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        window, at, _ = windows.open_for(r)
+        first = memoryview(window)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(first)) + at
+        first.release()
+        keys = window.has_key
+        if os.environ.get("PINPOOL_REQUIRE_PKEYS") == "1":
+            assert keys, "no protection key for the window"
+        keyed = keys and threads == 1
+        assert (window.armed_range is not None) == keyed
+        assert _reachable(addr) == (not keyed), "reached before allow() only if opened plainly"
+        window.allow()
+        assert _reachable(addr)
+        window.deny()
+        assert _reachable(addr) == (not keyed)
+        window.allow()
+        write_through(window, at, r.nbytes, 9)
+        windows.close(window)
+        assert not _reachable(addr)
+        assert (window.armed_range is not None) == keyed, "kept armed between batches"
+        again, _, new = windows.open_for(reserve(pool, slot, 2))
+        assert again is window and not new
+        assert not _reachable(addr) or not keyed
+        windows.close(again)
+    finally:
+        torch.set_num_threads(before)
+    view = memoryview(slot)
+    assert view[0] == 9 and view[r.nbytes - 1] == 9
     view.release()
     slot.release()
 

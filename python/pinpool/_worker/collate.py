@@ -128,9 +128,10 @@ class PinCollate:
         del first  # the samples are freed as they are streamed
         threads = self.worker_copy_threads
         try:
+            place.allow()
             t0 = _trace.on and _trace.now()
             batch, made = streaming.collate_streaming(
-                streaming.owned(box, rest), layout, place.memory, threads
+                streaming.owned(box, rest), layout, place.memory, threads, place
             )
             if t0:
                 _trace.span("worker.stream", t0, count=count)

@@ -25,7 +25,9 @@ the end of the epoch, has little left to tear down.
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
 handle made) or unclaimed; a window is inaccessible again before the handle of the batch written
-in it is made (``windows``).
+in it is made (``windows``); a slot opened keyed is touched only between :meth:`Place.allow` and
+:meth:`Place.deny` (or the handle's making) on the writing thread, and no code of the user's
+runs in between.
 """
 
 from __future__ import annotations
@@ -141,6 +143,18 @@ class Place:
         if t0:
             _trace.span("worker.place", t0, nbytes=nbytes, slot=self.segment is None, mapped=mapped)
 
+    def allow(self) -> None:
+        """From now on the calling thread may write (and read) the place: a no-op but for a
+        slot opened keyed (``windows``), whose access is this thread's switch."""
+        if self._window is not None:
+            self._window.allow()
+
+    def deny(self) -> None:
+        """The calling thread's access to a slot opened keyed is off again (while code of the
+        caller's runs: a streamed batch's next sample being made)."""
+        if self._window is not None:
+            self._window.deny()
+
     def grow(self, nbytes: int, keep: int) -> None:
         """Moves to a segment with room for ``nbytes``, with the first ``keep`` bytes written
         so far (the rest of a streamed batch did not fit)."""
@@ -234,6 +248,7 @@ def write(
         return BatchHandle(token, p, count)
     place = Place(token, ring_size, reservation, p.nbytes)
     try:
+        place.allow()
         t0 = _trace.on and _trace.now()
         codec.write(p, place.memory, threads)
         if t0:

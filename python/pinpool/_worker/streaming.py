@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -317,8 +317,32 @@ def owned(box: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
     yield from rest
 
 
+class Access(Protocol):
+    """The writing thread's switch for its access to the batch's memory (``places.Place``)."""
+
+    def allow(self) -> None: ...
+    def deny(self) -> None: ...
+
+
+class _Always:
+    """Memory any thread may touch (a segment of the worker's own)."""
+
+    def allow(self) -> None:
+        pass
+
+    def deny(self) -> None:
+        pass
+
+
+_ALWAYS = _Always()
+
+
 def collate_streaming(
-    samples: Iterator[Any], layout: Layout, mem: memoryview, threads: int = 1
+    samples: Iterator[Any],
+    layout: Layout,
+    mem: memoryview,
+    threads: int = 1,
+    access: Access = _ALWAYS,
 ) -> tuple[Any, None] | tuple[None, list[Any]]:
     """Makes the batch's ``layout.count`` samples from ``samples``, streaming each one's big
     arrays into ``mem`` (at least ``layout.nbytes`` long) before the next is made, and
@@ -328,17 +352,24 @@ def collate_streaming(
     sample or the collation does not follow the layout, ``(None, samples)``: every sample,
     made the ordinary way (streamed arrays copied back out), for ordinary collation.
     Exceptions from the dataset propagate; ``mem`` is then simply left unused. With
-    ``threads > 1`` the arrays are copied in groups by that many copy threads."""
+    ``threads > 1`` the arrays are copied in groups by that many copy threads. ``access`` is
+    switched off while the dataset makes each sample (its code must not reach ``mem``), on
+    again after, and left off when the samples are handed back."""
     rows = _Rows(layout, mem, threads)
     marked: list[Any] = []
     try:
         for i in range(layout.count):
-            sample = next(samples)
+            access.deny()
+            try:
+                sample = next(samples)
+            finally:
+                access.allow()
             try:
                 marked.append(_mark(sample, i, layout, rows))
             except _Mismatch:
                 rows.flush()
                 made = [_unmark(m, rows) for m in marked]
+                access.deny()
                 return None, [*made, sample, *samples]
             del sample  # its arrays are freed (or held for a group copy) before the next
         rows.flush()

@@ -13,11 +13,21 @@ a kept window costs one ``mprotect`` where mapping the slot afresh faults in eve
 54 ms per 256 MB). A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
 ``handle.WINDOW_BYTES_KEPT`` bytes of them, the latest used first.
 
+Where the machine has memory protection keys (``src/pkeys.rs``), a window has a key of its
+own, and a slot is opened *keyed* when only this thread (and pinpool's copy threads, which take
+its rights for a copy) writes it: torch runs one thread per operation here
+(``torch.get_num_threads() == 1``, as torch sets in its workers). Its pages then stay writable
+under the key between batches, and no thread may touch them but between ``Place.allow`` and
+``Place.deny`` (or the close) on the thread that writes: reopening the same slot changes no
+page-table entry, where ``mprotect`` rewrites every page's entry twice a batch. Elsewhere a slot
+is opened as before, writable by every thread until the close.
+
 Invariants:
 
 - A window covers only slots the main process handed this worker, is checked against the file
   it maps (inode and range) each time it is reused, and is writable only between
-  :func:`open_for` and :func:`close` (one range at a time: ``src/window.rs``).
+  :func:`open_for` and :func:`close` (one range at a time: ``src/window.rs``); opened keyed,
+  only by the thread that opened it, while its access is switched on (``Place.allow``).
 - A window that cannot be closed (a view of it is still alive, held by a traceback, or
   ``mprotect`` failed) is no longer kept: it is unmapped when the last reference to it goes.
 - A process forked from this one keeps none of these windows (they are not mapped there).
@@ -113,8 +123,16 @@ def open_for(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
         # The least recently used go (unmapped as they die), the new one stays.
         while len(_WINDOWS) > 1 and (len(_WINDOWS) > WINDOWS_KEPT or mapped > WINDOW_BYTES_KEPT):
             mapped -= _WINDOWS.pop()[1].length
-    window.open(offset, nbytes)
+    window.open(offset, nbytes, keyed=window.has_key and _one_writer())
     return window, offset - window.offset, new
+
+
+def _one_writer() -> bool:
+    """Whether a batch is written by the calling thread alone: torch runs its operations on one
+    thread (as torch sets in its workers; a ``worker_init_fn`` may change that)."""
+    import torch
+
+    return bool(torch.get_num_threads() == 1)
 
 
 def close(window: ArenaWindow) -> None:
