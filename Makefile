@@ -8,7 +8,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test checks build lint rust-lint py-lint rust-test py-test test-modes test-oldest fuzz \
-	bench wheel clean sanitize miri tsan
+	bench wheel clean sanitize miri tsan test-pkeys
 
 demo: build
 	$(PY) -m pinpool.bench --out demo-results
@@ -84,6 +84,14 @@ test-oldest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -c 'import torch; print("torch", torch.__version__)'
 	$(OLD_VENV)/bin/python -m pytest -q -n 2 -m "not faults"
 	$(OLD_VENV)/bin/python -m pytest -q -m faults
+
+# The memory-protection-key paths (src/pkeys.rs, zero-copy windows opened keyed) in a virtual
+# machine under QEMU's emulation of `pku`, for machines whose CPU has none; slow (the emulated
+# CPU runs some 20 times slower), not part of `make test`: tests/pkeys_vm.sh says what it needs.
+test-pkeys: build
+	tests/pkeys_vm.sh rust
+	tests/pkeys_vm.sh python tests/unit/test_windows.py tests/faults/test_hardening.py \
+		-k "window or reservation or arena"
 
 # The fuzz tests at length (`make test` runs a bounded number of examples).
 fuzz: build
