@@ -105,9 +105,16 @@ def died_at(stamp: Path) -> float:
     return float(stamp.read_text())
 
 
-def killed_in_turn(stamp: Path, make: Callable[..., Any]) -> tuple[float, str, list[str]]:
-    """One loader of four workers whose third is SIGKILLed in its first batch: (seconds from
-    its death to the consumer's error, the error, what is left once the iterator is gone)."""
+Trial = tuple[float, str, Any, Any, set[int], list[int]]
+
+
+def killed_trial(
+    stamp: Path, make: Callable[..., Any], then: Callable[[], Any] | None = None
+) -> Trial:
+    """One loader of four workers whose third is SIGKILLed in its first batch, iterated until
+    the error: (seconds from its death to the consumer's error, the error, the iterator (None
+    if ``iter()`` raised), the loader, this process's children before, the workers).
+    ``then`` runs right after ``iter()``, inside the timing."""
     stamp.unlink(missing_ok=True)
     loader = make(Dying(400, bad=4, how="kill", stamp=str(stamp)), batch_size=2, num_workers=4)
     before = child_pids()
@@ -119,11 +126,19 @@ def killed_in_turn(stamp: Path, make: Callable[..., Any]) -> tuple[float, str, l
         # indices are still being sent.)
         it = iter(loader)
         workers = [w.pid for w in getattr(it, "_inner", it)._workers]
+        if then is not None:
+            then()
         for batch in it:
             del batch
     except RuntimeError as exc:  # (pinpool's WorkerLost is one too)
         error = f"{type(exc).__name__}: {exc}"
     delay = time.monotonic() - died_at(stamp)
+    return delay, error, it, loader, before, workers
+
+
+def killed_in_turn(stamp: Path, make: Callable[..., Any]) -> tuple[float, str, list[str]]:
+    """:func:`killed_trial`: (the delay, the error, what is left once the iterator is gone)."""
+    delay, error, it, loader, before, workers = killed_trial(stamp, make)
     del it, loader
     # What a trial left in reference cycles goes now, not in the next trial's timing: the
     # collector runs finalizers (multiprocessing's, weakref callbacks) where a handler's
@@ -176,28 +191,13 @@ def test_a_killed_workers_error_comes_at_once_while_an_old_iterator_is_dropped(
         mp.setattr(sys, "unraisablehook", lambda u: lost.append((repr(u.object), u.exc_value)))
         for zero_copy, pin_thread in [(True, False), (False, True)]:
             old: list[Any] = []
+            make = partial(pinpool.DataLoader, zero_copy=zero_copy)
             for trial in range(4):
                 with accelerator(pin_thread):
-                    stamp.unlink(missing_ok=True)
-                    loader = pinpool.DataLoader(
-                        Dying(400, bad=4, how="kill", stamp=str(stamp)),
-                        batch_size=2,
-                        num_workers=4,
-                        zero_copy=zero_copy,
+                    # (The last trial's iterator and its workers are shut down in ``then``.)
+                    delay, error, it, loader, before, workers = killed_trial(
+                        stamp, make, then=old.clear
                     )
-                    before = child_pids()
-                    it: Any = None
-                    workers: list[int] = []
-                    error = "no error"
-                    try:
-                        it = iter(loader)
-                        workers = worker_pids(it)
-                        old.clear()  # (the last trial's iterator, its workers shut down here)
-                        for batch in it:
-                            del batch
-                    except RuntimeError as exc:
-                        error = f"{type(exc).__name__}: {exc}"
-                    delay = time.monotonic() - died_at(stamp)
                     old += [it, loader]  # (dropped in the next trial)
                     del it, loader
                 case = f"zero_copy={zero_copy} pin_thread={pin_thread}, trial {trial}"
@@ -286,25 +286,10 @@ def test_a_death_no_sigchld_reports_is_found_by_the_waiting_consumer(
 
     stamp = tmp_path / "died"
     with accelerator(pin_thread):
-        loader = pinpool.DataLoader(
-            Dying(400, bad=4, how="kill", stamp=str(stamp)),
-            batch_size=2,
-            num_workers=4,
-            zero_copy=zero_copy,
-        )
-        before = child_pids()
-        it: Any = None
-        workers: list[int] = []
-        error = "no error"
         with handler(signal.SIGCHLD, lambda signum, frame: None):
-            try:
-                it = iter(loader)
-                workers = worker_pids(it)
-                for batch in it:
-                    del batch
-            except RuntimeError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            delay = time.monotonic() - died_at(stamp)
+            delay, error, it, loader, before, workers = killed_trial(
+                stamp, partial(pinpool.DataLoader, zero_copy=zero_copy)
+            )
         del it, loader
         gc.collect()
     assert "exited unexpectedly" in error, error
