@@ -906,4 +906,104 @@ mod tests {
         assert_eq!(seen, vec![!w.has_key(); 8], "a copy thread kept access to the key");
         w.close().unwrap();
     }
+
+    /// One step of [`the_window_state_machine_holds_against_a_model`].
+    #[derive(Debug, Clone)]
+    enum Step {
+        Open { page: usize, pages: usize, keyed: bool },
+        Allow,
+        Deny,
+        Close,
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0..8usize, 1..4usize, any::<bool>()).prop_map(|(page, pages, keyed)| Step::Open {
+                page,
+                pages: pages.min(8 - page),
+                keyed
+            }),
+            Just(Step::Allow),
+            Just(Step::Deny),
+            Just(Step::Close),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(crate::proptest_config(48))]
+
+        /// Any sequence of opens (keyed or not), allows, denies and closes: after each step,
+        /// the pages this thread can write, and each page's protection, are what a model of
+        /// the invariants says (a keyed range stays armed, reached only while allowed; a
+        /// plain one only while open; a keyed open on a window without a key is a plain
+        /// one), and the bytes written land in the file.
+        #[test]
+        #[cfg_attr(miri, ignore)]
+        fn the_window_state_machine_holds_against_a_model(
+            steps in proptest::collection::vec(step(), 1..24)
+        ) {
+            let p = page_size();
+            let m = Mapping::memfd("pinpool-window-model-test", 8 * p).unwrap();
+            let w = Window::new(m.fd().unwrap(), 0, 8 * p).unwrap();
+            let has_key = w.has_key();
+            assert!(has_key || !keys_required(), "no protection key for the window");
+            // The model: the open range and whether it is keyed, the armed range, whether
+            // this thread's access to the key is on.
+            let mut open: Option<(usize, usize, bool)> = None;
+            let mut armed: Option<(usize, usize)> = None;
+            let mut allowed = false;
+            for (n, s) in steps.iter().enumerate() {
+                match *s {
+                    Step::Open { page, pages, keyed } => {
+                        let got = w.open(page * p, pages * p, keyed);
+                        if open.is_some() {
+                            assert!(got.is_err(), "{n}: a second open");
+                        } else {
+                            got.unwrap();
+                            let keyed = keyed && has_key;
+                            if keyed {
+                                armed = Some((page, page + pages));
+                            } else {
+                                armed = None;
+                            }
+                            open = Some((page, page + pages, keyed));
+                        }
+                    }
+                    Step::Allow => {
+                        w.allow().unwrap();
+                        if matches!(open, Some((_, _, true))) {
+                            allowed = true;
+                        }
+                    }
+                    Step::Deny => {
+                        w.deny();
+                        allowed = false;
+                    }
+                    Step::Close => {
+                        assert_eq!(w.close(), Ok(true));
+                        open = None;
+                        allowed = false;
+                    }
+                }
+                let perms = page_perms(&w);
+                for page in 0..8 {
+                    let inside = |r: Option<(usize, usize)>| r.is_some_and(|(a, b)| a <= page && page < b);
+                    let plain_open = matches!(open, Some((a, b, false)) if a <= page && page < b);
+                    let want_rw = plain_open || inside(armed);
+                    let want_reach = plain_open || (inside(armed) && allowed);
+                    assert_eq!(perms[page] == "rw-s", want_rw, "{n} {s:?}: page {page}: {perms:?}");
+                    // SAFETY: an address inside the window; `writes` only asks the kernel.
+                    let at = unsafe { w.as_ptr().add(page * p + 7) };
+                    assert_eq!(writes(at), want_reach, "{n} {s:?}: page {page} reached");
+                    if want_reach {
+                        assert_eq!(byte(&m, page * p + 7), 0xEE, "{n}: not in the file");
+                    }
+                }
+                assert_eq!(w.open_range(), open.map(|(a, b, _)| (a * p, b * p)));
+                assert_eq!(w.armed_range(), armed.map(|(a, b)| (a * p, b * p)));
+            }
+            w.deny();
+        }
+    }
 }
