@@ -532,24 +532,22 @@ mod tests {
 
     /// The protections of the window's pages, page by page (`"rw-s"`, `"---s"`).
     fn page_perms(w: &Window) -> Vec<String> {
-        let base = w.as_ptr() as usize;
-        let found = vmas(base, w.len());
-        (0..w.len() / page_size())
-            .map(|i| {
-                let at = base + i * page_size();
-                found.iter().find(|v| v.start <= at && at < v.end).unwrap().perms.clone()
-            })
-            .collect()
+        per_page(w, |v| v.perms.clone())
     }
 
     /// The protection keys of the window's pages, page by page (None where smaps shows none).
     fn page_keys(w: &Window) -> Vec<Option<u32>> {
+        per_page(w, |v| v.pkey)
+    }
+
+    /// `what` of the mapping holding each of the window's pages, page by page.
+    fn per_page<T>(w: &Window, what: impl Fn(&Vma) -> T) -> Vec<T> {
         let base = w.as_ptr() as usize;
         let found = vmas(base, w.len());
         (0..w.len() / page_size())
             .map(|i| {
                 let at = base + i * page_size();
-                found.iter().find(|v| v.start <= at && at < v.end).unwrap().pkey
+                what(found.iter().find(|v| v.start <= at && at < v.end).unwrap())
             })
             .collect()
     }

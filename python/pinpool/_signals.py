@@ -85,6 +85,22 @@ def hand_back(exc: BaseException) -> bool:
     if signum is None:
         return False
     original = _c_signal.getsignal(signum)
+
+    def raise_once(got: int, frame: FrameType | None) -> None:
+        if _c_signal.getsignal(got) is raise_once:
+            _c_signal.signal(got, original)
+        raise exc
+
+    _FINALIZERS.add(sys._getframe(1).f_code)
+    sender = threading.Thread(
+        target=_send_when_out, args=(signum,), name="pinpool-signal", daemon=True
+    )
+    _c_signal.signal(signum, raise_once)  # (the main thread's: signal_of says it is this one)
+    try:
+        sender.start()
+    except RuntimeError:  # (the interpreter is exiting: no thread can start)
+        _c_signal.signal(signum, original)
+        return False
     # Kept without the frames it went through: they hold what the finalizer was letting go
     # (the object, and what only it holds), which must go now, not when the exception does.
     exc.__traceback__ = None
@@ -93,25 +109,6 @@ def hand_back(exc: BaseException) -> bool:
         f"(raised by the handler of signal {signum} in a finalizer of pinpool's, which "
         "handed it back to be raised here)"
     )
-
-    def raise_once(got: int, frame: FrameType | None) -> None:
-        if _c_signal.getsignal(got) is raise_once:
-            _c_signal.signal(got, original)
-        raise exc
-
-    _FINALIZERS.add(sys._getframe(1).f_code)
-    try:
-        sender = threading.Thread(
-            target=_send_when_out, args=(signum,), name="pinpool-signal", daemon=True
-        )
-        _c_signal.signal(signum, raise_once)
-        try:
-            sender.start()
-        except BaseException:
-            _c_signal.signal(signum, original)
-            raise
-    except (RuntimeError, ValueError):  # (the interpreter is exiting: no thread can start)
-        return False
     return True
 
 

@@ -40,6 +40,8 @@ import mmap
 import os
 import stat
 
+import torch
+
 from .._errors import PinPoolError
 from .._native import ArenaWindow
 from .._wire import peer
@@ -130,8 +132,6 @@ def open_for(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
 def _one_writer() -> bool:
     """Whether a batch is written by the calling thread alone: torch runs its operations on one
     thread (as torch sets in its workers; a ``worker_init_fn`` may change that)."""
-    import torch
-
     return bool(torch.get_num_threads() == 1)
 
 
