@@ -52,17 +52,37 @@ def test_a_workers_windows_are_remembered_per_iterator(monkeypatch: pytest.Monke
         before = reservations.fallbacks
         assert reservations.reserve(pool, 1, SLOT, 0, worker=0) is None
         assert reservations.fallbacks == before + 1
-        # Worker 0 of another iterator (a new process) has no windows: anywhere.
+        # Worker 0 of another iterator (a new process) has no windows: anywhere, and told
+        # where its predecessor's were, to map them ahead (they are its first choice).
         other = reservations.reserve(pool, 2, SLOT, 0, worker=0)
         assert other is not None and (other.arena_ino, other.offset) not in kept
+        assert {(h.arena_ino, h.offset) for h in other.ahead} == kept
+        assert all(h.nbytes == SLOT and h.arena_pid == os.getpid() for h in other.ahead)
+        assert reservations.reserve(pool, 2, SLOT, 0, worker=0) is None, (
+            "the predecessor's slots are remembered as this worker's: taken, so copy mode"
+        )
         # Iterator 1 ended: what its workers kept is forgotten with its reservations.
         reservations.drop(1)
         again = reservations.reserve(pool, 1, SLOT, 0, worker=0)
         assert again is not None
         assert (again.arena_ino, again.offset) not in kept | {(other.arena_ino, other.offset)}
+        assert again.ahead, "a new iterator's worker: hints, though all are busy"
+        last = again
         for r in (other, again):
             reservations.take_back(r.claim)
         del taken, other, again
+        gc.collect()
+        # A new iterator's worker 0 gets its predecessor's latest slot, now free, and the
+        # others it kept as hints.
+        seeded = reservations.reserve(pool, 3, SLOT, 0, worker=0)
+        assert seeded is not None and seeded.hint == last.hint
+        assert len(seeded.ahead) == 3 and last.hint not in seeded.ahead
+        later = reservations.reserve(pool, 3, SLOT, 0, worker=0)
+        assert later is not None and later.ahead == (), "hints with the first reservation only"
+        assert later.hint in seeded.ahead, "then the predecessor's other slots"
+        for r in (seeded, later):
+            reservations.take_back(r.claim)
+        del seeded, later
     finally:
         del loader
         gc.collect()

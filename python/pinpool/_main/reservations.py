@@ -30,7 +30,7 @@ from typing import Any
 
 from .._errors import OutOfBounds, PinPoolError
 from .._native import PinPool, Slot
-from .._wire.handle import SlotReservation, TaggedIndices, windows_kept
+from .._wire.handle import SlotReservation, TaggedIndices, WindowHint, windows_kept
 
 #: Reservations of at least this many bytes go only where the worker has a window already,
 #: once it keeps as many as it may (see :meth:`Reservations.reserve`); smaller ones may go
@@ -52,6 +52,14 @@ class Reservations:
         #: workers are new processes, which have mapped nothing yet (persistent workers keep
         #: their iterator).
         self._recent: dict[tuple[int, int], list[int]] = {}
+        #: Per worker id, across iterators, where that worker's last slots were: (arena
+        #: offset, hint), the latest first, in the pool of id ``_last_pool``. A new
+        #: iterator's worker of the same id is offered those slots first, and told of them
+        #: with its first reservation (``SlotReservation.ahead``), so that it maps them ahead
+        #: while it collates: with big batches and few workers, each fresh worker's first
+        #: windows cost it more than the copy mode's whole batch (``docs/performance.md``).
+        self._last: dict[int, list[tuple[int, WindowHint]]] = {}
+        self._last_pool: int | None = None  # (an id: the table must not keep a pool alive)
 
     def _remember(self, key: tuple[int, int], offset: int, nbytes: int) -> None:  # (locked)
         recent = self._recent.setdefault(key, [])
@@ -76,8 +84,11 @@ class Reservations:
         # large for its reservation): it needs a slot when it arrives, and reservations must
         # not starve it.
         key = (owner, worker) if worker is not None else None
+        seeds: list[tuple[int, WindowHint]] = []
         with self._lock:  # (an ended iterator's are dropped on the ending thread)
             recent = list(self._recent.get(key, ())) if key is not None else None
+            if worker is not None and not recent and self._last_pool == id(pool):
+                seeds = list(self._last.get(worker, ()))
         # A worker that keeps as many windows as it may gets a big batch's slot only where one
         # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
         # more than the main process's copy of the batch out of its segment.
@@ -85,7 +96,12 @@ class Reservations:
             recent is not None and len(recent) >= windows_kept(nbytes) and nbytes >= ONLY_KEPT_FROM
         )
         slot = (
-            pool.try_checkout(nbytes, reserve=reserve, prefer=recent or None, prefer_only=only)
+            pool.try_checkout(
+                nbytes,
+                reserve=reserve,
+                prefer=recent or [offset for offset, _ in seeds] or None,
+                prefer_only=only,
+            )
             if pool is not None
             else None
         )
@@ -96,11 +112,7 @@ class Reservations:
         fd, offset, part_len = where
         ino = os.fstat(fd).st_ino
         nonce = random.getrandbits(63)
-        with self._lock:
-            if key is not None:
-                self._remember(key, slot.offset, slot.nbytes)
-            self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
-        return SlotReservation(
+        reservation = SlotReservation(
             slot.index,
             slot.generation,
             nonce,
@@ -111,6 +123,24 @@ class Reservations:
             part_len,
             ino,
         )
+        with self._lock:
+            if key is not None and worker is not None:
+                # The predecessor's slots first (the oldest at the back), then this one.
+                for at, hint in reversed(seeds):
+                    self._remember(key, at, hint.nbytes)
+                self._remember(key, slot.offset, slot.nbytes)
+                self._note_last(pool, worker, slot.offset, reservation.hint)
+            self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
+        ahead = tuple(hint for at, hint in seeds if at != slot.offset)
+        return reservation._replace(ahead=ahead) if ahead else reservation
+
+    def _note_last(self, pool: PinPool, worker: int, at: int, hint: WindowHint) -> None:  # (locked)
+        if self._last_pool != id(pool):
+            self._last.clear()  # (another pool's offsets name other memory)
+            self._last_pool = id(pool)
+        last = [(o, h) for o, h in self._last.get(worker, ()) if o != at]
+        last.insert(0, (at, hint))
+        self._last[worker] = last[: windows_kept(hint.nbytes)]
 
     def adopt(self, claim: Any) -> Slot:
         """The slot a worker wrote a batch into, if ``claim`` (index, generation, nonce) is
@@ -148,6 +178,9 @@ class Reservations:
                 del self._reserved[key]
             for recent in [k for k in self._recent if owner in (None, k[0])]:
                 del self._recent[recent]
+            if owner is None:
+                self._last.clear()
+                self._last_pool = None
 
 
 _END = object()
