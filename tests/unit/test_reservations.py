@@ -58,9 +58,14 @@ def test_a_workers_windows_are_remembered_per_iterator(monkeypatch: pytest.Monke
         assert other is not None and (other.arena_ino, other.offset) not in kept
         assert {(h.arena_ino, h.offset) for h in other.ahead} == kept
         assert all(h.nbytes == SLOT and h.arena_pid == os.getpid() for h in other.ahead)
-        assert reservations.reserve(pool, 2, SLOT, 0, worker=0) is None, (
-            "the predecessor's slots are remembered as this worker's: taken, so copy mode"
-        )
+        # Its predecessor's slots are offered first, but do not count as its windows until
+        # it has had them: with those busy, a slot elsewhere, not copy mode.
+        elsewhere = reservations.reserve(pool, 2, SLOT, 0, worker=0)
+        assert elsewhere is not None and (elsewhere.arena_ino, elsewhere.offset) not in kept
+        assert elsewhere.ahead == (), "hints with the first reservation only"
+        reservations.take_back(elsewhere.claim)
+        del elsewhere
+        gc.collect()
         # Iterator 1 ended: what its workers kept is forgotten with its reservations.
         reservations.drop(1)
         again = reservations.reserve(pool, 1, SLOT, 0, worker=0)

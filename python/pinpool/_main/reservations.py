@@ -60,6 +60,9 @@ class Reservations:
         #: windows cost it more than the copy mode's whole batch (``docs/performance.md``).
         self._last: dict[int, list[tuple[int, WindowHint]]] = {}
         self._last_pool: int | None = None  # (an id: the table must not keep a pool alive)
+        #: Per (sampler, worker), the hinted offsets (``_last``'s, sent with its first
+        #: reservation), offered after those in ``_recent``.
+        self._hinted: dict[tuple[int, int], list[int]] = {}
 
     def _remember(self, key: tuple[int, int], offset: int, nbytes: int) -> None:  # (locked)
         recent = self._recent.setdefault(key, [])
@@ -85,10 +88,13 @@ class Reservations:
         # not starve it.
         key = (owner, worker) if worker is not None else None
         seeds: list[tuple[int, WindowHint]] = []
+        hinted: list[int] = []
         with self._lock:  # (an ended iterator's are dropped on the ending thread)
             recent = list(self._recent.get(key, ())) if key is not None else None
-            if worker is not None and not recent and self._last_pool == id(pool):
-                seeds = list(self._last.get(worker, ()))
+            if key is not None and worker is not None:
+                if not recent and self._last_pool == id(pool):
+                    seeds = list(self._last.get(worker, ()))
+                hinted = [at for at in self._hinted.get(key, ()) if at not in (recent or ())]
         # A worker that keeps as many windows as it may gets a big batch's slot only where one
         # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
         # more than the main process's copy of the batch out of its segment.
@@ -99,7 +105,7 @@ class Reservations:
             pool.try_checkout(
                 nbytes,
                 reserve=reserve,
-                prefer=recent or [offset for offset, _ in seeds] or None,
+                prefer=(recent or []) + (hinted or [at for at, _ in seeds]) or None,
                 prefer_only=only,
             )
             if pool is not None
@@ -125,9 +131,11 @@ class Reservations:
         )
         with self._lock:
             if key is not None and worker is not None:
-                # The predecessor's slots first (the oldest at the back), then this one.
-                for at, hint in reversed(seeds):
-                    self._remember(key, at, hint.nbytes)
+                if seeds:
+                    # Offered next, after the slots this worker has had; not counted as its
+                    # windows (``only`` above) until it has had them: a busy one would send
+                    # a fresh worker's batch through copy mode, and a new segment of its own.
+                    self._hinted[key] = [at for at, _ in seeds if at != slot.offset]
                 self._remember(key, slot.offset, slot.nbytes)
                 self._note_last(pool, worker, slot.offset, reservation.hint)
             self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
@@ -178,6 +186,8 @@ class Reservations:
                 del self._reserved[key]
             for recent in [k for k in self._recent if owner in (None, k[0])]:
                 del self._recent[recent]
+            for hinted in [k for k in self._hinted if owner in (None, k[0])]:
+                del self._hinted[hinted]
             if owner is None:
                 self._last.clear()
                 self._last_pool = None
