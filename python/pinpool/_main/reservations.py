@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._errors import OutOfBounds, PinPoolError
-from .._native import PinPool, Slot
+from .._native import PinPool, Slot, page_size
 from .._wire.handle import SlotReservation, TaggedIndices, WindowHint, windows_kept
 
 #: Reservations of at least this many bytes go only where the worker has a window already,
@@ -95,6 +95,8 @@ class Reservations:
                 if not recent and self._last_pool == id(pool):
                     seeds = list(self._last.get(worker, ()))
                 hinted = [at for at in self._hinted.get(key, ()) if at not in (recent or ())]
+        if worker is not None and pool is not None and not recent and not seeds:
+            seeds = planned(pool, worker, nbytes)  # (no predecessor: the loader's first epoch)
         # A worker that keeps as many windows as it may gets a big batch's slot only where one
         # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
         # more than the main process's copy of the batch out of its segment.
@@ -117,6 +119,8 @@ class Reservations:
             return None  # (a slot checked out above returns to the pool as it dies here)
         fd, offset, part_len = where
         ino = os.fstat(fd).st_ino
+        if seeds and worker is not None and slot.nbytes != seeds[0][1].nbytes:
+            seeds = planned(pool, worker, slot.nbytes)  # (the slot was rounded up)
         nonce = random.getrandbits(63)
         reservation = SlotReservation(
             slot.index,
@@ -191,6 +195,27 @@ class Reservations:
             if owner is None:
                 self._last.clear()
                 self._last_pool = None
+
+
+#: How many slots a fresh worker with no predecessor is told of ahead (its first included).
+PLANNED_SLOTS = 4
+
+
+def planned(pool: PinPool, worker: int, nbytes: int) -> list[tuple[int, WindowHint]]:
+    """Where a fresh worker's first big slots will be, when no worker of its id came before
+    it: ``PLANNED_SLOTS`` (at most as many as it keeps windows of) of the arena's slot-sized
+    places, worker ``worker``'s share, as (arena offset, hint); none for batches under
+    ``ONLY_KEPT_FROM`` (a new small window costs the worker little) or without memfd parts."""
+    step = nbytes + -nbytes % page_size()
+    if nbytes < ONLY_KEPT_FROM:
+        return []
+    places: list[tuple[int, WindowHint]] = []
+    for fd, start, length in pool.memfd_parts():
+        ino = os.fstat(fd).st_ino
+        for at in range(0, length - step + 1, step):
+            places.append((start + at, WindowHint(at, step, os.getpid(), fd, length, ino)))
+    k = min(PLANNED_SLOTS, windows_kept(step), len(places))
+    return [places[(worker * k + i) % len(places)] for i in range(k)]
 
 
 _END = object()
