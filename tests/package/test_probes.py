@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-PROBES = ["first_batch.py", "next_profile.py", "stall_trace.py"]
+PROBES = ["first_batch.py", "fresh_workers.py", "next_profile.py", "stall_trace.py"]
 
 #: What a probe may import of pinpool: the public names, the trace hook, the bench's helpers.
 ALLOWED = ("pinpool", "pinpool.trace", "pinpool.bench")

@@ -6,7 +6,9 @@ backend). As torch puts the next batch's indices on the chosen worker's queue
 them), :class:`ReservingSampler` checks a slot out (without waiting: the asking thread is the
 consumer), sized before the batch exists from the recent batches' sizes
 (``sizing.reservation_bytes``), preferably where that worker's last slots were (it keeps
-windows on them: ``_worker.windows``), and tags the index list with a
+windows on them: ``_worker.windows``; a fresh worker is told with its first slot where its next
+ones will likely be, to map them ahead: its predecessor's slots, or its share of the arena's
+slot places, :func:`planned`), and tags the index list with a
 :class:`~pinpool._wire.handle.SlotReservation`: the slot's place in shared memory and a random
 nonce. A batch that turns out larger goes through its worker's segment (counted).
 The worker writes the batch into that slot (``pinpool._worker.places``) and

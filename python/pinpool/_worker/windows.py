@@ -14,11 +14,12 @@ a kept window costs one ``mprotect`` where mapping the slot afresh faults in eve
 ``handle.WINDOW_BYTES_KEPT`` bytes of them, the latest used first.
 
 A fresh worker (each epoch's, unless workers persist) would map each of its first slots anew,
-on the path of its first batches. Its first reservation names where the worker of the same id
-in the iterator before had its slots (``SlotReservation.ahead``: the main process offers those
-slots first, ``_main.reservations``), and a thread of the worker's own maps them while it
-collates (:func:`map_ahead`), checked as a reservation's slot is, and inaccessible as every
-kept window is between batches: a hint lets the worker write nothing.
+on the path of its first batches. Its first reservation names where its next slots will
+likely be (``SlotReservation.ahead``): where the worker of the same id in the iterator before
+had its slots, or, in a loader's first epoch, this worker's share of the arena's slot places.
+The main process offers those slots first (``_main.reservations``), and a thread of the
+worker's own maps them while it collates (:func:`map_ahead`), checked as a reservation's slot
+is, and inaccessible as every kept window is between batches: a hint lets the worker write nothing.
 
 Where the machine has memory protection keys (``src/pkeys.rs``), a window has a key of its
 own, and a slot is opened *keyed* when only this thread (and pinpool's copy threads, which take
