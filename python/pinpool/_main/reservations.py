@@ -94,7 +94,9 @@ class Reservations:
         with self._lock:  # (an ended iterator's are dropped on the ending thread)
             recent = list(self._recent.get(key, ())) if key is not None else None
             if key is not None and worker is not None:
-                if not recent and self._last_pool == id(pool):
+                # (Big batches only: while a hint is mapped, the worker holds a descriptor of
+                # the arena, and the new window is writable until it is faulted in.)
+                if not recent and self._last_pool == id(pool) and nbytes >= ONLY_KEPT_FROM:
                     seeds = list(self._last.get(worker, ()))
                 hinted = [at for at in self._hinted.get(key, ()) if at not in (recent or ())]
         if worker is not None and pool is not None and not recent and not seeds:
