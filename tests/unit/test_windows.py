@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loader_datasets import _reachable
 
-from pinpool._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation, WindowHint
+from pinpool._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation
 from pinpool._worker import windows
 
 BIG = 8 << 20
@@ -29,9 +28,9 @@ SMALL = 1 << 16
 
 @pytest.fixture
 def fresh_windows() -> Iterator[None]:
-    windows._start_afresh()
+    windows._WINDOWS.clear()
     yield
-    windows._start_afresh()
+    windows._WINDOWS.clear()
 
 
 def reserve(pool: Any, slot: Any, nonce: int = 1) -> SlotReservation:
@@ -39,49 +38,6 @@ def reserve(pool: Any, slot: Any, nonce: int = 1) -> SlotReservation:
     return SlotReservation(
         slot.index, 1, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
     )
-
-
-def mapped_ahead(timeout: float = 30.0) -> None:
-    """Waits for the map-ahead thread to finish."""
-    for thread in threading.enumerate():
-        if thread.name == "pinpool-map-ahead":
-            thread.join(timeout)
-    assert not windows._PENDING
-
-
-def test_hinted_slots_are_mapped_ahead_inaccessible_and_then_opened_without_mapping(
-    make_pool: Callable[..., Any], fresh_windows: None
-) -> None:
-    """A first reservation's hints are mapped on a thread of their own, each a kept window
-    that nothing can write until a reservation there opens it; a hint naming another file is
-    skipped; the hints of a later reservation start nothing (once per process)."""
-    pool = make_pool(BIG, 5, arena_bytes=5 * BIG)
-    slots = [pool.checkout(nbytes=BIG) for _ in range(5)]
-    r = [reserve(pool, s) for s in slots]
-    stale = WindowHint(*r[3].hint[:5], r[3].arena_ino + 1)  # (another file's inode)
-    first, _, new = windows.open_for(r[0]._replace(ahead=(r[1].hint, r[2].hint, stale)))
-    assert new
-    windows.close(first)
-    mapped_ahead()
-    kept = windows.kept()
-    assert len(kept) == 3 and kept[0] is first, "the first slot's and two hints'"
-    assert all(w.open_range is None for w in kept), "a hinted window opens for no one"
-    for w in kept[1:]:
-        assert w.armed_range is None, "inaccessible until a reservation there opens it"
-    window, at, new = windows.open_for(r[1]._replace(ahead=(r[4].hint,)))
-    assert not new and window is kept[1]
-    write_through(window, at, r[1].nbytes, 9)
-    windows.close(window)
-    view = memoryview(slots[1])
-    assert view[0] == 9 and view[r[1].nbytes - 1] == 9
-    view.release()
-    mapped_ahead()
-    assert len(windows.kept()) == 3, "a later reservation's hints start nothing"
-    window, _, new = windows.open_for(r[3])
-    assert new, "the stale hint mapped nothing"
-    windows.close(window)
-    for s in slots:
-        s.release()
 
 
 def write_through(window: Any, at: int, nbytes: int, value: int) -> None:
