@@ -19,6 +19,14 @@
 //! writing thread runs code of the caller's with access switched off (a streamed batch's
 //! next sample being made).
 //!
+//! A window can be mapped without its pages faulted in ([`Window::unfaulted`]: one `mmap`,
+//! microseconds), and faulted in later by another thread ([`Window::fault_in_privately`]): a
+//! fresh worker maps the windows of its next slots while it holds the arena's descriptor for
+//! its first one, and a thread of its own faults them in while it collates. Where the window
+//! has a key, its pages are writable during that fault-in under the key alone, which only the
+//! faulting thread switches on: no other thread of the worker can reach them, ever, before a
+//! batch's range is opened.
+//!
 //! Invariants:
 //! - A window owns exactly one `MAP_SHARED` mapping of `len > 0` bytes (whole pages) of a
 //!   memfd sealed against shrinking, from a page-aligned file offset, with `offset + len` no
@@ -34,8 +42,14 @@
 //!   plainly has no armed range. At most one range is open at a time. Protections change in
 //!   pieces of [`crate::shm::MM_CALL_BYTES`] (each `mprotect` call holds the process's
 //!   address-space lock, as `munmap` does).
+//! - Every page is faulted in before any range is opened: [`Window::open`] faults in a window
+//!   that is not yet ([`Window::is_faulted`]) first, under the lock, so an opener waits for a
+//!   fault-in under way on another thread instead of writing through page faults.
 //! - A thread has access to a window's key only between [`Window::allow`] and the next
-//!   [`Window::deny`] or [`Window::close`] on that thread, while a keyed range is open. A
+//!   [`Window::deny`] or [`Window::close`] on that thread, while a keyed range is open, and
+//!   while [`Window::fault_in_privately`] (or the fault-in of a window with a key) runs on it,
+//!   under the window's lock: the whole window is readable and writable under the key then,
+//!   and `PROT_NONE` again before the lock is let go. A
 //!   close on another thread than the one allowed makes the armed range `PROT_NONE` (that
 //!   thread's access can only be switched off by itself), and a window dropped while a thread
 //!   may still have access keeps its key allocated for good, so that no later window gets it.
@@ -92,6 +106,8 @@ struct State {
     allowed: Option<std::thread::ThreadId>,
     /// Views alive.
     views: usize,
+    /// Whether every page has been faulted in (see the invariants).
+    faulted: bool,
 }
 
 // SAFETY: the window is a mapping owned by this value; its open range and view count change
@@ -114,10 +130,19 @@ impl std::fmt::Debug for Window {
 
 impl Window {
     /// Maps `len` bytes (a whole number of pages, at least one) of the file behind `fd`
-    /// (only borrowed) from file offset `offset` (page-aligned), shared, readable and
-    /// writable; faults every page in, then makes them all inaccessible. Fails unless the
-    /// file is a memfd sealed against shrinking at least `offset + len` bytes long.
+    /// (only borrowed) from file offset `offset` (page-aligned), shared; faults every page in
+    /// ([`Window::fault_in`]), leaving them all inaccessible. Fails unless the file is a memfd
+    /// sealed against shrinking at least `offset + len` bytes long.
     pub fn new(fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<Self> {
+        let window = Window::unfaulted(fd, offset, len)?;
+        window.fault_in()?;
+        Ok(window)
+    }
+
+    /// As [`Window::new`], but nothing is faulted in: the mapping is made inaccessible
+    /// (`PROT_NONE`) and its pages are faulted in later, by [`Window::fault_in_privately`] on
+    /// another thread, or by the first [`Window::open`].
+    pub fn unfaulted(fd: BorrowedFd<'_>, offset: usize, len: usize) -> Result<Self> {
         let page = page_size();
         if len == 0 || len % page != 0 || offset % page != 0 {
             return Err(Error::Invalid(format!(
@@ -142,7 +167,7 @@ impl Window {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                libc::PROT_NONE,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
                 file_offset,
@@ -166,12 +191,88 @@ impl Window {
             key: None,
         };
         window.keep_from_children();
-        // SAFETY: the range is this window's own readable and writable shared mapping, of a
-        // file that holds all of it.
-        unsafe { prefault_shared(ptr.as_ptr(), len)? };
-        window.protect(0, len, libc::PROT_NONE, None)?;
         window.key = Key::alloc();
         Ok(window)
+    }
+
+    /// Faults every page in on the calling thread (at once if they are already), leaving them
+    /// inaccessible. On a window with a key they are writable meanwhile under the key alone
+    /// (this thread's access switched on for it); on one without, by every thread of the
+    /// process for that while. Refused in a forked child (see the invariants).
+    pub fn fault_in(&self) -> Result<()> {
+        self.refuse_if_not_ours()?;
+        let mut state = self.state.lock();
+        self.populate(&mut state, false).map(|_| ())
+    }
+
+    /// Faults every page in on the calling thread without any other thread ever being able
+    /// to reach them, where the window has a key (see [`Window::fault_in`]); true once they
+    /// are faulted in (now or before). Does nothing and returns false on a window without a
+    /// key: its pages would be writable by every thread while they are faulted in.
+    pub fn fault_in_privately(&self) -> Result<bool> {
+        self.refuse_if_not_ours()?;
+        let mut state = self.state.lock();
+        self.populate(&mut state, true)
+    }
+
+    /// Whether every page has been faulted in.
+    pub fn is_faulted(&self) -> bool {
+        self.state.lock().faulted
+    }
+
+    /// Faults the whole window in, under the lock (see [`Window::fault_in`]); with `privately`,
+    /// only where it has a key (false where not).
+    fn populate(&self, state: &mut State, privately: bool) -> Result<bool> {
+        if state.faulted {
+            return Ok(true);
+        }
+        // (A range is opened only once the window is faulted in: nothing is open or armed.)
+        debug_assert!(state.open.is_none() && state.armed.is_none());
+        let (len, ptr) = (self.len, self.ptr.as_ptr());
+        let done = match &self.key {
+            Some(key) => {
+                self.protect(0, len, libc::PROT_READ | libc::PROT_WRITE, Some(key.id()))
+                    .inspect_err(|_| {
+                        let _ = self.protect(0, len, libc::PROT_NONE, None);
+                    })?;
+                let had = pkeys::allowed(key);
+                pkeys::allow(key);
+                // SAFETY: the range is this window's own shared mapping, readable and writable
+                // (under its key, which this thread has access to now), of a file that holds
+                // all of it.
+                let done = unsafe { prefault_shared(ptr, len) };
+                if !had {
+                    pkeys::deny(key);
+                }
+                done
+            }
+            None if privately => return Ok(false),
+            None => {
+                self.protect(0, len, libc::PROT_READ | libc::PROT_WRITE, None).inspect_err(
+                    |_| {
+                        let _ = self.protect(0, len, libc::PROT_NONE, None);
+                    },
+                )?;
+                // SAFETY: as above, readable and writable by every thread for this while.
+                unsafe { prefault_shared(ptr, len) }
+            }
+        };
+        // (The pages keep the window's key, if it has one; no thread's access to it is on.)
+        self.protect(0, len, libc::PROT_NONE, None)?;
+        done?;
+        state.faulted = true;
+        Ok(true)
+    }
+
+    fn refuse_if_not_ours(&self) -> Result<()> {
+        if self.is_ours() {
+            return Ok(());
+        }
+        Err(Error::Invalid(
+            "this window was mapped by the process this one was forked from: it is not mapped \
+             here"
+                .into(),
+        ))
     }
 
     /// Leaves the mapping out of children forked from now on (`MADV_DONTFORK`), as
@@ -260,13 +361,7 @@ impl Window {
     /// it may touch them; without, or on a window without a key, by any thread, until
     /// [`Window::close`].
     pub fn open(&self, offset: usize, nbytes: usize, keyed: bool) -> Result<()> {
-        if !self.is_ours() {
-            return Err(Error::Invalid(
-                "this window was mapped by the process this one was forked from: it is not \
-                 mapped here"
-                    .into(),
-            ));
-        }
+        self.refuse_if_not_ours()?;
         if nbytes == 0 {
             return Err(Error::Invalid("cannot open an empty range of a window".into()));
         }
@@ -286,6 +381,7 @@ impl Window {
                 self.offset + end
             )));
         }
+        self.populate(&mut state, false)?;
         let page = page_size();
         let from = offset - self.offset;
         let start = from / page * page;
@@ -611,6 +707,74 @@ mod tests {
             assert_eq!(v.perms, "---s", "{found:?}");
             assert!(v.flags.iter().any(|f| f == "dc"), "inherited by children: {found:?}");
         }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn an_unfaulted_window_maps_nothing_in_until_faulted_or_opened() {
+        let p = page_size();
+        let m = arena(8);
+        let w = Window::unfaulted(m.fd().unwrap(), 2 * p, 4 * p).unwrap();
+        let rss = |w: &Window| vmas(w.as_ptr() as usize, w.len()).iter().map(|v| v.rss).sum();
+        assert!(!w.is_faulted());
+        assert_eq!(rss(&w), 0usize, "faulted in at once");
+        assert_eq!(page_perms(&w), vec!["---s".to_owned(); 4]);
+        // Faulted in privately only where it has a key; otherwise left for the opener.
+        let private = w.fault_in_privately().unwrap();
+        assert_eq!(private, w.has_key());
+        assert!(private || !keys_required(), "no protection key for the window");
+        assert_eq!((w.is_faulted(), rss(&w)), (private, if private { 4 * p } else { 0 }));
+        assert_eq!(page_perms(&w), vec!["---s".to_owned(); 4], "inaccessible once faulted");
+        // The first open faults in whatever is not yet, and reads what the file holds.
+        w.open(3 * p, p, false).unwrap();
+        assert!(w.is_faulted());
+        assert_eq!(rss(&w), 4 * p);
+        // SAFETY: the open page, inside the window.
+        assert_eq!(unsafe { w.as_ptr().add(p).read_volatile() }, 4);
+        w.close().unwrap();
+        assert_eq!(w.fault_in_privately(), Ok(true), "once faulted, nothing more to do");
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn a_window_faulted_in_privately_is_never_reachable_from_another_thread() {
+        let p = page_size();
+        let pages = 2048; // (8 MiB: the fault-in takes a while)
+        let m = Mapping::memfd("pinpool-window-test", pages * p).unwrap();
+        let w = Window::unfaulted(m.fd().unwrap(), 0, pages * p).unwrap();
+        if !w.has_key() {
+            assert!(!keys_required(), "no protection key for the window");
+            assert_eq!(w.fault_in_privately(), Ok(false));
+            assert!(!w.is_faulted(), "faulted in where every thread could have written it");
+            return;
+        }
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let (mut probes, mut reached) = (0, 0);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                assert_eq!(w.fault_in_privately(), Ok(true));
+                done.store(true, std::sync::atomic::Ordering::Release);
+            });
+            // This thread probes the pages while the other faults them in.
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                for i in (0..pages).step_by(97) {
+                    probes += 1;
+                    // SAFETY: an address inside the window; `writes` faults nothing.
+                    reached += usize::from(writes(unsafe { w.as_ptr().add(i * p) }));
+                }
+            }
+        });
+        assert_eq!(reached, 0, "reached {reached} times of {probes} while faulted in");
+        assert!(w.is_faulted());
+        assert!(page_keys(&w).iter().all(|k| *k == w.key.as_ref().map(Key::id)));
+        // The faulting thread's access went with it; this one never had it.
+        w.open(p, p, true).unwrap();
+        // SAFETY: inside the window; `writes` faults nothing.
+        assert!(!writes(unsafe { w.as_ptr().add(p) }), "open keyed, access off");
+        w.allow().unwrap();
+        // SAFETY: as above.
+        assert!(writes(unsafe { w.as_ptr().add(p) }));
+        w.close().unwrap();
     }
 
     #[test]

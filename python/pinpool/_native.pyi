@@ -129,6 +129,7 @@ class PinPool:
     @property
     def address(self) -> int: ...
     def slot_memfd(self, slot: Slot) -> tuple[int, int, int] | None: ...
+    def memfd_parts(self) -> list[tuple[int, int, int]]: ...
     @property
     def device(self) -> int | None: ...
     @property
@@ -202,19 +203,21 @@ class ArenaWindow:
     kept by a zero-copy worker between batches, inaccessible (``PROT_NONE``) except for the one
     range ``open()`` makes readable and writable while a batch is written into it.
 
-    ``ArenaWindow(fd, offset, length)``: ``fd`` is only borrowed (neither kept nor closed); it
-    must be a memfd sealed against shrinking at least ``offset + length`` bytes long;
-    ``offset`` is page-aligned and ``length`` a whole number of pages. The pages are faulted
-    in (without the GIL) and then made inaccessible: their page-table entries stay, so opening
-    them later is cheap. The mapping is not inherited by forked children. Raises
-    ``InvalidArgument`` or ``OutOfBounds`` (both ``ValueError``) for bad arguments.
+    ``ArenaWindow(fd, offset, length, fault_in=True)``: ``fd`` is only borrowed (neither kept
+    nor closed); it must be a memfd sealed against shrinking at least ``offset + length`` bytes
+    long; ``offset`` is page-aligned and ``length`` a whole number of pages. The pages are
+    faulted in (without the GIL) and then made inaccessible: their page-table entries stay, so
+    opening them later is cheap. With ``fault_in=False`` nothing is faulted in yet:
+    ``fault_in_privately()`` on another thread, or the first ``open()``, does it. The mapping
+    is not inherited by forked children. Raises ``InvalidArgument`` or ``OutOfBounds`` (both
+    ``ValueError``) for bad arguments.
 
     The buffer protocol exports the whole window (``memoryview(window)[a:b]``, where byte 0 is
     file offset ``offset``), writable, closed or not: touching a byte outside the open range
     faults, by design. Each view keeps the window alive, and ``close()`` refuses while one is.
     """
 
-    def __new__(cls, fd: int, offset: int, length: int) -> ArenaWindow: ...
+    def __new__(cls, fd: int, offset: int, length: int, fault_in: bool = True) -> ArenaWindow: ...
     # The buffer protocol (memoryview(window)): declared for type checkers.
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
@@ -234,6 +237,15 @@ class ArenaWindow:
         the kernel have them, and one was left): then ``open(..., keyed=True)`` keeps the
         range's pages writable between batches, and only a thread that calls ``allow()``
         reaches them."""
+    @property
+    def faulted(self) -> bool:
+        """Whether every page has been faulted in."""
+    def fault_in_privately(self) -> bool:
+        """Faults every page in on the calling thread, without the GIL, where the window has a
+        key: the pages are writable meanwhile under the key alone, with only this thread's
+        access on, so no other thread can reach them. True once faulted in (now or before);
+        False, doing nothing, on a window without a key (the first ``open()`` faults it in
+        then)."""
     @property
     def armed_range(self) -> tuple[int, int] | None:
         """The file offsets ``[start, end)`` of the pages kept readable and writable under the

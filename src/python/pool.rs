@@ -504,6 +504,21 @@ impl PyPinPool {
         Some((fd.as_raw_fd(), at - start, len))
     }
 
+    /// The arena's memfd parts, in order: `(fd, first byte's arena offset, length)`, for the
+    /// main process to tell a zero-copy worker where its next slots will be. Empty for
+    /// `cuda-hostalloc` (no memfd), or once closed.
+    fn memfd_parts(&self) -> Vec<(i32, usize, usize)> {
+        let Some(pool) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+            return Vec::new();
+        };
+        let (arena, mut at, mut parts) = (pool.arena(), 0, Vec::new());
+        while let Some((fd, start, len)) = arena.part_at(at) {
+            parts.push((fd.as_raw_fd(), start, len));
+            at = start + len;
+        }
+        parts
+    }
+
     /// CUDA device ordinal, or None on the host backend.
     #[getter]
     fn device(&self) -> Option<usize> {

@@ -22,12 +22,14 @@ use crate::window::Window;
 /// zero-copy worker between batches, inaccessible (`PROT_NONE`) except for the one range
 /// `open()` makes readable and writable while a batch is written into it.
 ///
-/// `ArenaWindow(fd, offset, length)`: `fd` is only borrowed (neither kept nor closed); it
-/// must be a memfd sealed against shrinking at least `offset + length` bytes long;
-/// `offset` is page-aligned and `length` a whole number of pages. The pages are faulted in
-/// (without the GIL) and then made inaccessible: their page-table entries stay, so opening
-/// them later is cheap. The mapping is not inherited by forked children. Raises
-/// `InvalidArgument` or `OutOfBounds` (both `ValueError`s) for bad arguments.
+/// `ArenaWindow(fd, offset, length, fault_in=True)`: `fd` is only borrowed (neither kept nor
+/// closed); it must be a memfd sealed against shrinking at least `offset + length` bytes
+/// long; `offset` is page-aligned and `length` a whole number of pages. The pages are faulted
+/// in (without the GIL) and then made inaccessible: their page-table entries stay, so opening
+/// them later is cheap. With `fault_in=False` nothing is faulted in yet: `fault_in_privately()`
+/// on another thread, or the first `open()`, does it. The mapping is not inherited by forked
+/// children. Raises `InvalidArgument` or `OutOfBounds` (both `ValueError`s) for bad
+/// arguments.
 ///
 /// The buffer protocol exports the whole window (`memoryview(window)[a:b]`, where byte 0 is
 /// file offset `offset`), writable, closed or not: touching a byte outside the open range
@@ -40,11 +42,13 @@ pub struct PyArenaWindow {
 #[pymethods]
 impl PyArenaWindow {
     #[new]
+    #[pyo3(signature = (fd, offset, length, fault_in = true))]
     fn new(
         py: Python<'_>,
         fd: i32,
         offset: &Bound<'_, PyAny>,
         length: &Bound<'_, PyAny>,
+        fault_in: bool,
     ) -> PyResult<Self> {
         guarded(|| {
             if fd < 0 {
@@ -58,7 +62,10 @@ impl PyArenaWindow {
                     // (documented); a closed or reused number fails the seal and size checks
                     // or maps another sealed memfd, never a file that could shrink.
                     let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-                    Window::new(fd, offset, length)
+                    match fault_in {
+                        true => Window::new(fd, offset, length),
+                        false => Window::unfaulted(fd, offset, length),
+                    }
                 })
                 .py(py)?;
             Ok(PyArenaWindow { window })
@@ -104,6 +111,20 @@ impl PyArenaWindow {
     #[getter]
     fn has_key(&self) -> bool {
         self.window.has_key()
+    }
+
+    /// Whether every page has been faulted in.
+    #[getter]
+    fn faulted(&self) -> bool {
+        self.window.is_faulted()
+    }
+
+    /// Faults every page in on the calling thread, without the GIL, where the window has a key:
+    /// the pages are writable meanwhile under the key alone, with only this thread's access
+    /// on, so no other thread can reach them. True once faulted in (now or before); False,
+    /// doing nothing, on a window without a key (the first `open()` faults it in then).
+    fn fault_in_privately(&self, py: Python<'_>) -> PyResult<bool> {
+        guarded(|| py.detach(|| self.window.fault_in_privately()).py(py))
     }
 
     /// The file offsets `[start, end)` of the pages kept readable and writable under the

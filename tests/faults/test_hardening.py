@@ -578,12 +578,28 @@ def test_memfds_are_owner_only(make_pool: Any) -> None:
 
 
 @pytest.mark.parametrize("context", ["forkserver", "fork"])
-def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -> None:
+def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(
+    context: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A zero-copy worker maps its reservation's slot only while writing the batch: when it starts
     the next batch it holds no writable mapping and no descriptor of the main process's
-    arena, so nothing it does then can reach a batch the consumer holds. Streamed batches
-    are written sample by sample, so only a batch's first sample is made before its slot is
-    mapped. With ``fork`` the workers of the second epoch start after the arena exists."""
+    arena, so nothing it does then can reach a batch the consumer holds, not even while its
+    map-ahead thread faults in the windows of its next slots (hinted here for batches of any
+    size; mapped ahead only where windows have keys). Streamed batches are written sample by
+    sample, so only a batch's first sample is made before its slot is mapped. With ``fork``
+    the workers of the second epoch start after the arena exists."""
+    from pinpool._main import reservations
+
+    monkeypatch.setattr(reservations, "ONLY_KEPT_FROM", 0)
+    hinted: list[int] = []
+    reserve = reservations.Reservations.reserve
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        made = reserve(self, *args, **kwargs)
+        hinted.extend([len(made.ahead)] if made is not None and made.ahead else [])
+        return made
+
+    monkeypatch.setattr(reservations.Reservations, "reserve", counting)
     gc.collect()
     pinpool.wait_for_freed_pools(timeout=60)
     for stream in (False, True):
@@ -603,6 +619,8 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(context: str) -
             reached = seen[seen[:, 1:].sum(1) > 0]
             assert len(reached) == 0, f"made while the arena was reachable: {reached.tolist()}"
         assert loader.stats()["zero_copy_batches"] >= 12, loader.stats()
+        assert len(hinted) >= 2, "no worker was told of its next slots"
+        hinted.clear()
         # (A child forked while an arena is being freed may inherit it as it was: nothing
         # uses that arena any more, but it would count here. The last epoch's iterator, which
         # holds the arena, goes once the ending thread has shut its workers down.)

@@ -52,17 +52,42 @@ def test_a_workers_windows_are_remembered_per_iterator(monkeypatch: pytest.Monke
         before = reservations.fallbacks
         assert reservations.reserve(pool, 1, SLOT, 0, worker=0) is None
         assert reservations.fallbacks == before + 1
-        # Worker 0 of another iterator (a new process) has no windows: anywhere.
+        # Worker 0 of another iterator (a new process) has no windows: anywhere, and told
+        # where its predecessor's were, to map them ahead (they are its first choice).
         other = reservations.reserve(pool, 2, SLOT, 0, worker=0)
         assert other is not None and (other.arena_ino, other.offset) not in kept
+        assert {(h.arena_ino, h.offset) for h in other.ahead} == kept
+        assert all(h.nbytes == SLOT and h.arena_pid == os.getpid() for h in other.ahead)
+        # Its predecessor's slots are offered first, but do not count as its windows until
+        # it has had them: with those busy, a slot elsewhere, not copy mode.
+        elsewhere = reservations.reserve(pool, 2, SLOT, 0, worker=0)
+        assert elsewhere is not None and (elsewhere.arena_ino, elsewhere.offset) not in kept
+        assert elsewhere.ahead == (), "hints with the first reservation only"
+        reservations.take_back(elsewhere.claim)
+        del elsewhere
+        gc.collect()
         # Iterator 1 ended: what its workers kept is forgotten with its reservations.
         reservations.drop(1)
         again = reservations.reserve(pool, 1, SLOT, 0, worker=0)
         assert again is not None
         assert (again.arena_ino, again.offset) not in kept | {(other.arena_ino, other.offset)}
+        assert again.ahead, "a new iterator's worker: hints, though all are busy"
+        last = again
         for r in (other, again):
             reservations.take_back(r.claim)
         del taken, other, again
+        gc.collect()
+        # A new iterator's worker 0 gets its predecessor's latest slot, now free, and the
+        # others it kept as hints.
+        seeded = reservations.reserve(pool, 3, SLOT, 0, worker=0)
+        assert seeded is not None and seeded.hint == last.hint
+        assert len(seeded.ahead) == 3 and last.hint not in seeded.ahead
+        later = reservations.reserve(pool, 3, SLOT, 0, worker=0)
+        assert later is not None and later.ahead == (), "hints with the first reservation only"
+        assert later.hint in seeded.ahead, "then the predecessor's other slots"
+        for r in (seeded, later):
+            reservations.take_back(r.claim)
+        del seeded, later
     finally:
         del loader
         gc.collect()
@@ -73,3 +98,41 @@ def test_a_worker_keeps_fewer_windows_of_big_slots() -> None:
     assert handle.windows_kept(335 * MiB) == 4
     assert handle.windows_kept(handle.WINDOW_BYTES_KEPT * 2) == 1
     assert handle.windows_kept(0) == handle.WINDOWS_KEPT
+
+
+def test_a_fresh_workers_first_slots_are_planned_apart_from_the_others() -> None:
+    """With no worker of its id before it (a loader's first epoch), a worker is told of its
+    share of the arena's slot-sized places with its first reservation: inside the arena's
+    parts, whole pages, none shared with the next worker; none for small batches."""
+    from pinpool._main.reservations import PLANNED_SLOTS, planned
+
+    loader = pinpool.DataLoader(
+        torch.zeros(4, 2), batch_size=2, num_workers=2, zero_copy=True, slot_bytes=SLOT, num_slots=8
+    )
+    pool, reservations = loader.pool, loader._pin_receiver.reservations
+    assert pool is not None
+    deadline = time.monotonic() + 30
+    while pool.stats()["slots_preparing"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the arena's parts are made ready in the background)
+    try:
+        parts = pool.memfd_parts()
+        assert parts and sum(length for _, _, length in parts) == pool.arena_bytes
+        plans = [planned(pool, w, SLOT) for w in (0, 1)]
+        for plan in plans:
+            assert len(plan) == min(PLANNED_SLOTS, handle.windows_kept(SLOT))
+            for at, hint in plan:
+                fd, start, length = next(p for p in parts if p[1] <= at < p[1] + p[2])
+                assert (hint.arena_fd, hint.arena_len) == (fd, length)
+                assert hint.offset == at - start and hint.offset + hint.nbytes <= length
+                assert hint.nbytes == SLOT and hint.offset % 4096 == 0
+        assert not {at for at, _ in plans[0]} & {at for at, _ in plans[1]}
+        assert planned(pool, 0, 1 << 20) == [], "small batches: no plan"
+        first = reservations.reserve(pool, 7, SLOT, 0, worker=1)
+        assert first is not None
+        told = {(h.arena_ino, h.offset) for h in first.ahead} | {(first.arena_ino, first.offset)}
+        assert told == {(h.arena_ino, h.offset) for _, h in plans[1]}, "its share, first of all"
+        reservations.take_back(first.claim)
+        del first
+    finally:
+        del loader
+        gc.collect()

@@ -6,7 +6,9 @@ backend). As torch puts the next batch's indices on the chosen worker's queue
 them), :class:`ReservingSampler` checks a slot out (without waiting: the asking thread is the
 consumer), sized before the batch exists from the recent batches' sizes
 (``sizing.reservation_bytes``), preferably where that worker's last slots were (it keeps
-windows on them: ``_worker.windows``), and tags the index list with a
+windows on them: ``_worker.windows``; a fresh worker is told with its first slot where its next
+ones will likely be, to map them ahead: its predecessor's slots, or its share of the arena's
+slot places, :func:`planned`), and tags the index list with a
 :class:`~pinpool._wire.handle.SlotReservation`: the slot's place in shared memory and a random
 nonce. A batch that turns out larger goes through its worker's segment (counted).
 The worker writes the batch into that slot (``pinpool._worker.places``) and
@@ -29,8 +31,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._errors import OutOfBounds, PinPoolError
-from .._native import PinPool, Slot
-from .._wire.handle import SlotReservation, TaggedIndices, windows_kept
+from .._native import PinPool, Slot, page_size
+from .._wire.handle import SlotReservation, TaggedIndices, WindowHint, windows_kept
 
 #: Reservations of at least this many bytes go only where the worker has a window already,
 #: once it keeps as many as it may (see :meth:`Reservations.reserve`); smaller ones may go
@@ -52,6 +54,17 @@ class Reservations:
         #: workers are new processes, which have mapped nothing yet (persistent workers keep
         #: their iterator).
         self._recent: dict[tuple[int, int], list[int]] = {}
+        #: Per worker id, across iterators, where that worker's last slots were: (arena
+        #: offset, hint), the latest first, in the pool of id ``_last_pool``. A new
+        #: iterator's worker of the same id is offered those slots first, and told of them
+        #: with its first reservation (``SlotReservation.ahead``), so that it maps them ahead
+        #: while it collates: with big batches and few workers, each fresh worker's first
+        #: windows cost it more than the copy mode's whole batch (``docs/performance.md``).
+        self._last: dict[int, list[tuple[int, WindowHint]]] = {}
+        self._last_pool: int | None = None  # (an id: the table must not keep a pool alive)
+        #: Per (sampler, worker), the hinted offsets (``_last``'s, sent with its first
+        #: reservation), offered after those in ``_recent``.
+        self._hinted: dict[tuple[int, int], list[int]] = {}
 
     def _remember(self, key: tuple[int, int], offset: int, nbytes: int) -> None:  # (locked)
         recent = self._recent.setdefault(key, [])
@@ -76,8 +89,17 @@ class Reservations:
         # large for its reservation): it needs a slot when it arrives, and reservations must
         # not starve it.
         key = (owner, worker) if worker is not None else None
+        seeds: list[tuple[int, WindowHint]] = []
+        hinted: list[int] = []
         with self._lock:  # (an ended iterator's are dropped on the ending thread)
             recent = list(self._recent.get(key, ())) if key is not None else None
+            if key is not None and worker is not None:
+                # (Big batches only: a small window costs a fresh worker little to fault in.)
+                if not recent and self._last_pool == id(pool) and nbytes >= ONLY_KEPT_FROM:
+                    seeds = list(self._last.get(worker, ()))
+                hinted = [at for at in self._hinted.get(key, ()) if at not in (recent or ())]
+        if worker is not None and pool is not None and not recent and not seeds:
+            seeds = planned(pool, worker, nbytes)  # (no predecessor: the loader's first epoch)
         # A worker that keeps as many windows as it may gets a big batch's slot only where one
         # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
         # more than the main process's copy of the batch out of its segment.
@@ -85,7 +107,12 @@ class Reservations:
             recent is not None and len(recent) >= windows_kept(nbytes) and nbytes >= ONLY_KEPT_FROM
         )
         slot = (
-            pool.try_checkout(nbytes, reserve=reserve, prefer=recent or None, prefer_only=only)
+            pool.try_checkout(
+                nbytes,
+                reserve=reserve,
+                prefer=(recent or []) + (hinted or [at for at, _ in seeds]) or None,
+                prefer_only=only,
+            )
             if pool is not None
             else None
         )
@@ -95,12 +122,10 @@ class Reservations:
             return None  # (a slot checked out above returns to the pool as it dies here)
         fd, offset, part_len = where
         ino = os.fstat(fd).st_ino
+        if seeds and worker is not None and slot.nbytes != seeds[0][1].nbytes:
+            seeds = planned(pool, worker, slot.nbytes)  # (the slot was rounded up)
         nonce = random.getrandbits(63)
-        with self._lock:
-            if key is not None:
-                self._remember(key, slot.offset, slot.nbytes)
-            self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
-        return SlotReservation(
+        reservation = SlotReservation(
             slot.index,
             slot.generation,
             nonce,
@@ -111,6 +136,26 @@ class Reservations:
             part_len,
             ino,
         )
+        with self._lock:
+            if key is not None and worker is not None:
+                if seeds:
+                    # Offered next, after the slots this worker has had; not counted as its
+                    # windows (``only`` above) until it has had them: a busy one would send
+                    # a fresh worker's batch through copy mode, and a new segment of its own.
+                    self._hinted[key] = [at for at, _ in seeds if at != slot.offset]
+                self._remember(key, slot.offset, slot.nbytes)
+                self._note_last(pool, worker, slot.offset, reservation.hint)
+            self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
+        ahead = tuple(hint for at, hint in seeds if at != slot.offset)
+        return reservation._replace(ahead=ahead) if ahead else reservation
+
+    def _note_last(self, pool: PinPool, worker: int, at: int, hint: WindowHint) -> None:  # (locked)
+        if self._last_pool != id(pool):
+            self._last.clear()  # (another pool's offsets name other memory)
+            self._last_pool = id(pool)
+        last = [(o, h) for o, h in self._last.get(worker, ()) if o != at]
+        last.insert(0, (at, hint))
+        self._last[worker] = last[: windows_kept(hint.nbytes)]
 
     def adopt(self, claim: Any) -> Slot:
         """The slot a worker wrote a batch into, if ``claim`` (index, generation, nonce) is
@@ -148,6 +193,32 @@ class Reservations:
                 del self._reserved[key]
             for recent in [k for k in self._recent if owner in (None, k[0])]:
                 del self._recent[recent]
+            for hinted in [k for k in self._hinted if owner in (None, k[0])]:
+                del self._hinted[hinted]
+            if owner is None:
+                self._last.clear()
+                self._last_pool = None
+
+
+#: How many slots a fresh worker with no predecessor is told of ahead (its first included).
+PLANNED_SLOTS = 4
+
+
+def planned(pool: PinPool, worker: int, nbytes: int) -> list[tuple[int, WindowHint]]:
+    """Where a fresh worker's first big slots will be, when no worker of its id came before
+    it: ``PLANNED_SLOTS`` (at most as many as it keeps windows of) of the arena's slot-sized
+    places, worker ``worker``'s share, as (arena offset, hint); none for batches under
+    ``ONLY_KEPT_FROM`` (a new small window costs the worker little) or without memfd parts."""
+    step = nbytes + -nbytes % page_size()
+    if nbytes < ONLY_KEPT_FROM:
+        return []
+    places: list[tuple[int, WindowHint]] = []
+    for fd, start, length in pool.memfd_parts():
+        ino = os.fstat(fd).st_ino
+        for at in range(0, length - step + 1, step):
+            places.append((start + at, WindowHint(at, step, os.getpid(), fd, length, ino)))
+    k = min(PLANNED_SLOTS, windows_kept(step), len(places))
+    return [places[(worker * k + i) % len(places)] for i in range(k)]
 
 
 _END = object()

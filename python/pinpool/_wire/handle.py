@@ -41,6 +41,19 @@ def windows_kept(nbytes: int) -> int:
     return max(1, min(WINDOWS_KEPT, WINDOW_BYTES_KEPT // max(nbytes, 1)))
 
 
+class WindowHint(NamedTuple):
+    """Where a worker's next slots will likely be (zero-copy mode): an extent of the arena the
+    worker may map ahead, inaccessible until a reservation there opens it
+    (``_worker.windows.map_ahead``). It hands the worker nothing to write."""
+
+    offset: int  # of the extent in its memfd, bytes
+    nbytes: int
+    arena_pid: int
+    arena_fd: int
+    arena_len: int
+    arena_ino: int
+
+
 class SlotReservation(NamedTuple):
     """A slot handed to the worker that will collate one batch (zero-copy mode)."""
 
@@ -53,6 +66,17 @@ class SlotReservation(NamedTuple):
     arena_fd: int  # the memfd (one part of the arena) holding the slot
     arena_len: int  # that memfd's length
     arena_ino: int  # that memfd's inode number: the fd still names the same file
+    #: Where this worker's next slots will likely be (the slots its predecessor, the same
+    #: worker id of the iterator before, kept windows on): set on a worker's first reservation
+    #: only, for it to map them on a thread of its own while it collates.
+    ahead: tuple[WindowHint, ...] = ()
+
+    @property
+    def hint(self) -> WindowHint:
+        """This slot's extent as a hint (for a later worker of the same id)."""
+        return WindowHint(
+            self.offset, self.nbytes, self.arena_pid, self.arena_fd, self.arena_len, self.arena_ino
+        )
 
     @property
     def claim(self) -> tuple[int, int, int]:

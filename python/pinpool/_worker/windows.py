@@ -13,6 +13,18 @@ a kept window costs one ``mprotect`` where mapping the slot afresh faults in eve
 54 ms per 256 MB). A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
 ``handle.WINDOW_BYTES_KEPT`` bytes of them, the latest used first.
 
+A fresh worker (each epoch's, unless workers persist) would fault in each of its first slots'
+windows on the path of its first batches. Its first reservation names where its next slots
+will likely be (``SlotReservation.ahead``): where the worker of the same id in the iterator
+before had its slots, or, in a loader's first epoch, this worker's share of the arena's slot
+places (``_main.reservations``, which offers those slots first). Where windows have keys, the
+worker maps them while it holds the descriptor for its first slot (checked as a reservation's
+slot is, and mapped inaccessible and not yet faulted in), and a thread of its own faults them in
+while it collates (:func:`map_ahead`): their pages are writable meanwhile under each window's
+key, which only that thread switches on, so no other thread of the worker can reach them, and
+it holds no descriptor. Without keys nothing is mapped ahead: faulting pages in needs them
+writable, and every thread could write them then.
+
 Where the machine has memory protection keys (``src/pkeys.rs``), a window has a key of its
 own, and a slot is opened *keyed* when only this thread (and pinpool's copy threads, which take
 its rights for a copy) writes it: torch runs one thread per operation here
@@ -24,13 +36,20 @@ is opened as before, writable by every thread until the close.
 
 Invariants:
 
-- A window covers only slots the main process handed this worker, is checked against the file
-  it maps (inode and range) each time it is reused, and is writable only between
+- A window covers only slots the main process handed this worker or named as its next ones
+  (hints: opened only for a reservation that lies in them), is checked against the file it
+  maps (inode and range) each time it is reused, and is writable only between
   :func:`open_for` and :func:`close` (one range at a time: ``src/window.rs``); opened keyed,
-  only by the thread that opened it, while its access is switched on (``Place.allow``).
+  only by the thread that opened it, while its access is switched on (``Place.allow``); and,
+  for a hint's, while the map-ahead thread faults it in, by that thread alone, under its key.
+- No descriptor of the arena stays open past :func:`open_for`; ``_WINDOWS`` changes only on
+  the thread that calls it (the map-ahead thread is handed its windows). The map-ahead thread
+  starts at most once per process, before any range is opened (a new thread inherits its
+  starter's access to keys).
 - A window that cannot be closed (a view of it is still alive, held by a traceback, or
   ``mprotect`` failed) is no longer kept: it is unmapped when the last reference to it goes.
-- A process forked from this one keeps none of these windows (they are not mapped there).
+- A process forked from this one keeps none of these windows (they are not mapped there), and
+  runs no map-ahead thread.
 """
 
 from __future__ import annotations
@@ -39,35 +58,45 @@ import fcntl
 import mmap
 import os
 import stat
+import threading
 
 import torch
 
 from .._errors import PinPoolError
 from .._native import ArenaWindow
 from .._wire import peer
-from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation
+from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation, WindowHint
 
 #: This process's kept windows, the latest used first: ``((main pid, inode), window)``.
 _WINDOWS: list[tuple[tuple[int, int], ArenaWindow]] = []
 _PID = os.getpid()
+#: The process that started its map-ahead thread, if this one did (once per process).
+_AHEAD_IN: int | None = None
+
+
+def _start_afresh() -> None:
+    """Forgets every kept window and that a map-ahead thread ran (a process forked from the one
+    that kept them: they are not mapped here)."""
+    global _PID, _AHEAD_IN
+    _WINDOWS.clear()
+    _AHEAD_IN = None
+    _PID = os.getpid()
 
 
 def _here() -> None:
     """Forgets the windows a process this one was forked from kept (not mapped here)."""
-    global _PID
     if _PID != os.getpid():
-        _WINDOWS.clear()
-        _PID = os.getpid()
+        _start_afresh()
 
 
-def _refuse(reservation: SlotReservation, why: str) -> PinPoolError:
+def _refuse(reservation: SlotReservation | WindowHint, why: str) -> PinPoolError:
     return PinPoolError(
         f"the slot handed out with this batch's indices (fd {reservation.arena_fd} of process "
         f"{reservation.arena_pid}) cannot be written: {why}"
     )
 
 
-def _check_part(fd: int, reservation: SlotReservation) -> None:
+def _check_part(fd: int, reservation: SlotReservation | WindowHint) -> None:
     """Raises unless ``fd`` is the arena part ``reservation`` names and its slot lies inside."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_ino != reservation.arena_ino:
@@ -89,6 +118,14 @@ def _check_part(fd: int, reservation: SlotReservation) -> None:
         raise _refuse(reservation, f"bytes {offset}..{offset + nbytes} lie outside the file")
 
 
+def _pages(extent: SlotReservation | WindowHint) -> tuple[int, int]:
+    """The file offset and length of the whole pages holding ``extent``'s bytes."""
+    start = extent.offset - extent.offset % mmap.PAGESIZE
+    end = extent.offset + extent.nbytes
+    end += -end % mmap.PAGESIZE
+    return start, end - start
+
+
 def map_window(reservation: SlotReservation) -> ArenaWindow:
     """A window over the pages holding the reservation's slot (mapped, faulted in, and
     inaccessible until opened). The descriptor opened to make it is closed before this
@@ -96,10 +133,7 @@ def map_window(reservation: SlotReservation) -> ArenaWindow:
     fd = peer.open_fd_of(reservation.arena_pid, reservation.arena_fd)
     try:
         _check_part(fd, reservation)
-        start = reservation.offset - reservation.offset % mmap.PAGESIZE
-        end = reservation.offset + reservation.nbytes
-        end += -end % mmap.PAGESIZE
-        return ArenaWindow(fd, start, end - start)
+        return ArenaWindow(fd, *_pages(reservation))
     finally:
         os.close(fd)
 
@@ -108,25 +142,107 @@ def open_for(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
     """A window holding the reservation's slot, opened for writing the slot's bytes, where the
     slot starts in it, and whether it was mapped now: a kept one if one holds the slot (in the
     same file: its inode, which cannot name another file while the window keeps this one
-    mapped), else a new one, kept in place of the least recently used. Raises
-    ``PinPoolError`` if the slot cannot be reached (see :func:`map_window`)."""
+    mapped), else a new one, kept in place of the least recently used. A kept window still
+    being faulted in by the map-ahead thread is waited for. With a process's first hints
+    (``reservation.ahead``), maps them and starts the thread that faults them in
+    (:func:`map_ahead`). Raises ``PinPoolError`` if the slot cannot be reached (see
+    :func:`map_window`)."""
     _here()
     key = (reservation.arena_pid, reservation.arena_ino)
     offset, nbytes = reservation.offset, reservation.nbytes
-    for i, (k, kept_window) in enumerate(_WINDOWS):
-        if k == key and nbytes > 0 and kept_window.contains(offset, nbytes):
-            _WINDOWS.insert(0, _WINDOWS.pop(i))
-            window, new = kept_window, False
-            break
-    else:
-        window, new = map_window(reservation), True
-        _WINDOWS.insert(0, (key, window))
-        mapped = sum(w.length for _, w in _WINDOWS)
-        # The least recently used go (unmapped as they die), the new one stays.
-        while len(_WINDOWS) > 1 and (len(_WINDOWS) > WINDOWS_KEPT or mapped > WINDOW_BYTES_KEPT):
-            mapped -= _WINDOWS.pop()[1].length
+    window = _kept(key, offset, nbytes)
+    new = window is None
+    if window is None:
+        window = map_window(reservation)
+        _keep(key, window, latest=True)
+    if reservation.ahead and _AHEAD_IN != os.getpid() and window.has_key:
+        map_ahead(reservation.ahead, reservation.arena_pid)  # (before any range is opened)
     window.open(offset, nbytes, keyed=window.has_key and _one_writer())
     return window, offset - window.offset, new
+
+
+def _kept(key: tuple[int, int], offset: int, nbytes: int, use: bool = True) -> ArenaWindow | None:
+    """The kept window holding those bytes, if one does (with ``use``, now the latest used)."""
+    for i, (k, kept_window) in enumerate(_WINDOWS):
+        if k == key and nbytes > 0 and kept_window.contains(offset, nbytes):
+            if use:
+                _WINDOWS.insert(0, _WINDOWS.pop(i))
+            return kept_window
+    return None
+
+
+def _keep(key: tuple[int, int], window: ArenaWindow, latest: bool) -> bool:
+    """Keeps ``window``: as the latest used, the least recently used going (unmapped as they
+    die) while over the limits; else (a hint's) as the least recently used, only if the limits
+    leave room for it. Whether it is kept."""
+    mapped = sum(w.length for _, w in _WINDOWS)
+    if not latest:
+        if len(_WINDOWS) >= WINDOWS_KEPT or mapped + window.length > WINDOW_BYTES_KEPT:
+            return False
+        _WINDOWS.append((key, window))
+        return True
+    _WINDOWS.insert(0, (key, window))
+    mapped += window.length
+    while len(_WINDOWS) > 1 and (len(_WINDOWS) > WINDOWS_KEPT or mapped > WINDOW_BYTES_KEPT):
+        mapped -= _WINDOWS.pop()[1].length
+    return True
+
+
+def map_ahead(hints: tuple[WindowHint, ...], main_pid: int) -> list[ArenaWindow]:
+    """Maps the hinted extents (once per process) as kept windows, inaccessible and not yet
+    faulted in, while the limits (``handle.WINDOWS_KEPT``, ``handle.WINDOW_BYTES_KEPT``) leave
+    room, and starts a thread that faults them in (``ArenaWindow.fault_in_privately``: out of
+    every other thread's reach, under each window's key); the windows mapped. Called while the
+    caller has no range open: a thread started while its starter has access to a key would
+    have it too. The descriptors opened here are closed before it returns.
+
+    A hint that cannot be mapped (the main process's pool changed, the descriptor names
+    another file) is skipped: it only ever saved time. Where a window gets no key (the machine
+    has none, or none is left), nothing more is mapped ahead."""
+    global _AHEAD_IN
+    if _AHEAD_IN == os.getpid():
+        return []
+    _AHEAD_IN = os.getpid()
+    fds: dict[int, int] = {}
+    mapped: list[ArenaWindow] = []
+    try:
+        for hint in hints:
+            if not isinstance(hint, WindowHint) or hint.arena_pid != main_pid:
+                continue
+            key = (hint.arena_pid, hint.arena_ino)
+            if _kept(key, hint.offset, hint.nbytes, use=False) is not None:
+                continue
+            try:
+                if hint.arena_fd not in fds:
+                    fds[hint.arena_fd] = peer.open_fd_of(main_pid, hint.arena_fd)
+                fd = fds[hint.arena_fd]
+                _check_part(fd, hint)
+                window = ArenaWindow(fd, *_pages(hint), fault_in=False)
+            except (OSError, PinPoolError, ValueError, TypeError):
+                continue
+            if not window.has_key:
+                break  # (unmapped as it dies here)
+            if not _keep(key, window, latest=False):
+                break
+            mapped.append(window)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if mapped:
+        threading.Thread(
+            target=_fault_in, args=(mapped,), name="pinpool-map-ahead", daemon=True
+        ).start()
+    return mapped
+
+
+def _fault_in(mapped: list[ArenaWindow]) -> None:
+    """The map-ahead thread: faults each window in, in order (one a reservation opens first is
+    faulted in by the opener, which this waits for)."""
+    for window in mapped:
+        try:
+            window.fault_in_privately()
+        except (OSError, PinPoolError, ValueError):
+            pass  # (its opener faults it in, or reports why it cannot)
 
 
 def _one_writer() -> bool:
