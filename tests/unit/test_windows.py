@@ -96,7 +96,8 @@ def test_hinted_slots_are_mapped_ahead_out_of_reach_and_then_opened_without_mapp
 
 
 def _kept_at(r: SlotReservation) -> Any:
-    return next((w for w in windows.kept() if w.contains(r.offset, r.nbytes)), None)
+    """The kept window holding ``r``'s slot (in its file), if one does."""
+    return windows._kept((r.arena_pid, r.arena_ino), r.offset, r.nbytes, use=False)
 
 
 def write_through(window: Any, at: int, nbytes: int, value: int) -> None:
