@@ -144,7 +144,8 @@ class Reservations:
                     # a fresh worker's batch through copy mode, and a new segment of its own.
                     self._hinted[key] = [at for at, _ in seeds if at != slot.offset]
                 self._remember(key, slot.offset, slot.nbytes)
-                self._note_last(pool, worker, slot.offset, reservation.hint)
+                if nbytes >= ONLY_KEPT_FROM:  # (the only ones a later worker is told of)
+                    self._note_last(pool, worker, slot.offset, reservation.hint)
             self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
         ahead = tuple(hint for at, hint in seeds if at != slot.offset)
         return reservation._replace(ahead=ahead) if ahead else reservation
