@@ -93,6 +93,27 @@ def test_a_workers_windows_are_remembered_per_iterator(monkeypatch: pytest.Monke
         gc.collect()
 
 
+def test_small_slots_are_neither_hinted_nor_remembered_for_a_later_worker() -> None:
+    """Under 8 MiB a fresh worker is told of no next slots (a small window costs it little to
+    fault in), and no slot is remembered for a later worker of its id."""
+    loader = pinpool.DataLoader(
+        torch.zeros(4, 2), batch_size=2, num_workers=2, zero_copy=True, slot_bytes=MiB, num_slots=8
+    )
+    pool, reservations = loader.pool, loader._pin_receiver.reservations
+    assert pool is not None
+    try:
+        made = [reservations.reserve(pool, owner, MiB, 0, worker=0) for owner in (1, 1, 2)]
+        assert all(r is not None and r.ahead == () for r in made)
+        assert reservations._last == {}, "remembered for a later worker"
+        for r in made:
+            assert r is not None
+            reservations.take_back(r.claim)
+        del made
+    finally:
+        del loader
+        gc.collect()
+
+
 def test_a_worker_keeps_fewer_windows_of_big_slots() -> None:
     assert handle.windows_kept(512 << 10) == handle.WINDOWS_KEPT
     assert handle.windows_kept(335 * MiB) == 4
