@@ -504,6 +504,17 @@ impl PyPinPool {
         Some((fd.as_raw_fd(), at - start, len))
     }
 
+    /// As `slot_memfd`, with the memfd's inode number last: `(fd, slot offset in that memfd,
+    /// memfd length, inode)`, what a zero-copy reservation names (the inode lets the worker
+    /// check that the descriptor it opens is that file).
+    fn slot_place(&self, slot: &PySlot) -> Option<(i32, usize, usize, u64)> {
+        let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
+        let (at, _) = pool.extent(slot.checkout()).ok()?;
+        let (fd, start, len) = pool.arena().part_at(at)?;
+        let inode = rustix::fs::fstat(fd).ok()?.st_ino;
+        Some((fd.as_raw_fd(), at - start, len, inode))
+    }
+
     /// The arena's memfd parts, in order: `(fd, first byte's arena offset, length)`, for the
     /// main process to tell a zero-copy worker where its next slots will be. Empty for
     /// `cuda-hostalloc` (no memfd), or once closed.

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pinpool
+from pinpool._main.sizing import Plan
 from pinpool._wire import handle
 
 MiB = 1 << 20
@@ -157,3 +161,69 @@ def test_a_fresh_workers_first_slots_are_planned_apart_from_the_others() -> None
     finally:
         del loader
         gc.collect()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from([4096, 65536, 1 << 20, 3 << 20, 9 << 20]), max_size=90),
+    st.sampled_from([1 << 26, 1 << 28]),
+)
+def test_a_reservations_size_worked_out_once_is_what_working_it_out_anew_gives(
+    sizes: list[int], arena: int
+) -> None:
+    """``LazyPool.reservation_size`` keeps its last answer while nothing it is worked out from
+    changes (a workload of one batch size): after any run of batch sizes, the kept answer is
+    the one worked out afresh."""
+    from pinpool._main.lazy_pool import LazyPool
+    from pinpool._main.pool_settings import PoolSettings
+
+    pools = LazyPool(
+        PoolSettings.checked(
+            pool=None,
+            arena_bytes=arena,
+            max_batch_bytes=arena // 4,
+            slot_bytes=None,
+            num_slots=None,
+            copy_threads=None,
+            slot_timeout=None,
+            overflow="copy",
+            oversize="copy",
+            device=None,
+            in_flight=8,
+        )
+    )
+    pools.plan = Plan(largest=arena // 4, arena=arena, entries=16)  # (as if the pool were made)
+    for n in sizes:
+        pools.seen(n)
+        kept = pools.reservation_size(arena, arena // 2)
+        pools._sized = None
+        assert kept == pools.reservation_size(arena, arena // 2), sizes
+
+
+_ints = st.integers(0, (1 << 63) - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 1 << 40), max_size=20),
+    st.none() | st.tuples(*[_ints] * 9),
+    st.lists(st.tuples(*[_ints] * 6), max_size=4),
+)
+def test_tagged_indices_reach_the_worker_as_they_were_sent(
+    indices: list[int], fields: tuple[int, ...] | None, hints: list[tuple[int, ...]]
+) -> None:
+    """A batch's indices and reservation (hints included), pickled as the index queue does
+    (``ForkingPickler``), arrive equal and of the same types."""
+    from multiprocessing.reduction import ForkingPickler
+
+    reservation = None
+    if fields is not None:
+        ahead = tuple(handle.WindowHint(*h) for h in hints)
+        reservation = handle.SlotReservation(*fields, ahead=ahead)
+    sent = handle.TaggedIndices(indices, reservation)
+    got = pickle.loads(ForkingPickler.dumps(sent))
+    assert type(got) is handle.TaggedIndices and list(got) == indices
+    assert got.reservation == reservation
+    if reservation is not None:
+        assert type(got.reservation) is handle.SlotReservation
+        assert all(type(h) is handle.WindowHint for h in got.reservation.ahead)

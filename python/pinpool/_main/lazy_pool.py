@@ -66,6 +66,11 @@ class LazyPool:
         #: reservations and the room claims ahead leave are sized from them).
         self.largest_seen = 0
         self._recent: collections.deque[int] = collections.deque(maxlen=32)
+        #: The last reservation size worked out, and what it was worked out from (the arena,
+        #: its longest part, the largest batch, and how often the sizes in ``_recent`` have
+        #: changed): a workload of batches of one size works it out once.
+        self._sized: tuple[tuple[int, ...], tuple[int, int]] | None = None
+        self._recent_changes = 0
         self.overflow_batches = 0
 
     # -- making the pool ----------------------------------------------------------------------
@@ -222,12 +227,19 @@ class LazyPool:
     def seen(self, need: int) -> None:
         """A batch of ``need`` bytes arrived (the sizes reservations are made from)."""
         self.largest_seen = max(self.largest_seen, need)
-        self._recent.append(need)
+        recent = self._recent
+        if len(recent) < (recent.maxlen or 0) or recent[0] != need:
+            self._recent_changes += 1  # (else one size goes, the same comes: nothing changed)
+        recent.append(need)
 
     def reservation_size(self, arena: int, part: int) -> tuple[int, int]:
         """The size of a zero-copy reservation in an arena of ``arena`` bytes whose longest
         part has ``part``, from the last few batches (``sizing.reservation_bytes``), and the
         room it leaves for batches that come through copy mode (``sizing.room_kept``)."""
+        key = (arena, part, self.max_batch, self.largest_seen, self._recent_changes)
+        sized = self._sized
+        if sized is not None and sized[0] == key:
+            return sized[1]
         if self.sizing.slot_bytes is not None:
             size = self.max_batch  # equal slots (slot_bytes=): a reservation is one
         else:
@@ -238,7 +250,9 @@ class LazyPool:
             recent = ordered[len(ordered) * 3 // 4]
             size = reservation_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
         # (Never no reserve: the last entry and some bytes stay for copy-mode batches.)
-        return size, max(1, room_kept(self.largest_seen, arena, part))
+        result = (size, max(1, room_kept(self.largest_seen, arena, part)))
+        self._sized = (key, result)
+        return result
 
     def overflow_buffer(self, need: int) -> torch.Tensor:
         """Ordinary memory for a batch that gets no slot (counted, warned about once)."""

@@ -34,6 +34,17 @@ from .._errors import OutOfBounds, PinPoolError
 from .._native import PinPool, Slot, page_size
 from .._wire.handle import SlotReservation, TaggedIndices, WindowHint, windows_kept
 
+#: This process (the arena's owner, whose descriptors a reservation names); reset in a child.
+_PID = os.getpid()
+
+
+def _forked() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 #: Reservations of at least this many bytes go only where the worker has a window already,
 #: once it keeps as many as it may (see :meth:`Reservations.reserve`); smaller ones may go
 #: anywhere (a new window of a few MiB costs the worker well under a millisecond).
@@ -66,12 +77,14 @@ class Reservations:
         #: reservation), offered after those in ``_recent``.
         self._hinted: dict[tuple[int, int], list[int]] = {}
 
-    def _remember(self, key: tuple[int, int], offset: int, nbytes: int) -> None:  # (locked)
-        recent = self._recent.setdefault(key, [])
-        if offset in recent:
+    def _remember(self, key: tuple[int, int], offset: int, kept: int) -> None:  # (locked)
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = []
+        elif offset in recent:
             recent.remove(offset)
         recent.insert(0, offset)
-        del recent[windows_kept(nbytes) :]
+        del recent[kept:]
 
     def reserve(
         self,
@@ -82,59 +95,52 @@ class Reservations:
         worker: int | None = None,
     ) -> SlotReservation | None:
         """Checks out a slot of ``nbytes`` for a batch about to be dispatched by sampler
-        ``owner`` (never waits: this runs on the consumer's thread); for worker ``worker``,
-        preferably where that worker's last few slots were (memory it has mapped already).
-        None sends the batch through copy mode."""
+        ``owner`` (never waits: this runs on the consumer's thread, once a batch: kept lean);
+        for worker ``worker``, preferably where that worker's last few slots were (memory it
+        has mapped already). None sends the batch through copy mode."""
         # Leave room for a batch that comes through copy mode (the first ones, and any too
         # large for its reservation): it needs a slot when it arrives, and reservations must
         # not starve it.
+        if pool is None:
+            self.fallbacks += 1
+            return None
         key = (owner, worker) if worker is not None else None
+        big = nbytes >= ONLY_KEPT_FROM
         seeds: list[tuple[int, WindowHint]] = []
-        hinted: list[int] = []
+        prefer: list[int] | None = None
+        recent: list[int] | None = None
+        kept = -1  # (how many windows the worker keeps, as far as is known: -1 for none)
         with self._lock:  # (an ended iterator's are dropped on the ending thread)
-            recent = list(self._recent.get(key, ())) if key is not None else None
-            if key is not None and worker is not None:
-                # (Big batches only: a small window costs a fresh worker little to fault in.)
-                if not recent and self._last_pool == id(pool) and nbytes >= ONLY_KEPT_FROM:
+            if key is not None:
+                recent = self._recent.get(key)
+                kept = len(recent) if recent else 0
+                prefer = list(recent) if recent else None
+                if big and not recent and self._last_pool == id(pool):
+                    # (Big batches only: a small window costs a fresh worker little to fault in.)
                     seeds = list(self._last.get(worker, ()))
-                hinted = [at for at in self._hinted.get(key, ()) if at not in (recent or ())]
-        if worker is not None and pool is not None and not recent and not seeds:
+                hinted = self._hinted.get(key) if self._hinted else None
+                if hinted:
+                    prefer = (prefer or []) + [at for at in hinted if at not in (recent or ())]
+        if worker is not None and not recent and not seeds:
             seeds = planned(pool, worker, nbytes)  # (no predecessor: the loader's first epoch)
+        if seeds and not prefer:
+            prefer = [at for at, _ in seeds]
         # A worker that keeps as many windows as it may gets a big batch's slot only where one
         # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
         # more than the main process's copy of the batch out of its segment.
-        only = (
-            recent is not None and len(recent) >= windows_kept(nbytes) and nbytes >= ONLY_KEPT_FROM
-        )
-        slot = (
-            pool.try_checkout(
-                nbytes,
-                reserve=reserve,
-                prefer=(recent or []) + (hinted or [at for at, _ in seeds]) or None,
-                prefer_only=only,
-            )
-            if pool is not None
-            else None
-        )
-        where = pool.slot_memfd(slot) if pool is not None and slot is not None else None
-        if slot is None or pool is None or where is None:
+        only = big and kept >= windows_kept(nbytes)
+        slot = pool.try_checkout(nbytes, reserve=reserve, prefer=prefer, prefer_only=only)
+        where = pool.slot_place(slot) if slot is not None else None
+        if slot is None or where is None:
             self.fallbacks += 1
             return None  # (a slot checked out above returns to the pool as it dies here)
-        fd, offset, part_len = where
-        ino = os.fstat(fd).st_ino
+        fd, offset, part_len, ino = where
         if seeds and worker is not None and slot.nbytes != seeds[0][1].nbytes:
             seeds = planned(pool, worker, slot.nbytes)  # (the slot was rounded up)
         nonce = random.getrandbits(63)
+        at = slot.offset
         reservation = SlotReservation(
-            slot.index,
-            slot.generation,
-            nonce,
-            offset,
-            slot.nbytes,
-            os.getpid(),
-            fd,
-            part_len,
-            ino,
+            slot.index, slot.generation, nonce, offset, slot.nbytes, _PID, fd, part_len, ino
         )
         with self._lock:
             if key is not None and worker is not None:
@@ -142,12 +148,14 @@ class Reservations:
                     # Offered next, after the slots this worker has had; not counted as its
                     # windows (``only`` above) until it has had them: a busy one would send
                     # a fresh worker's batch through copy mode, and a new segment of its own.
-                    self._hinted[key] = [at for at, _ in seeds if at != slot.offset]
-                self._remember(key, slot.offset, slot.nbytes)
-                if nbytes >= ONLY_KEPT_FROM:  # (the only ones a later worker is told of)
-                    self._note_last(pool, worker, slot.offset, reservation.hint)
+                    self._hinted[key] = [o for o, _ in seeds if o != at]
+                self._remember(key, at, windows_kept(slot.nbytes))
+                if big:  # (the only ones a later worker is told of)
+                    self._note_last(pool, worker, at, reservation.hint)
             self._reserved[(slot.index, slot.generation)] = (slot, nonce, owner)
-        ahead = tuple(hint for at, hint in seeds if at != slot.offset)
+        if not seeds:
+            return reservation
+        ahead = tuple(hint for o, hint in seeds if o != at)
         return reservation._replace(ahead=ahead) if ahead else reservation
 
     def _note_last(self, pool: PinPool, worker: int, at: int, hint: WindowHint) -> None:  # (locked)
