@@ -62,7 +62,13 @@ def signal_of(exc: BaseException) -> int | None:
             codes.setdefault(code, int(signum))
     tb = exc.__traceback__
     while tb is not None:
-        found = codes.get(tb.tb_frame.f_code)
+        code = tb.tb_frame.f_code
+        found = codes.get(code)
+        if found is None and code is _RAISE_ONCE:
+            # Raised again by a handed-back signal (:func:`hand_back`), which came while the
+            # main thread had entered another finalizer after all: that one hands it back too.
+            got = tb.tb_frame.f_locals.get("got")
+            found = int(got) if type(got) is int or isinstance(got, signal.Signals) else None
         if found is not None:
             return found
         tb = tb.tb_next
@@ -110,6 +116,13 @@ def hand_back(exc: BaseException) -> bool:
         "handed it back to be raised here)"
     )
     return True
+
+
+#: The code of the handler :func:`hand_back` installs for one call (it raises the exception
+#: handed back): an exception whose frames pass through it was a handler's as well.
+_RAISE_ONCE: CodeType = next(
+    c for c in hand_back.__code__.co_consts if isinstance(c, CodeType) and c.co_name == "raise_once"
+)
 
 
 def _send_when_out(signum: int) -> None:

@@ -184,11 +184,23 @@ def test_a_killed_workers_error_comes_at_once_while_an_old_iterator_is_dropped(
     did before the finalizer raised the handed-back error itself). Two modes: the finalizer's
     path is the same in every mode."""
     stamp = tmp_path / "died"
-    lost: list[tuple[str, BaseException]] = []
+    lost: list[tuple[str, BaseException | None, list[str]]] = []
+
+    def keep(u: Any) -> None:
+        # The frames it was raised through, as text: the traceback itself would keep the
+        # iterators those frames name alive, and their workers with them.
+        frames, tb = [], u.exc_traceback
+        while tb is not None:
+            frames.append(f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}")
+            tb = tb.tb_next
+        if u.exc_value is not None:
+            u.exc_value.__traceback__ = None
+        lost.append((repr(u.object), u.exc_value, frames))
+
     with pytest.MonkeyPatch.context() as mp:
         # What no one could be told (an exception raised in a finalizer or a weakref callback),
         # kept to be checked below.
-        mp.setattr(sys, "unraisablehook", lambda u: lost.append((repr(u.object), u.exc_value)))
+        mp.setattr(sys, "unraisablehook", keep)
         for zero_copy, pin_thread in [(True, False), (False, True)]:
             old: list[Any] = []
             make = partial(pinpool.DataLoader, zero_copy=zero_copy)
@@ -205,17 +217,15 @@ def test_a_killed_workers_error_comes_at_once_while_an_old_iterator_is_dropped(
                 assert delay < LATE_S, f"{case}: the error came {delay:.2f} s after the death"
             old.clear()
             gc.collect()  # (an iterator an exception's frames hold in a cycle goes here)
+            # (An iterator dropped while its workers exit hands their join to the ending
+            # thread: what is left is what is still there once it is done.)
+            assert ending.wait_all(30)
             assert not leftovers(before, workers)
     # torch's handler may also raise in another library's weakref callback (one that runs as
     # the old iterator goes), where Python only prints it: pinpool's consumer finds the death
     # itself then (WORKERS_LOOKED_AT_S). Nothing else, and nothing in pinpool's code, is lost.
     package = os.path.dirname(pinpool.__file__)
-    for where, exc in lost:
-        frames = []
-        tb = exc.__traceback__
-        while tb is not None:
-            frames.append(f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}")
-            tb = tb.tb_next
+    for where, exc, frames in lost:
         ours = [f for f in frames if f.startswith(package)]
         assert isinstance(exc, RuntimeError) and "DataLoader worker (pid" in str(exc), (
             f"lost in {where}: {exc!r} ({frames})"

@@ -192,3 +192,36 @@ def test_a_finalizer_not_in_the_main_thread_hands_nothing_back() -> None:
         thread.join()
         assert signal.getsignal(signal.SIGUSR1) is before
     assert got == [False]
+
+
+def test_a_handed_back_error_raised_inside_another_finalizer_is_a_handlers_again() -> None:
+    """The signal handed back is sent once the main thread has left the finalizers it runs,
+    but the thread may enter another one between that look and the signal: the exception is
+    then raised again there, through the one-call handler ``hand_back`` installed. That
+    finalizer must know it for a handler's (``signal_of``), to hand it back in turn, or Python
+    would only print it: torch's report of a dead worker, lost."""
+    delivered: list[int] = []
+    seen: list[int | None] = []
+
+    def raise_it(signum: int, frame: Any) -> None:
+        raise Interrupted("from the handler")
+
+    def __del__() -> None:  # (named so: the signal handed back waits until it returns)
+        try:
+            raise_it(signal.SIGUSR1, None)
+        except Interrupted as exc:
+            assert _signals.hand_back(exc)
+        # As if the signal came here: the one-call handler raises the exception again.
+        try:
+            signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, None)  # type: ignore[operator]
+        except Interrupted as again:
+            seen.append(_signals.signal_of(again))
+        signal.signal(signal.SIGUSR1, lambda signum, frame: delivered.append(signum))
+
+    with on_sigusr1(raise_it):
+        __del__()
+        deadline = time.monotonic() + 5
+        while not delivered and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the signal handed back, sent now: taken by the no-op above)
+    assert seen == [signal.SIGUSR1], "the exception raised again was not known for a handler's"
+    assert delivered == [signal.SIGUSR1]
