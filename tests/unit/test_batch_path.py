@@ -135,6 +135,9 @@ def test_a_direct_queue_in_a_reference_cycle_closes_each_descriptor_once() -> No
                 del q, cycle
                 gc.collect()
     assert lost == []
+    deadline = time.monotonic() + 10
+    while open_fd_count() != before and time.monotonic() < deadline:
+        time.sleep(0.01)  # (each writer's thread closes its own descriptor as it ends)
     assert open_fd_count() == before
 
 
