@@ -68,7 +68,7 @@ def signal_of(exc: BaseException) -> int | None:
             # Raised again by a handed-back signal (:func:`hand_back`), which came while the
             # main thread had entered another finalizer after all: that one hands it back too.
             got = tb.tb_frame.f_locals.get("got")
-            found = int(got) if type(got) is int or isinstance(got, signal.Signals) else None
+            found = int(got) if isinstance(got, int) else None
         if found is not None:
             return found
         tb = tb.tb_next

@@ -1,6 +1,6 @@
 //! `pinpool.PinPool`: the Python face of [`crate::pool::Pool`].
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::prelude::*;
@@ -134,6 +134,19 @@ fn first_time(note: &str) -> bool {
 }
 
 impl PyPinPool {
+    /// `what` of the memfd part holding `slot`: its descriptor, the slot's offset in it, and
+    /// its length. None for `cuda-hostalloc` (no memfd), a released slot, or once closed.
+    fn slot_part<T>(
+        &self,
+        slot: &PySlot,
+        what: impl FnOnce(BorrowedFd<'_>, usize, usize) -> Option<T>,
+    ) -> Option<T> {
+        let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
+        let (at, _) = pool.extent(slot.checkout()).ok()?;
+        let (fd, start, len) = pool.arena().part_at(at)?;
+        what(fd, at - start, len)
+    }
+
     pub(crate) fn get(&self, py: Python<'_>) -> PyResult<Arc<Pool>> {
         self.pool
             .lock()
@@ -498,21 +511,16 @@ impl PyPinPool {
     /// for worker processes that write batches straight into slots. None for
     /// `cuda-hostalloc` (no memfd), a released slot, or once closed.
     fn slot_memfd(&self, slot: &PySlot) -> Option<(i32, usize, usize)> {
-        let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-        let (at, _) = pool.extent(slot.checkout()).ok()?;
-        let (fd, start, len) = pool.arena().part_at(at)?;
-        Some((fd.as_raw_fd(), at - start, len))
+        self.slot_part(slot, |fd, at, len| Some((fd.as_raw_fd(), at, len)))
     }
 
     /// As `slot_memfd`, with the memfd's inode number last: `(fd, slot offset in that memfd,
     /// memfd length, inode)`, what a zero-copy reservation names (the inode lets the worker
     /// check that the descriptor it opens is that file).
     fn slot_place(&self, slot: &PySlot) -> Option<(i32, usize, usize, u64)> {
-        let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-        let (at, _) = pool.extent(slot.checkout()).ok()?;
-        let (fd, start, len) = pool.arena().part_at(at)?;
-        let inode = rustix::fs::fstat(fd).ok()?.st_ino;
-        Some((fd.as_raw_fd(), at - start, len, inode))
+        self.slot_part(slot, |fd, at, len| {
+            Some((fd.as_raw_fd(), at, len, rustix::fs::fstat(fd).ok()?.st_ino))
+        })
     }
 
     /// The arena's memfd parts, in order: `(fd, first byte's arena offset, length)`, for the

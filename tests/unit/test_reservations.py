@@ -9,6 +9,7 @@ import gc
 import os
 import pickle
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -23,17 +24,29 @@ MiB = 1 << 20
 SLOT = 8 * MiB  # (reservations from 8 MiB on go only where the worker keeps a window)
 
 
-def test_a_workers_windows_are_remembered_per_iterator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handle, "WINDOW_BYTES_KEPT", 4 * SLOT)  # (four windows of a slot)
-    assert handle.windows_kept(SLOT) == 4
+def zero_copy_loader(slot_bytes: int, num_slots: int) -> tuple[Any, Any, Any]:
+    """A zero-copy loader of two workers with its pool made (equal slots) and its arena's
+    parts ready: (the loader, its pool, its reservations)."""
     loader = pinpool.DataLoader(
-        torch.zeros(4, 2), batch_size=2, num_workers=2, zero_copy=True, slot_bytes=SLOT, num_slots=6
+        torch.zeros(4, 2),
+        batch_size=2,
+        num_workers=2,
+        zero_copy=True,
+        slot_bytes=slot_bytes,
+        num_slots=num_slots,
     )
-    pool, reservations = loader.pool, loader._pin_receiver.reservations
+    pool = loader.pool
     assert pool is not None
     deadline = time.monotonic() + 30
     while pool.stats()["slots_preparing"] and time.monotonic() < deadline:
         time.sleep(0.01)  # (the arena's parts are made ready in the background)
+    return loader, pool, loader._pin_receiver.reservations
+
+
+def test_a_workers_windows_are_remembered_per_iterator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handle, "WINDOW_BYTES_KEPT", 4 * SLOT)  # (four windows of a slot)
+    assert handle.windows_kept(SLOT) == 4
+    loader, pool, reservations = zero_copy_loader(SLOT, 6)
     try:
         held = [reservations.reserve(pool, 1, SLOT, 0, worker=0) for _ in range(4)]
         assert all(r is not None for r in held)
@@ -100,11 +113,7 @@ def test_a_workers_windows_are_remembered_per_iterator(monkeypatch: pytest.Monke
 def test_small_slots_are_neither_hinted_nor_remembered_for_a_later_worker() -> None:
     """Under 8 MiB a fresh worker is told of no next slots (a small window costs it little to
     fault in), and no slot is remembered for a later worker of its id."""
-    loader = pinpool.DataLoader(
-        torch.zeros(4, 2), batch_size=2, num_workers=2, zero_copy=True, slot_bytes=MiB, num_slots=8
-    )
-    pool, reservations = loader.pool, loader._pin_receiver.reservations
-    assert pool is not None
+    loader, pool, reservations = zero_copy_loader(MiB, 8)
     try:
         made = [reservations.reserve(pool, owner, MiB, 0, worker=0) for owner in (1, 1, 2)]
         assert all(r is not None and r.ahead == () for r in made)
@@ -131,14 +140,7 @@ def test_a_fresh_workers_first_slots_are_planned_apart_from_the_others() -> None
     parts, whole pages, none shared with the next worker; none for small batches."""
     from pinpool._main.reservations import PLANNED_SLOTS, planned
 
-    loader = pinpool.DataLoader(
-        torch.zeros(4, 2), batch_size=2, num_workers=2, zero_copy=True, slot_bytes=SLOT, num_slots=8
-    )
-    pool, reservations = loader.pool, loader._pin_receiver.reservations
-    assert pool is not None
-    deadline = time.monotonic() + 30
-    while pool.stats()["slots_preparing"] and time.monotonic() < deadline:
-        time.sleep(0.01)  # (the arena's parts are made ready in the background)
+    loader, pool, reservations = zero_copy_loader(SLOT, 8)
     try:
         parts = pool.memfd_parts()
         assert parts and sum(length for _, _, length in parts) == pool.arena_bytes

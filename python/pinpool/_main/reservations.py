@@ -34,17 +34,6 @@ from .._errors import OutOfBounds, PinPoolError
 from .._native import PinPool, Slot, page_size
 from .._wire.handle import SlotReservation, TaggedIndices, WindowHint, windows_kept
 
-#: This process (the arena's owner, whose descriptors a reservation names); reset in a child.
-_PID = os.getpid()
-
-
-def _forked() -> None:
-    global _PID
-    _PID = os.getpid()
-
-
-os.register_at_fork(after_in_child=_forked)
-
 #: Reservations of at least this many bytes go only where the worker has a window already,
 #: once it keeps as many as it may (see :meth:`Reservations.reserve`); smaller ones may go
 #: anywhere (a new window of a few MiB costs the worker well under a millisecond).
@@ -98,9 +87,6 @@ class Reservations:
         ``owner`` (never waits: this runs on the consumer's thread, once a batch: kept lean);
         for worker ``worker``, preferably where that worker's last few slots were (memory it
         has mapped already). None sends the batch through copy mode."""
-        # Leave room for a batch that comes through copy mode (the first ones, and any too
-        # large for its reservation): it needs a slot when it arrives, and reservations must
-        # not starve it.
         if pool is None:
             self.fallbacks += 1
             return None
@@ -129,6 +115,9 @@ class Reservations:
         # of them is: mapping (and faulting in) a new one, and dropping an old one, costs it
         # more than the main process's copy of the batch out of its segment.
         only = big and kept >= windows_kept(nbytes)
+        # ``reserve`` leaves room for a batch that comes through copy mode (the first ones, and
+        # any too large for its reservation): it needs a slot when it arrives, and
+        # reservations must not starve it.
         slot = pool.try_checkout(nbytes, reserve=reserve, prefer=prefer, prefer_only=only)
         where = pool.slot_place(slot) if slot is not None else None
         if slot is None or where is None:
@@ -140,7 +129,7 @@ class Reservations:
         nonce = random.getrandbits(63)
         at = slot.offset
         reservation = SlotReservation(
-            slot.index, slot.generation, nonce, offset, slot.nbytes, _PID, fd, part_len, ino
+            slot.index, slot.generation, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, ino
         )
         with self._lock:
             if key is not None and worker is not None:
@@ -218,9 +207,9 @@ def planned(pool: PinPool, worker: int, nbytes: int) -> list[tuple[int, WindowHi
     it: ``PLANNED_SLOTS`` (at most as many as it keeps windows of) of the arena's slot-sized
     places, worker ``worker``'s share, as (arena offset, hint); none for batches under
     ``ONLY_KEPT_FROM`` (a new small window costs the worker little) or without memfd parts."""
-    step = nbytes + -nbytes % page_size()
     if nbytes < ONLY_KEPT_FROM:
         return []
+    step = nbytes + -nbytes % page_size()
     places: list[tuple[int, WindowHint]] = []
     for fd, start, length in pool.memfd_parts():
         ino = os.fstat(fd).st_ino
