@@ -137,8 +137,9 @@ def test_a_worker_keeps_fewer_windows_of_big_slots() -> None:
 def test_a_fresh_workers_first_slots_are_planned_apart_from_the_others() -> None:
     """With no worker of its id before it (a loader's first epoch), a worker is told of its
     share of the arena's slot-sized places with its first reservation: inside the arena's
-    parts, whole pages, none shared with the next worker; none for small batches."""
-    from pinpool._main.reservations import PLANNED_SLOTS, planned
+    parts, whole pages, none shared with the next worker; then a spare, the next worker's last
+    place (where a batch goes when all of its own are busy); none for small batches."""
+    from pinpool._main.reservations import PLANNED_SLOTS, SPARE_SLOTS, planned
 
     loader, pool, reservations = zero_copy_loader(SLOT, 8)
     try:
@@ -146,20 +147,40 @@ def test_a_fresh_workers_first_slots_are_planned_apart_from_the_others() -> None
         assert parts and sum(length for _, _, length in parts) == pool.arena_bytes
         plans = [planned(pool, w, SLOT) for w in (0, 1)]
         for plan in plans:
-            assert len(plan) == min(PLANNED_SLOTS, handle.windows_kept(SLOT))
+            assert len(plan) == min(PLANNED_SLOTS + SPARE_SLOTS, handle.windows_kept(SLOT))
+            assert len({at for at, _ in plan}) == len(plan), "a place told twice"
             for at, hint in plan:
                 fd, start, length = next(p for p in parts if p[1] <= at < p[1] + p[2])
                 assert (hint.arena_fd, hint.arena_len) == (fd, length)
                 assert hint.offset == at - start and hint.offset + hint.nbytes <= length
                 assert hint.nbytes == SLOT and hint.offset % 4096 == 0
-        assert not {at for at, _ in plans[0]} & {at for at, _ in plans[1]}
+        own = [{at for at, _ in plan[:PLANNED_SLOTS]} for plan in plans]
+        assert not own[0] & own[1], "two workers' own shares overlap"
+        assert plans[0][-1] == plans[1][PLANNED_SLOTS - 1], "the spare: the next one's last"
+        assert plans[1][-1] == plans[0][PLANNED_SLOTS - 1], "(round the arena: the first's)"
         assert planned(pool, 0, 1 << 20) == [], "small batches: no plan"
         first = reservations.reserve(pool, 7, SLOT, 0, worker=1)
         assert first is not None
-        told = {(h.arena_ino, h.offset) for h in first.ahead} | {(first.arena_ino, first.offset)}
-        assert told == {(h.arena_ino, h.offset) for _, h in plans[1]}, "its share, first of all"
+        told = [(h.arena_ino, h.offset) for h in first.ahead]
+        assert [(first.arena_ino, first.offset), *told] == [
+            (h.arena_ino, h.offset) for _, h in plans[1]
+        ], "its share first of all, then the spare, in that order"
         reservations.take_back(first.claim)
         del first
+    finally:
+        del loader
+        gc.collect()
+
+
+def test_a_plan_over_few_places_names_each_place_once() -> None:
+    """With fewer slot places than a plan's length, a worker is told of each place once."""
+    from pinpool._main.reservations import planned
+
+    loader, pool, _ = zero_copy_loader(SLOT, 3)
+    try:
+        for worker in range(4):
+            plan = [at for at, _ in planned(pool, worker, SLOT)]
+            assert len(plan) == len(set(plan)) == min(3, handle.windows_kept(SLOT))
     finally:
         del loader
         gc.collect()

@@ -198,15 +198,23 @@ class Reservations:
                 self._last_pool = None
 
 
-#: How many slots a fresh worker with no predecessor is told of ahead (its first included).
+#: How many slots a fresh worker with no predecessor is told of ahead as its own (its first
+#: included): its share of the arena's slot places.
 PLANNED_SLOTS = 4
+#: And how many more, after those: the last places of the next worker's share, where its
+#: batch goes when all of its own are busy (in flight, held by the consumer, or fenced behind
+#: the consumer's stream), so that it finds that window mapped ahead too instead of faulting a
+#: new one in on its own path (43 and 53 ms at 268 MB on the H200, ``docs/performance.md``).
+SPARE_SLOTS = 1
 
 
 def planned(pool: PinPool, worker: int, nbytes: int) -> list[tuple[int, WindowHint]]:
     """Where a fresh worker's first big slots will be, when no worker of its id came before
-    it: ``PLANNED_SLOTS`` (at most as many as it keeps windows of) of the arena's slot-sized
-    places, worker ``worker``'s share, as (arena offset, hint); none for batches under
-    ``ONLY_KEPT_FROM`` (a new small window costs the worker little) or without memfd parts."""
+    it, as (arena offset, hint): worker ``worker``'s share of the arena's slot-sized places
+    (``PLANNED_SLOTS`` of them, the ``worker``-th ones) then ``SPARE_SLOTS`` of the next
+    worker's, its last; at most as many in all as the worker keeps windows of, and none for
+    batches under ``ONLY_KEPT_FROM`` (a new small window costs the worker little) or without
+    memfd parts."""
     if nbytes < ONLY_KEPT_FROM:
         return []
     step = nbytes + -nbytes % page_size()
@@ -215,8 +223,17 @@ def planned(pool: PinPool, worker: int, nbytes: int) -> list[tuple[int, WindowHi
         ino = os.fstat(fd).st_ino
         for at in range(0, length - step + 1, step):
             places.append((start + at, WindowHint(at, step, os.getpid(), fd, length, ino)))
-    k = min(PLANNED_SLOTS, windows_kept(step), len(places))
-    return [places[(worker * k + i) % len(places)] for i in range(k)]
+    n = len(places)
+    told = min(PLANNED_SLOTS + SPARE_SLOTS, windows_kept(step), n)
+    own = min(PLANNED_SLOTS, told)
+    first = worker * PLANNED_SLOTS
+    picks = [first + i for i in range(own)]
+    picks += [first + 2 * PLANNED_SLOTS - 1 - i for i in range(told - own)]
+    chosen: list[int] = []
+    for i in picks:  # (with few places, the spare may be one of its own)
+        if i % n not in chosen:
+            chosen.append(i % n)
+    return [places[i] for i in chosen]
 
 
 _END = object()
