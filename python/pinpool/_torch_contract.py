@@ -62,6 +62,7 @@ __all__ = [
     "python_exit_status",
     "remove_worker_pids",
     "torch_collate",
+    "unflatten_dense_tensors",
 ]
 
 # -- torch.utils.data ------------------------------------------------------------------------
@@ -199,6 +200,15 @@ def profiler_enabled() -> bool:
 #: without CUDA), where ``torch.cuda.current_stream(...).cuda_stream`` serves.
 cuda_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
+#: ``torch._C._nn.unflatten_dense_tensors(flat, like)``, what ``torch._utils.
+#: _unflatten_dense_tensors`` (DDP's bucketing) calls: in one native call, consecutive views of
+#: the 1-D tensor ``flat``, one per tensor of ``like``, each of its numel and shape (only those
+#: are read of ``like``: meta tensors serve). A batch on the device whose leaves share one dtype
+#: is viewed so (``_wire.leaves.DeviceLayout``); None without it (one view per leaf then).
+unflatten_dense_tensors: Callable[[torch.Tensor, list[torch.Tensor]], list[torch.Tensor]] | None = (
+    getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
+)
+
 # -- multiprocessing ----------------------------------------------------------------------------
 
 #: ``multiprocessing.queues.Queue``, the class of torch's index queues: ``_main.index_queue``
@@ -334,6 +344,14 @@ def _check_others() -> list[str]:
         out.append("torch._C._autograd._profiler_enabled is missing")
     if cuda_raw_stream is None and torch.backends.cuda.is_built():
         out.append("torch._C._cuda_getCurrentRawStream is missing (a build with CUDA)")
+    if unflatten_dense_tensors is None:
+        out.append("torch._C._nn.unflatten_dense_tensors is missing")
+    else:
+        flat = torch.arange(6)
+        like = [torch.empty(2, device="meta"), torch.empty((2, 2), device="meta")]
+        views = unflatten_dense_tensors(flat, like)
+        if [v.shape for v in views] != [(2,), (2, 2)] or views[1].storage_offset() != 2:
+            out.append("torch._C._nn.unflatten_dense_tensors gives other views")
     return out
 
 

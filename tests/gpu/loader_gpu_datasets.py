@@ -39,3 +39,21 @@ class Images(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return torch.full(self.shape, i % 251, dtype=torch.uint8), i
+
+
+class Tokens(Dataset):
+    """int64 rows of ``length`` tokens: alone (``keys`` empty), or a dict of ``keys``, each row
+    ``index * 1000 + k`` plus the position (every leaf one dtype, as token ids, a mask and
+    labels are)."""
+
+    def __init__(self, n: int, length: int, keys: tuple[str, ...] = ()) -> None:
+        self.n, self.length, self.keys = n, length, keys
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        row = torch.arange(self.length, dtype=torch.int64) + i * 1000
+        if not self.keys:
+            return row
+        return {k: row + j for j, k in enumerate(self.keys)}

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from loader_gpu_datasets import Images, Mixed
+from loader_gpu_datasets import Images, Mixed, Tokens
 
 import pinpool
 import pinpool.trace
@@ -189,3 +189,36 @@ def test_small_device_batches_are_sent_by_the_consumer_and_big_ones_ahead(zero_c
             assert me not in senders
         del loader
         gc.collect()
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_batches_of_one_dtype_come_out_of_one_allocation_in_one_call(zero_copy: bool) -> None:
+    """A batch whose leaves share one dtype (token ids, mask, labels) is copied into one device
+    allocation of that dtype and viewed in one call (``leaves.DeviceLayout``); a batch of one
+    tensor is that allocation itself. Small ones sent by the consumer, big ones ahead: equal to
+    torch's batches either way, each leaf where its bytes were in the slot."""
+    from pinpool._main.receiver import CONSUMER_SENDS_UP_TO
+
+    keys = ("input_ids", "attention_mask", "labels")
+    for length in (64, 1 << 16):  # 8 x 3 x 512 B, sent by the consumer; 8 x 3 x 512 KiB
+        assert (8 * 3 * 8 * length <= CONSUMER_SENDS_UP_TO) is (length == 64)
+        for data in (Tokens(24, length), Tokens(24, length, keys)):
+            ref = torch.utils.data.DataLoader(data, batch_size=8, num_workers=2)
+            ours = pinpool.DataLoader(
+                data, batch_size=8, num_workers=2, device="cuda", zero_copy=zero_copy
+            )
+            for a, b in zip(ref, ours, strict=True):
+                _same(a, b)
+                if isinstance(b, torch.Tensor):
+                    assert b.is_cuda and b._base is None, "a one-tensor batch: its allocation"
+                    continue
+                base = {b[k].untyped_storage().data_ptr() for k in keys}
+                assert len(base) == 1, "leaves of one batch in one allocation"
+                starts = [b[k].data_ptr() for k in keys]
+                assert starts == sorted(starts) and starts[0] >= base.pop()
+            torch.cuda.synchronize()
+            del a, b
+            gc.collect()
+            assert ours.stats()["slots_checked_out"] == 0
+            del ours
+            gc.collect()

@@ -151,6 +151,72 @@ def test_device_leaves_match_host_leaves(batch: Any) -> None:
             assert copied.data_ptr() == storage.data_ptr() + spec.offset
 
 
+def _check_layout(batch: Any) -> _leaves.DeviceLayout | None:
+    """A batch's device layout, if any, checked against one view per leaf (``device_leaf``):
+    the same leaves (type, dtype, shape, bytes), each where its spec puts it in the one
+    allocation."""
+    p = _codec.plan(batch)
+    buf = bytearray(p.nbytes)
+    _codec.write(p, buf)
+    checked = _leaves.checked_specs(p.specs, len(buf))
+    layout = _leaves.device_layout(checked, len(buf))
+    if layout is None:
+        return None
+    storage = layout.allocate(torch.device("cpu"))
+    assert storage.is_contiguous() and storage.nbytes >= len(buf)
+    storage.reshape(-1).view(torch.uint8)[: len(buf)] = torch.tensor(list(buf), dtype=torch.uint8)
+    bytes_ = torch.tensor(list(buf), dtype=torch.uint8)
+    views = layout.views(storage)
+    assert len(views) == len(checked)
+    for spec, view in zip(checked, views, strict=True):
+        one = _leaves.device_leaf(bytes_, spec)
+        assert type(view) is type(one) and view.dtype == one.dtype and view.shape == one.shape
+        assert torch.equal(view.reshape(-1).view(torch.uint8), one.reshape(-1).view(torch.uint8))
+        assert view.data_ptr() == storage.data_ptr() + spec.offset
+    assert_same(batch, _leaves.rebuild(p.tree, views))
+    return layout
+
+
+@SETTINGS
+@given(batches())
+def test_a_device_layout_gives_the_leaves_one_view_each_would(batch: Any) -> None:
+    """Where a batch has a device layout (one dtype, no numpy, empty or subclassed leaf), its
+    leaves from one native call are those of one view per leaf; where it has none, a leaf
+    needs a view of its own."""
+    p = _codec.plan(batch)
+    checked = _leaves.checked_specs(p.specs, p.nbytes)
+    if _check_layout(batch) is None:
+        assert (
+            not checked
+            or len({s.dtype for s in checked}) > 1
+            or any(s.kind != "torch" or s.nbytes == 0 or s.subclass is not None for s in checked)
+        )
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sampled_from(["int64", "float32", "uint8", "bfloat16", "bool"]),
+    st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=3), min_size=1, max_size=5),
+)
+def test_leaves_of_one_dtype_are_viewed_in_one_call(dtype: str, shapes: list[list[int]]) -> None:
+    """A batch of tensors of one dtype (a dict of token ids, mask and labels): one allocation of
+    that dtype, its leaves (gaps between them skipped) in one call; one leaf: the allocation."""
+    rng = np.random.default_rng(len(shapes))
+    batch = {
+        f"k{i}": make_array("torch", dtype, tuple(shape), "contiguous", rng)
+        for i, shape in enumerate(shapes)
+    }
+    layout = _check_layout(batch)
+    assert layout is not None and layout.dtype == getattr(torch, dtype)
+    if len(shapes) == 1:
+        assert layout.like is None and layout.shape == tuple(shapes[0]), "the leaf itself"
+
+
+def test_leaves_of_two_dtypes_are_viewed_one_by_one() -> None:
+    assert _check_layout({"x": torch.zeros(3), "y": torch.zeros(2, dtype=torch.int64)}) is None
+    assert _check_layout([torch.zeros(3), torch.zeros(0)]) is None, "an empty leaf"
+
+
 @SETTINGS
 @given(batches())
 def test_write_into_a_tensor_buffer_with_slack(batch: Any) -> None:

@@ -277,8 +277,9 @@ class Delivery:
         self.batches += 1
         self.bytes += need
         assert self.copy_stream is not None and self.consumer is not None
+        layout = leaves.device_layout(specs, need)
         with torch.cuda.stream(self.copy_stream):
-            storage = torch.empty(need, dtype=torch.uint8, device=self.device)
+            storage = self._allocate(layout, need)
         t0 = _trace.on and _trace.now()
         if source is None:
             sent = slot.copy_to_device(storage, need, self.copy_stream)
@@ -287,7 +288,7 @@ class Delivery:
             sent = cache.copy_to_device(key, slot, [(0, 0, need)], storage, need, self.copy_stream)
         if t0:
             _trace.span("batch.send", t0, nbytes=need)
-        views = _device_leaves(specs, slot, storage, need)
+        views = self._views(layout, specs, slot, storage, need)
         slot.release(self.copy_stream)  # reused only after the copy to the device
         consumer, raw = self.consumer
         storage.record_stream(consumer)
@@ -305,13 +306,35 @@ class Delivery:
         self.bytes += need
         assert self.device is not None
         raw = self.current_raw_stream()
-        storage = torch.empty(need, dtype=torch.uint8, device=self.device)
-        views = _device_leaves(specs, slot, storage, need)
+        layout = leaves.device_layout(specs, need)
+        storage = self._allocate(layout, need)
+        views = self._views(layout, specs, slot, storage, need)
         t0 = _trace.on and _trace.now()
         slot.send_then_release(storage, need, raw)
         if t0:
             _trace.span("batch.send", t0, nbytes=need)
         return leaves.rebuild(tree, views, self.pin_opaque)
+
+    def _allocate(self, layout: leaves.DeviceLayout | None, need: int) -> torch.Tensor:
+        """The device memory a batch of ``need`` bytes is copied into, on the current stream:
+        shaped as ``layout`` says (its only leaf, or its leaves' one dtype), else bytes."""
+        if layout is not None:
+            return layout.allocate(self.device)  # type: ignore[arg-type]
+        return torch.empty(need, dtype=torch.uint8, device=self.device)
+
+    @staticmethod
+    def _views(
+        layout: leaves.DeviceLayout | None,
+        specs: list[codec.LeafSpec],
+        host: Any,
+        storage: torch.Tensor,
+        need: int,
+    ) -> list[Any]:
+        """The leaves over ``storage``: in one native call where ``layout`` says how, else one
+        view (or, numpy, host copy) per leaf."""
+        if layout is not None:
+            return layout.views(storage)
+        return _device_leaves(specs, host, storage, need)
 
     def current_raw_stream(self) -> int:
         """The raw handle of torch's current stream on the loader's device."""

@@ -10,14 +10,16 @@ instead of reading outside the slot; a view never reaches past ``limit`` bytes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .._errors import OutOfBounds
+from .._torch_contract import unflatten_dense_tensors
 from .codec import (
     ALIGN,
     NUMPY_KINDS,
@@ -148,6 +150,79 @@ def device_leaf(storage: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
         if out.shape != spec.shape:
             out = out.view(spec.shape)
     return out if spec.subclass is None else out.as_subclass(spec.subclass)
+
+
+class DeviceLayout(NamedTuple):
+    """How the torch leaves of a batch on the device come out of the one allocation it is
+    copied into, with no torch call per leaf (:func:`device_layout`): the allocation is
+    ``torch.empty(shape, dtype=dtype)``; with ``like`` None it is the batch's only leaf
+    itself, else ``unflatten_dense_tensors(allocation, like)`` views it in consecutive pieces
+    (the leaves and the gaps between them, meta tensors of their numel) in one native call,
+    and ``leaves`` are the positions of the leaves among them, in spec order."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    like: list[torch.Tensor] | None
+    leaves: tuple[int, ...]
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        """The memory the batch is copied into, on ``device`` (torch's current stream's)."""
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+    def views(self, storage: torch.Tensor) -> list[torch.Tensor]:
+        """The leaves over ``storage``, an allocation of :meth:`allocate`."""
+        if self.like is None:
+            return [storage]
+        assert unflatten_dense_tensors is not None
+        pieces = unflatten_dense_tensors(storage, self.like)
+        return [pieces[i] for i in self.leaves]
+
+
+#: How many batch descriptions' layouts are kept (a workload has a few: its batch shapes).
+LAYOUTS_KEPT = 64
+
+
+def device_layout(specs: list[LeafSpec], need: int) -> DeviceLayout | None:
+    """The :class:`DeviceLayout` of a batch of checked ``specs`` and ``need`` bytes; None
+    where its leaves need one view each (:func:`device_leaf`): a numpy leaf (a host copy),
+    an empty one, a tensor subclass, or leaves of more than one dtype."""
+    try:
+        return _layout(tuple(specs), need)
+    except TypeError:  # (an unhashable spec: a subclass type that is not)
+        return None
+
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _layout(specs: tuple[LeafSpec, ...], need: int) -> DeviceLayout | None:
+    if not specs or need <= 0:
+        return None
+    if any(s.kind != "torch" or s.nbytes == 0 or s.subclass is not None for s in specs):
+        return None
+    dtypes = {s.dtype for s in specs}
+    if len(dtypes) != 1:
+        return None
+    dtype = TORCH_DTYPES[dtypes.pop()]
+    size = dtype.itemsize
+    first = specs[0]
+    if len(specs) == 1 and first.offset == 0 and first.nbytes == need:
+        return DeviceLayout(first.shape, dtype, None, (0,))
+    if unflatten_dense_tensors is None:
+        return None
+    order = sorted(range(len(specs)), key=lambda i: specs[i].offset)
+    like: list[torch.Tensor] = []
+    at: dict[int, int] = {}
+    end = 0
+    for i in order:
+        s = specs[i]
+        if s.offset < end or s.offset % size:
+            return None  # (overlapping or unaligned: not consecutive pieces)
+        if s.offset > end:
+            like.append(torch.empty((s.offset - end) // size, device="meta"))
+        at[i] = len(like)
+        like.append(torch.empty(s.shape, device="meta"))
+        end = s.offset + s.nbytes
+    whole = -(-need // size)  # (elements: at least need bytes)
+    return DeviceLayout((whole,), dtype, like, tuple(at[i] for i in range(len(specs))))
 
 
 def _restrided(flat: Any, marker: Strided) -> torch.Tensor:
