@@ -22,7 +22,8 @@ from pinpool._wire import codec, leaves
 BATCHES = {
     "tokens 8x8193 int64": torch.zeros(8, 8193, dtype=torch.int64),
     "ids, mask, labels 8x2048 int64": {
-        k: torch.zeros(8, 2048, dtype=torch.int64) for k in ("input_ids", "attention_mask", "labels")
+        k: torch.zeros(8, 2048, dtype=torch.int64)
+        for k in ("input_ids", "attention_mask", "labels")
     },
     "8 float32 leaves": [torch.zeros(64, 32) for _ in range(8)],
 }

@@ -6,7 +6,9 @@ views into that memory: a slot returns to its pool when the last view dies, fenc
 current stream then. With a CUDA device, the memory is copied to it on the loader's own copy
 stream, from a slot in one call without the GIL (:meth:`Delivery.send`: a worker's segment
 goes into the slot and on to the device; a zero-copy batch is in its slot already), and the
-slot is released behind that copy (fenced on the copy stream).
+slot is released behind that copy (fenced on the copy stream). The device memory is one
+allocation per batch: in its leaves' dtype where they share one, so that they come out of it
+with no torch call per leaf (``leaves.DeviceLayout``), else bytes viewed leaf by leaf.
 
 Every batch delivered comes out as one type, :class:`Pending`, with one ``wait()``, called on
 the consumer's thread by :func:`hand_over` as the batch is yielded: it waits for a copy into
