@@ -355,8 +355,11 @@ impl Pool {
     /// `prefer` where a slot of `bytes` can start now (free, a whole number of pages, inside
     /// one part, `keep` honoured: [`crate::extents::ExtentMap::alloc_preferring`]), else
     /// (unless `only`: then None) wherever first fit puts it. A zero-copy worker that keeps
-    /// the extents of its last batches mapped asks for them again. (With `prefer`, fences that
-    /// have completed are retired first: their bytes are free only once retired.)
+    /// the extents of its last batches mapped asks for them again. (With `prefer`, a preferred
+    /// extent free now is taken as it is; only where none is are the fences that have
+    /// completed retired first, since their bytes are free only once retired: this runs on the
+    /// consumer's thread once a batch, and retiring queries the driver for every fence in
+    /// flight.)
     pub fn try_checkout_bytes_preferring(
         &self,
         bytes: usize,
@@ -369,14 +372,20 @@ impl Pool {
             return Err(Error::Closed);
         }
         self.check_size(bytes)?;
+        let mut checkout = None;
         if !prefer.is_empty() {
-            // A preferred extent whose fence has completed is free only once retired: retire
-            // what is ready first, or first fit would hand out other bytes meanwhile.
-            if let Some(f) = self.fences.as_ref() {
-                f.try_retire_ready(&self.table);
+            checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, true);
+            if checkout.is_none() {
+                // A preferred extent whose fence has completed is free only once retired:
+                // retire what is ready first, or first fit would hand out other bytes.
+                if let Some(f) = self.fences.as_ref() {
+                    f.try_retire_ready(&self.table);
+                }
             }
         }
-        let mut checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, only);
+        if checkout.is_none() {
+            checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, only);
+        }
         if checkout.is_none() {
             if let Some(f) = self.fences.as_ref() {
                 if f.try_retire_ready(&self.table) > 0 {
@@ -628,6 +637,33 @@ mod tests {
             pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false),
             Err(Error::Closed)
         );
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_free_preferred_extent_is_taken_without_retiring_fences() {
+        let fences = Arc::new(crate::fence::ManualFences::new());
+        let slot = 4 * page_size();
+        let pool =
+            Pool::with_fences(&PoolConfig::host(slot, 4), Box::new(Arc::clone(&fences))).unwrap();
+        let held: Vec<Checkout> = (0..4).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+        let at = |t| pool.extent(t).unwrap().0;
+        let (fenced, free) = (at(held[2]), at(held[1]));
+        pool.release(held[2], Some(7)).unwrap();
+        pool.release(held[1], None).unwrap();
+        // The fenced one is preferred first, but the free one is taken, and no fence is
+        // recorded or queried on the way (the driver is not called on the asker's thread).
+        let got = pool.try_checkout_bytes_preferring(slot, 0, &[fenced, free], true).unwrap();
+        assert_eq!(got.map(|t| at(t)), Some(free));
+        assert!(fences.recorded().is_empty(), "fences retired: {:?}", fences.recorded());
+        assert!(pool.is_fenced(held[2]));
+        // None preferred is free: the completed fences are retired, and the fenced one taken.
+        pool.retire_fences();
+        fences.complete_all();
+        let back = pool.try_checkout_bytes_preferring(slot, 0, &[fenced], true).unwrap();
+        assert_eq!(back.map(|t| at(t)), Some(fenced));
+        assert_eq!(fences.recorded().len(), 1);
     }
 
     #[test]
