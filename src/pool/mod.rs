@@ -655,14 +655,14 @@ mod tests {
         // The fenced one is preferred first, but the free one is taken, and no fence is
         // recorded or queried on the way (the driver is not called on the asker's thread).
         let got = pool.try_checkout_bytes_preferring(slot, 0, &[fenced, free], true).unwrap();
-        assert_eq!(got.map(|t| at(t)), Some(free));
+        assert_eq!(got.map(at), Some(free));
         assert!(fences.recorded().is_empty(), "fences retired: {:?}", fences.recorded());
         assert!(pool.is_fenced(held[2]));
         // None preferred is free: the completed fences are retired, and the fenced one taken.
         pool.retire_fences();
         fences.complete_all();
         let back = pool.try_checkout_bytes_preferring(slot, 0, &[fenced], true).unwrap();
-        assert_eq!(back.map(|t| at(t)), Some(fenced));
+        assert_eq!(back.map(at), Some(fenced));
         assert_eq!(fences.recorded().len(), 1);
     }
 
