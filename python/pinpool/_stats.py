@@ -46,7 +46,6 @@ class _LoaderCounters(TypedDict):
     zero_copy_fallbacks: int
     zero_copy_no_ticket: int
     zero_copy_ticket_too_small: int
-    zero_copy_small: int
     segments_cached: int
 
 

@@ -87,9 +87,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
       memfd: ``cuda-register`` or ``host``). A reservation is sized from the largest batch seen so
       far. The first batch, batches that find no room when dispatched and batches larger
       than their reservation go through copy mode (into a slot of their own size), counted in
-      ``stats()["zero_copy_fallbacks"]``. Batches for the ``device`` of at most 1 MiB go
-      through copy mode too, counted in ``stats()["zero_copy_small"]``: for them copy mode
-      costs the training thread less.
+      ``stats()["zero_copy_fallbacks"]``.
     - ``keep_worker_memory``: workers keep memory their items were made in (up to twice the
       largest batch, at most 1 GiB each) for the next batch's items, rather than give it
       back to the kernel and fault fresh pages in for every batch (glibc's trim and mmap
@@ -368,10 +366,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def stats(self) -> LoaderStats:
         """The loader's own counters (``batches``, ``bytes``, ``overflow_batches``,
         ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which ``zero_copy_no_ticket`` and
-        ``zero_copy_ticket_too_small``), ``zero_copy_small`` (batches for the device of at
-        most 1 MiB, which zero-copy mode sends through copy mode: there the copy costs less
-        than the reservation), ``segments_cached``) plus its pool's, once the pool exists
-        (:class:`~pinpool.LoaderStats`)."""
+        ``zero_copy_ticket_too_small``), ``segments_cached``) plus its pool's, once the pool
+        exists (:class:`~pinpool.LoaderStats`)."""
         return self._pin_receiver.stats()
 
 

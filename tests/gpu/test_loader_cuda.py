@@ -222,33 +222,3 @@ def test_batches_of_one_dtype_come_out_of_one_allocation_in_one_call(zero_copy: 
             assert ours.stats()["slots_checked_out"] == 0
             del ours
             gc.collect()
-
-
-def test_small_device_batches_come_through_copy_mode_in_zero_copy_mode_too() -> None:
-    """Zero-copy mode gives batches for the device of at most ``COPIED_UP_TO`` bytes no
-    reservation (counted in ``zero_copy_small``, not as fallbacks): they come through their
-    worker's segment; bigger ones are written into their slots by the workers."""
-    from pinpool._main.receiver import COPIED_UP_TO
-
-    small = Images(96, 3, 32, 32)  # 8 x 3 KB
-    big = Images(96, 3, 512, 512)  # 8 x 786 KB
-    assert 8 * 3 * 32 * 32 <= COPIED_UP_TO < 8 * 3 * 512 * 512
-    for data, is_small in ((small, True), (big, False)):
-        loader = pinpool.DataLoader(
-            data, batch_size=8, num_workers=2, device="cuda", zero_copy=True
-        )
-        for batch, labels in loader:
-            assert torch.equal(batch[:, 0, 0, 0], (labels % 251).to(torch.uint8).cuda())
-        stats = loader.stats()
-        assert stats["batches"] == 12
-        # Every batch one of: zero-copy, small, or a fallback (the first ones: no pool yet).
-        counted = stats["zero_copy_batches"] + stats["zero_copy_small"]
-        assert counted + stats["zero_copy_fallbacks"] == 12, stats
-        if is_small:
-            assert stats["zero_copy_small"] >= 6, stats
-            assert stats["zero_copy_batches"] <= 2, stats  # (sized before any batch came)
-        else:
-            assert stats["zero_copy_small"] == 0, stats
-            assert stats["zero_copy_batches"] >= 6, stats
-        del loader, batch, labels
-        gc.collect()

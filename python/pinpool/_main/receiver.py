@@ -49,13 +49,6 @@ from .reservations import Reservations
 #: ahead): for a small batch, a stream of its own, its event and the hand-over between the
 #: threads cost more than the copy gains from running beside the consumer's work.
 CONSUMER_SENDS_UP_TO = 1 << 20
-#: In zero-copy mode, batches for the device of at most this many bytes (reckoned from the
-#: recent ones, as a reservation's size is) get no reservation: they come through their
-#: worker's segment, as in copy mode, counted in ``zero_copy_small``. Measured on the H200
-#: (``docs/performance.md``): a reservation, its pickling with the indices and its adoption
-#: cost the GIL's threads 30 to 40 µs a batch more than copy mode, whose copy of a batch this
-#: small runs on a copy thread without the GIL, beside the consumer.
-COPIED_UP_TO = CONSUMER_SENDS_UP_TO
 
 
 class Receiver:
@@ -249,15 +242,11 @@ class Receiver:
         """A zero-copy reservation for the next batch of sampler ``owner`` (going to worker
         ``worker``, if known: preferably where that worker's last slots were), sized from the
         last few batches, leaving room for batches that come through copy mode
-        (``LazyPool.reservation_size``); None sends the batch through copy mode (as it does
-        every batch for the device of at most :data:`COPIED_UP_TO` bytes)."""
+        (``LazyPool.reservation_size``); None sends the batch through copy mode."""
         pool = self.pools.pool
         if pool is None:
             return self.reservations.reserve(None, owner, 0, 0)
         size, reserve = self.pools.reservation_size(pool.arena_bytes, pool.largest_slot)
-        if self.deliver.device is not None and size <= COPIED_UP_TO:
-            self.reservations.small += 1
-            return None  # (through copy mode: the copy costs less than the reservation)
         t0 = _trace.on and _trace.now()
         reservation = self.reservations.reserve(pool, owner, size, reserve, worker)
         if t0:
@@ -298,6 +287,5 @@ class Receiver:
         out["zero_copy_fallbacks"] = self.reservations.fallbacks + self.reservations.too_small
         out["zero_copy_no_ticket"] = self.reservations.fallbacks
         out["zero_copy_ticket_too_small"] = self.reservations.too_small
-        out["zero_copy_small"] = self.reservations.small
         out["segments_cached"] = len(cache) if cache is not None else 0
         return cast(LoaderStats, out)

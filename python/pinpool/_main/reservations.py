@@ -48,7 +48,6 @@ class Reservations:
         self._lock = threading.Lock()
         self.fallbacks = 0  # batches sent through copy mode for want of a slot
         self.too_small = 0  # batches larger than their reservation, sent through copy mode
-        self.small = 0  # batches for the device too small to gain from zero-copy (receiver)
         #: Per (sampler, worker), the arena offsets of the worker's last slots (as many as
         #: ``handle.windows_kept`` of their size: those it keeps mapped, ``_worker.windows``),
         #: the latest first. Per sampler: each iterator has its own, and a new iterator's

@@ -291,15 +291,10 @@ def loader_notes(result: dict[str, Any]) -> list[str]:
         overflow = sum(s.get("overflow_batches", 0) for s in stats)
         fell = sum(s.get("zero_copy_fallbacks", 0) for s in stats)
         zero = sum(s.get("zero_copy_batches", 0) for s in stats)
-        small = sum(s.get("zero_copy_small", 0) for s in stats)
         if overflow:
             notes.append(f"{name}: {overflow} batches went to unpinned memory (overflow)")
-        if zero or ((fell or small) and spec_named(name).kwargs.get("zero_copy")):
-            why = f" ({small} of them small batches for the device, as meant)" if small else ""
-            notes.append(
-                f"{name}: {fell + small} of {fell + small + zero} batches went through copy "
-                f"mode{why}"
-            )
+        if zero or (fell and spec_named(name).kwargs.get("zero_copy")):
+            notes.append(f"{name}: {fell} of {fell + zero} batches went through copy mode")
     return notes
 
 

@@ -215,12 +215,6 @@ def gpu(out: str, rank: int, world: int) -> dict[str, Any]:
     local = int(os.environ["LOCAL_RANK"])
     assert torch.cuda.device_count() >= world, "one GPU per rank"
     torch.cuda.set_device(local)
-    # These batches (82 KB) are small enough that zero-copy mode would send them through copy
-    # mode on a device (receiver.COPIED_UP_TO): zero-copy into each rank's pool is what is
-    # checked here, so every size gets a reservation.
-    from pinpool._main import receiver
-
-    receiver.COPIED_UP_TO = 0
     bare = pinpool.PinPool(1 << 20, 2)
     assert bare.device == local, f"a bare PinPool on rank {rank} is on GPU {bare.device}"
     dataset = Samples()
