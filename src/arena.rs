@@ -520,6 +520,17 @@ impl Arena {
             Storage::HostAlloc { .. } => None,
         }
     }
+
+    /// The inode number of the memfd holding arena byte `offset` (read when the memfd was
+    /// made). None for `cuda-hostalloc`.
+    pub fn part_inode_at(&self, offset: usize) -> Option<u64> {
+        match &self.storage {
+            Storage::Registered { region, .. } | Storage::Host { region } => {
+                region.part_at(offset).map(|p| p.inode)
+            }
+            Storage::HostAlloc { .. } => None,
+        }
+    }
 }
 
 impl Drop for Arena {
@@ -605,8 +616,10 @@ mod tests {
     fn host_arena_is_usable_and_reports_itself() {
         let a = Arena::new(1 << 20, 1 << 16, None, None, 2).unwrap();
         assert_eq!(a.backend(), Backend::Host);
-        let (_, start, len) = a.part_at((1 << 20) - 1).unwrap();
+        let (fd, start, len) = a.part_at((1 << 20) - 1).unwrap();
         assert!(start + len == 1 << 20 && len % (1 << 16) == 0);
+        let inode = rustix::fs::fstat(fd).unwrap().st_ino;
+        assert_eq!(a.part_inode_at((1 << 20) - 1), Some(inode), "the inode kept is the memfd's");
         // SAFETY: test-only write inside the arena.
         unsafe { a.base().add(a.len() - 1).write(7) };
         assert_ne!(a.residency(), Residency::Pinned);

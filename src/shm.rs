@@ -211,6 +211,8 @@ pub struct Part {
     pub offset: usize,
     /// Its length.
     pub len: usize,
+    /// The memfd's inode number (read once: what a zero-copy reservation names, per batch).
+    pub inode: u64,
 }
 
 // SAFETY: as for `Mapping`: plain memory owned by this value, accessed under the slot state
@@ -304,7 +306,8 @@ impl Region {
             if at == libc::MAP_FAILED {
                 return Err(Error::last_os("mmap(MAP_FIXED)"));
             }
-            region.parts.push(Part { fd, offset, len: part_len });
+            let inode = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat", e))?;
+            region.parts.push(Part { fd, offset, len: part_len, inode: inode.st_ino });
             offset += part_len;
         }
         Ok(region)

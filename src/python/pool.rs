@@ -139,12 +139,13 @@ impl PyPinPool {
     fn slot_part<T>(
         &self,
         slot: &PySlot,
-        what: impl FnOnce(BorrowedFd<'_>, usize, usize) -> Option<T>,
+        what: impl FnOnce(BorrowedFd<'_>, usize, usize, u64) -> Option<T>,
     ) -> Option<T> {
         let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
         let (at, _) = pool.extent(slot.checkout()).ok()?;
         let (fd, start, len) = pool.arena().part_at(at)?;
-        what(fd, at - start, len)
+        let inode = pool.arena().part_inode_at(at)?; // (read once: no system call per batch)
+        what(fd, at - start, len, inode)
     }
 
     pub(crate) fn get(&self, py: Python<'_>) -> PyResult<Arc<Pool>> {
@@ -511,16 +512,14 @@ impl PyPinPool {
     /// for worker processes that write batches straight into slots. None for
     /// `cuda-hostalloc` (no memfd), a released slot, or once closed.
     fn slot_memfd(&self, slot: &PySlot) -> Option<(i32, usize, usize)> {
-        self.slot_part(slot, |fd, at, len| Some((fd.as_raw_fd(), at, len)))
+        self.slot_part(slot, |fd, at, len, _| Some((fd.as_raw_fd(), at, len)))
     }
 
     /// As `slot_memfd`, with the memfd's inode number last: `(fd, slot offset in that memfd,
     /// memfd length, inode)`, what a zero-copy reservation names (the inode lets the worker
     /// check that the descriptor it opens is that file).
     fn slot_place(&self, slot: &PySlot) -> Option<(i32, usize, usize, u64)> {
-        self.slot_part(slot, |fd, at, len| {
-            Some((fd.as_raw_fd(), at, len, rustix::fs::fstat(fd).ok()?.st_ino))
-        })
+        self.slot_part(slot, |fd, at, len, inode| Some((fd.as_raw_fd(), at, len, inode)))
     }
 
     /// The arena's memfd parts, in order: `(fd, first byte's arena offset, length)`, for the
