@@ -5,7 +5,10 @@ process's side of ``codec``, which plans and writes them).
 Invariants: every spec is checked (:func:`checked_specs`: a known dtype and kind, an aligned
 offset, a shape whose bytes are the spec's and lie within the limit) before any view is made
 of it, so a corrupt description raises :class:`~pinpool.PinPoolError` (``OutOfBounds``)
-instead of reading outside the slot; a view never reaches past ``limit`` bytes.
+instead of reading outside the slot; a view never reaches past ``limit`` bytes. A batch on the
+device whose leaves share one dtype is viewed through its :class:`DeviceLayout` (kept per
+description), whose pieces lie end to end within the batch's bytes, each leaf where its spec
+puts it: the same views :func:`device_leaf` makes one by one.
 """
 
 from __future__ import annotations
@@ -194,6 +197,7 @@ def device_layout(specs: list[LeafSpec], need: int) -> DeviceLayout | None:
 
 @functools.lru_cache(maxsize=LAYOUTS_KEPT)
 def _layout(specs: tuple[LeafSpec, ...], need: int) -> DeviceLayout | None:
+    """:func:`device_layout`, worked out once per description (specs and size)."""
     if not specs or need <= 0:
         return None
     if any(s.kind != "torch" or s.nbytes == 0 or s.subclass is not None for s in specs):
