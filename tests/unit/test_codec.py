@@ -164,8 +164,8 @@ def _check_layout(batch: Any) -> _leaves.DeviceLayout | None:
         return None
     storage = layout.allocate(torch.device("cpu"))
     assert storage.is_contiguous() and storage.nbytes >= len(buf)
-    storage.reshape(-1).view(torch.uint8)[: len(buf)] = torch.tensor(list(buf), dtype=torch.uint8)
     bytes_ = torch.tensor(list(buf), dtype=torch.uint8)
+    storage.reshape(-1).view(torch.uint8)[: len(buf)] = bytes_
     views = layout.views(storage)
     assert len(views) == len(checked)
     for spec, view in zip(checked, views, strict=True):
