@@ -14,6 +14,8 @@
 //! - [`copy`]: multi-threaded copies of byte ranges;
 //! - [`shm`]: sealed shared-memory files and their mappings (the arena's parts, segments);
 //! - [`pkeys`]: memory protection keys, a thread's own switch for its access to a mapping;
+//! - [`tickets`]: zero-copy slots checked out for batches by the thread that writes their
+//!   indices to the worker, off the training thread;
 //! - [`window`]: a zero-copy worker's lasting mapping of arena extents, inaccessible between
 //!   batches;
 //! - [`transport`]: batches from worker processes in shared-memory segments, and the
@@ -50,6 +52,7 @@ pub mod pool;
 pub mod priority;
 pub mod shm;
 pub mod slots;
+pub mod tickets;
 pub mod topology;
 pub mod transport;
 pub mod window;

@@ -20,6 +20,7 @@ __all__ = [
     "SegmentCache",
     "Sent",
     "Slot",
+    "Tickets",
     "WorkerSegment",
     "_gather",
     "_set_stream_hook",
@@ -131,6 +132,9 @@ class PinPool:
     def slot_memfd(self, slot: Slot) -> tuple[int, int, int] | None: ...
     def slot_place(self, slot: Slot) -> tuple[int, int, int, int] | None: ...
     def memfd_parts(self) -> list[tuple[int, int, int]]: ...
+    def tickets(self, windows: int, window_bytes: int) -> Tickets:
+        """A table of zero-copy tickets for this pool's slots, whose workers keep at most
+        ``windows`` windows and ``window_bytes`` bytes of them."""
     @property
     def device(self) -> int | None: ...
     @property
@@ -384,6 +388,13 @@ class PipeWriter:
         that is not a pipe."""
     def send(self, data: bytes) -> None:
         """Queues ``data`` as one message; returns at once. Raises ``PoolClosed`` once closed."""
+    def send_ticketed(
+        self, data: bytes, tickets: Tickets, request: tuple[int, int, int, int]
+    ) -> None:
+        """As ``send``, for a message holding ``tickets.placeholder``; ``request`` is
+        ``(owner, worker, nbytes, keep)``: the writer's thread checks out a slot of ``nbytes``
+        for worker ``worker`` of iterator ``owner`` (leaving ``keep`` bytes free in one range)
+        and writes its ticket over the placeholder just before it writes the message."""
     def close(self, timeout: float = 1.0) -> bool:
         """Closes the writer and waits, without the GIL, at most ``timeout`` seconds for its
         thread to end; returns whether it ended."""
@@ -393,6 +404,32 @@ class PipeWriter:
     @property
     def error(self) -> str | None:
         """The write error the thread ended on (no reader left, say), or None."""
+
+@final
+class Tickets:
+    """Zero-copy slots checked out by the index queues' writer threads, without the GIL
+    (made by ``PinPool.tickets``). A ticket is 80 bytes, ten little-endian unsigned 64-bit
+    ints: 1 (0: no slot), the slot's index, generation, a nonce, its offset in its memfd, its
+    length, this process's id, the memfd's descriptor, length and inode number."""
+
+    @property
+    def placeholder(self) -> bytes:
+        """What a message carries where its ticket goes (80 bytes: a random marker, zeros)."""
+    def issue(self, owner: int, worker: int, nbytes: int, keep: int) -> bytes:
+        """Checks a slot of ``nbytes`` out now for worker ``worker`` of iterator ``owner``,
+        preferably where that worker's last slots were; its ticket (zeros: none)."""
+    def adopt(self, index: object, generation: object, nonce: object) -> Slot | None:
+        """The slot issued as (index, generation) with ``nonce``, once; None otherwise."""
+    def take_back(self, index: object, generation: object, nonce: object) -> bool:
+        """Releases the slot issued so, whose batch will not arrive in it."""
+    def drop(self, owner: int | None = None) -> None:
+        """Releases the slots issued for iterator ``owner`` (all with None)."""
+    @property
+    def fallbacks(self) -> int:
+        """Tickets that could not be issued (the batch went through copy mode)."""
+    @property
+    def outstanding(self) -> int:
+        """Tickets issued and not yet adopted, taken back or dropped."""
 
 @final
 class SegmentCache:

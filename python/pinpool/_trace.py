@@ -76,7 +76,8 @@ EVENTS: dict[str, str] = {
     "background: the arena made ready in the background)",
     # A batch, main process (the consumer's thread, or torch's pin thread).
     "slot.reserve": "zero-copy: a slot reserved for a batch's indices (span; nbytes: the "
-    "reservation's size, got: whether a slot was free)",
+    "reservation's size, got: whether a slot was free; ticket: left to the pipe's writer "
+    "thread, got None)",
     "index.put": "a batch's indices pickled and handed to the Rust writer of a worker's pipe "
     "(span; nbytes)",
     "batch.take": "a batch handle taken: its memory found, copied, delivered (span; ahead: on "

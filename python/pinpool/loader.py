@@ -355,7 +355,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             base = EpochSampler(base, self._pin_resume, self)  # (before any reservation)
         if getattr(self, "_pin_reserving", False):
             receiver = self._pin_receiver
-            return ReservingSampler(base, receiver.reserve_for)
+            return ReservingSampler(base, receiver.reserve_for, receiver.ticket_for)
         return base
 
     @property

@@ -23,6 +23,7 @@ mod pool;
 mod segment;
 mod sent;
 mod slot;
+mod tickets;
 mod window;
 
 /// Runs `f`, turning a panic into `pinpool.PinPoolError`.
@@ -231,6 +232,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<segment::PyCopying>()?;
     m.add_class::<sent::PySent>()?;
     m.add_class::<pipe::PyPipeWriter>()?;
+    m.add_class::<tickets::PyTickets>()?;
     m.add_class::<window::PyArenaWindow>()?;
     m.add_class::<handoff::PyHandoff>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;

@@ -250,3 +250,74 @@ def test_tagged_indices_reach_the_worker_as_they_were_sent(
     if reservation is not None:
         assert type(got.reservation) is handle.SlotReservation
         assert all(type(h) is handle.WindowHint for h in got.reservation.ahead)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=100), st.tuples(*[st.integers(0, (1 << 64) - 1)] * 10))
+def test_a_ticket_names_a_reservation_only_when_issued(
+    noise: bytes, words: tuple[int, ...]
+) -> None:
+    """A ticket's bytes decode to the reservation they name when their first word says it was
+    issued, and to no reservation otherwise (zeros, a placeholder nobody wrote over, bytes
+    of another length)."""
+    import struct
+
+    ticket = struct.pack("<10Q", *words)
+    got = handle.ticket_reservation(ticket)
+    if words[0] == 1:
+        assert got == handle.SlotReservation(*words[1:])
+        assert got is not None and got.claim == words[1:4]
+    else:
+        assert got is None
+    if len(noise) != len(ticket):
+        assert handle.ticket_reservation(noise) is None
+
+
+def test_small_batches_get_their_slot_from_the_pipes_writer_thread() -> None:
+    """A small batch's indices put on a worker's index queue reach the worker with a slot
+    that the queue's writer thread checked out: the consumer's thread reserved nothing; the
+    slot is adopted once, by its claim, and a slot taken back or dropped returns to the pool."""
+    import multiprocessing as mp
+
+    from pinpool._main.index_queue import write_directly
+    from pinpool._main.reservations import ReservingSampler
+
+    slot = 512 << 10
+    loader, pool, reservations = zero_copy_loader(slot, 8)
+    receiver = loader._pin_receiver
+    queue = mp.get_context("fork").Queue()
+    try:
+        assert write_directly(queue)
+        sampler = ReservingSampler(
+            [[1, 2], [3, 4], [5, 6]], receiver.reserve_for, receiver.ticket_for
+        )
+        sampler.at_put = True
+        queue.reserve = sampler.reserve_at_put
+        queue.worker = 1
+        free = pool.stats()["slots_free"]
+        for n, task in enumerate(sampler):
+            queue.put((n, task))
+        got = [queue.get(timeout=10) for _ in range(3)]
+        assert [list(t) for _, t in got] == [[1, 2], [3, 4], [5, 6]]
+        tickets = [t.reservation for _, t in got]
+        assert all(type(r) is handle.SlotReservation for r in tickets)
+        assert reservations._reserved == {}  # (none reserved on this thread)
+        assert len({r.offset for r in tickets}) == 3 and all(r.nbytes == slot for r in tickets)
+        assert all(r.arena_pid == os.getpid() for r in tickets)
+        assert pool.stats()["slots_free"] == free - 3
+        first = reservations.adopt(tickets[0].claim)
+        assert first.nbytes == slot
+        with pytest.raises(pinpool.PinPoolError, match="not handed out"):
+            reservations.adopt(tickets[0].claim)  # (once)
+        with pytest.raises(pinpool.PinPoolError, match="not handed out"):
+            reservations.adopt((*tickets[1].claim[:2], tickets[1].nonce ^ 1))
+        reservations.take_back(tickets[1].claim)
+        reservations.drop(sampler.owner)
+        assert reservations.no_ticket == 0
+        first.release()
+        del first
+        gc.collect()
+        assert pool.stats()["slots_free"] == free
+    finally:
+        queue.close()
+        loader._pin_receiver.close()

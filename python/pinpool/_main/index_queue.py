@@ -25,7 +25,9 @@ Invariants:
 - A task numbered ``last_from`` or later (set each epoch by the workers' iterator) goes out
   as a ``_wire.last_tasks.LastTask``, which the worker unpickles into the same message.
 - A task's zero-copy slot, when the workers' iterator asks for it here (``reserve``), is
-  checked out as the task is put, for the worker this queue feeds, before it is pickled.
+  checked out as the task is put, for the worker this queue feeds, before it is pickled; or,
+  for a small batch, by the writer's thread as it writes the task (a pending ticket, whose
+  placeholder it overwrites: ``pinpool._native.Tickets``), with no Python lock held.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
     last_from: int | None
     #: Called with each task's indices (a ``TaggedIndices``) and :attr:`worker` as the task is
     #: put, before it is pickled: zero-copy tags them with a slot there
-    #: (``ReservingSampler.reserve_at_put``). None: nothing to call.
-    reserve: Callable[[Any, int], None] | None
+    #: (``ReservingSampler.reserve_at_put``), or with a pending ticket, returning the order
+    #: (tickets, request, placeholder) the writer's thread carries out. None: nothing to call.
+    reserve: Callable[[Any, int], Any] | None
     #: The worker this queue feeds (its place in torch's list of index queues).
     worker: int
 
@@ -67,9 +70,10 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
         t0 = _trace.on and _trace.now()
         if self._closed:  # type: ignore[attr-defined]
             raise ValueError(f"Queue {self!r} is closed")
+        order = None
         if type(obj) is tuple and len(obj) == 2:
             if self.reserve is not None and type(obj[1]) is TaggedIndices:
-                self.reserve(obj[1], self.worker)
+                order = self.reserve(obj[1], self.worker)
             last = self.last_from
             if last is not None and type(obj[0]) is int and obj[0] >= last:
                 obj = LastTask(obj)
@@ -77,7 +81,10 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
         # The worker's get() releases this semaphore for every message it reads.
         if not self._sem.acquire(block, timeout):  # type: ignore[attr-defined]
             raise Full
-        self._pin_writer.send(data)
+        if order is None:
+            self._pin_writer.send(data)
+        else:
+            self._pin_writer.send_ticketed(data, order[0], order[1])
         if t0:
             _trace.span("index.put", t0, nbytes=len(data))
 

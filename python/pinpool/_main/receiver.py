@@ -42,7 +42,7 @@ from .delivery import Delivery, Pending
 from .intake import Intake
 from .lazy_pool import IN_TURN, LazyPool
 from .pool_settings import PoolSettings
-from .reservations import Reservations
+from .reservations import Reservations, TicketOrder
 
 #: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
 #: in its turn, on its current stream (torch's pin thread only has them copied into their slot
@@ -253,6 +253,19 @@ class Receiver:
             _trace.span("slot.reserve", t0, nbytes=size, got=reservation is not None)
         return reservation
 
+    def ticket_for(self, owner: int, worker: int) -> TicketOrder | None:
+        """As :meth:`reserve_for`, for a slot the index queue's writer thread checks out
+        (``Reservations.ticket_for``); None: reserve it here."""
+        pool = self.pools.pool
+        if pool is None:
+            return None
+        size, reserve = self.pools.reservation_size(pool.arena_bytes, pool.largest_slot)
+        t0 = _trace.on and _trace.now()
+        order = self.reservations.ticket_for(pool, owner, size, reserve, worker)
+        if t0 and order is not None:
+            _trace.span("slot.reserve", t0, nbytes=size, got=None, ticket=True)
+        return order
+
     # -- the end ------------------------------------------------------------------------------
 
     def retire_segments(self, dead_only: bool = False) -> None:
@@ -284,8 +297,9 @@ class Receiver:
         out["bytes"] = self.deliver.bytes
         out["overflow_batches"] = self.pools.overflow_batches
         out["zero_copy_batches"] = self.intake.zero_copy_batches
-        out["zero_copy_fallbacks"] = self.reservations.fallbacks + self.reservations.too_small
-        out["zero_copy_no_ticket"] = self.reservations.fallbacks
+        no_ticket = self.reservations.no_ticket
+        out["zero_copy_fallbacks"] = no_ticket + self.reservations.too_small
+        out["zero_copy_no_ticket"] = no_ticket
         out["zero_copy_ticket_too_small"] = self.reservations.too_small
         out["segments_cached"] = len(cache) if cache is not None else 0
         return cast(LoaderStats, out)

@@ -15,6 +15,13 @@ The worker writes the batch into that slot (``pinpool._worker.places``) and
 its handle names the slot; :meth:`Reservations.adopt` gives the slot back to the receiver only if
 it was handed out for that batch (index, generation and nonce).
 
+Batches under ``ONLY_KEPT_FROM`` whose indices go through a ``DirectQueue`` get their slot off
+the consumer's thread: the task is tagged with a :class:`~pinpool._wire.handle.PendingTicket`
+(:meth:`Reservations.ticket_for`) and the queue's writer thread, in Rust and without the GIL,
+checks the slot out (preferring that worker's last slots) and writes its ticket into the
+message (``pinpool._native.Tickets``); those slots are in the pool's table of tickets, which
+``adopt``, ``take_back`` and ``drop`` consult as they do the slots handed out here.
+
 Invariants: a slot is in the table from the moment it is handed out until its batch adopts
 it, its batch turns out not to use it (:meth:`Reservations.take_back`), or the iterator that handed
 it out ends (:meth:`Reservations.drop`, once no worker that got it can write any more); the table
@@ -31,8 +38,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._errors import OutOfBounds, PinPoolError
-from .._native import PinPool, Slot, page_size
-from .._wire.handle import SlotReservation, TaggedIndices, WindowHint, windows_kept
+from .._native import PinPool, Slot, Tickets, page_size
+from .._wire.handle import (
+    WINDOW_BYTES_KEPT,
+    WINDOWS_KEPT,
+    PendingTicket,
+    SlotReservation,
+    TaggedIndices,
+    WindowHint,
+    windows_kept,
+)
+
+#: What the index queue needs to have a task's slot checked out by its writer thread: the
+#: pool's tickets, the request ``(owner, worker, nbytes, keep)`` and the task's placeholder.
+TicketOrder = tuple[Tickets, tuple[int, int, int, int], PendingTicket]
 
 #: Reservations of at least this many bytes go only where the worker has a window already,
 #: once it keeps as many as it may (see :meth:`Reservations.reserve`); smaller ones may go
@@ -65,6 +84,41 @@ class Reservations:
         #: Per (sampler, worker), the hinted offsets (``_last``'s, sent with its first
         #: reservation), offered after those in ``_recent``.
         self._hinted: dict[tuple[int, int], list[int]] = {}
+        #: The current pool's table of tickets (the pool, the table, its placeholder), and
+        #: those of earlier pools, whose tickets may still be out.
+        self._tickets: tuple[PinPool, Tickets, PendingTicket] | None = None
+        self._old_tickets: list[Tickets] = []
+
+    @property
+    def no_ticket(self) -> int:
+        """Batches sent through copy mode for want of a slot, here and by the tickets."""
+        return self.fallbacks + sum(t.fallbacks for t in self._ticket_tables())
+
+    def _ticket_tables(self) -> list[Tickets]:
+        current = self._tickets
+        return ([current[1]] if current is not None else []) + self._old_tickets
+
+    def ticket_for(
+        self, pool: PinPool, owner: int, nbytes: int, reserve: int, worker: int
+    ) -> TicketOrder | None:
+        """The order for a slot of ``nbytes`` that the index queue's writer thread is to
+        check out for worker ``worker`` of sampler ``owner`` (leaving ``reserve`` bytes free);
+        None where the slot is to be reserved here (big batches: their windows follow the
+        rules of :meth:`reserve`) or the pool is closed."""
+        if nbytes >= ONLY_KEPT_FROM:
+            return None
+        current = self._tickets
+        if current is None or current[0] is not pool:
+            try:
+                tickets = pool.tickets(WINDOWS_KEPT, WINDOW_BYTES_KEPT)
+            except PinPoolError:
+                return None  # (closed)
+            current = (pool, tickets, PendingTicket(tickets.placeholder))
+            with self._lock:
+                if self._tickets is not None:
+                    self._old_tickets.append(self._tickets[1])
+                self._tickets = current
+        return (current[1], (owner, worker, nbytes, reserve), current[2])
 
     def _remember(self, key: tuple[int, int], offset: int, kept: int) -> None:  # (locked)
         recent = self._recent.get(key)
@@ -164,15 +218,21 @@ class Reservations:
             raise OutOfBounds(f"corrupt batch handle: slot {claim!r}: {exc}") from None
         with self._lock:
             entry = self._reserved.get((index, generation))
-            if entry is None or entry[1] != nonce:
-                raise PinPoolError(
-                    f"a batch claims slot {(index, generation)}, which was not handed out for it"
-                )
-            del self._reserved[(index, generation)]
-        return entry[0]
+            if entry is not None and entry[1] == nonce:
+                del self._reserved[(index, generation)]
+                return entry[0]
+            tables = self._ticket_tables()
+        for tickets in tables:
+            slot = tickets.adopt(index, generation, nonce)
+            if slot is not None:
+                return slot
+        raise PinPoolError(
+            f"a batch claims slot {(index, generation)}, which was not handed out for it"
+        )
 
     def take_back(self, claim: Any) -> None:
-        """Takes back a slot handed out for a batch that will not arrive in it."""
+        """Takes back a slot handed out (or issued by a writer thread) for a batch that will not
+        arrive in it."""
         if not (isinstance(claim, tuple) and len(claim) == 3):
             return  # (a corrupt handle's claim: never handed out)
         if not all(type(x) is int for x in claim):
@@ -182,6 +242,11 @@ class Reservations:
             entry = self._reserved.get((index, generation))
             if entry is not None and entry[1] == nonce:
                 del self._reserved[(index, generation)]
+                return
+            tables = self._ticket_tables()
+        for tickets in tables:
+            if tickets.take_back(index, generation, nonce):
+                return
 
     def drop(self, owner: int | None = None) -> None:
         """Takes back the slots handed out by sampler ``owner`` (all with None), once no
@@ -193,9 +258,14 @@ class Reservations:
                 del self._recent[recent]
             for hinted in [k for k in self._hinted if owner in (None, k[0])]:
                 del self._hinted[hinted]
+            tables = self._ticket_tables()
             if owner is None:
                 self._last.clear()
                 self._last_pool = None
+                self._tickets = None
+                self._old_tickets = []
+        for tickets in tables:
+            tickets.drop(owner)
 
 
 #: How many slots a fresh worker with no predecessor is told of ahead as its own (its first
@@ -254,10 +324,14 @@ class ReservingSampler:
     _next_owner = itertools.count(1)
 
     def __init__(
-        self, base: Any, reserve: Callable[[int, int | None], SlotReservation | None]
+        self,
+        base: Any,
+        reserve: Callable[[int, int | None], SlotReservation | None],
+        order: Callable[[int, int], TicketOrder | None] | None = None,
     ) -> None:
         self.base = base
         self.reserve = reserve
+        self.order = order
         self.owner = next(ReservingSampler._next_owner)
         self.at_put = False
 
@@ -273,11 +347,18 @@ class ReservingSampler:
             else:
                 yield TaggedIndices(indices, self.reserve(self.owner, None))
 
-    def reserve_at_put(self, task: TaggedIndices, worker: int) -> None:
+    def reserve_at_put(self, task: TaggedIndices, worker: int) -> TicketOrder | None:
         """Tags ``task`` (this sampler's, about to be put on worker ``worker``'s queue) with a
-        slot, preferably one that worker had before."""
+        slot, preferably one that worker had before; or, with ``order``, with a pending
+        ticket, and returns the order the queue's writer thread carries out."""
         if self.at_put and task.reservation is None:
+            if self.order is not None:
+                order = self.order(self.owner, worker)
+                if order is not None:
+                    task.reservation = order[2]
+                    return order
             task.reservation = self.reserve(self.owner, worker)
+        return None
 
     def __len__(self) -> int:
         return len(self.base)

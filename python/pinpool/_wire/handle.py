@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import struct
 from typing import Any, NamedTuple
 
 from .. import _signals, _trace
@@ -84,28 +85,59 @@ class SlotReservation(NamedTuple):
         return (self.index, self.generation, self.nonce)
 
 
+class PendingTicket:
+    """Stands for a slot not checked out yet: the index queue's writer thread checks it out
+    as it writes the indices (``pinpool._native.Tickets``), and writes its ticket over
+    ``placeholder`` in the pickled message."""
+
+    __slots__ = ("placeholder",)
+
+    def __init__(self, placeholder: bytes) -> None:
+        self.placeholder = placeholder
+
+
+#: A ticket's ten little-endian unsigned 64-bit ints (``pinpool._native.Tickets``).
+_TICKET = struct.Struct("<10Q")
+
+
+def ticket_reservation(ticket: bytes) -> SlotReservation | None:
+    """The reservation a ticket names; None for no slot (zeros), or anything else (a
+    placeholder nobody wrote over: no slot either)."""
+    if len(ticket) != _TICKET.size:
+        return None
+    issued, *fields = _TICKET.unpack(ticket)
+    return SlotReservation(*fields) if issued == 1 else None
+
+
 class TaggedIndices(list):  # type: ignore[type-arg]
     """A batch's indices, with the slot its batch should land in (or None)."""
 
-    reservation: SlotReservation | None
+    reservation: SlotReservation | PendingTicket | None
 
-    def __init__(self, indices: Any, reservation: SlotReservation | None) -> None:
+    def __init__(self, indices: Any, reservation: SlotReservation | PendingTicket | None) -> None:
         super().__init__(indices)
         self.reservation = reservation
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled once a batch on the consumer's thread (the index queue's put): as plain
-        # tuples of ints, in three quarters of the time its list and named tuple take.
+        # tuples of ints, in three quarters of the time its list and named tuple take; a
+        # pending ticket as its placeholder's bytes.
         r = self.reservation
         if r is None:
             return (_tagged, (list(self), None))
+        if type(r) is PendingTicket:
+            return (_tagged, (list(self), r.placeholder))
+        assert isinstance(r, SlotReservation)
         return (_tagged, (list(self), (*r[:9], tuple(tuple(h) for h in r.ahead))))
 
 
-def _tagged(indices: list[Any], fields: tuple[Any, ...] | None) -> TaggedIndices:
-    """A :class:`TaggedIndices` from what its ``__reduce__`` made."""
+def _tagged(indices: list[Any], fields: tuple[Any, ...] | bytes | None) -> TaggedIndices:
+    """A :class:`TaggedIndices` from what its ``__reduce__`` made (a ticket, once written)."""
     if fields is None:
         return TaggedIndices(indices, None)
+    if type(fields) is bytes:
+        return TaggedIndices(indices, ticket_reservation(fields))
+    assert isinstance(fields, tuple)
     ahead = tuple(WindowHint(*h) for h in fields[9])
     return TaggedIndices(indices, SlotReservation(*fields[:9], ahead=ahead))
 
