@@ -302,7 +302,8 @@ def test_small_batches_get_their_slot_from_the_pipes_writer_thread() -> None:
         tickets = [t.reservation for _, t in got]
         assert all(type(r) is handle.SlotReservation for r in tickets)
         assert reservations._reserved == {}  # (none reserved on this thread)
-        assert len({r.offset for r in tickets}) == 3 and all(r.nbytes == slot for r in tickets)
+        assert len({(r.arena_ino, r.offset) for r in tickets}) == 3
+        assert all(r.nbytes == slot for r in tickets)
         assert all(r.arena_pid == os.getpid() for r in tickets)
         assert pool.stats()["slots_free"] == free - 3
         first = reservations.adopt(tickets[0].claim)
