@@ -264,6 +264,7 @@ class Reservations:
                 self._last_pool = None
                 self._tickets = None
                 self._old_tickets = []
+                self.fallbacks += sum(t.fallbacks for t in tables)  # (still counted after)
         for tickets in tables:
             tickets.drop(owner)
 
