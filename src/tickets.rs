@@ -29,7 +29,6 @@
 //! - In a process forked from the table's owner nothing is issued or released.
 
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -146,7 +145,7 @@ impl Tickets {
         let checkout = pool
             .try_checkout_bytes_preferring(request.nbytes, request.keep, &prefer, false)
             .ok()??;
-        let Some((fields, at)) = place(&pool, checkout) else {
+        let Some(fields) = pool.slot_place(checkout) else {
             let _ = pool.release(checkout, None);
             return None;
         };
@@ -156,7 +155,7 @@ impl Tickets {
             return None;
         }
         let nonce = u64::from_le_bytes(nonce) >> 1;
-        let kept = self.kept(fields.nbytes);
+        let (at, kept) = (fields.arena_offset, self.kept(fields.nbytes));
         {
             let mut table = self.table();
             let recent = table.recent.entry(key).or_default();
@@ -272,22 +271,6 @@ impl Drop for Tickets {
     }
 }
 
-struct Place {
-    offset: usize,
-    nbytes: usize,
-    fd: i32,
-    part_len: usize,
-    inode: u64,
-}
-
-/// Where `checkout`'s slot lies in its memfd, and its arena offset.
-fn place(pool: &Pool, checkout: Checkout) -> Option<(Place, usize)> {
-    let (at, nbytes) = pool.extent(checkout).ok()?;
-    let (fd, start, part_len) = pool.arena().part_at(at)?;
-    let inode = pool.arena().part_inode_at(at)?;
-    Some((Place { offset: at - start, nbytes, fd: fd.as_raw_fd(), part_len, inode }, at))
-}
-
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
@@ -308,6 +291,7 @@ fn fill_random(out: &mut [u8]) -> Result<()> {
 mod tests {
     use super::*;
     use crate::pool::PoolConfig;
+    use std::os::fd::AsRawFd;
 
     const SLOT: usize = 64 << 10;
 

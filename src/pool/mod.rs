@@ -96,6 +96,7 @@ pub use stats::{Counters, Stats};
 pub use transfer::validate_ranges;
 
 use std::mem::ManuallyDrop;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -107,6 +108,23 @@ use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
 use crate::shm::{page_size, round_up};
 use crate::slots::{Checkout, Layout, SlotTable};
+
+/// Where a slot lies in shared memory ([`Pool::slot_place`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotPlace {
+    /// The slot's offset in the arena.
+    pub arena_offset: usize,
+    /// Its offset in the memfd (arena part) that holds it.
+    pub offset: usize,
+    /// Its length.
+    pub nbytes: usize,
+    /// That memfd's descriptor (owned by the arena).
+    pub fd: std::os::fd::RawFd,
+    /// That memfd's length.
+    pub part_len: usize,
+    /// That memfd's inode number.
+    pub inode: u64,
+}
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -477,6 +495,22 @@ impl Pool {
     /// live.
     pub fn extent(&self, checkout: Checkout) -> Result<(usize, usize)> {
         self.table.extent(checkout).ok_or(Error::SlotReleased { index: checkout.index as usize })
+    }
+
+    /// Where the slot `checkout` holds lies in shared memory, for a worker process to write
+    /// into it; None for a stale checkout or an arena without memfds (`cuda-hostalloc`).
+    pub fn slot_place(&self, checkout: Checkout) -> Option<SlotPlace> {
+        let (at, nbytes) = self.extent(checkout).ok()?;
+        let (fd, start, part_len) = self.arena.part_at(at)?;
+        let inode = self.arena.part_inode_at(at)?; // (read once: no system call per batch)
+        Some(SlotPlace {
+            arena_offset: at,
+            offset: at - start,
+            nbytes,
+            fd: fd.as_raw_fd(),
+            part_len,
+            inode,
+        })
     }
 
     /// Whether `checkout`'s slot was released and waits for its fence.

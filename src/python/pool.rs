@@ -1,6 +1,6 @@
 //! `pinpool.PinPool`: the Python face of [`crate::pool::Pool`].
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::prelude::*;
@@ -136,18 +136,11 @@ fn first_time(note: &str) -> bool {
 }
 
 impl PyPinPool {
-    /// `what` of the memfd part holding `slot`: its descriptor, the slot's offset in it, and
-    /// its length. None for `cuda-hostalloc` (no memfd), a released slot, or once closed.
-    fn slot_part<T>(
-        &self,
-        slot: &PySlot,
-        what: impl FnOnce(BorrowedFd<'_>, usize, usize, u64) -> Option<T>,
-    ) -> Option<T> {
+    /// Where `slot` lies in shared memory (`Pool::slot_place`). None for `cuda-hostalloc`
+    /// (no memfd), a released slot, or once closed.
+    fn place_of(&self, slot: &PySlot) -> Option<crate::pool::SlotPlace> {
         let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-        let (at, _) = pool.extent(slot.checkout()).ok()?;
-        let (fd, start, len) = pool.arena().part_at(at)?;
-        let inode = pool.arena().part_inode_at(at)?; // (read once: no system call per batch)
-        what(fd, at - start, len, inode)
+        pool.slot_place(slot.checkout())
     }
 
     pub(crate) fn get(&self, py: Python<'_>) -> PyResult<Arc<Pool>> {
@@ -514,14 +507,14 @@ impl PyPinPool {
     /// for worker processes that write batches straight into slots. None for
     /// `cuda-hostalloc` (no memfd), a released slot, or once closed.
     fn slot_memfd(&self, slot: &PySlot) -> Option<(i32, usize, usize)> {
-        self.slot_part(slot, |fd, at, len, _| Some((fd.as_raw_fd(), at, len)))
+        self.place_of(slot).map(|p| (p.fd, p.offset, p.part_len))
     }
 
     /// As `slot_memfd`, with the memfd's inode number last: `(fd, slot offset in that memfd,
     /// memfd length, inode)`, what a zero-copy reservation names (the inode lets the worker
     /// check that the descriptor it opens is that file).
     fn slot_place(&self, slot: &PySlot) -> Option<(i32, usize, usize, u64)> {
-        self.slot_part(slot, |fd, at, len, inode| Some((fd.as_raw_fd(), at, len, inode)))
+        self.place_of(slot).map(|p| (p.fd, p.offset, p.part_len, p.inode))
     }
 
     /// A table of zero-copy tickets for this pool's slots (`Tickets`), whose workers keep at
