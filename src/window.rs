@@ -220,6 +220,12 @@ impl Window {
         self.state.lock().faulted
     }
 
+    /// Whether every page has been faulted in, known without waiting: false while another
+    /// thread holds the window (faulting it in, say).
+    pub fn is_faulted_now(&self) -> bool {
+        self.state.try_lock().is_some_and(|state| state.faulted)
+    }
+
     /// Faults the whole window in, under the lock (see [`Window::fault_in`]); with `privately`,
     /// only where it has a key (false where not).
     fn populate(&self, state: &mut State, privately: bool) -> Result<bool> {
@@ -707,6 +713,22 @@ mod tests {
             assert_eq!(v.perms, "---s", "{found:?}");
             assert!(v.flags.iter().any(|f| f == "dc"), "inherited by children: {found:?}");
         }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn faulted_now_is_known_without_waiting_for_the_window() {
+        let p = page_size();
+        let m = arena(4);
+        let w = Window::unfaulted(m.fd().unwrap(), 0, 2 * p).unwrap();
+        assert!(!w.is_faulted_now() && !w.is_faulted());
+        w.open(0, 1, false).unwrap(); // (faults it in)
+        assert!(w.close().unwrap());
+        assert!(w.is_faulted_now() && w.is_faulted());
+        let held = w.state.lock();
+        assert!(!w.is_faulted_now(), "held by another caller: not known now, so false");
+        drop(held);
+        assert!(w.is_faulted_now());
     }
 
     #[test]

@@ -39,6 +39,16 @@ pub struct PyArenaWindow {
     window: Window,
 }
 
+impl PyArenaWindow {
+    /// Whether `open` and `close` are cheap enough to run with the GIL held: a window with a
+    /// key, faulted in (and not held by another thread now), switches a range by its key (no
+    /// system call once the range is armed; one `pkey_mprotect` when another range is) and
+    /// faults nothing in.
+    fn cheap_to_switch(&self) -> bool {
+        self.window.has_key() && self.window.is_faulted_now()
+    }
+}
+
 #[pymethods]
 impl PyArenaWindow {
     #[new]
@@ -136,7 +146,9 @@ impl PyArenaWindow {
 
     /// Makes the pages holding the file's bytes `[offset, offset + nbytes)` readable and
     /// writable (the range must lie inside the window and hold at least one byte), without
-    /// the GIL. One range at a time: raises `InvalidArgument` while one is open.
+    /// the GIL (with it, on a window with a key that is faulted in: that costs no fault and
+    /// at most one `pkey_mprotect`). One range at a time: raises `InvalidArgument` while one
+    /// is open.
     ///
     /// With `keyed=True` on a window with a key, the pages are made so under the key (at
     /// once, if they are the range opened keyed last), and only a thread that calls
@@ -153,6 +165,12 @@ impl PyArenaWindow {
         guarded(|| {
             let offset = size_arg(py, offset, "offset")?;
             let nbytes = size_arg(py, nbytes, "nbytes")?;
+            if self.cheap_to_switch() {
+                // (No page to fault in, no mprotect that must wait for other threads' TLBs:
+                // giving the GIL up and taking it back would cost more, and could hand it to
+                // another thread of the worker for as long as that thread keeps it.)
+                return self.window.open(offset, nbytes, keyed).py(py);
+            }
             py.detach(|| self.window.open(offset, nbytes, keyed)).py(py)
         })
     }
@@ -169,12 +187,17 @@ impl PyArenaWindow {
     }
 
     /// Makes the whole window inaccessible again (nothing to do if nothing is open), without
-    /// the GIL: the open range's pages, or, for a range opened keyed, the calling thread's
-    /// access (the pages stay so under the key for the next batch). Raises `BufferError`,
-    /// changing nothing, while a view of the window is alive.
+    /// the GIL (with it, on a window with a key that is faulted in): the open range's pages,
+    /// or, for a range opened keyed, the calling thread's access (the pages stay so under the
+    /// key for the next batch). Raises `BufferError`, changing nothing, while a view of the
+    /// window is alive.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         guarded(|| {
-            if !py.detach(|| self.window.close()).py(py)? {
+            let closed = match self.cheap_to_switch() {
+                true => self.window.close(),
+                false => py.detach(|| self.window.close()),
+            };
+            if !closed.py(py)? {
                 return Err(PyBufferError::new_err(format!(
                     "cannot close the window while {} view(s) of it are alive: release them \
                      first",

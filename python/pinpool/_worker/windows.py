@@ -67,8 +67,10 @@ from .._native import ArenaWindow
 from .._wire import peer
 from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation, WindowHint
 
-#: This process's kept windows, the latest used first: ``((main pid, inode), window)``.
-_WINDOWS: list[tuple[tuple[int, int], ArenaWindow]] = []
+#: This process's kept windows, the latest used first: ``((main pid, inode, start, end),
+#: window)``, where ``[start, end)`` are the file offsets the window maps (kept here as plain
+#: ints: finding the window of a slot asks no native call per window).
+_WINDOWS: list[tuple[tuple[int, int, int, int], ArenaWindow]] = []
 _PID = os.getpid()
 #: The process that started its map-ahead thread, if this one did (once per process).
 _AHEAD_IN: int | None = None
@@ -163,9 +165,13 @@ def open_for(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
 
 def _kept(key: tuple[int, int], offset: int, nbytes: int, use: bool = True) -> ArenaWindow | None:
     """The kept window holding those bytes, if one does (with ``use``, now the latest used)."""
+    if nbytes <= 0:
+        return None
+    pid, ino = key
+    end = offset + nbytes
     for i, (k, kept_window) in enumerate(_WINDOWS):
-        if k == key and nbytes > 0 and kept_window.contains(offset, nbytes):
-            if use:
+        if k[1] == ino and k[0] == pid and k[2] <= offset and end <= k[3]:
+            if use and i:
                 _WINDOWS.insert(0, _WINDOWS.pop(i))
             return kept_window
     return None
@@ -175,16 +181,19 @@ def _keep(key: tuple[int, int], window: ArenaWindow, latest: bool) -> bool:
     """Keeps ``window``: as the latest used, the least recently used going (unmapped as they
     die) while over the limits; else (a hint's) as the least recently used, only if the limits
     leave room for it. Whether it is kept."""
-    mapped = sum(w.length for _, w in _WINDOWS)
+    mapped = sum(k[3] - k[2] for k, _ in _WINDOWS)
+    start, length = window.offset, window.length
+    entry = ((key[0], key[1], start, start + length), window)
     if not latest:
-        if len(_WINDOWS) >= WINDOWS_KEPT or mapped + window.length > WINDOW_BYTES_KEPT:
+        if len(_WINDOWS) >= WINDOWS_KEPT or mapped + length > WINDOW_BYTES_KEPT:
             return False
-        _WINDOWS.append((key, window))
+        _WINDOWS.append(entry)
         return True
-    _WINDOWS.insert(0, (key, window))
-    mapped += window.length
+    _WINDOWS.insert(0, entry)
+    mapped += length
     while len(_WINDOWS) > 1 and (len(_WINDOWS) > WINDOWS_KEPT or mapped > WINDOW_BYTES_KEPT):
-        mapped -= _WINDOWS.pop()[1].length
+        k, _ = _WINDOWS.pop()
+        mapped -= k[3] - k[2]
     return True
 
 
