@@ -175,7 +175,14 @@ def run_mode(name: str, args: argparse.Namespace, traced: bool) -> dict[str, Any
 def place_split(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One traced epoch: worker.place (and the main process's events) by kind."""
     folder = tempfile.mkdtemp(prefix="mode-costs-")
-    wanted = {"worker.place", "worker.write", "batch.adopt", "index.put", "batch.wait"}
+    wanted = {
+        "worker.place",
+        "worker.write",
+        "batch.adopt",
+        "index.put",
+        "batch.wait",
+        "batch.send",
+    }
 
     def hook(e: Any) -> None:
         if e.name in wanted:
