@@ -194,7 +194,9 @@ class Slot:
     def send_then_release(self, target: Any, nbytes: int, stream: Any) -> None:
         """Queues a copy of the slot's first ``nbytes`` bytes to ``target`` on ``stream`` (as
         ``copy_to_device``), then releases the slot fenced on ``stream``: work queued on
-        ``stream`` afterwards sees the copy done. Keep ``target`` alive until then."""
+        ``stream`` afterwards sees the copy done. Keep ``target`` alive until then. Unlike
+        ``copy_to_device``, it keeps the GIL while the driver queues the copy (microseconds):
+        the training thread's call, which would otherwise hand the GIL to another thread."""
     def release(self, stream: Any = None) -> None: ...
     def __enter__(self) -> Slot: ...
     def __exit__(

@@ -55,13 +55,15 @@ impl PySlot {
 
     /// The copy of [`PySlot::copy_to_device`] and [`PySlot::send_then_release`]: queued on
     /// `stream` with an event after it; returns the event and the raw stream. The caller
-    /// releases the slot fenced on that stream (or later).
+    /// releases the slot fenced on that stream (or later). With `keep_gil`, the driver is
+    /// called with the GIL held (see [`PySlot::send_then_release`]).
     fn send(
         &self,
         py: Python<'_>,
         target: &Bound<'_, PyAny>,
         nbytes: usize,
         stream: &Bound<'_, PyAny>,
+        keep_gil: bool,
     ) -> PyResult<(crate::cuda::Event, usize)> {
         let pool = Arc::clone(self.lease.pool());
         let device = pool_device(py, &pool)?;
@@ -73,7 +75,12 @@ impl PySlot {
         // least `nbytes` bytes (checked above), kept alive by the caller until the copy has
         // run; the slot is pinned while the copy is queued, and the caller releases it fenced
         // on `stream`, behind the copy (both methods' documented contract).
-        let event = py.detach(|| unsafe { pool.send(checkout, dst, nbytes, stream) }).py(py)?;
+        let send = || unsafe { pool.send(checkout, dst, nbytes, stream) };
+        let event = match keep_gil {
+            true => send(),
+            false => py.detach(send),
+        };
+        let event = event.py(py)?;
         Ok((event, stream))
     }
 
@@ -167,7 +174,7 @@ impl PySlot {
         nbytes: usize,
         stream: &Bound<'_, PyAny>,
     ) -> PyResult<PySent> {
-        guarded(|| Ok(PySent::new(self.send(py, target, nbytes, stream)?.0)))
+        guarded(|| Ok(PySent::new(self.send(py, target, nbytes, stream, false)?.0)))
     }
 
     /// Queues a copy of the slot's first `nbytes` bytes to `target` (a contiguous CUDA tensor
@@ -175,6 +182,11 @@ impl PySlot {
     /// to the pool fenced on that stream: one call for a batch sent on the stream that uses
     /// it, with no event to wait for. Keep `target` alive until the copy has run (work queued
     /// on `stream` after this call sees the copy done).
+    ///
+    /// The driver is called with the GIL held: this is the training thread's call for a small
+    /// batch, and queuing a copy from pinned memory returns in microseconds, while a thread
+    /// that gives the GIL up there hands it to torch's pin thread, which keeps it for the
+    /// whole of its next step (measured on the H200: `benchmarks/results/h200-small-batch-costs`).
     fn send_then_release(
         &self,
         py: Python<'_>,
@@ -183,7 +195,7 @@ impl PySlot {
         stream: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         guarded(|| {
-            let (_, stream) = self.send(py, target, nbytes, stream)?;
+            let (_, stream) = self.send(py, target, nbytes, stream, true)?;
             self.lease.release(Some(stream)).py(py)
         })
     }

@@ -13,6 +13,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from conftest import run_python
@@ -428,6 +429,65 @@ def test_a_slot_copied_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
     got = target.clone()
     torch.cuda.synchronize()
     assert sent.done and torch.equal(got.cpu(), data)
+    assert pool.stats()["slots_checked_out"] == 0
+
+
+def test_send_then_release_keeps_the_gil_where_copy_to_device_gives_it_up(cuda_pool) -> None:
+    """The training thread's send of a small batch (``Slot.send_then_release``) queues its copy
+    with the GIL held: a thread waiting for the GIL gets no turn inside the call. The pin
+    thread's ``copy_to_device`` gives the GIL up there (the control: the same thread gets
+    turns inside it). Both copies land byte-exact."""
+    import sys
+    import threading
+
+    n = 512 * 1024
+    pool = cuda_pool(n, 2)
+    data = byte_pattern(n, seed=7)
+    target = torch.empty(n, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    turns = [0]
+    running = threading.Event()
+    running.set()
+
+    def other_thread() -> None:  # wants the GIL every ~0.1 ms
+        while running.is_set():
+            turns[0] += 1
+            time.sleep(1e-4)
+
+    def turns_inside(call: Callable[[Any], Any], calls: int = 200) -> int:
+        inside = 0
+        for _ in range(calls):
+            slot = pool.checkout()
+            slot.view(torch.uint8, (n,)).copy_(data)
+            time.sleep(2e-4)  # (the other thread is waiting for the GIL again by now)
+            before = turns[0]
+            call(slot)
+            inside += turns[0] - before
+            torch.cuda.synchronize()
+            assert torch.equal(target.cpu(), data)
+            target.zero_()
+        return inside
+
+    def send(slot: Any) -> None:
+        slot.send_then_release(target, n, stream)
+
+    def copy(slot: Any) -> None:
+        slot.copy_to_device(target, n, stream)
+        slot.release(stream)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # (no forced switch between bytecodes in the test)
+    worker = threading.Thread(target=other_thread, daemon=True)
+    worker.start()
+    try:
+        held = turns_inside(send)
+        given_up = turns_inside(copy)
+    finally:
+        running.clear()
+        sys.setswitchinterval(interval)
+        worker.join(5)
+    assert held == 0, f"the other thread ran inside send_then_release {held} times"
+    assert given_up > 0, "the control never let the other thread in: the test cannot tell"
     assert pool.stats()["slots_checked_out"] == 0
 
 

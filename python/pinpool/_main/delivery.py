@@ -301,9 +301,10 @@ class Delivery:
         """The batch of ``tree`` on the device, sent on the consumer's thread as it is
         yielded, on torch's current stream (as ``tensor.to(device, non_blocking=True)``
         would): the device memory is allocated there and the slot released fenced there,
-        in one native call, so no event, no stream switch and no ``record_stream`` are
-        needed. For small batches, whose copy is too short to gain from running beside the
-        consumer's work on a stream of its own."""
+        in one native call (which keeps the GIL: giving it up there would hand it to torch's
+        pin thread for its whole step), so no event, no stream switch and no
+        ``record_stream`` are needed. For small batches, whose copy is too short to gain from
+        running beside the consumer's work on a stream of its own."""
         self.batches += 1
         self.bytes += need
         assert self.device is not None
