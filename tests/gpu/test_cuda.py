@@ -13,7 +13,6 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 from conftest import run_python
@@ -432,62 +431,38 @@ def test_a_slot_copied_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
     assert pool.stats()["slots_checked_out"] == 0
 
 
-def test_send_then_release_keeps_the_gil_where_copy_to_device_gives_it_up(cuda_pool) -> None:
-    """The training thread's send of a small batch (``Slot.send_then_release``) queues its copy
-    with the GIL held: a thread waiting for the GIL gets no turn inside the call. The pin
-    thread's ``copy_to_device`` gives the GIL up there (the control: the same thread gets
-    turns inside it). Both copies land byte-exact."""
-    import sys
-    import threading
-
+def test_send_then_release_queues_the_copy_and_fences_the_slot_behind_it(
+    cuda_pool, gpu_sleep
+) -> None:
+    """``Slot.send_then_release`` (the training thread's send of a small batch, made with the
+    GIL held): the call returns while GPU work queued ahead on the stream still runs, the
+    slot is released at once but stays out of the pool until the copy behind that work has
+    run, and the bytes land exactly; bad targets are refused before anything is queued."""
     n = 512 * 1024
-    pool = cuda_pool(n, 2)
+    pool = cuda_pool(n, 1)
     data = byte_pattern(n, seed=7)
+    side = torch.cuda.Stream()
     target = torch.empty(n, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    turns = [0]
-    running = threading.Event()
-    running.set()
-
-    def other_thread() -> None:  # wants the GIL every ~0.1 ms
-        while running.is_set():
-            turns[0] += 1
-            time.sleep(1e-4)
-
-    def turns_inside(call: Callable[[Any], Any], calls: int = 200) -> int:
-        inside = 0
-        for _ in range(calls):
-            slot = pool.checkout()
-            slot.view(torch.uint8, (n,)).copy_(data)
-            time.sleep(2e-4)  # (the other thread is waiting for the GIL again by now)
-            before = turns[0]
-            call(slot)
-            inside += turns[0] - before
-            torch.cuda.synchronize()
-            assert torch.equal(target.cpu(), data)
-            target.zero_()
-        return inside
-
-    def send(slot: Any) -> None:
-        slot.send_then_release(target, n, stream)
-
-    def copy(slot: Any) -> None:
-        slot.copy_to_device(target, n, stream)
-        slot.release(stream)
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(10.0)  # (no forced switch between bytecodes in the test)
-    worker = threading.Thread(target=other_thread, daemon=True)
-    worker.start()
-    try:
-        held = turns_inside(send)
-        given_up = turns_inside(copy)
-    finally:
-        running.clear()
-        sys.setswitchinterval(interval)
-        worker.join(5)
-    assert held == 0, f"the other thread ran inside send_then_release {held} times"
-    assert given_up > 0, "the control never let the other thread in: the test cannot tell"
+    torch.cuda.synchronize()
+    slot = pool.checkout()
+    slot.view(torch.uint8, (n,)).copy_(data)
+    for bad in (torch.empty(n, dtype=torch.uint8), torch.empty(n - 1, dtype=torch.uint8)):
+        with pytest.raises(InvalidArgument):
+            slot.send_then_release(bad, n, side)
+    assert not slot.released, "a refused send releases nothing"
+    with torch.cuda.stream(side):
+        gpu_sleep(LONG_KERNEL_S)
+    t0 = time.perf_counter()
+    slot.send_then_release(target, n, side.cuda_stream)
+    call_s = time.perf_counter() - t0
+    assert call_s < LONG_KERNEL_S / 4, call_s
+    assert slot.released
+    assert pool.try_checkout() is None, "handed out while the copy from it was still queued"
+    assert pool.stats()["slots_fenced"] == 1
+    again = pool.checkout(timeout=10)  # (back once the fence has passed)
+    side.synchronize()
+    assert torch.equal(target.cpu(), data)
+    again.release()
     assert pool.stats()["slots_checked_out"] == 0
 
 
