@@ -149,51 +149,6 @@ def test_small_device_batches_are_copied_behind_the_consumers_work_and_fenced_th
     assert loader.stats()["slots_checked_out"] == 0
 
 
-@pytest.mark.parametrize("zero_copy", [False, True])
-def test_small_device_batches_memory_is_allocated_ahead_on_the_consumers_stream(
-    zero_copy: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A small device batch's memory is allocated ahead, on torch's pin thread, on the stream
-    the consumer used last; when the consumer moves to another stream, the batch's memory is
-    allocated again in ``next()``, on the new one. Every batch yielded lies in memory
-    allocated on the stream current in its ``next()``, and holds its own bytes."""
-    from pinpool._main import delivery
-
-    allocations: dict[int, tuple[str, int]] = {}  # data_ptr -> (thread, stream allocated on)
-    allocate = delivery.Delivery._allocate
-
-    def recorded(self, layout, need):
-        storage = allocate(self, layout, need)
-        raw = int(torch.cuda.current_stream(self.device).cuda_stream)
-        allocations[storage.untyped_storage().data_ptr()] = (threading.current_thread().name, raw)
-        return storage
-
-    monkeypatch.setattr(delivery.Delivery, "_allocate", recorded)
-    loader = pinpool.DataLoader(
-        Images(160, 3, 32, 32), batch_size=8, num_workers=2, device="cuda", zero_copy=zero_copy
-    )
-    side = torch.cuda.Stream()
-    streams = [torch.cuda.default_stream()] * 8 + [side] * 6 + [torch.cuda.default_stream()] * 6
-    me = threading.current_thread().name
-    it = iter(loader)
-    ahead = 0
-    for stream in streams:
-        with torch.cuda.stream(stream):
-            batch, labels = next(it)
-            thread, raw = allocations[batch.untyped_storage().data_ptr()]
-            assert raw == int(stream.cuda_stream), (thread, raw)
-            ahead += thread != me
-            expected = (labels % 251).to(torch.uint8).cuda()
-            assert torch.equal(batch[:, 0, 0, 0], expected)
-            assert torch.equal(batch[:, -1, -1, -1], expected)
-    assert ahead >= len(streams) // 2, ahead
-    assert next(it, None) is None
-    del it, batch
-    gc.collect()
-    torch.cuda.synchronize()
-    assert loader.stats()["slots_checked_out"] == 0
-
-
 def test_big_batches_stream_through_few_slots() -> None:
     ours = pinpool.DataLoader(Images(64, 3, 512, 512), batch_size=16, num_workers=4, device="cuda")
     seen = 0

@@ -52,10 +52,7 @@ from .._wire.handle import BatchHandle
 Source = tuple[SegmentCache, tuple[int, int]] | None
 #: A small batch in a slot the driver pinned, left to be sent in its turn
 #: (:meth:`Delivery.send_in_turn`): its tree, leaf specs, slot and size in bytes.
-SendLater = tuple[Any, list[codec.LeafSpec], Slot, int, "Allocated | None"]
-#: Device memory allocated ahead for a batch the consumer sends in its turn: the storage and
-#: the raw handle of the stream it was allocated on (``Delivery.allocate_ahead``).
-Allocated = tuple[torch.Tensor, int]
+SendLater = tuple[Any, list[codec.LeafSpec], Slot, int]
 
 
 class Pending:
@@ -193,9 +190,8 @@ class Delivery:
     def __init__(self, device: torch.device | None) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device) if device is not None else None
-        # The consumer's stream as last seen by Pending.wait or send_in_turn (first: the
-        # default stream) and its raw handle: batches are recorded on it, and small ones'
-        # device memory allocated on it, ahead, on the pin thread.
+        # The consumer's stream as last seen by Pending.wait (first: the default stream) and
+        # its raw handle: batches are recorded on it ahead, on the pin thread.
         self.consumer: tuple[torch.cuda.Stream, int] | None = None
         if device is not None:
             default = torch.cuda.default_stream(device)
@@ -301,37 +297,12 @@ class Delivery:
         batch = leaves.rebuild(tree, views, self.pin_opaque)
         return Pending(batch, storage=storage, sent=sent, delivery=self, recorded=raw)
 
-    def allocate_ahead(self, specs: list[codec.LeafSpec], need: int) -> Allocated | None:
-        """On torch's pin thread, the device memory for a batch :meth:`send_in_turn` sends
-        later, allocated on the stream the consumer used last, as the consumer's own
-        allocation would be (memory the allocator hands out on a stream is safe to use on
-        it at once). ``torch.empty`` gives the GIL up while it allocates: on the consumer's
-        thread that handed the GIL to the pin thread for the rest of its step, once a batch.
-        None (the consumer allocates in its turn): no stream known yet, or no memory now."""
-        consumer = self.consumer
-        if consumer is None:
-            return None
-        stream, raw = consumer
-        try:
-            with torch.cuda.stream(stream):
-                return self._allocate(leaves.device_layout(specs, need), need), raw
-        except torch.cuda.OutOfMemoryError:
-            return None  # (the consumer tries again in its turn, and raises there)
-
-    def send_in_turn(
-        self,
-        tree: Any,
-        specs: list[codec.LeafSpec],
-        slot: Slot,
-        need: int,
-        allocated: Allocated | None = None,
-    ) -> Any:
+    def send_in_turn(self, tree: Any, specs: list[codec.LeafSpec], slot: Slot, need: int) -> Any:
         """The batch of ``tree`` on the device, sent on the consumer's thread as it is
         yielded, on torch's current stream (as ``tensor.to(device, non_blocking=True)``
-        would): the device memory was allocated on that stream (``allocated``, ahead; or
-        here when the consumer's stream is another one) and the slot is released fenced
-        there, in one native call (which keeps the GIL: giving it up there would hand it to
-        torch's pin thread for its whole step), so no event, no stream switch and no
+        would): the device memory is allocated there and the slot released fenced there,
+        in one native call (which keeps the GIL: giving it up there would hand it to torch's
+        pin thread for its whole step), so no event, no stream switch and no
         ``record_stream`` are needed. For small batches, whose copy is too short to gain from
         running beside the consumer's work on a stream of its own."""
         self.batches += 1
@@ -339,13 +310,7 @@ class Delivery:
         assert self.device is not None
         raw = self.current_raw_stream()
         layout = leaves.device_layout(specs, need)
-        if allocated is not None and allocated[1] == raw:
-            storage = allocated[0]
-        else:
-            del allocated  # (allocated on a stream the consumer left: freed there)
-            storage = self._allocate(layout, need)
-            if self.consumer is None or self.consumer[1] != raw:
-                self.consumer = (torch.cuda.current_stream(self.device), raw)
+        storage = self._allocate(layout, need)
         views = self._views(layout, specs, slot, storage, need)
         t0 = _trace.on and _trace.now()
         slot.send_then_release(storage, need, raw)

@@ -132,8 +132,7 @@ class Receiver:
         self.intake.drop(handle, handed_back=copying is not None)
         if small and self._send_from_segment(memory):
             # Sent on the consumer's thread as it is yielded (Pending.wait).
-            allocated = self.deliver.allocate_ahead(specs, need) if ahead else None
-            later = (handle.tree, specs, memory, need, allocated)
+            later = (handle.tree, specs, memory, need)
             return Pending(None, copying=copying, later=later, delivery=self.deliver)
         t0 = _trace.on and _trace.now()
         pending = self.deliver(handle.tree, specs, memory, need, copying)
