@@ -94,7 +94,9 @@ class Receiver:
         in order (the same rules as on a machine without an accelerator). Nor does it wait
         for a copy into a slot whose batch stays on the CPU or is a small one for the device
         (:data:`CONSUMER_SENDS_UP_TO`): the consumer's thread waits for it, and sends the
-        latter on its current stream (``Pending.wait``).
+        latter on its current stream (``Pending.wait``). A small zero-copy batch for the
+        device it does not touch at all: the handle itself is returned, and the consumer's
+        thread adopts and sends it in its turn.
 
         A bigger batch for the device whose slot the driver pinned is copied into the slot
         and on to the device in one call without the GIL (``SegmentCache.copy_to_device``),
