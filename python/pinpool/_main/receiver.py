@@ -106,15 +106,14 @@ class Receiver:
         if handle.slot is None and handle.segment is None and handle.worker is None:
             self.intake.inline(handle)
             return self.deliver(handle.tree, [], None, 0)
-        if ahead and handle.slot is not None and self.deliver.device is not None:
-            if self._small(handle):
-                # A small zero-copy batch: adopted and sent by the consumer's thread in its
-                # turn; the pin thread, doing nothing for it, leaves the GIL to the consumer.
-                return handle
         copying = None
         try:
             small = self.deliver.device is not None and self._small(handle)
             if handle.slot is not None:
+                if small and ahead:
+                    # Adopted and sent by the consumer's thread in its turn: the pin thread,
+                    # doing nothing for it, leaves the GIL to the consumer.
+                    return handle
                 t0 = _trace.on and _trace.now()
                 memory, specs, need = self.intake.adopt(handle)
                 if t0:
