@@ -50,17 +50,22 @@ __all__ = [
     "MAP_DATASET",
     "QUEUE_ATTRIBUTES",
     "RERAISE_CODE",
+    "ExceptionWrapper",
     "MultiProcessingIter",
     "MultiprocessingQueue",
     "assigned_attributes",
     "check",
+    "cuda_pin_thread_deferrable",
     "cuda_raw_stream",
     "default_convert",
     "get_spawning_popen",
     "mp_status_check_interval",
+    "pin_memory_loop",
     "profiler_enabled",
     "python_exit_status",
+    "register_persistent_atexit",
     "remove_worker_pids",
+    "start_pin_thread",
     "torch_collate",
     "unflatten_dense_tensors",
 ]
@@ -134,9 +139,13 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_workers_done_event": "set before the workers are told to exit",
     "_worker_pids_set": "whether the workers are registered with torch's SIGCHLD handler",
     "_pin_memory": "whether torch's pin thread runs (else batches are received in "
-    "_try_get_data); pin_memory and, on 2.6, torch.cuda.is_available(), on 2.15 "
-    "torch.accelerator.is_available() (False on MPS)",
-    "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots)",
+    "_try_get_data, by the consumer's intake): a property; what torch sets, pin_memory and, "
+    "on 2.6, torch.cuda.is_available(), on 2.15 torch.accelerator.is_available() (False on "
+    "MPS), is the wish: on CUDA the thread starts at the first big batch",
+    "_pin_memory_thread": "the pin thread: set once it is started (torch's shutdown joins it)",
+    "_pin_memory_thread_done_event": "set by torch's shutdown to stop the pin thread",
+    "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots); "
+    "without one, the workers' result queue itself",
     "_worker_result_queue": "the workers' results: its feeder is not waited for at exit once "
     "the workers are shut down (torch's shutdown may be cut short before it says so)",
     "_task_info": "batches held out of order, dropped at shutdown",
@@ -178,6 +187,59 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 )
 
 # -- torch's other private parts ---------------------------------------------------------------
+
+#: ``torch._utils.ExceptionWrapper``: an exception caught where it cannot be raised (a worker,
+#: the pin thread), raised again by torch's iterator in the batch's turn; a batch the
+#: consumer's thread fails to take ahead becomes one (``_main.consumer_intake``).
+ExceptionWrapper: Any = torch._utils.ExceptionWrapper
+
+#: ``_utils.pin_memory._pin_memory_loop(in_queue, out_queue, device_id, done_event, device)``:
+#: the pin thread's loop, which ``_main.workers.WorkersIter`` starts itself, as torch's
+#: ``__init__`` does, once a big batch arrives (see :func:`start_pin_thread`).
+pin_memory_loop: Callable[..., None] = _utils.pin_memory._pin_memory_loop
+
+
+def cuda_pin_thread_deferrable() -> bool:
+    """Whether the pin thread torch's iterator wishes to start would be CUDA's (what
+    ``_main.workers.WorkersIter`` then starts itself, at the first big batch): CUDA is
+    available. On 2.15, torch computes ``_pin_memory_device`` from ``_pin_memory``, as read
+    back: None then, which only its own start of the thread uses."""
+    return bool(torch.cuda.is_available())
+
+
+def start_pin_thread(results: Any, out: Any, done: Any) -> Any:
+    """Starts torch's pin thread on the current CUDA device, reading ``results`` (the workers'
+    result queue) and writing ``out`` until ``done`` is set, as torch's iterator starts it:
+    a daemon thread running :data:`pin_memory_loop`, with the device id and type torch 2.6
+    (``torch.cuda.set_device(device_id)`` for "cuda") and 2.15 (the accelerator's, whatever
+    the type) both take for CUDA. The thread, started."""
+    import threading
+
+    device_id = torch.cuda.current_device()
+    thread = threading.Thread(
+        target=pin_memory_loop, args=(results, out, device_id, done, "cuda"), daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def register_persistent_atexit(iterator: Any) -> None:
+    """What torch's iterator with persistent workers and a pin thread registers with
+    ``atexit`` (the workers shut down before the interpreter's exit, ahead of the pin thread
+    reading what they left): ``_register_persistent_workers_atexit()`` (2.15) or one
+    ``atexit.register(_MultiProcessingDataLoaderIter._clean_up_worker, w)`` per worker
+    (2.6); nothing where neither exists."""
+    register = getattr(iterator, "_register_persistent_workers_atexit", None)
+    if register is not None:
+        register()
+        return
+    clean_up = getattr(MultiProcessingIter, "_clean_up_worker", None)
+    if clean_up is not None:
+        import atexit
+
+        for w in iterator._workers:
+            atexit.register(clean_up, w)
+
 
 #: The code of ``torch._utils.ExceptionWrapper.reraise`` (None without it): its frame keeps a
 #: worker's exception alive in a cycle, and pinpool clears that frame's locals
@@ -337,7 +399,16 @@ def _check_queue() -> list[str]:
 
 
 def _check_others() -> list[str]:
+    import inspect
+
     out = []
+    loop = tuple(inspect.signature(pin_memory_loop).parameters)
+    if loop != ("in_queue", "out_queue", "device_id", "done_event", "device"):
+        out.append(f"torch.utils.data._utils.pin_memory._pin_memory_loop takes {loop}")
+    if not hasattr(MultiProcessingIter, "_register_persistent_workers_atexit") and not hasattr(
+        MultiProcessingIter, "_clean_up_worker"
+    ):
+        out.append(f"{MultiProcessingIter.__name__} registers no clean-up of persistent workers")
     if RERAISE_CODE is None:
         out.append("torch._utils.ExceptionWrapper.reraise is missing")
     if not callable(getattr(torch._C._autograd, "_profiler_enabled", None)):

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from .. import _trace
+from .._errors import PinPoolError
 from .._native import Copying, SegmentCache, Sent, Slot
 from .._torch_contract import cuda_raw_stream
 from .._wire import codec, leaves
@@ -364,13 +365,28 @@ def _device_leaves(
     ]
 
 
+class RaisedAhead:
+    """What a batch's take ahead of its turn raised on the consumer's thread
+    (``consumer_intake``): :func:`hand_over` raises it in the batch's turn."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error: Exception | None = error
+
+
 def hand_over(item: Any) -> Any:
     """What the iterator yields for ``item``, which torch's machinery produced: a handle is
     taken in its turn, a pending batch waited for (its copy into its slot, or its hand-over
-    to the consumer's stream)."""
+    to the consumer's stream), what a take ahead raised raised."""
     t0 = _trace.on and _trace.now()
     if isinstance(item, BatchHandle):
         item = item.take()  # on the consumer's thread, in order
+    elif isinstance(item, RaisedAhead):
+        error, item.error = item.error, None  # (not kept in a cycle with its traceback)
+        if error is not None:
+            raise error
+        raise PinPoolError("a batch whose take failed was handed over twice")
     if isinstance(item, Pending):
         item = item.wait()
     if _warnings_due:

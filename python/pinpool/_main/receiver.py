@@ -65,6 +65,10 @@ class Receiver:
         self.deliver = Delivery(settings.device)
         #: The loader's current torch iterator (a weak reference), set and used by the loader.
         self.iterator: Any = None
+        #: Set once an iterator has met a batch bigger than :data:`CONSUMER_SENDS_UP_TO` where
+        #: there is a device: the loader's later iterators start torch's pin thread at once
+        #: (``workers.WorkersIter``).
+        self.big_batches = False
 
     @property
     def pool(self) -> PinPool | None:
@@ -156,6 +160,15 @@ class Receiver:
             return int(handle.nbytes) <= CONSUMER_SENDS_UP_TO
         except (TypeError, ValueError, OverflowError):
             return False  # (a corrupt zero-copy handle: refused as it is adopted)
+
+    def big(self, handle: BatchHandle) -> bool:
+        """Whether a batch is bigger than :data:`CONSUMER_SENDS_UP_TO`: one for torch's pin
+        thread to take, ahead of the consumer, where there is a device (its copy, and its
+        send, then overlap the consumer's work). A copy-mode handle is sized once received."""
+        try:
+            return int(handle.nbytes) > CONSUMER_SENDS_UP_TO
+        except (TypeError, ValueError, OverflowError, AttributeError):
+            return False  # (a corrupt handle: refused in its turn)
 
     def take_in_turn(self, handle: BatchHandle) -> Any:
         """The handle's batch, on the consumer's thread and in its turn: taken, and handed

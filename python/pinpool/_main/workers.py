@@ -41,13 +41,16 @@ from .._native import Handoff
 from .._torch_contract import (
     MAP_DATASET,
     MultiProcessingIter,
+    cuda_pin_thread_deferrable,
     mp_status_check_interval,
     profiler_enabled,
     python_exit_status,
+    register_persistent_atexit,
     remove_worker_pids,
+    start_pin_thread,
 )
-from .._wire.handle import BatchHandle, WorkerProgress
 from . import ending
+from .consumer_intake import ConsumerIntake
 from .index_queue import DirectQueue, write_directly
 from .receiver import Receiver
 from .reservations import ReservingSampler
@@ -57,13 +60,19 @@ WORKERS_LOOKED_AT_S = 0.25
 
 
 class WorkersIter(MultiProcessingIter):
-    """torch's multi-process iterator, with six changes.
+    """torch's multi-process iterator, with seven changes.
 
-    - Without a pin thread (no accelerator), a batch's segment is received (opened through
-      its worker's ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as
-      its handle comes out of torch's result queue, as the pin thread does on a GPU machine,
-      not only when the consumer reaches it: by then its worker may have exited (an iterable
-      dataset's worker whose data has run out is told to exit at once) or died.
+    - Without a pin thread, a batch's segment is received (opened through its worker's
+      ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as its handle
+      comes out of torch's result queue, as the pin thread does on a GPU machine, not only
+      when the consumer reaches it: by then its worker may have exited (an iterable
+      dataset's worker whose data has run out is told to exit at once) or died. And the
+      batches waiting behind it are got too and taken ahead (``consumer_intake``).
+    - On a CUDA machine, torch's pin thread starts only once a big batch arrives
+      (``Receiver.big``; at once for a loader that has met one): until then the consumer's
+      thread takes the batches from the result queue, as on a machine without a device,
+      which costs less than the pin thread's hand-offs for small batches. torch's
+      ``__init__`` sets ``_pin_memory``, a property here, to what it wishes.
     - Batch indices are written to each worker's pipe by a Rust thread, not by a Python
       feeder thread per worker (``_main.index_queue``).
     - The first batches are dealt out from worker ``first`` on instead of worker 0 (a resumed
@@ -81,6 +90,7 @@ class WorkersIter(MultiProcessingIter):
     def __init__(self, loader: Any, first: int) -> None:
         self._pin_first = first
         self._pin_receiver = loader._pin_receiver
+        self._pin_intake = ConsumerIntake(loader._pin_receiver)
         self._pin_pid = os.getpid()
         t0 = _trace.on and _trace.now()
         super().__init__(loader)
@@ -143,6 +153,11 @@ class WorkersIter(MultiProcessingIter):
         # error did not report (the handler raised in a finalizer or a weakref callback,
         # where Python only prints the error; or no SIGCHLD came: a forkserver's workers)
         # is then found up to 5 s late. The same wait, in slices of WORKERS_LOOKED_AT_S.
+        # Without a pin thread, what the consumer's intake got ahead comes first.
+        intake = self._pin_intake
+        kept = intake.next()
+        if kept is not None:
+            return True, kept
         timeout = args[0] if args else kwargs.get("timeout", mp_status_check_interval())
         deadline = time.monotonic() + timeout
         while True:
@@ -151,12 +166,44 @@ class WorkersIter(MultiProcessingIter):
             if success or left <= WORKERS_LOOKED_AT_S:
                 break
         if success and not self._pin_memory:
-            item = data[1]
-            if isinstance(item, WorkerProgress):
-                item = getattr(item, "batch", None)  # (a damaged one is refused in its turn)
-            if isinstance(item, BatchHandle):
-                self._pin_receiver.receive_now(item)
+            wanted = self.__dict__.get("_pin_wanted", False)
+            if intake.take_in(data, self._data_queue, stop_at_big=wanted):
+                self._start_pin_thread()
+            data = intake.next()
         return success, data
+
+    @property  # type: ignore[override]
+    def _pin_memory(self) -> bool:
+        """Whether torch's pin thread runs (torch's iterator reads it)."""
+        return bool(self.__dict__.get("_pin_thread_on", False))
+
+    @_pin_memory.setter
+    def _pin_memory(self, wish: bool) -> None:
+        # torch's __init__ sets it to whether it is to start a pin thread: on CUDA, a loader
+        # that has not met a big batch starts without one (see the class's doc).
+        wish = bool(wish)
+        defer = wish and not self._pin_receiver.big_batches and cuda_pin_thread_deferrable()
+        self.__dict__["_pin_wanted"] = defer
+        self.__dict__["_pin_thread_on"] = wish and not defer
+
+    def _start_pin_thread(self) -> None:
+        """Starts torch's pin thread as torch's ``__init__`` would have: from here on it takes
+        the batches from the result queue (the consumer's intake still returns, first, what
+        it got before), and the loader's later iterators start with it."""
+        done = threading.Event()
+        out: queue.Queue[Any] = queue.Queue()
+        try:
+            thread = start_pin_thread(self._worker_result_queue, out, done)
+        except RuntimeError:  # (no thread can start: the consumer's intake goes on)
+            return
+        self._pin_memory_thread_done_event = done
+        self._data_queue = out
+        self._pin_memory_thread = thread
+        self.__dict__["_pin_wanted"] = False
+        self.__dict__["_pin_thread_on"] = True
+        self._pin_receiver.big_batches = True
+        if self._persistent_workers:
+            register_persistent_atexit(self)
 
     def _shutdown_workers(self) -> None:
         # torch's shutdown can leave workers behind: one that outlives SIGTERM and its last
@@ -472,6 +519,9 @@ def _drop_held(inner: Any) -> None:
     task_info = getattr(inner, "_task_info", None)
     if isinstance(task_info, dict):
         task_info.clear()
+    intake = getattr(inner, "_pin_intake", None)
+    if isinstance(intake, ConsumerIntake):
+        intake.drop()
 
 
 def close_loader(receiver: Receiver) -> None:
