@@ -182,11 +182,13 @@ def test_small_device_batches_are_sent_by_the_consumer_and_big_ones_ahead(zero_c
                 expected = (labels % 251).to(torch.uint8).cuda()
                 assert torch.equal(batch[:, 0, 0, 0], expected)
                 assert torch.equal(batch[:, -1, -1, -1], expected)
-        senders = {e.thread for e in events if e.name == "batch.send"}
-        assert senders, "no batch was sent"
-        assert (senders == {me}) is by_consumer, (data.shape, senders)
+        sends = [e.thread for e in events if e.name == "batch.send"]
+        assert sends, "no batch was sent"
+        assert (set(sends) == {me}) is by_consumer, (data.shape, sends)
         if not by_consumer:
-            assert me not in senders
+            # The first big batch starts the pin thread: only what the consumer's intake got
+            # before (at most prefetch_factor x num_workers batches) is sent by the consumer.
+            assert sends.count(me) <= 2 * 2, sends
         del loader
         gc.collect()
 
