@@ -93,18 +93,17 @@ def hand_back(exc: BaseException) -> bool:
     original = _c_signal.getsignal(signum)
 
     def raise_once(got: int, frame: FrameType | None) -> None:
+        # The main thread may have entered a finalizer again after the signal was sent: the
+        # exception would be lost there too, so the signal waits and is sent once more.
+        if _in_finalizer(frame) and _send_later(got):
+            return
         if _c_signal.getsignal(got) is raise_once:
             _c_signal.signal(got, original)
         raise exc
 
     _FINALIZERS.add(sys._getframe(1).f_code)
-    sender = threading.Thread(
-        target=_send_when_out, args=(signum,), name="pinpool-signal", daemon=True
-    )
     _c_signal.signal(signum, raise_once)  # (the main thread's: signal_of says it is this one)
-    try:
-        sender.start()
-    except RuntimeError:  # (the interpreter is exiting: no thread can start)
+    if not _send_later(signum):  # (the interpreter is exiting: no thread can start)
         _c_signal.signal(signum, original)
         return False
     # Kept without the frames it went through: they hold what the finalizer was letting go
@@ -125,23 +124,40 @@ _RAISE_ONCE: CodeType = next(
 )
 
 
+def _send_later(signum: int) -> bool:
+    """Starts the thread that sends ``signum`` to the main thread once that thread is out of
+    the finalizers it runs; False if no thread can start (the interpreter is exiting)."""
+    sender = threading.Thread(
+        target=_send_when_out, args=(signum,), name="pinpool-signal", daemon=True
+    )
+    try:
+        sender.start()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _send_when_out(signum: int) -> None:
     main = threading.main_thread()
     deadline = time.monotonic() + _WAIT_S
-    while _main_in_finalizer(main) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        frame: FrameType | None = sys._current_frames().get(main.ident)  # type: ignore[arg-type]
+        if not _in_finalizer(frame):
+            break
+        del frame
         time.sleep(0.001)
     if main.ident is not None and main.is_alive():
         signal.pthread_kill(main.ident, signum)
 
 
-def _main_in_finalizer(main: threading.Thread) -> bool:
-    """Whether the main thread is running a finalizer: pinpool's that handed a signal back, or
-    any other, where the handler's exception would be lost as well. A finalizer's return can
-    set off others: when a ``__del__`` returns, the object goes, and what only it held goes
-    with it (multiprocessing's queues and processes run their ``Finalize`` callbacks then).
-    Between two of them the main thread is in C and holds the GIL, so this thread, which
-    looks with the GIL held, sees it inside one or past them all."""
-    frame: FrameType | None = sys._current_frames().get(main.ident)  # type: ignore[arg-type]
+def _in_finalizer(frame: FrameType | None) -> bool:
+    """Whether the main thread, at ``frame``, is running a finalizer: pinpool's that handed a
+    signal back, or any other, where the handler's exception would be lost as well. A
+    finalizer's return can set off others: when a ``__del__`` returns, the object goes, and
+    what only it held goes with it (multiprocessing's queues and processes run their
+    ``Finalize`` callbacks then). Between two of them the main thread is in C and holds the
+    GIL, so a thread that looks with the GIL held sees it inside one or past them all; and
+    the handler, which runs between two of the main thread's steps, sees where it came."""
     while frame is not None:
         code = frame.f_code
         if code in _FINALIZERS or code in _OTHER_FINALIZERS or code.co_name == "__del__":

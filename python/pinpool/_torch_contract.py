@@ -139,7 +139,7 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_workers_done_event": "set before the workers are told to exit",
     "_worker_pids_set": "whether the workers are registered with torch's SIGCHLD handler",
     "_pin_memory": "whether torch's pin thread runs (else batches are received in "
-    "_try_get_data, by the consumer's intake): a property; what torch sets, pin_memory and, "
+    "_try_get_data, by the consumer's read-ahead): a property; what torch sets, pin_memory and, "
     "on 2.6, torch.cuda.is_available(), on 2.15 torch.accelerator.is_available() (False on "
     "MPS), is the wish: on CUDA the thread starts at the first big batch",
     "_pin_memory_thread": "the pin thread: set once it is started (torch's shutdown joins it)",
@@ -190,7 +190,7 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 
 #: ``torch._utils.ExceptionWrapper``: an exception caught where it cannot be raised (a worker,
 #: the pin thread), raised again by torch's iterator in the batch's turn; a batch the
-#: consumer's thread fails to take ahead becomes one (``_main.consumer_intake``).
+#: consumer's thread fails to take ahead becomes one (``_main.read_ahead``).
 ExceptionWrapper: Any = torch._utils.ExceptionWrapper
 
 #: ``_utils.pin_memory._pin_memory_loop(in_queue, out_queue, device_id, done_event, device)``:

@@ -186,7 +186,7 @@ def test_small_device_batches_are_sent_by_the_consumer_and_big_ones_ahead(zero_c
         assert sends, "no batch was sent"
         assert (set(sends) == {me}) is by_consumer, (data.shape, sends)
         if not by_consumer:
-            # The first big batch starts the pin thread: only what the consumer's intake got
+            # The first big batch starts the pin thread: only what the consumer's read-ahead got
             # before (at most prefetch_factor x num_workers batches) is sent by the consumer.
             assert sends.count(me) <= 2 * 2, sends
         del loader

@@ -82,9 +82,13 @@ def drain(batches: Any, key: Any) -> list[Any] | str:
 
 def in_slot_bytes(batch: Any) -> int:
     """Bytes of the batch's arrays (those a slot must hold): a tensor that keeps a strided
-    layout takes its storage as far as its strides reach."""
+    layout takes its storage as far as its strides reach, and so does a strided NumPy array
+    (converted to a tensor that keeps its strides where no collate packs it)."""
 
     def size(leaf: Any) -> int:
+        if isinstance(leaf, np.ndarray) and leaf.size:
+            reach = sum((n - 1) * abs(s) for n, s in zip(leaf.shape, leaf.strides, strict=True))
+            return max(leaf.nbytes, reach + leaf.itemsize)
         if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0:
             return leaf.nbytes
         reach = sum((n - 1) * abs(s) for n, s in zip(leaf.shape, leaf.stride(), strict=True))

@@ -69,7 +69,7 @@ def test_a_loader_reports_its_steps(loader_mode: LoaderMode, num_workers: int) -
     if loader_mode.pin_thread and not torch.cuda.is_available():
         assert any(e.details["ahead"] and e.thread != nexts[0].thread for e in takes)
     else:
-        # The consumer's intake: every batch got from the result queue is taken ahead, in
+        # The consumer's read-ahead: every batch got from the result queue is taken ahead, in
         # the order it came, on the consumer's thread; those without a slot then in turn.
         assert takes and all(e.thread == nexts[0].thread for e in takes)
         assert any(e.details["ahead"] for e in takes)

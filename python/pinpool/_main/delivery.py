@@ -367,7 +367,7 @@ def _device_leaves(
 
 class RaisedAhead:
     """What a batch's take ahead of its turn raised on the consumer's thread
-    (``consumer_intake``): :func:`hand_over` raises it in the batch's turn."""
+    (``read_ahead``): :func:`hand_over` raises it in the batch's turn."""
 
     __slots__ = ("error",)
 
@@ -383,10 +383,13 @@ def hand_over(item: Any) -> Any:
     if isinstance(item, BatchHandle):
         item = item.take()  # on the consumer's thread, in order
     elif isinstance(item, RaisedAhead):
-        error, item.error = item.error, None  # (not kept in a cycle with its traceback)
-        if error is not None:
+        error, item.error = item.error, None
+        if error is None:
+            raise PinPoolError("a batch whose take failed was handed over twice")
+        try:
             raise error
-        raise PinPoolError("a batch whose take failed was handed over twice")
+        finally:
+            error = None  # (this frame, in its traceback, must not keep it: no cycle)
     if isinstance(item, Pending):
         item = item.wait()
     if _warnings_due:

@@ -50,8 +50,8 @@ from .._torch_contract import (
     start_pin_thread,
 )
 from . import ending
-from .consumer_intake import ConsumerIntake
 from .index_queue import DirectQueue, write_directly
+from .read_ahead import ReadAhead, handle_of
 from .receiver import Receiver
 from .reservations import ReservingSampler
 
@@ -67,7 +67,7 @@ class WorkersIter(MultiProcessingIter):
       comes out of torch's result queue, as the pin thread does on a GPU machine, not only
       when the consumer reaches it: by then its worker may have exited (an iterable
       dataset's worker whose data has run out is told to exit at once) or died. And the
-      batches waiting behind it are got too and taken ahead (``consumer_intake``).
+      batches waiting behind it are got too and taken ahead (``read_ahead``).
     - On a CUDA machine, torch's pin thread starts only once a big batch arrives
       (``Receiver.big``; at once for a loader that has met one): until then the consumer's
       thread takes the batches from the result queue, as on a machine without a device,
@@ -90,7 +90,7 @@ class WorkersIter(MultiProcessingIter):
     def __init__(self, loader: Any, first: int) -> None:
         self._pin_first = first
         self._pin_receiver = loader._pin_receiver
-        self._pin_intake = ConsumerIntake(loader._pin_receiver)
+        self._pin_read_ahead = ReadAhead(loader._pin_receiver)
         self._pin_pid = os.getpid()
         t0 = _trace.on and _trace.now()
         super().__init__(loader)
@@ -103,6 +103,12 @@ class WorkersIter(MultiProcessingIter):
         if first_iter:  # the workers have started; nothing was sent to them yet
             for q in self._index_queues:
                 write_directly(q)
+        else:
+            # Persistent workers, a new epoch: torch gets and drops what the last one left in
+            # the result queue; what the consumer's read-ahead took ahead of it goes too, and
+            # nothing more is taken ahead until the workers have all said they are ready.
+            self._pin_read_ahead.drop()
+            self.__dict__["_pin_draining"] = True
         last_from = self._last_tasks_from()
         sampler = self._index_sampler
         # Zero-copy: a task's slot is checked out as it is put on its worker's queue, where
@@ -117,7 +123,10 @@ class WorkersIter(MultiProcessingIter):
                 q.reserve = sampler.reserve_at_put if at_put else None
         if at_put:
             sampler.at_put = True
-        super()._reset(loader, first_iter)
+        try:
+            super()._reset(loader, first_iter)
+        finally:
+            self.__dict__["_pin_draining"] = False
 
     def _last_tasks_from(self) -> int | None:
         """The number of the epoch's first task that is some worker's last (see
@@ -153,9 +162,9 @@ class WorkersIter(MultiProcessingIter):
         # error did not report (the handler raised in a finalizer or a weakref callback,
         # where Python only prints the error; or no SIGCHLD came: a forkserver's workers)
         # is then found up to 5 s late. The same wait, in slices of WORKERS_LOOKED_AT_S.
-        # Without a pin thread, what the consumer's intake got ahead comes first.
-        intake = self._pin_intake
-        kept = intake.next()
+        # Without a pin thread, what the consumer's read-ahead got ahead comes first.
+        ahead = self._pin_read_ahead
+        kept = ahead.next()
         if kept is not None:
             return True, kept
         timeout = args[0] if args else kwargs.get("timeout", mp_status_check_interval())
@@ -166,10 +175,15 @@ class WorkersIter(MultiProcessingIter):
             if success or left <= WORKERS_LOOKED_AT_S:
                 break
         if success and not self._pin_memory:
+            if self.__dict__.get("_pin_draining", False):
+                handle = handle_of(data[1])  # (dropped by torch: only its segment received)
+                if handle is not None:
+                    self._pin_receiver.receive_now(handle)
+                return success, data
             wanted = self.__dict__.get("_pin_wanted", False)
-            if intake.take_in(data, self._data_queue, stop_at_big=wanted):
+            if ahead.take_in(data, self._data_queue, stop_at_big=wanted):
                 self._start_pin_thread()
-            data = intake.next()
+            data = ahead.next()
         return success, data
 
     @property  # type: ignore[override]
@@ -188,13 +202,13 @@ class WorkersIter(MultiProcessingIter):
 
     def _start_pin_thread(self) -> None:
         """Starts torch's pin thread as torch's ``__init__`` would have: from here on it takes
-        the batches from the result queue (the consumer's intake still returns, first, what
+        the batches from the result queue (the consumer's read-ahead still returns, first, what
         it got before), and the loader's later iterators start with it."""
         done = threading.Event()
         out: queue.Queue[Any] = queue.Queue()
         try:
             thread = start_pin_thread(self._worker_result_queue, out, done)
-        except RuntimeError:  # (no thread can start: the consumer's intake goes on)
+        except RuntimeError:  # (no thread can start: the consumer's read-ahead goes on)
             return
         self._pin_memory_thread_done_event = done
         self._data_queue = out
@@ -519,9 +533,9 @@ def _drop_held(inner: Any) -> None:
     task_info = getattr(inner, "_task_info", None)
     if isinstance(task_info, dict):
         task_info.clear()
-    intake = getattr(inner, "_pin_intake", None)
-    if isinstance(intake, ConsumerIntake):
-        intake.drop()
+    ahead = getattr(inner, "_pin_read_ahead", None)
+    if isinstance(ahead, ReadAhead):
+        ahead.drop()
 
 
 def close_loader(receiver: Receiver) -> None:

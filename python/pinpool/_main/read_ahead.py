@@ -1,5 +1,5 @@
 """Where torch's pin thread does not run, the consumer's thread takes from the workers' result
-queue what is waiting there, as that thread would (:class:`ConsumerIntake`).
+queue what is waiting there, as that thread would (:class:`ReadAhead`).
 
 Each time the consumer's thread gets an item from the result queue, it also gets, without
 waiting, every item already behind it, and takes each batch ahead in the order they came
@@ -11,17 +11,21 @@ the pin thread's cost: two threads handing the GIL to each other for every batch
 (docs/performance.md, "Without torch's pin thread").
 
 Invariants: every item got from the result queue is returned, once, in the order it came, or
-dropped with the iterator's held batches at shutdown (``workers._drop_held``); what getting
-one raised (other than the queue's being empty) is raised after them; an item is kept
+dropped with the iterator's held batches at shutdown (``workers._drop_held``) or when a
+persistent iterator starts its next epoch (torch drops the last one's leftovers then); what
+getting one raised (other than the queue's being empty) is raised after them; an item is kept
 before anything is done with it, so that an exception raised while it is taken ahead (a signal
 handler's too) loses nothing: the item then stays as it came; what a batch's take ahead raised
 (other than a signal handler's exception) is raised in that batch's turn, as it is
-(``delivery.RaisedAhead``), as its take in turn would have raised it.
+(``delivery.RaisedAhead``), as its take in turn would have raised it. A kept error keeps no
+frame (where it was raised is in a note): frames keep their callers', the iterator's among
+them, and a kept error would hold the iterator in a cycle.
 """
 
 from __future__ import annotations
 
 import queue
+import traceback
 from collections import deque
 from typing import Any
 
@@ -31,7 +35,7 @@ from .delivery import RaisedAhead
 from .receiver import Receiver
 
 
-class ConsumerIntake:
+class ReadAhead:
     """The items got from one iterator's result queue ahead of the consumer, in order."""
 
     def __init__(self, receiver: Receiver) -> None:
@@ -47,9 +51,12 @@ class ConsumerIntake:
         if self.waiting:
             return self.waiting.popleft()
         failed, self.failed = self.failed, None
-        if failed is not None:
+        if failed is None:
+            return None
+        try:
             raise failed
-        return None
+        finally:
+            failed = None  # (this frame, in its traceback, must not keep it: no cycle)
 
     def take_in(self, got: tuple[Any, Any], results: Any, stop_at_big: bool) -> bool:
         """Keeps ``got``, the item the consumer's thread just got from ``results`` (the
@@ -66,14 +73,14 @@ class ConsumerIntake:
             except queue.Empty:
                 return False
             except Exception as exc:  # (torch's own get raises it, in its turn: see next())
-                self.failed = exc
+                self.failed = _without_frames(exc)
                 return False
 
     def _take_last(self, stop_at_big: bool) -> bool:
         """Takes the newest item kept ahead, if it is a batch; True (nothing taken) if it is
         a big one and ``stop_at_big``."""
         index, item = self.waiting[-1]
-        handle = _handle(item)
+        handle = handle_of(item)
         if handle is None:
             return False
         if stop_at_big:
@@ -85,7 +92,7 @@ class ConsumerIntake:
         except Exception as exc:
             if signal_of(exc) is not None:
                 raise  # (a signal handler's: see pinpool._signals)
-            taken = RaisedAhead(exc)
+            taken = RaisedAhead(_without_frames(exc))
             if isinstance(item, WorkerProgress):
                 taken = WorkerProgress(taken, item.worker, item.state)
         self.waiting[-1] = (index, taken)
@@ -97,7 +104,30 @@ class ConsumerIntake:
         self.failed = None
 
 
-def _handle(item: Any) -> BatchHandle | None:
+def _without_frames(exc: Exception) -> Exception:
+    """``exc``, kept to be raised later, without its frames (and those of the exceptions it
+    chains to): each frame keeps its caller's, up to the iterator's own, which keeps this
+    read-ahead, so the error would keep the iterator, and its workers, in a cycle until the
+    collector runs (never, where it is disabled). Where each was raised is kept as a note."""
+    seen: set[int] = set()
+    chained: BaseException | None = exc
+    todo = [exc]
+    while todo:
+        chained = todo.pop()
+        if id(chained) in seen:
+            continue
+        seen.add(id(chained))
+        tb = chained.__traceback__
+        if tb is not None:
+            where = "".join(traceback.format_tb(tb)).rstrip()
+            chained.add_note(f"(taken ahead of its turn by pinpool; raised at:\n{where})")
+            chained.__traceback__ = None
+        del tb
+        todo += [e for e in (chained.__cause__, chained.__context__) if e is not None]
+    return exc
+
+
+def handle_of(item: Any) -> BatchHandle | None:
     """The batch handle ``item`` is or carries, if any."""
     if isinstance(item, WorkerProgress):
         item = getattr(item, "batch", None)  # (a damaged one is refused in its turn)
