@@ -64,7 +64,8 @@ EVENTS: dict[str, str] = {
     "loader.next": "one next() of the loader's iterator, from the call to the batch returned "
     "(span)",
     "workers.shutdown": "the loader's workers told to exit, joined, reaped (span; background: "
-    "at an epoch's natural end, only begun here, and finished by workers.end)",
+    "at an epoch's natural end, only begun here, and finished by workers.end; pids: the "
+    "workers')",
     "workers.end": "an ended epoch's workers shut down on a thread of their own, and what they "
     "held taken back (span)",
     "loader.close": "the loader's receiver closed: reservations and segments taken back, its own "

@@ -240,7 +240,7 @@ class WorkersIter(MultiProcessingIter):
             self._shutdown_now()
         finally:
             if t0:
-                _trace.span("workers.shutdown", t0)
+                _trace.span("workers.shutdown", t0, pids=_pids_of(self))
 
     def _ends_naturally(self) -> bool:
         """Whether the epoch is over with nothing left in flight: workers not persistent,
@@ -263,7 +263,7 @@ class WorkersIter(MultiProcessingIter):
         self.__dict__["_pin_then"] = []
         self.__dict__["_pin_ended"] = ending.hand_over(self._finish_ending)
         if t0:
-            _trace.span("workers.shutdown", t0, background=True)
+            _trace.span("workers.shutdown", t0, background=True, pids=_pids_of(self))
 
     def after_shutdown(self, then: Callable[[], None]) -> bool:
         """Has ``then`` called once the ending thread has shut the workers down; False
@@ -519,6 +519,11 @@ def shut_down(inner: Any) -> None:
         shutdown()
     finally:
         _drop_held(inner)
+
+
+def _pids_of(inner: Any) -> tuple[int | None, ...]:
+    """The pids of an iterator's workers (for the trace)."""
+    return tuple(getattr(w, "pid", None) for w in getattr(inner, "_workers", ()))
 
 
 def _drop_held(inner: Any) -> None:
