@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# #27 item 4 on the H200, call 9: the consumer's intake (wheel intake) against the shipped
+# #27 item 4 on the H200, call 9: the consumer's read-ahead (wheel "intake") against the shipped
 # pin-thread path (wheel cur = 54745cc): the CUDA tests on the new wheel, then the tokens
 # bench (10000 steps a run), alternating, two rounds.
 set -u
