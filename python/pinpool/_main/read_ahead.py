@@ -110,8 +110,7 @@ def _without_frames(exc: Exception) -> Exception:
     read-ahead, so the error would keep the iterator, and its workers, in a cycle until the
     collector runs (never, where it is disabled). Where each was raised is kept as a note."""
     seen: set[int] = set()
-    chained: BaseException | None = exc
-    todo = [exc]
+    todo: list[BaseException] = [exc]
     while todo:
         chained = todo.pop()
         if id(chained) in seen:
