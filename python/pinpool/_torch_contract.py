@@ -30,8 +30,11 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import multiprocessing.context
 import multiprocessing.queues
+import threading
 from collections.abc import Callable
 from types import CodeType
 from typing import Any
@@ -50,7 +53,6 @@ __all__ = [
     "MAP_DATASET",
     "QUEUE_ATTRIBUTES",
     "RERAISE_CODE",
-    "ExceptionWrapper",
     "MultiProcessingIter",
     "MultiprocessingQueue",
     "assigned_attributes",
@@ -188,11 +190,6 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 
 # -- torch's other private parts ---------------------------------------------------------------
 
-#: ``torch._utils.ExceptionWrapper``: an exception caught where it cannot be raised (a worker,
-#: the pin thread), raised again by torch's iterator in the batch's turn; a batch the
-#: consumer's thread fails to take ahead becomes one (``_main.read_ahead``).
-ExceptionWrapper: Any = torch._utils.ExceptionWrapper
-
 #: ``_utils.pin_memory._pin_memory_loop(in_queue, out_queue, device_id, done_event, device)``:
 #: the pin thread's loop, which ``_main.workers.WorkersIter`` starts itself, as torch's
 #: ``__init__`` does, once a big batch arrives (see :func:`start_pin_thread`).
@@ -213,8 +210,6 @@ def start_pin_thread(results: Any, out: Any, done: Any) -> Any:
     a daemon thread running :data:`pin_memory_loop`, with the device id and type torch 2.6
     (``torch.cuda.set_device(device_id)`` for "cuda") and 2.15 (the accelerator's, whatever
     the type) both take for CUDA. The thread, started."""
-    import threading
-
     device_id = torch.cuda.current_device()
     thread = threading.Thread(
         target=pin_memory_loop, args=(results, out, device_id, done, "cuda"), daemon=True
@@ -235,8 +230,6 @@ def register_persistent_atexit(iterator: Any) -> None:
         return
     clean_up = getattr(MultiProcessingIter, "_clean_up_worker", None)
     if clean_up is not None:
-        import atexit
-
         for w in iterator._workers:
             atexit.register(clean_up, w)
 
@@ -323,8 +316,6 @@ def _check_utils() -> list[str]:
 
 
 def _check_collate() -> list[str]:
-    import inspect
-
     out = []
     for name in COLLATE_ATTRIBUTES:
         if not hasattr(torch_collate, name):
