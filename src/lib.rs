@@ -14,8 +14,8 @@
 //! - [`copy`]: multi-threaded copies of byte ranges;
 //! - [`shm`]: sealed shared-memory files and their mappings (the arena's parts, segments);
 //! - [`pkeys`]: memory protection keys, a thread's own switch for its access to a mapping;
-//! - [`tickets`]: zero-copy slots checked out for batches by the thread that writes their
-//!   indices to the worker, off the training thread;
+//! - [`grants`]: zero-copy slots of exactly a batch's size, granted to the worker that
+//!   collated it when it asks (at the grant desk, [`transport::grant_desk`]);
 //! - [`window`]: a zero-copy worker's lasting mapping of arena extents, inaccessible between
 //!   batches;
 //! - [`transport`]: batches from worker processes in shared-memory segments, and the
@@ -44,6 +44,7 @@ pub mod fence;
 pub mod fork_private;
 pub mod forks;
 pub mod freeing;
+pub mod grants;
 pub mod handoff;
 pub mod lease;
 pub mod numa;
@@ -52,7 +53,6 @@ pub mod pool;
 pub mod priority;
 pub mod shm;
 pub mod slots;
-pub mod tickets;
 pub mod topology;
 pub mod transport;
 pub mod window;

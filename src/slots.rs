@@ -496,6 +496,39 @@ impl SlotTable {
         }
     }
 
+    /// Whether a slot of `bytes` with `keep` bytes left in one range (and, with `keep`, a
+    /// spare entry) could be checked out once every fenced slot, every byte not ready yet and
+    /// the slots of `also` (checkouts that will be released: those that are still live count)
+    /// have come back, merged with their free neighbours: what waiting for them can bring.
+    /// Ranges, not byte counts: free bytes cut into pieces by slots someone keeps hold no
+    /// larger slot however long one waits.
+    pub fn room_once_back(&self, bytes: usize, keep: usize, also: &[Checkout]) -> bool {
+        let inner = self.lock();
+        let mut map = inner.map.clone();
+        let mut entries = inner.spare.len();
+        for (i, word) in self.words.iter().enumerate() {
+            let (generation, state) = split(word.load(Ordering::Acquire));
+            let coming = state == State::Fenced
+                || (state == State::CheckedOut
+                    && also.iter().any(|c| {
+                        c.table == self.id && c.index as usize == i && c.generation == generation
+                    }));
+            if coming {
+                let (offset, len) = inner.extents[i];
+                if map.free(offset, len).is_ok() {
+                    entries += 1;
+                }
+            }
+        }
+        if entries < if keep > 0 { 2 } else { 1 } {
+            return false;
+        }
+        for &(offset, len) in &inner.unready {
+            let _ = map.free(offset, len);
+        }
+        map.alloc(bytes, keep).is_some()
+    }
+
     /// Free entries: how many more slots can be out at once.
     pub fn spare_entries(&self) -> usize {
         self.lock().spare.len()
@@ -627,6 +660,33 @@ mod tests {
         assert!(t.complete_fence(a));
         assert!(!t.complete_fence(a), "a fence completes once");
         assert!(t.try_checkout().is_some());
+    }
+
+    #[test]
+    fn room_once_back_counts_ranges_not_bytes() {
+        let u = page_size();
+        let t = SlotTable::new(8).unwrap();
+        let held: Vec<Checkout> = (0..8).map(|_| t.try_checkout().unwrap()).collect();
+        // Every other page given back: four free pages, in four holes of one page.
+        for c in held.iter().step_by(2) {
+            t.release(*c, false).unwrap();
+        }
+        assert_eq!(t.bytes().free, 4 * u);
+        assert!(t.room_once_back(u, 0, &[]));
+        assert!(!t.room_once_back(2 * u, 0, &[]), "two pages in one-page holes");
+        // A fenced neighbour comes back by itself and joins two holes into three pages.
+        t.release(held[1], true).unwrap();
+        assert!(t.room_once_back(3 * u, 0, &[]));
+        assert!(!t.room_once_back(4 * u, 0, &[]));
+        // Keeping a range of two pages besides: the other holes hold one page each.
+        assert!(!t.room_once_back(3 * u, 2 * u, &[]));
+        assert!(t.room_once_back(u, 2 * u, &[]));
+        // A slot that will be released (a batch the consumer has not reached yet) counts too;
+        // a stale checkout of it does not.
+        assert!(t.room_once_back(5 * u, 0, &[held[3]]));
+        let stale = Checkout { generation: held[3].generation + 1, ..held[3] };
+        assert!(!t.room_once_back(5 * u, 0, &[stale]));
+        assert!(t.complete_fence(held[1]));
     }
 
     #[test]

@@ -14,13 +14,13 @@ __all__ = [
     "SEGMENT_DATA_OFFSET",
     "ArenaWindow",
     "Copying",
+    "Grants",
     "Handoff",
     "PinPool",
     "PipeWriter",
     "SegmentCache",
     "Sent",
     "Slot",
-    "Tickets",
     "WorkerSegment",
     "_gather",
     "_set_stream_hook",
@@ -29,6 +29,7 @@ __all__ = [
     "cuda_available",
     "page_size",
     "recently_freed_pools",
+    "room_kept",
     "wait_for_freed_pools",
 ]
 SEGMENT_DATA_OFFSET: int
@@ -49,6 +50,11 @@ def check_segment(key: tuple[int, int], fd: int, total_len: int, nonce: int) -> 
 
 def cuda_available() -> bool: ...
 def page_size() -> int: ...
+def room_kept(largest_seen: int, arena: int, part: int) -> int:
+    """Bytes a claim made ahead of the consumer leaves free in one range: 1.25 times the
+    largest batch seen, in whole pages, at most all of the arena but one such batch and at most
+    one of its parts."""
+
 def recently_freed_pools() -> list[dict[str, Any]]: ...
 def wait_for_freed_pools(timeout: float | None = None) -> bool: ...
 
@@ -132,9 +138,6 @@ class PinPool:
     def slot_memfd(self, slot: Slot) -> tuple[int, int, int] | None: ...
     def slot_place(self, slot: Slot) -> tuple[int, int, int, int] | None: ...
     def memfd_parts(self) -> list[tuple[int, int, int]]: ...
-    def tickets(self, windows: int, window_bytes: int) -> Tickets:
-        """A table of zero-copy tickets for this pool's slots, whose workers keep at most
-        ``windows`` windows and ``window_bytes`` bytes of them."""
     @property
     def device(self) -> int | None: ...
     @property
@@ -390,13 +393,6 @@ class PipeWriter:
         that is not a pipe."""
     def send(self, data: bytes) -> None:
         """Queues ``data`` as one message; returns at once. Raises ``PoolClosed`` once closed."""
-    def send_ticketed(
-        self, data: bytes, tickets: Tickets, request: tuple[int, int, int, int]
-    ) -> None:
-        """As ``send``, for a message holding ``tickets.placeholder``; ``request`` is
-        ``(owner, worker, nbytes, keep)``: the writer's thread checks out a slot of ``nbytes``
-        for worker ``worker`` of iterator ``owner`` (leaving ``keep`` bytes free in one range)
-        and writes its ticket over the placeholder just before it writes the message."""
     def close(self, timeout: float = 1.0) -> bool:
         """Closes the writer and waits, without the GIL, at most ``timeout`` seconds for its
         thread to end; returns whether it ended."""
@@ -408,30 +404,50 @@ class PipeWriter:
         """The write error the thread ended on (no reader left, say), or None."""
 
 @final
-class Tickets:
-    """Zero-copy slots checked out by the index queues' writer threads, without the GIL
-    (made by ``PinPool.tickets``). A ticket is 80 bytes, ten little-endian unsigned 64-bit
-    ints: 1 (0: no slot), the slot's index, generation, a nonce, its offset in its memfd, its
-    length, this process's id, the memfd's descriptor, length and inode number."""
+class Grants:
+    """A loader's zero-copy grants: slots of exactly a batch's size, checked out for the worker
+    that collated the batch when it asks at the process's grant desk (a thread of its own, no
+    GIL), and adopted by the batch's handle. Every grant but the one for the task the consumer
+    waits for leaves ``room_kept`` bytes free in one range."""
 
+    def __new__(cls, windows: int, window_bytes: int, big_from: int = ...) -> Grants:
+        """A table whose workers keep at most ``windows`` windows and ``window_bytes`` bytes of
+        them, and whose batches of ``big_from`` bytes (8 MiB) and more are big (a fresh worker's
+        first is told where its next will likely be; the last are offered to the next
+        iterator's worker of the same id), answered at the process's grant desk (started if
+        need be) until ``close()``."""
     @property
-    def placeholder(self) -> bytes:
-        """What a message carries where its ticket goes (80 bytes: a random marker, zeros)."""
-    def issue(self, owner: int, worker: int, nbytes: int, keep: int) -> bytes:
-        """Checks a slot of ``nbytes`` out now for worker ``worker`` of iterator ``owner``,
-        preferably where that worker's last slots were; its ticket (zeros: none)."""
+    def desk(self) -> tuple[bytes, int] | None:
+        """``(address, table)``: the desk's abstract socket name (without its leading NUL) and
+        the number requests name this table by; None once closed."""
+    def use_pool(self, pool: PinPool) -> None:
+        """Grants come from ``pool`` from now on."""
+    def pool_coming(self, coming: bool) -> None:
+        """Whether the loader's pool is being made: until ``use_pool``, requests wait for it
+        (at most 5 s) rather than go without."""
+    def issue(self, owner: int, worker: int, task: int, nbytes: int) -> list[int] | None:
+        """What the desk answers that request now, without waiting for room on its way: the
+        grant's words (``_wire.handle.grant_from_words`` reads them), or None (counted)."""
+    def open(self, owner: int) -> None:
+        """Iterator ``owner``'s workers may be granted slots from now on (its head: task 0)."""
+    def set_head(self, owner: int, task: int) -> None:
+        """The consumer of iterator ``owner`` waits for task ``task`` next."""
     def adopt(self, index: object, generation: object, nonce: object) -> Slot | None:
-        """The slot issued as (index, generation) with ``nonce``, once; None otherwise."""
-    def take_back(self, index: object, generation: object, nonce: object) -> bool:
-        """Releases the slot issued so, whose batch will not arrive in it."""
-    def drop(self, owner: int | None = None) -> None:
-        """Releases the slots issued for iterator ``owner`` (all with None)."""
+        """The slot granted as (index, generation) with ``nonce``, once; None otherwise."""
+    def give_back(self, index: object, generation: object, nonce: object) -> bool:
+        """Releases the slot granted so, whose batch will not arrive in it."""
+    def close(self, owner: int | None = None) -> None:
+        """Closes iterator ``owner`` (every one, and the table's place at the desk, with None):
+        its slots not adopted are released."""
     @property
     def fallbacks(self) -> int:
-        """Tickets that could not be issued (the batch went through copy mode)."""
+        """Requests that got no grant (their batches went through copy mode)."""
+    @property
+    def hinted(self) -> int:
+        """Grants that named where the worker's next slots will likely be."""
     @property
     def outstanding(self) -> int:
-        """Tickets issued and not yet adopted, taken back or dropped."""
+        """Grants made and not yet adopted, given back or closed."""
 
 @final
 class SegmentCache:

@@ -44,8 +44,8 @@ class _LoaderCounters(TypedDict):
     overflow_batches: int
     zero_copy_batches: int
     zero_copy_fallbacks: int
-    zero_copy_no_ticket: int
-    zero_copy_ticket_too_small: int
+    zero_copy_no_grant: int
+    zero_copy_outgrown: int
     segments_cached: int
 
 

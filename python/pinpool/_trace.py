@@ -68,7 +68,7 @@ EVENTS: dict[str, str] = {
     "workers')",
     "workers.end": "an ended epoch's workers shut down on a thread of their own, and what they "
     "held taken back (span)",
-    "loader.close": "the loader's receiver closed: reservations and segments taken back, its own "
+    "loader.close": "the loader's receiver closed: grants and segments taken back, its own "
     "pool closed (span)",
     # The pool.
     "pool.ensure": "the pool is needed and not made yet (instant; nbytes: the batch's size, "
@@ -76,9 +76,6 @@ EVENTS: dict[str, str] = {
     "pool.make": "the loader's pool made (span; nbytes, hinted, arena_bytes, largest, "
     "background: the arena made ready in the background)",
     # A batch, main process (the consumer's thread, or torch's pin thread).
-    "slot.reserve": "zero-copy: a slot reserved for a batch's indices (span; nbytes: the "
-    "reservation's size, got: whether a slot was free; ticket: left to the pipe's writer "
-    "thread, got None)",
     "index.put": "a batch's indices pickled and handed to the Rust writer of a worker's pipe "
     "(span; nbytes)",
     "batch.take": "a batch handle taken: its memory found, copied, delivered (span; ahead: on "

@@ -38,10 +38,10 @@ from torch.utils.data import default_collate, default_convert
 
 from . import _signals, _torch_versions, _trace
 from ._main import settings
+from ._main.grants import TaskTagger
 from ._main.loader_iter import LoaderIter
 from ._main.pool_settings import PoolSettings
 from ._main.receiver import Receiver
-from ._main.reservations import ReservingSampler
 from ._main.resume import EpochSampler, LoadWorkerState, Resume, check, unsupported
 from ._main.workers import WorkersIter, close_loader, shut_down
 from ._native import PinPool
@@ -82,12 +82,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     - ``oversize``: a batch larger than the largest the arena takes raises
       :class:`~pinpool.BatchTooLarge` naming the setting (``"error"``, default), or goes
       into ordinary memory (``"copy"``).
-    - ``zero_copy``: workers write batches straight into arena slots handed out with the
-      indices (map-style datasets with batching and ``num_workers > 0``; the pool must be a
-      memfd: ``cuda-register`` or ``host``). A reservation is sized from the largest batch seen so
-      far. The first batch, batches that find no room when dispatched and batches larger
-      than their reservation go through copy mode (into a slot of their own size), counted in
-      ``stats()["zero_copy_fallbacks"]``.
+    - ``zero_copy``: workers write batches straight into the arena, each into a slot of its
+      own size granted when the worker knows that size (map-style datasets with batching and
+      ``num_workers > 0``; the pool must be a memfd: ``cuda-register`` or ``host``). Batches
+      that find no room (the first ones, before the pool exists, among them) go through copy
+      mode, counted in ``stats()["zero_copy_fallbacks"]``.
     - ``keep_worker_memory``: workers keep memory their items were made in (up to twice the
       largest batch, at most 1 GiB each) for the next batch's items, rather than give it
       back to the kernel and fault fresh pages in for every batch (glibc's trim and mmap
@@ -113,7 +112,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     _pin_receiver: Receiver
     _pin_collate: PinCollate
     _pin_worker_dataset: StreamingDataset | None
-    _pin_reserving: bool
+    _pin_tagging: bool
     _pin_resume: Resume
 
     def __init__(
@@ -173,12 +172,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # Without sizes the pool is sized from the first batch: a worker tells that size as
         # soon as it knows it (_wire.pool_hint).
         hint = PoolHint() if num_workers > 0 and not pool_settings.known else None
-        receiver = Receiver(token, pool_settings, pool_hint=hint)
         auto_collation = batch_size is not None or batch_sampler is not None
         batched_map_style = (
             auto_collation
             and num_workers > 0
             and not isinstance(dataset, torch.utils.data.IterableDataset)
+        )
+        receiver = Receiver(
+            token, pool_settings, pool_hint=hint, zero_copy=bool(zero_copy) and batched_map_style
         )
         streams = stream_samples is not False and collate_fn is None
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
@@ -198,6 +199,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             report_state=resume.worker_states
             and unsupported(dataset, iterable, num_workers, in_order) is None,
             pool_hint=hint,
+            desk=receiver.grants.desk if receiver.grants is not None else None,
         )
         # torch's own attributes say what the caller asked for (loader.collate_fn is theirs,
         # or torch's default): frameworks rebuild a loader from them (see _get_iterator).
@@ -243,7 +245,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _pin_receiver=receiver,
             _pin_collate=collate,
             _pin_worker_dataset=worker_dataset,
-            _pin_reserving=zero_copy and batched_map_style,
+            _pin_tagging=receiver.grants is not None,
             _pin_resume=resume,
             _pin_wrap=False,
         )
@@ -349,13 +351,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     @property
     def _index_sampler(self) -> Any:
         # torch reads this when it starts an epoch; in zero-copy mode every index list it
-        # hands a worker carries a slot.
+        # hands a worker carries its task.
         base = super()._index_sampler
         if self.__dict__.get("_pin_wrap"):  # records, and skips what a resumed epoch yielded
-            base = EpochSampler(base, self._pin_resume, self)  # (before any reservation)
-        if getattr(self, "_pin_reserving", False):
-            receiver = self._pin_receiver
-            return ReservingSampler(base, receiver.reserve_for, receiver.ticket_for)
+            base = EpochSampler(base, self._pin_resume, self)
+        grants = self._pin_receiver.grants
+        if grants is not None and getattr(self, "_pin_tagging", False):
+            return TaskTagger(base, grants)
         return base
 
     @property
@@ -365,8 +367,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def stats(self) -> LoaderStats:
         """The loader's own counters (``batches``, ``bytes``, ``overflow_batches``,
-        ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which ``zero_copy_no_ticket`` and
-        ``zero_copy_ticket_too_small``), ``segments_cached``) plus its pool's, once the pool
+        ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which ``zero_copy_no_grant`` and
+        ``zero_copy_outgrown``), ``segments_cached``) plus its pool's, once the pool
         exists (:class:`~pinpool.LoaderStats`)."""
         return self._pin_receiver.stats()
 

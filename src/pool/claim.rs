@@ -4,11 +4,12 @@
 //! (Step 2 of "the life of a slot" in [`crate::pool`], when there is no room.)
 //!
 //! Invariants:
-//! - A claim never waits for what only the consumer can give back: it waits only while a
-//!   fenced slot or a part of the arena not ready yet exists (both come back by themselves);
-//!   otherwise it answers [`Claim::Later`] (with [`ClaimRules::defer`]), [`Claim::Overflow`]
-//!   (with [`ClaimRules::overflow`]), or waits up to its timeout and fails with
-//!   [`Error::Exhausted`].
+//! - A claim never waits for what only the consumer can give back: it waits only while the
+//!   fenced slots and the parts of the arena not ready yet, once back and merged with their
+//!   free neighbours, would make a range that holds it ([`SlotTable::room_once_back`]: ranges,
+//!   not byte counts); otherwise it answers at once [`Claim::Later`] (with
+//!   [`ClaimRules::defer`]) or [`Claim::Overflow`] (with [`ClaimRules::overflow`]), or waits up
+//!   to its timeout and fails with [`Error::Exhausted`].
 //! - A slot taken at once leaves [`ClaimRules::reserve`] bytes free in one range for other
 //!   claims; it takes that room too only when enough is on its way to give the reserve back.
 //! - The wait is on the slot table's condition variable (a release or a completed fence wakes
@@ -20,6 +21,8 @@ use std::time::{Duration, Instant};
 use super::Pool;
 use crate::error::{Error, Result};
 use crate::slots::Checkout;
+#[cfg(doc)]
+use crate::slots::SlotTable;
 
 /// How [`Pool::claim`] may take a slot.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -29,12 +32,12 @@ pub struct ClaimRules {
     pub reserve: usize,
     /// How long to wait for a slot on its way; `None` waits as long as one is coming.
     pub timeout: Option<Duration>,
-    /// Advise [`Claim::Overflow`] when no slot is free and none is on its way (every slot is
-    /// held by a batch the consumer keeps alive: waiting could wait forever).
+    /// Advise [`Claim::Overflow`] when no range, once what is on its way is back, would hold
+    /// the slot (the rest is held by batches someone keeps alive: waiting could wait forever).
     pub overflow: bool,
-    /// Never wait for what only the consumer can give back: answer [`Claim::Later`] when the
-    /// free and coming bytes would not hold this slot and the reserve, or the timeout has
-    /// passed.
+    /// Never wait for what only the consumer can give back: answer [`Claim::Later`] at once
+    /// when no range, once what is on its way is back, would hold this slot and the reserve;
+    /// or when the timeout has passed.
     pub defer: bool,
 }
 
@@ -49,15 +52,30 @@ pub enum Claim {
     Overflow,
 }
 
+/// Bytes a claim made ahead of the consumer (a batch taken ahead in copy mode, a zero-copy
+/// grant for a batch other than the one the consumer waits for) leaves free in one range, so
+/// that the consumer's next batch finds room whatever was taken ahead of it: the largest batch
+/// seen (`largest_seen` bytes) with a quarter more (the next may be a little larger), in whole
+/// pages; at most all of the arena (`arena` bytes) but one such batch, and at most one of its
+/// parts (`part` bytes: no range is longer, so more could never be kept and every claim ahead
+/// would fail).
+pub fn room_kept(largest_seen: usize, arena: usize, part: usize) -> usize {
+    let page = crate::shm::page_size();
+    let room = largest_seen.saturating_add(largest_seen / 4);
+    let room = room.checked_next_multiple_of(page).unwrap_or(usize::MAX);
+    room.min(arena.saturating_sub(largest_seen)).min(part)
+}
+
 impl Pool {
     /// Takes a slot of `bytes` by the DataLoader's rules (see [`Claim`] and [`ClaimRules`]),
     /// waiting on the slot table's condition variable (not polling) while room is on its way.
     ///
-    /// Room is on its way while a fenced slot or a part of the arena not ready yet exists:
-    /// both come back by themselves. Without either, nothing the pool can do makes room:
-    /// every other byte is held by a slot someone keeps (or the free bytes are cut into
-    /// pieces by such slots), and waiting could wait forever; then [`ClaimRules::overflow`]
-    /// advises [`Claim::Overflow`], and otherwise the claim waits up to its timeout.
+    /// Room is on its way while fenced slots or parts of the arena not ready yet, once back
+    /// and merged with their free neighbours, would make a range long enough: both come back
+    /// by themselves. Otherwise nothing the pool can do makes room: the other bytes are held
+    /// by slots someone keeps (or cut into pieces by them), and waiting could wait forever;
+    /// then [`ClaimRules::defer`] answers [`Claim::Later`] and [`ClaimRules::overflow`]
+    /// [`Claim::Overflow`] at once, and otherwise the claim waits up to its timeout.
     pub fn claim(&self, bytes: usize, rules: &ClaimRules) -> Result<Claim> {
         let start = Instant::now();
         loop {
@@ -65,19 +83,18 @@ impl Pool {
             if let Some(t) = self.try_checkout_bytes(bytes, rules.reserve)? {
                 return Ok(Claim::Slot(t));
             }
-            let (c, b) = (self.slot_counts(), self.table.bytes());
+            let b = self.table.bytes();
             // Fenced slots come back as the GPU finishes reading them, preparing bytes as the
-            // background thread makes them ready: both are worth waiting for.
+            // background thread makes them ready: both are worth waiting for, if the range
+            // they make with their free neighbours holds this slot (and the reserve).
             let coming = b.fenced + b.preparing;
-            let entries_needed = if rules.reserve > 0 { 2 } else { 1 };
-            let room_once_back = b.free + coming >= bytes.saturating_add(rules.reserve)
-                && self.table.spare_entries() + c.fenced >= entries_needed;
+            let room_once_back = coming > 0 && self.table.room_once_back(bytes, rules.reserve, &[]);
             let left = rules.timeout.map(|t| t.saturating_sub(start.elapsed()));
             let expired = left.is_some_and(|l| l.is_zero());
             if rules.defer && (!room_once_back || expired) {
                 return Ok(Claim::Later);
             }
-            if coming == 0 && rules.overflow {
+            if rules.overflow && !self.table.room_once_back(bytes, 0, &[]) {
                 return Ok(Claim::Overflow);
             }
             if expired {
@@ -87,8 +104,8 @@ impl Pool {
                 });
             }
             if rules.reserve > 0 && room_once_back {
-                // Only the reserve stands in the way, and enough is on its way for the other
-                // claims once it arrives: take the room now.
+                // Only the reserve stands in the way, and what is on its way gives it back:
+                // take the room now.
                 if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
                     return Ok(Claim::Slot(t));
                 }
@@ -145,5 +162,41 @@ mod tests {
         assert_eq!(c.index, a.index);
         pool.release(b, None).unwrap();
         pool.release(c, None).unwrap();
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_claim_the_holes_cannot_hold_is_answered_at_once() {
+        // Eight pages, every other one kept by the consumer: four free pages in four holes.
+        let page = crate::shm::page_size();
+        let fences = Arc::new(ManualFences::new());
+        let pool = Pool::with_fences(&PoolConfig::host(page, 8), Box::new(fences.clone())).unwrap();
+        let held: Vec<Checkout> = (0..8).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+        for t in held.iter().step_by(2) {
+            pool.release(*t, None).unwrap();
+        }
+        let long = Some(Duration::from_secs(30));
+        let ahead = ClaimRules { reserve: 0, timeout: long, overflow: false, defer: true };
+        let own = ClaimRules { reserve: 0, timeout: long, overflow: true, defer: false };
+        let t0 = Instant::now();
+        assert_eq!(pool.claim(2 * page, &ahead).unwrap(), Claim::Later);
+        assert_eq!(pool.claim(2 * page, &own).unwrap(), Claim::Overflow);
+        assert!(t0.elapsed() < Duration::from_secs(5), "waited {:?}", t0.elapsed());
+        // A fenced neighbour would join two holes: that is worth waiting for, and a claim
+        // kept for the reserve is answered at once if the join cannot hold both.
+        pool.release(held[1], Some(3)).unwrap();
+        let keep = ClaimRules { reserve: 2 * page, ..ahead.clone() };
+        assert_eq!(pool.claim(3 * page, &keep).unwrap(), Claim::Later);
+        let waiter = {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || pool.claim(3 * page, &own))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!waiter.is_finished(), "did not wait for the fenced neighbour");
+        pool.retire_fences();
+        fences.complete_stream(3);
+        let Ok(Claim::Slot(c)) = waiter.join().unwrap() else { panic!("no slot after the fence") };
+        assert_eq!(pool.extent(c).unwrap(), (0, 3 * page));
     }
 }

@@ -332,6 +332,23 @@ impl Pool {
         self.slot_bytes
     }
 
+    /// Whether a slot of `bytes` leaving `keep` bytes free in one range could be checked out
+    /// once the fenced slots, the bytes not ready yet and the slots of `also` are back
+    /// ([`SlotTable::room_once_back`]).
+    pub fn room_once_back(&self, bytes: usize, keep: usize, also: &[Checkout]) -> bool {
+        self.table.room_once_back(bytes, keep, also)
+    }
+
+    /// A number that changes whenever bytes or an entry become free.
+    pub fn epoch(&self) -> u64 {
+        self.table.epoch()
+    }
+
+    /// The slot table's id (every checkout of this pool carries it).
+    pub fn table_id(&self) -> u32 {
+        self.table.id()
+    }
+
     /// Number of slots.
     pub fn num_slots(&self) -> usize {
         self.table.len()

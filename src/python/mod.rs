@@ -17,13 +17,13 @@ use pyo3::prelude::*;
 use crate::error::Error;
 
 mod gather;
+mod grants;
 mod handoff;
 mod pipe;
 mod pool;
 mod segment;
 mod sent;
 mod slot;
-mod tickets;
 mod window;
 
 /// Runs `f`, turning a panic into `pinpool.PinPoolError`.
@@ -152,6 +152,14 @@ fn available_memory() -> Option<usize> {
     crate::arena::available_memory()
 }
 
+/// Bytes a claim made ahead of the consumer leaves free in one range, for batches of up to
+/// `largest_seen` bytes in an arena of `arena` bytes whose longest part has `part`
+/// (`crate::pool::claim::room_kept`).
+#[pyfunction]
+fn room_kept(largest_seen: usize, arena: usize, part: usize) -> usize {
+    crate::pool::claim::room_kept(largest_seen, arena, part)
+}
+
 /// Waits (without the GIL) until every pool dropped so far has been freed by the freeing
 /// thread, at most `timeout` seconds (forever if None). Returns whether all have.
 #[pyfunction]
@@ -232,13 +240,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<segment::PyCopying>()?;
     m.add_class::<sent::PySent>()?;
     m.add_class::<pipe::PyPipeWriter>()?;
-    m.add_class::<tickets::PyTickets>()?;
+    m.add_class::<grants::PyGrants>()?;
     m.add_class::<window::PyArenaWindow>()?;
     m.add_class::<handoff::PyHandoff>()?;
     m.add_function(wrap_pyfunction!(_set_stream_hook, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
     m.add_function(wrap_pyfunction!(available_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(room_kept, m)?)?;
     m.add_function(wrap_pyfunction!(wait_for_freed_pools, m)?)?;
     m.add_function(wrap_pyfunction!(recently_freed_pools, m)?)?;
     m.add_function(wrap_pyfunction!(gather::_gather, m)?)?;

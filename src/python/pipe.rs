@@ -3,11 +3,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use std::sync::Arc;
-
-use super::tickets::PyTickets;
 use super::{guarded, timeout_arg, IntoPy, FOREVER};
-use crate::tickets::TicketRequest;
 use crate::transport::pipe_writer::PipeWriter;
 
 /// Writes messages to a pipe on a thread of its own, framed as
@@ -28,25 +24,6 @@ impl PyPipeWriter {
     /// Queues `data` as one message; returns at once. Raises `PoolClosed` once closed.
     fn send(&self, py: Python<'_>, data: &Bound<'_, PyBytes>) -> PyResult<()> {
         guarded(|| self.inner.send(data.as_bytes()).py(py))
-    }
-
-    /// Queues `data`, a message holding `tickets`' placeholder, as `send` does; `request` is
-    /// `(owner, worker, nbytes, keep)`: the writer's thread checks a slot of `nbytes` out for
-    /// worker `worker` of iterator `owner` (leaving `keep` bytes free) and writes its ticket
-    /// over the placeholder first.
-    fn send_ticketed(
-        &self,
-        py: Python<'_>,
-        data: &Bound<'_, PyBytes>,
-        tickets: &PyTickets,
-        request: (u64, usize, usize, usize),
-    ) -> PyResult<()> {
-        guarded(|| {
-            let (owner, worker, nbytes, keep) = request;
-            let request = TicketRequest { owner, worker, nbytes, keep };
-            let payload = data.as_bytes().to_vec();
-            self.inner.send_ticketed(payload, Arc::clone(&tickets.inner), request).py(py)
-        })
     }
 
     /// Closes the writer (what was sent is still written) and waits, without the GIL, at most

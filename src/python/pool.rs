@@ -7,14 +7,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::slot::PySlot;
-use super::tickets::PyTickets;
 use super::{guarded, size_arg, timeout_arg, to_py, IntoPy};
 use crate::arena::Backend;
 use crate::copy::MAX_COPY_THREADS;
 use crate::device_choice::DeviceRequest;
 use crate::error::Error;
 use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig, Stats};
-use crate::tickets::Tickets;
 use crate::transport::reclaim::{Reclaimer, SegmentStats, SharedReclaimer};
 
 /// A fixed arena of (pinned) host memory, handed out as slots of any size.
@@ -160,7 +158,7 @@ impl PyPinPool {
         PySlot::new(pool, checkout, self.device_for_fences())
     }
 
-    fn device_for_fences(&self) -> Option<usize> {
+    pub(crate) fn device_for_fences(&self) -> Option<usize> {
         match self.backend {
             "host" => None,
             _ => self.device,
@@ -515,16 +513,6 @@ impl PyPinPool {
     /// check that the descriptor it opens is that file).
     fn slot_place(&self, slot: &PySlot) -> Option<(i32, usize, usize, u64)> {
         self.place_of(slot).map(|p| (p.fd, p.offset, p.part_len, p.inode))
-    }
-
-    /// A table of zero-copy tickets for this pool's slots (`Tickets`), whose workers keep at
-    /// most `windows` windows and `window_bytes` bytes of them.
-    fn tickets(&self, py: Python<'_>, windows: usize, window_bytes: usize) -> PyResult<PyTickets> {
-        guarded(|| {
-            let pool = self.get(py)?;
-            let inner = Arc::new(Tickets::new(&pool, windows, window_bytes).py(py)?);
-            Ok(PyTickets { inner, fence_device: self.device_for_fences() })
-        })
     }
 
     /// The arena's memfd parts, in order: `(fd, first byte's arena offset, length)`, for the

@@ -1,12 +1,14 @@
 //! How a batch travels from a worker process to the main process in copy mode: the worker's
 //! reusable segments and the main process's cache of their mappings ([`segment`]), and the
 //! reclaimer that maps and counts them and unmaps retired ones off the caller's thread
-//! ([`reclaim`]); and the thread that writes each worker's batch indices to its pipe
-//! ([`pipe_writer`]). This module uses [`crate::pool`]; the pool never uses it.
+//! ([`reclaim`]); the thread that writes each worker's batch indices to its pipe
+//! ([`pipe_writer`]); and, in zero-copy mode, the desk where workers ask for room in the arena
+//! ([`grant_desk`]). This module uses [`crate::pool`]; the pool never uses it.
 //!
 //! Invariants: see each module. Everything here maps only sealed memfds
 //! ([`crate::shm::check_sealed`]), and nothing here unmaps on a thread that may hold the GIL.
 
+pub mod grant_desk;
 pub mod pipe_writer;
 pub mod reclaim;
 pub mod segment;

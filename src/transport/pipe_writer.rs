@@ -18,9 +18,6 @@
 //!   when its thread ends: when the writer is closed or dropped and its messages are written,
 //!   or given up (no reader, a write error, or [`GIVE_UP_AFTER`] closed with the pipe still
 //!   full). A write error is kept ([`PipeWriter::error`]); later messages are dropped.
-//! - A ticketed message ([`PipeWriter::send_ticketed`]) gets its zero-copy ticket on the
-//!   thread, in its turn, just before it is framed and written ([`crate::tickets`]): the
-//!   sender's thread checks nothing out.
 //! - Dropping the writer never waits; in a process forked from its owner (which has no copy
 //!   of the thread) it touches nothing.
 
@@ -31,7 +28,6 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::tickets::{TicketRequest, Tickets};
 
 /// Once the writer is closed, how long its thread waits for a full pipe to drain before it
 /// gives the rest up (a reader that has stopped reading by then is not coming back).
@@ -40,13 +36,8 @@ pub const GIVE_UP_AFTER: Duration = Duration::from_millis(200);
 const POLL_EVERY: rustix::event::Timespec =
     rustix::event::Timespec { tv_sec: 0, tv_nsec: 20_000_000 };
 
-/// One message on its way to the thread.
-enum Outgoing {
-    /// Framed already.
-    Framed(Vec<u8>),
-    /// A payload whose placeholder gets a ticket first ([`Tickets::patch`]), then its frame.
-    Ticketed(Vec<u8>, Arc<Tickets>, TicketRequest),
-}
+/// One message on its way to the thread, framed already.
+type Outgoing = Vec<u8>;
 
 #[derive(Default)]
 struct State {
@@ -122,19 +113,7 @@ impl PipeWriter {
     /// Queues `payload` as one message. Fails only once the writer is closed; a message sent
     /// after a write error is dropped (that error is kept, see [`PipeWriter::error`]).
     pub fn send(&self, payload: &[u8]) -> Result<()> {
-        self.queue(Outgoing::Framed(frame(payload)))
-    }
-
-    /// As [`PipeWriter::send`], for a payload holding a ticket placeholder: the thread checks
-    /// the slot out and writes its ticket there just before it writes the message (a payload
-    /// without one goes as it is).
-    pub fn send_ticketed(
-        &self,
-        payload: Vec<u8>,
-        tickets: Arc<Tickets>,
-        request: TicketRequest,
-    ) -> Result<()> {
-        self.queue(Outgoing::Ticketed(payload, tickets, request))
+        self.queue(frame(payload))
     }
 
     fn queue(&self, message: Outgoing) -> Result<()> {
@@ -213,13 +192,6 @@ fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<()> {
 /// The thread's loop: every message, in order, until the channel is closed and empty.
 fn write_all_messages(fd: &OwnedFd, rx: &Receiver<Outgoing>, shared: &Shared) -> Result<()> {
     for message in rx {
-        let message = match message {
-            Outgoing::Framed(framed) => framed,
-            Outgoing::Ticketed(mut payload, tickets, request) => {
-                tickets.patch(&mut payload, &request);
-                frame(&payload)
-            }
-        };
         write_whole(fd.as_fd(), &message, shared)?;
         shared.written.fetch_add(1, Ordering::SeqCst);
     }
@@ -301,35 +273,6 @@ mod tests {
         let mut rest = Vec::new();
         r.read_to_end(&mut rest).unwrap(); // EOF: the writer's descriptor is closed
         assert!(rest.is_empty());
-    }
-
-    #[test]
-    fn a_ticketed_message_is_written_with_its_ticket_in_its_turn() {
-        use crate::pool::{Pool, PoolConfig};
-        use crate::tickets::TICKET_LEN;
-        let (mut r, w) = pipe();
-        let writer = PipeWriter::new(w.as_raw_fd()).unwrap();
-        drop(w);
-        let pool = Pool::new(&PoolConfig::host(4096, 2)).unwrap();
-        let tickets = Arc::new(Tickets::new(&pool, 16, 1 << 30).unwrap());
-        let request = TicketRequest { owner: 1, worker: 0, nbytes: 4096, keep: 0 };
-        let mut payload = b"<".to_vec();
-        payload.extend_from_slice(&tickets.placeholder());
-        payload.push(b'>');
-        writer.send(b"before").unwrap();
-        writer.send_ticketed(payload.clone(), Arc::clone(&tickets), request).unwrap();
-        writer.send_ticketed(b"none".to_vec(), Arc::clone(&tickets), request).unwrap();
-        writer.send(b"after").unwrap();
-        assert_eq!(read_message(&mut r), b"before");
-        let got = read_message(&mut r);
-        assert_eq!(got.len(), payload.len());
-        assert_eq!((got[0], got[got.len() - 1]), (b'<', b'>'));
-        assert_eq!(&got[1..9], &1u64.to_le_bytes(), "an issued ticket");
-        assert_ne!(&got[1..1 + TICKET_LEN], &payload[1..1 + TICKET_LEN]);
-        assert_eq!(read_message(&mut r), b"none");
-        assert_eq!(read_message(&mut r), b"after");
-        assert_eq!(tickets.outstanding(), 1, "one slot checked out, for the one placeholder");
-        assert!(writer.close(Duration::from_secs(5)));
     }
 
     #[test]

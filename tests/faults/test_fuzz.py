@@ -64,7 +64,7 @@ from pinpool._main.lazy_pool import LazyPool
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
 from pinpool._wire import codec as _codec
 from pinpool._wire.codec import ALIGN, Leaf
-from pinpool._wire.handle import BatchHandle, WorkerProgress
+from pinpool._wire.handle import BatchHandle, WorkerProgress, ZeroCopyTask
 from pinpool._wire.tree import KEEP, map_leaves
 from pinpool._worker import places
 
@@ -685,11 +685,12 @@ def test_batch_handle_fields(decoy: int) -> None:
 def one_slot_handle(data: Any, worker: Worker) -> None:
     with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3) as loader:
         receiver = loader._pin_receiver
-        reservation = receiver.reservations.reserve(receiver.pool, 1, CAPACITY, 0)
-        assert reservation is not None
+        grants = receiver.grants
+        grants.open(1)
+        task = ZeroCopyTask(1, 0)
+        sent = places.write(receiver.token, 4, worker.plan, task, grants.desk, None)
+        assert sent.slot is not None, "the worker's path did not get a slot"
         try:
-            sent = places.write(receiver.token, 4, worker.plan, reservation, None)
-            assert sent.slot == reservation.claim, "the worker's path did not use the slot"
             state, changed = corrupted(data, sent.__getstate__(), SLOT_FIELDS, corrupt_slot_field)
             with no_hang(), late_errors():
                 got = accepted(lambda: decoded(received(state), False))
@@ -701,7 +702,7 @@ def one_slot_handle(data: Any, worker: Worker) -> None:
                 del got
         finally:
             # The loader takes back a slot whose batch never came (the iterator's end).
-            receiver.reservations.take_back(reservation.claim)
+            grants.take_back(sent.slot)
         assert_slots_back(loader)
 
 

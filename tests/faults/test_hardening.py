@@ -581,25 +581,16 @@ def test_memfds_are_owner_only(make_pool: Any) -> None:
 def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(
     context: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A zero-copy worker maps its reservation's slot only while writing the batch: when it starts
+    """A zero-copy worker maps its granted slot only while writing the batch: when it starts
     the next batch it holds no writable mapping and no descriptor of the main process's
     arena, so nothing it does then can reach a batch the consumer holds, not even while its
     map-ahead thread faults in the windows of its next slots (hinted here for batches of any
     size; mapped ahead only where windows have keys). Streamed batches are written sample by
     sample, so only a batch's first sample is made before its slot is mapped. With ``fork``
     the workers of the second epoch start after the arena exists."""
-    from pinpool._main import reservations
+    from pinpool._main import grants
 
-    monkeypatch.setattr(reservations, "ONLY_KEPT_FROM", 0)
-    hinted: list[int] = []
-    reserve = reservations.Reservations.reserve
-
-    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        made = reserve(self, *args, **kwargs)
-        hinted.extend([len(made.ahead)] if made is not None and made.ahead else [])
-        return made
-
-    monkeypatch.setattr(reservations.Reservations, "reserve", counting)
+    monkeypatch.setattr(grants, "BIG_FROM", 1)
     gc.collect()
     pinpool.wait_for_freed_pools(timeout=60)
     for stream in (False, True):
@@ -619,8 +610,8 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(
             reached = seen[seen[:, 1:].sum(1) > 0]
             assert len(reached) == 0, f"made while the arena was reachable: {reached.tolist()}"
         assert loader.stats()["zero_copy_batches"] >= 12, loader.stats()
-        assert len(hinted) >= 2, "no worker was told of its next slots"
-        hinted.clear()
+        receiver_grants = loader._pin_receiver.grants
+        assert receiver_grants.hinted >= 2, "no worker was told of its next slots"
         # (A child forked while an arena is being freed may inherit it as it was: nothing
         # uses that arena any more, but it would count here. The last epoch's iterator, which
         # holds the arena, goes once the ending thread has shut its workers down.)
@@ -661,35 +652,33 @@ def test_a_kept_window_faults_on_a_write_between_batches() -> None:
 
 
 def test_a_workers_window_is_kept_for_its_next_slot_there(make_pool: Any) -> None:
-    """A reservation at the pages of an earlier one reopens the window kept for it (checked:
+    """A grant at the pages of an earlier one reopens the window kept for it (checked:
     same file, inside it); one elsewhere maps a window of its own; at most ``WINDOWS_KEPT``
     are kept, the least recently used going first."""
-    from pinpool._wire.handle import WINDOWS_KEPT, SlotReservation
+    from pinpool._wire.handle import WINDOWS_KEPT, SlotGrant
     from pinpool._worker import windows
 
     pool = make_pool(1 << 16, WINDOWS_KEPT + 4, arena_bytes=(WINDOWS_KEPT + 4) << 16)
     slots = [pool.checkout(nbytes=1 << 16) for _ in range(WINDOWS_KEPT + 1)]
 
-    def reservation(slot: Any, nonce: int) -> SlotReservation:
+    def grant(slot: Any, nonce: int) -> SlotGrant:
         fd, offset, part_len = pool.slot_memfd(slot)
         ino = os.fstat(fd).st_ino
-        return SlotReservation(
-            slot.index, 1, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, ino
-        )
+        return SlotGrant(slot.index, 1, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, ino)
 
     windows._WINDOWS.clear()
-    first, at, new = windows.open_for(reservation(slots[0], 1))
+    first, at, new = windows.open_for(grant(slots[0], 1))
     assert at == 0 and new
     windows.close(first)
-    again, _, new = windows.open_for(reservation(slots[0], 2))
+    again, _, new = windows.open_for(grant(slots[0], 2))
     assert again is first and not new, "the kept window is reopened"
     windows.close(again)
     # Another file with the same offset (its inode differs): a window of its own.
-    other = reservation(slots[0], 3)._replace(arena_ino=reservation(slots[0], 3).arena_ino + 1)
+    other = grant(slots[0], 3)._replace(arena_ino=grant(slots[0], 3).arena_ino + 1)
     with pytest.raises(PinPoolError, match="no longer names"):
         windows.open_for(other)
     for n, slot in enumerate(slots[1:], start=4):
-        window, _, _ = windows.open_for(reservation(slot, n))
+        window, _, _ = windows.open_for(grant(slot, n))
         assert window is not first
         windows.close(window)
     assert len(windows._WINDOWS) == WINDOWS_KEPT
@@ -704,17 +693,17 @@ def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> 
     forked from it (``MADV_DONTFORK``), where its addresses may be reused: there it opens
     nothing, exports nothing, drops no page tables and unmaps nothing; a worker's last task
     lets no inherited window go; and forked workers run whole epochs."""
-    from pinpool._wire.handle import SlotReservation
+    from pinpool._wire.handle import SlotGrant
     from pinpool._worker import windows
 
     pool = make_pool(1 << 16, 8, arena_bytes=8 << 16)
     slot = pool.checkout(nbytes=1 << 16)
     fd, offset, part_len = pool.slot_memfd(slot)
-    reservation = SlotReservation(
+    grant = SlotGrant(
         slot.index, 1, 1, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
     )
     windows._WINDOWS.clear()
-    window, _, _ = windows.open_for(reservation)
+    window, _, _ = windows.open_for(grant)
     windows.close(window)
     try:
         pid = os.fork()
@@ -750,11 +739,11 @@ def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> 
         slot.release()
 
 
-def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
-    """The worker's side of a reservation maps only the slot's pages, and only from the file the
-    reservation names: another file behind the descriptor, an unsealed one, one of another length
+def test_a_granted_slot_is_checked_before_it_is_mapped(make_pool: Any) -> None:
+    """The worker's side of a grant maps only the slot's pages, and only from the file the
+    grant names: another file behind the descriptor, an unsealed one, one of another length
     or a slot outside it is refused with the reason, and nothing stays open."""
-    from pinpool._wire.handle import SlotReservation
+    from pinpool._wire.handle import SlotGrant
     from pinpool._worker.windows import map_window
 
     pool = make_pool(1 << 20, 4, arena_bytes=8 << 20)
@@ -764,9 +753,7 @@ def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> N
     where = pool.slot_memfd(slot)
     assert where is not None
     fd, offset, part_len = where
-    good = SlotReservation(
-        1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
-    )
+    good = SlotGrant(1, 1, 7, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino)
     fds = open_fd_count()
     window = map_window(good)
     assert (window.offset, window.length) == (offset, slot.nbytes) and slot.nbytes < part_len
@@ -801,9 +788,9 @@ def test_a_reservations_slot_is_checked_before_it_is_mapped(make_pool: Any) -> N
             "negative": "outside",
             "empty": "outside",
         }
-        for name, reservation in cases.items():
+        for name, grant in cases.items():
             with pytest.raises(PinPoolError, match=reasons[name]):
-                map_window(reservation)
+                map_window(grant)
             assert open_fd_count() == fds + 2, name  # (the two files above)
     os.close(unsealed)
     slot.release()

@@ -4,8 +4,8 @@ The two workloads users meet: dynamic padding (token rows of varying length, eac
 padded to its longest row, short batches first) and detection-style batches (lists of images
 of varying height and width). Every batch must land in the arena (no overflow into ordinary
 memory), bit for bit what torch's own DataLoader gives, in copy mode and in zero-copy mode;
-the arena never grows; zero-copy batches larger than their reservation come through copy mode and
-are counted. And a generated test: random batch sizes, both modes, against torch.
+the arena never grows; zero-copy batches are each written into a slot of their own size. And a
+generated test: random batch sizes, both modes, against torch.
 """
 
 from __future__ import annotations
@@ -118,12 +118,10 @@ def test_dynamic_padding_600x_the_first_batch(zero_copy: bool) -> None:
     assert max(sizes) >= 600 * sizes[0], sizes
     assert pin.pool.arena_bytes == MIN_ARENA  # sized from the small first batch
     if zero_copy:
+        # Each batch asked for its own size: growing batches are written in place too.
         stats = pin.stats()
-        assert stats["zero_copy_batches"] >= 1
-        assert stats["zero_copy_batches"] + stats["zero_copy_fallbacks"] - stats[
-            "zero_copy_no_ticket"
-        ] <= len(sizes)
-        assert stats["zero_copy_ticket_too_small"] >= 1, "growing batches outgrew a reservation"
+        assert stats["zero_copy_batches"] + stats["zero_copy_fallbacks"] == len(sizes)
+        assert stats["zero_copy_batches"] >= 0.75 * len(sizes), stats
 
 
 @MODES

@@ -1,5 +1,5 @@
 """An arena sized automatically (``sizing.Sizing.plan``) holds the batches in flight in whole
-parts; and the room a claim made ahead of the consumer leaves free (``sizing.room_kept``) can
+parts; and the room a claim made ahead of the consumer leaves free (``_native.room_kept``) can
 be kept (no free range is longer than one of the arena's parts) and is enough for the batch
 the consumer waits for."""
 
@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pinpool._main import sizing
-from pinpool._main.sizing import HEADROOM, Sizing, room_kept
+from pinpool._main.sizing import HEADROOM, Sizing
+from pinpool._native import room_kept
 
 PAGE = 4096
 
@@ -32,6 +33,8 @@ def test_the_room_kept_fits_in_one_part_and_holds_the_next_batch(
     assert keep <= part, "no free range is longer than a part: a claim ahead could never keep it"
     assert keep <= arena - largest_seen
     assert keep >= min(largest_seen, arena - largest_seen), "the next batch must still fit"
+    assert keep % PAGE == 0 or keep == arena - largest_seen, "whole pages"
+    assert keep >= min(largest_seen * 5 // 4, part, arena - largest_seen), "a quarter more"
 
 
 @given(first=st.integers(1, 1 << 30), in_flight=st.integers(1, 64))

@@ -2,7 +2,7 @@
 and ``close``, kept for the worker's next slots, given up when they cannot be closed, and none
 inherited by a forked child.
 
-The worker here is this process: a reservation names a slot of a pool made here, reached
+The worker here is this process: a grant names a slot of a pool made here, reached
 through ``/proc/<own pid>/fd`` as a worker reaches the main process's arena."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loader_datasets import _reachable, arena_reach
 
-from pinpool._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation, WindowHint
+from pinpool._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotGrant, WindowHint
 from pinpool._worker import windows
 
 BIG = 8 << 20
@@ -35,9 +35,9 @@ def fresh_windows() -> Iterator[None]:
     windows._start_afresh()
 
 
-def reserve(pool: Any, slot: Any, nonce: int = 1) -> SlotReservation:
+def grant_of(pool: Any, slot: Any, nonce: int = 1) -> SlotGrant:
     fd, offset, part_len = pool.slot_memfd(slot)
-    return SlotReservation(
+    return SlotGrant(
         slot.index, 1, nonce, offset, slot.nbytes, os.getpid(), fd, part_len, os.fstat(fd).st_ino
     )
 
@@ -53,14 +53,14 @@ def faulted_ahead(timeout: float = 60.0) -> None:
 def test_hinted_slots_are_mapped_ahead_out_of_reach_and_then_opened_without_mapping(
     make_pool: Callable[..., Any], fresh_windows: None
 ) -> None:
-    """Where windows have keys, a first reservation's hints are mapped as kept windows, faulted
+    """Where windows have keys, a first grant's hints are mapped as kept windows, faulted
     in on a thread of their own while no other thread can reach them, and opened for no one
-    until a reservation there is; a hint naming another file is skipped; a later
-    reservation's hints map nothing (once per process); no descriptor of the arena stays open.
+    until a grant there is; a hint naming another file is skipped; a later
+    grant's hints map nothing (once per process); no descriptor of the arena stays open.
     Without keys nothing is mapped ahead."""
     pool = make_pool(BIG, 5, arena_bytes=5 * BIG)
     slots = [pool.checkout(nbytes=BIG) for _ in range(5)]
-    r = [reserve(pool, s) for s in slots]
+    r = [grant_of(pool, s) for s in slots]
     fds = arena_reach()[1]  # (this process's pool holds its parts' own)
     stale = WindowHint(*r[3].hint[:5], r[3].arena_ino + 1)  # (another file's inode)
     first, _, new = windows.open_for(r[0]._replace(ahead=(r[1].hint, r[2].hint, stale)))
@@ -87,7 +87,7 @@ def test_hinted_slots_are_mapped_ahead_out_of_reach_and_then_opened_without_mapp
     assert view[0] == 9 and view[r[1].nbytes - 1] == 9
     view.release()
     faulted_ahead()
-    assert _kept_at(r[4]) is None, "a later reservation's hints map nothing"
+    assert _kept_at(r[4]) is None, "a later grant's hints map nothing"
     window, _, new = windows.open_for(r[3])
     assert new, "the stale hint mapped nothing"
     windows.close(window)
@@ -95,7 +95,7 @@ def test_hinted_slots_are_mapped_ahead_out_of_reach_and_then_opened_without_mapp
         s.release()
 
 
-def _kept_at(r: SlotReservation) -> Any:
+def _kept_at(r: SlotGrant) -> Any:
     """The kept window holding ``r``'s slot (in its file), if one does."""
     return windows._kept((r.arena_pid, r.arena_ino), r.offset, r.nbytes, use=False)
 
@@ -113,14 +113,14 @@ def test_a_window_is_open_only_between_open_for_and_close(
 ) -> None:
     pool = make_pool(nbytes, 2, arena_bytes=2 * nbytes)
     slot = pool.checkout(nbytes=nbytes)
-    r = reserve(pool, slot)
+    r = grant_of(pool, slot)
     window, at, new = windows.open_for(r)
     assert new and window.open_range is not None
     assert window.open_range[0] <= r.offset and r.offset + r.nbytes <= window.open_range[1]
     write_through(window, at, r.nbytes, 7)
     windows.close(window)
     assert window.open_range is None
-    again, _, new = windows.open_for(reserve(pool, slot, 2))
+    again, _, new = windows.open_for(grant_of(pool, slot, 2))
     assert again is window and not new, "kept for the next batch there"
     windows.close(again)
     view = memoryview(slot)
@@ -141,7 +141,7 @@ def test_a_slot_is_opened_keyed_where_one_thread_writes_it(
     none here), opened plainly either way."""
     pool = make_pool(SMALL, 2, arena_bytes=2 * SMALL)
     slot = pool.checkout(nbytes=SMALL)
-    r = reserve(pool, slot)
+    r = grant_of(pool, slot)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -164,7 +164,7 @@ def test_a_slot_is_opened_keyed_where_one_thread_writes_it(
         windows.close(window)
         assert not _reachable(addr)
         assert (window.armed_range is not None) == keyed, "kept armed between batches"
-        again, _, new = windows.open_for(reserve(pool, slot, 2))
+        again, _, new = windows.open_for(grant_of(pool, slot, 2))
         assert again is window and not new
         assert not _reachable(addr) or not keyed
         windows.close(again)
@@ -181,13 +181,13 @@ def test_a_window_that_cannot_be_closed_is_no_longer_kept(
 ) -> None:
     pool = make_pool(SMALL, 2, arena_bytes=2 * SMALL)
     slot = pool.checkout(nbytes=SMALL)
-    window, _, _ = windows.open_for(reserve(pool, slot))
+    window, _, _ = windows.open_for(grant_of(pool, slot))
     held = memoryview(window)  # (as a traceback may hold one)
     windows.close(window)
     assert window not in windows.kept(), "given up"
     assert window.open_range is not None, "never closed under a live view"
     held.release()
-    again, _, new = windows.open_for(reserve(pool, slot, 2))
+    again, _, new = windows.open_for(grant_of(pool, slot, 2))
     assert new and again is not window, "a window of its own"
     windows.close(again)
     slot.release()
@@ -200,9 +200,9 @@ def test_a_forked_child_keeps_none_of_its_parents_windows(
     opens and closes its own."""
     pool = make_pool(BIG, 2, arena_bytes=2 * BIG)
     slots = [pool.checkout(nbytes=BIG) for _ in range(2)]
-    window, _, _ = windows.open_for(reserve(pool, slots[0]))
+    window, _, _ = windows.open_for(grant_of(pool, slots[0]))
     windows.close(window)
-    r = reserve(pool, slots[1], 2)  # (the parent's: a worker reaches the main process's arena)
+    r = grant_of(pool, slots[1], 2)  # (the parent's: a worker reaches the main process's arena)
     pid = os.fork()
     if pid == 0:  # the child: report through the exit status only
         code = 1
@@ -242,7 +242,7 @@ def test_batches_into_big_and_small_slots_land_and_leave_nothing_open(
     slots = [pool.checkout(nbytes=n) for n in (BIG, SMALL, BIG, SMALL)]
     windows._WINDOWS.clear()
     for n, i in enumerate(steps, start=1):
-        r = reserve(pool, slots[i], n)
+        r = grant_of(pool, slots[i], n)
         window, at, _ = windows.open_for(r)
         write_through(window, at, r.nbytes, n % 251)
         windows.close(window)

@@ -24,10 +24,6 @@ Invariants:
   as the queue goes (in a reference cycle too), never by the ``Connection``'s own finalizer.
 - A task numbered ``last_from`` or later (set each epoch by the workers' iterator) goes out
   as a ``_wire.last_tasks.LastTask``, which the worker unpickles into the same message.
-- A task's zero-copy slot, when the workers' iterator asks for it here (``reserve``), is
-  checked out as the task is put, for the worker this queue feeds, before it is pickled; or,
-  for a small batch, by the writer's thread as it writes the task (a pending ticket, whose
-  placeholder it overwrites: ``pinpool._native.Tickets``), with no Python lock held.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from __future__ import annotations
 import io
 import threading
 import weakref
-from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from queue import Full
 from typing import Any
@@ -43,7 +38,6 @@ from typing import Any
 from .. import _trace
 from .._native import PipeWriter
 from .._torch_contract import MultiprocessingQueue
-from .._wire.handle import TaggedIndices
 from .._wire.last_tasks import LastTask
 
 
@@ -58,22 +52,12 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
     #: Tasks ``(number, indices)`` numbered from here on are each a worker's last of the
     #: epoch (None: none is known to be).
     last_from: int | None
-    #: Called with each task's indices (a ``TaggedIndices``) and :attr:`worker` as the task is
-    #: put, before it is pickled: zero-copy tags them with a slot there
-    #: (``ReservingSampler.reserve_at_put``), or with a pending ticket, returning the order
-    #: (tickets, request, placeholder) the writer's thread carries out. None: nothing to call.
-    reserve: Callable[[Any, int], Any] | None
-    #: The worker this queue feeds (its place in torch's list of index queues).
-    worker: int
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         t0 = _trace.on and _trace.now()
         if self._closed:  # type: ignore[attr-defined]
             raise ValueError(f"Queue {self!r} is closed")
-        order = None
         if type(obj) is tuple and len(obj) == 2:
-            if self.reserve is not None and type(obj[1]) is TaggedIndices:
-                order = self.reserve(obj[1], self.worker)
             last = self.last_from
             if last is not None and type(obj[0]) is int and obj[0] >= last:
                 obj = LastTask(obj)
@@ -81,10 +65,7 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
         # The worker's get() releases this semaphore for every message it reads.
         if not self._sem.acquire(block, timeout):  # type: ignore[attr-defined]
             raise Full
-        if order is None:
-            self._pin_writer.send(data)
-        else:
-            self._pin_writer.send_ticketed(data, order[0], order[1])
+        self._pin_writer.send(data)
         if t0:
             _trace.span("index.put", t0, nbytes=len(data))
 
@@ -141,7 +122,5 @@ def write_directly(queue: Any) -> bool:
     buf = io.BytesIO()
     queue._pin_pickler = (buf, ForkingPickler(buf), threading.Lock())
     queue.last_from = None
-    queue.reserve = None
-    queue.worker = -1
     queue.__class__ = DirectQueue
     return True

@@ -2,13 +2,13 @@
 source", or it is refused.
 
 Three kinds of handle (``_wire.handle.BatchHandle``): one that carries its batch whole (no
-arrays: :meth:`Intake.inline`); a zero-copy one, naming the slot the main process reserved
-for it (:meth:`Intake.adopt`: the slot is taken back from the reservations only if it was
-reserved for that batch); a copy-mode one, naming a worker's segment (:meth:`Intake.receive`:
+arrays: :meth:`Intake.inline`); a zero-copy one, naming the slot the main process granted
+for it (:meth:`Intake.adopt`: the slot is taken from the grants only if it was granted for
+that batch); a copy-mode one, naming a worker's segment (:meth:`Intake.receive`:
 the first time a segment is seen it is opened through ``/proc/<worker pid>/fd`` and checked
 to be real, sealed, as long as claimed, its header intact, before its claims size the pool;
 :meth:`Intake.segment_specs`: its leaf specs, checked against the segment). :meth:`Intake.drop`
-ends a handle's life: its segment goes back to its worker, a reserved slot it did not use is
+ends a handle's life: its segment goes back to its worker, a granted slot it did not use is
 taken back.
 
 Invariants: every field of a handle is checked before it is used, and what the rest of its
@@ -27,16 +27,16 @@ from .._errors import OutOfBounds, PinPoolError, WorkerLost
 from .._native import SEGMENT_DATA_OFFSET, Slot, check_segment
 from .._wire import codec, leaves, peer
 from .._wire.handle import ARRIVED, HELD, BatchHandle
+from .grants import LoaderGrants
 from .lazy_pool import LazyPool
-from .reservations import Reservations
 
 
 class Intake:
     """Checks the handles of one loader and takes hold of the memory they name."""
 
-    def __init__(self, pools: LazyPool, reservations: Reservations) -> None:
+    def __init__(self, pools: LazyPool, grants: LoaderGrants | None) -> None:
         self.pools = pools
-        self.reservations = reservations
+        self.grants = grants
         self.zero_copy_batches = 0
         # Worker key -> pid, for the workers whose segments are mapped here.
         self._worker_pids: dict[int, int] = {}
@@ -51,7 +51,9 @@ class Intake:
         """Zero-copy: the slot the worker wrote the batch into, checked."""
         if handle.segment is not None or handle.worker is not None:
             raise OutOfBounds("corrupt batch handle: it names both a slot and a segment")
-        slot = self.reservations.adopt(handle.slot)
+        if self.grants is None:
+            raise OutOfBounds("corrupt batch handle: a slot, but the loader grants none")
+        slot = self.grants.adopt(handle.slot)
         specs = leaves.checked_specs(handle.specs, slot.nbytes)
         need = codec.extent(specs)
         self.pools.seen(need)
@@ -160,7 +162,8 @@ class Intake:
         if not state:
             return
         if handle.slot is not None:
-            self.reservations.take_back(handle.slot)  # (only if not adopted)
+            if self.grants is not None:
+                self.grants.take_back(handle.slot)  # (only if not adopted)
             return
         if state == ARRIVED:
             try:
@@ -178,10 +181,10 @@ class Intake:
             pass  # already retired with the whole worker
         for sid in handle.retired:
             cache.retire((handle.worker, sid))
-        if handle.unused is not None:
-            # A zero-copy batch too large for its reservation came through a segment instead.
-            self.reservations.too_small += 1
-            self.reservations.take_back(handle.unused)
+        if handle.unused is not None and self.grants is not None:
+            # A streamed batch whose rest outgrew its slot came through a segment instead.
+            self.grants.outgrown += 1
+            self.grants.take_back(handle.unused)
 
     def retire_segments(self, dead_only: bool = False) -> None:
         """Unmaps (on the reclaimer thread) the segments of workers that have exited (of every

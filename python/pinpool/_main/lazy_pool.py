@@ -5,8 +5,8 @@ made on it.
 :meth:`LazyPool.pool_for` is the one place a loader's :class:`~pinpool._native.PinPool` is
 made (sized by ``sizing``), with its :class:`~pinpool._native.SegmentCache`.
 :meth:`LazyPool.claim` checks a slot out of it by the overflow and oversize rules (in Rust,
-waiting without the GIL), or hands out an ordinary buffer (an overflow, counted).
-:meth:`LazyPool.reservation_size` sizes a zero-copy reservation from the recent batches.
+waiting without the GIL), or hands out an ordinary buffer (an overflow, counted). A zero-copy
+loader's grants come from the pool once it is made.
 
 Invariants: the pool is made once, under the lock, and never grown; a pool made from a hint
 is provisional until a real batch arrives, and is made again from that batch only if the hint
@@ -18,7 +18,6 @@ announced), never scaled by a sample count.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from typing import Any
@@ -27,10 +26,11 @@ import torch
 
 from .. import _trace
 from .._errors import BatchTooLarge, PoolExhausted
-from .._native import PinPool, SegmentCache, cuda_available
+from .._native import PinPool, SegmentCache, cuda_available, room_kept
 from .._wire.pool_hint import PoolHint
+from .grants import LoaderGrants
 from .pool_settings import PoolSettings
-from .sizing import Plan, reservation_bytes, room_kept
+from .sizing import Plan
 
 _log = logging.getLogger("pinpool")
 
@@ -47,8 +47,14 @@ IN_TURN = _InTurn()
 class LazyPool:
     """The pool and segment cache of one loader, made on first use, and its claims."""
 
-    def __init__(self, settings: PoolSettings, pool_hint: PoolHint | None = None) -> None:
+    def __init__(
+        self,
+        settings: PoolSettings,
+        pool_hint: PoolHint | None = None,
+        grants: LoaderGrants | None = None,
+    ) -> None:
         self.settings = settings
+        self.grants = grants
         self.sizing = settings.sizing
         #: Where a worker tells the first batch's size early (None: the pool's size is known).
         self.pool_hint = pool_hint
@@ -62,15 +68,9 @@ class LazyPool:
         self.plan: Plan | None = None
         #: The pool was made from a worker's hint, and no real batch has arrived since.
         self._provisional = False
-        #: The largest batch seen so far, in bytes, and the last few batches' sizes (zero-copy
-        #: reservations and the room claims ahead leave are sized from them).
+        #: The largest batch seen so far, in bytes (the room claims ahead leave is sized from
+        #: it).
         self.largest_seen = 0
-        self._recent: collections.deque[int] = collections.deque(maxlen=32)
-        #: The last reservation size worked out, and what it was worked out from (the arena,
-        #: its longest part, the largest batch, and how often the sizes in ``_recent`` have
-        #: changed): a workload of batches of one size works it out once.
-        self._sized: tuple[tuple[int, ...], tuple[int, int]] | None = None
-        self._recent_changes = 0
         self.overflow_batches = 0
 
     # -- making the pool ----------------------------------------------------------------------
@@ -125,6 +125,8 @@ class LazyPool:
                 )
             if self.cache is None:
                 self.cache = SegmentCache(self.pool)
+                if self.grants is not None:
+                    self.grants.use_pool(self.pool)
             return self.pool, self.cache
 
     def _replace_if_wrong(self, nbytes: int) -> None:
@@ -159,17 +161,24 @@ class LazyPool:
         """Has the pool made as soon as a worker tells the first batch's size, while that
         batch is still being made (``_wire.pool_hint``); a no-op once it exists."""
         if self.pool_hint is not None and self.pool is None:
+            if self.grants is not None:
+                # The workers' first requests wait for the pool their hints make.
+                self.grants.pool_coming(True)
             self.pool_hint.watch(self.make_from_hint, lambda: self.pool is None and not self.closed)
 
     def make_from_hint(self, nbytes: int, count: int) -> None:
         """The pool hint's callback: the pool, made for a first batch of ``nbytes``."""
         del count  # (sized from the bytes announced, never scaled by a sample count)
-        with self._lock:
-            if self.closed or self.pool is not None or nbytes <= 0:
-                return  # (a batch without arrays needs no pool)
-        self.pool_for(nbytes, hinted=True)
-        if self.closed and self.pool is not None and self._own_pool:
-            self.pool.close()  # (closed while it was being made)
+        try:
+            with self._lock:
+                if self.closed or self.pool is not None or nbytes <= 0:
+                    return  # (a batch without arrays needs no pool)
+            self.pool_for(nbytes, hinted=True)
+            if self.closed and self.pool is not None and self._own_pool:
+                self.pool.close()  # (closed while it was being made)
+        finally:
+            if self.pool is None and self.grants is not None:
+                self.grants.pool_coming(False)  # (none made: the workers' requests go on)
 
     # -- claims on it -------------------------------------------------------------------------
 
@@ -225,34 +234,9 @@ class LazyPool:
         return got
 
     def seen(self, need: int) -> None:
-        """A batch of ``need`` bytes arrived (the sizes reservations are made from)."""
-        self.largest_seen = max(self.largest_seen, need)
-        recent = self._recent
-        if len(recent) < (recent.maxlen or 0) or recent[0] != need:
-            self._recent_changes += 1  # (else one size goes, the same comes: nothing changed)
-        recent.append(need)
-
-    def reservation_size(self, arena: int, part: int) -> tuple[int, int]:
-        """The size of a zero-copy reservation in an arena of ``arena`` bytes whose longest
-        part has ``part``, from the last few batches (``sizing.reservation_bytes``), and the
-        room it leaves for batches that come through copy mode (``sizing.room_kept``)."""
-        key = (arena, part, self.max_batch, self.largest_seen, self._recent_changes)
-        sized = self._sized
-        if sized is not None and sized[0] == key:
-            return sized[1]
-        if self.sizing.slot_bytes is not None:
-            size = self.max_batch  # equal slots (slot_bytes=): a reservation is one
-        else:
-            # Most of the recent batches fit (three in four): a long tail's rare giants go
-            # through copy mode rather than make every reservation giant. None seen yet: the
-            # largest, as far as the share allows.
-            ordered = sorted(self._recent) or [self.max_batch]
-            recent = ordered[len(ordered) * 3 // 4]
-            size = reservation_bytes(recent, self.max_batch, arena, self.sizing.in_flight)
-        # (Never no reserve: the last entry and some bytes stay for copy-mode batches.)
-        result = (size, max(1, room_kept(self.largest_seen, arena, part)))
-        self._sized = (key, result)
-        return result
+        """A batch of ``need`` bytes arrived."""
+        if need > self.largest_seen:
+            self.largest_seen = need
 
     def overflow_buffer(self, need: int) -> torch.Tensor:
         """Ordinary memory for a batch that gets no slot (counted, warned about once)."""

@@ -22,7 +22,7 @@ from .._errors import PinPoolError
 from .._torch_contract import RERAISE_CODE
 from .._wire.handle import WorkerProgress
 from .delivery import hand_over
-from .reservations import ReservingSampler
+from .grants import TaskTagger
 from .resume import Epoch
 from .workers import WorkersIter, shut_down
 
@@ -78,11 +78,11 @@ class LoaderIter:
         # Only what this iterator's workers had, once they have exited: another iterator of
         # the same loader may still be running.
         sampler = getattr(self._inner, "_index_sampler", None)
-        owner = sampler.owner if isinstance(sampler, ReservingSampler) else None
+        owner = sampler.owner if isinstance(sampler, TaskTagger) else None
 
         def take_back() -> None:
-            if owner is not None:
-                receiver.reservations.drop(owner)
+            if owner is not None and receiver.grants is not None:
+                receiver.grants.close(owner)
             receiver.retire_segments(dead_only=True)
 
         # (At an epoch's natural end the workers are shut down on a thread of their own; and

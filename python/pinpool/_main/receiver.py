@@ -36,13 +36,13 @@ from .._errors import PinPoolError
 from .._native import PinPool, SegmentCache, Slot
 from .._stats import LoaderStats
 from .._wire import codec
-from .._wire.handle import ARRIVED, BatchHandle, SlotReservation
+from .._wire.handle import ARRIVED, BatchHandle
 from .._wire.pool_hint import PoolHint
 from .delivery import Delivery, Pending
+from .grants import LoaderGrants
 from .intake import Intake
 from .lazy_pool import IN_TURN, LazyPool
 from .pool_settings import PoolSettings
-from .reservations import Reservations, TicketOrder
 
 #: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
 #: in its turn, on its current stream (torch's pin thread only has them copied into their slot
@@ -52,16 +52,21 @@ CONSUMER_SENDS_UP_TO = 1 << 20
 
 
 class Receiver:
-    """The intake, the lazy pool, the zero-copy reservations and the delivery of one loader."""
+    """The intake, the lazy pool, the zero-copy grants and the delivery of one loader."""
 
     def __init__(
-        self, token: str, settings: PoolSettings, pool_hint: PoolHint | None = None
+        self,
+        token: str,
+        settings: PoolSettings,
+        pool_hint: PoolHint | None = None,
+        zero_copy: bool = False,
     ) -> None:
         self.token = token
         self.pid = os.getpid()  # finalizers run in a forked child do nothing
-        self.pools = LazyPool(settings, pool_hint)
-        self.reservations = Reservations()
-        self.intake = Intake(self.pools, self.reservations)
+        #: Zero-copy: the loader's grants (None in copy mode).
+        self.grants = LoaderGrants() if zero_copy else None
+        self.pools = LazyPool(settings, pool_hint, self.grants)
+        self.intake = Intake(self.pools, self.grants)
         self.deliver = Delivery(settings.device)
         #: The loader's current torch iterator (a weak reference), set and used by the loader.
         self.iterator: Any = None
@@ -255,36 +260,6 @@ class Receiver:
                 _trace.span("batch.copy", t0, nbytes=p.nbytes, how="local")
         return self.deliver(p.tree, p.specs, memory, p.nbytes)
 
-    # -- zero-copy ------------------------------------------------------------------------------
-
-    def reserve_for(self, owner: int, worker: int | None = None) -> SlotReservation | None:
-        """A zero-copy reservation for the next batch of sampler ``owner`` (going to worker
-        ``worker``, if known: preferably where that worker's last slots were), sized from the
-        last few batches, leaving room for batches that come through copy mode
-        (``LazyPool.reservation_size``); None sends the batch through copy mode."""
-        pool = self.pools.pool
-        if pool is None:
-            return self.reservations.reserve(None, owner, 0, 0)
-        size, reserve = self.pools.reservation_size(pool.arena_bytes, pool.largest_slot)
-        t0 = _trace.on and _trace.now()
-        reservation = self.reservations.reserve(pool, owner, size, reserve, worker)
-        if t0:
-            _trace.span("slot.reserve", t0, nbytes=size, got=reservation is not None)
-        return reservation
-
-    def ticket_for(self, owner: int, worker: int) -> TicketOrder | None:
-        """As :meth:`reserve_for`, for a slot the index queue's writer thread checks out
-        (``Reservations.ticket_for``); None: reserve it here."""
-        pool = self.pools.pool
-        if pool is None:
-            return None
-        size, reserve = self.pools.reservation_size(pool.arena_bytes, pool.largest_slot)
-        t0 = _trace.on and _trace.now()
-        order = self.reservations.ticket_for(pool, owner, size, reserve, worker)
-        if t0 and order is not None:
-            _trace.span("slot.reserve", t0, nbytes=size, got=None, ticket=True)
-        return order
-
     # -- the end ------------------------------------------------------------------------------
 
     def retire_segments(self, dead_only: bool = False) -> None:
@@ -300,7 +275,8 @@ class Receiver:
             return
         t0 = _trace.on and _trace.now()
         self.pools.close()
-        self.reservations.drop()
+        if self.grants is not None:
+            self.grants.close()
         self.retire_segments()
         # Returns at once: segments are unmapped, and the arena is freed, on background
         # threads (see wait_for_freed_pools).
@@ -316,9 +292,10 @@ class Receiver:
         out["bytes"] = self.deliver.bytes
         out["overflow_batches"] = self.pools.overflow_batches
         out["zero_copy_batches"] = self.intake.zero_copy_batches
-        no_ticket = self.reservations.no_ticket
-        out["zero_copy_fallbacks"] = no_ticket + self.reservations.too_small
-        out["zero_copy_no_ticket"] = no_ticket
-        out["zero_copy_ticket_too_small"] = self.reservations.too_small
+        grants = self.grants
+        no_grant, outgrown = (grants.no_grant, grants.outgrown) if grants else (0, 0)
+        out["zero_copy_fallbacks"] = no_grant + outgrown
+        out["zero_copy_no_grant"] = no_grant
+        out["zero_copy_outgrown"] = outgrown
         out["segments_cached"] = len(cache) if cache is not None else 0
         return cast(LoaderStats, out)

@@ -149,26 +149,3 @@ class Sizing:
         ranks = settings.local_world_size()
         each = f" (this rank's share: {ranks} ranks on this host)" if ranks > 1 else ""
         return f"{MEMORY_SHARE / ranks:.0%}{each}"
-
-
-def reservation_bytes(recent: int, largest: int, arena: int, in_flight: int) -> int:
-    """A zero-copy reservation's size, handed out before its batch is made: ``recent`` (a size
-    most recent batches fit in) with headroom, at most the largest batch the arena takes, and
-    at most an
-    equal share of the arena among the batches in flight and two more (the reservations of a
-    long-tailed workload must not take the arena from the batches that come through copy
-    mode). A batch that turns out larger goes through its worker's segment and is copied
-    into a slot of its own size (counted)."""
-    share = max(_PAGE, arena // (in_flight + 2) // _PAGE * _PAGE)
-    return min(largest, share, _pages(max(1, recent) * HEADROOM))
-
-
-def room_kept(largest_seen: int, arena: int, part: int) -> int:
-    """Bytes a claim made ahead of the consumer (a zero-copy reservation, a batch taken by the pin
-    thread) leaves free in one range: two of the largest batch seen (the one the consumer
-    holds while it asks for the next, and that next one), so that the consumer, who takes
-    batches in order and cannot wait for those taken ahead of it, finds room; at most all but
-    one of them, and at most one of the arena's parts (``part`` bytes: no range is longer, so
-    more could never be kept and every claim ahead would fail; a whole part still holds a
-    batch of the largest size)."""
-    return min(largest_seen, max(0, arena - largest_seen), part)

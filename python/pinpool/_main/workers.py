@@ -50,17 +50,17 @@ from .._torch_contract import (
     start_pin_thread,
 )
 from . import ending
+from .grants import TaskTagger
 from .index_queue import DirectQueue, write_directly
 from .read_ahead import ReadAhead, handle_of
 from .receiver import Receiver
-from .reservations import ReservingSampler
 
 #: How often a consumer waiting for a batch looks at the workers' states (torch: every 5 s).
 WORKERS_LOOKED_AT_S = 0.25
 
 
 class WorkersIter(MultiProcessingIter):
-    """torch's multi-process iterator, with seven changes.
+    """torch's multi-process iterator, with eight changes.
 
     - Without a pin thread, a batch's segment is received (opened through its worker's
       ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as its handle
@@ -80,9 +80,8 @@ class WorkersIter(MultiProcessingIter):
       workers in turn from ``_worker_queue_idx_cycle``, made afresh as each epoch starts: the
       first one made is turned on to ``first``.
     - ``__next__`` opens no profiler range around each batch when no profiler is recording.
-    - Zero-copy: a batch's slot is checked out as its indices are put on the chosen worker's
-      queue (``ReservingSampler.reserve_at_put``), not as torch asks the sampler for them,
-      so that the worker can be handed memory it has mapped already.
+    - Zero-copy: as each batch is yielded, the grants learn which task the consumer waits
+      for next (``_process_data``): the one whose worker may take the room kept for it.
     - A consumer waiting for a batch looks at the workers' states every
       :data:`WORKERS_LOOKED_AT_S`, not every 5 s (see ``_try_get_data``).
     """
@@ -110,19 +109,9 @@ class WorkersIter(MultiProcessingIter):
             self._pin_read_ahead.drop()
             self.__dict__["_pin_draining"] = True
         last_from = self._last_tasks_from()
-        sampler = self._index_sampler
-        # Zero-copy: a task's slot is checked out as it is put on its worker's queue, where
-        # that worker's earlier slots can be preferred (every queue must do it, or none).
-        at_put = isinstance(sampler, ReservingSampler) and all(
-            isinstance(q, DirectQueue) for q in self._index_queues
-        )
-        for worker, q in enumerate(self._index_queues):
+        for q in self._index_queues:
             if isinstance(q, DirectQueue):
                 q.last_from = last_from
-                q.worker = worker
-                q.reserve = sampler.reserve_at_put if at_put else None
-        if at_put:
-            sampler.at_put = True
         try:
             super()._reset(loader, first_iter)
         finally:
@@ -155,6 +144,13 @@ class WorkersIter(MultiProcessingIter):
         data = self._next_data()
         self._num_yielded += 1
         return data
+
+    def _process_data(self, data: Any, *args: Any) -> Any:
+        # torch has counted the batch as received: the consumer waits for _rcvd_idx next.
+        sampler = self._index_sampler
+        if type(sampler) is TaskTagger:
+            sampler.set_head(self._rcvd_idx)
+        return super()._process_data(data, *args)
 
     def _try_get_data(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         # torch looks at its workers' states whenever a wait for data ends empty-handed, and

@@ -1,8 +1,8 @@
 """What travels from a worker to the main process for one batch, and what tags its indices.
 
-A batch has one destination, chosen in the worker (``pinpool._worker.places``): the zero-copy
-slot the main process handed out with its indices (a :class:`SlotReservation`), or one of the
-worker's own shared-memory segments. Either way the worker sends one :class:`BatchHandle`:
+A batch has one destination, chosen in the worker (``pinpool._worker.places``): a zero-copy
+slot the main process granted the worker for it (a :class:`SlotGrant`), or one of the worker's
+own shared-memory segments. Either way the worker sends one :class:`BatchHandle`:
 the marked batch tree, the leaf specs (``codec.LeafSpec``) and that destination; the arrays
 stay in shared memory.
 
@@ -19,7 +19,6 @@ Invariants:
 
 from __future__ import annotations
 
-import struct
 from typing import Any, NamedTuple
 
 from .. import _signals, _trace
@@ -28,9 +27,9 @@ from . import codec, registry
 
 #: How many slots' memory a worker keeps mapped between batches at most (``_worker.windows``),
 #: and how many of a worker's last slots the main process offers it again first
-#: (``_main.reservations``): a worker has at most ``prefetch_factor`` (2 by default) batches in
-#: flight, and the consumer, and torch's pin thread ahead of it, hold several more of its
-#: batches (each of those slots is busy when the worker's next reservation is made).
+#: (``pinpool._native.Grants``): a worker has at most ``prefetch_factor`` (2 by default)
+#: batches in flight, and the consumer, and torch's pin thread ahead of it, hold several more of
+#: its batches (each of those slots is busy when the worker asks for its next one).
 WINDOWS_KEPT = 16
 #: How many bytes of windows a worker keeps mapped at most: big slots get fewer windows (four of
 #: 335 MB), small ones the full number. A window costs its page tables, not memory.
@@ -44,7 +43,7 @@ def windows_kept(nbytes: int) -> int:
 
 class WindowHint(NamedTuple):
     """Where a worker's next slots will likely be (zero-copy mode): an extent of the arena the
-    worker may map ahead, inaccessible until a reservation there opens it
+    worker may map ahead, inaccessible until a grant there opens it
     (``_worker.windows.map_ahead``). It hands the worker nothing to write."""
 
     offset: int  # of the extent in its memfd, bytes
@@ -55,8 +54,9 @@ class WindowHint(NamedTuple):
     arena_ino: int
 
 
-class SlotReservation(NamedTuple):
-    """A slot handed to the worker that will collate one batch (zero-copy mode)."""
+class SlotGrant(NamedTuple):
+    """A slot of the main process's arena granted to the worker that collated one batch, of
+    that batch's size (zero-copy mode: ``pinpool._native.Grants``)."""
 
     index: int  # type: ignore[assignment]  # (shadows tuple.index)
     generation: int
@@ -68,16 +68,9 @@ class SlotReservation(NamedTuple):
     arena_len: int  # that memfd's length
     arena_ino: int  # that memfd's inode number: the fd still names the same file
     #: Where this worker's next slots will likely be (the slots its predecessor, the same
-    #: worker id of the iterator before, kept windows on): set on a worker's first reservation
-    #: only, for it to map them on a thread of its own while it collates.
+    #: worker id of the iterator before, kept windows on, or its share of the arena): set on a
+    #: worker's first big grant only, for it to map them on a thread of its own.
     ahead: tuple[WindowHint, ...] = ()
-
-    @property
-    def hint(self) -> WindowHint:
-        """This slot's extent as a hint (for a later worker of the same id)."""
-        return WindowHint(
-            self.offset, self.nbytes, self.arena_pid, self.arena_fd, self.arena_len, self.arena_ino
-        )
 
     @property
     def claim(self) -> tuple[int, int, int]:
@@ -85,72 +78,67 @@ class SlotReservation(NamedTuple):
         return (self.index, self.generation, self.nonce)
 
 
-class PendingTicket:
-    """Stands for a slot not checked out yet: the index queue's writer thread checks it out
-    as it writes the indices (``pinpool._native.Tickets``), and writes its ticket over
-    ``placeholder`` in the pickled message."""
-
-    __slots__ = ("placeholder",)
-
-    def __init__(self, placeholder: bytes) -> None:
-        self.placeholder = placeholder
+#: A grant's words (``pinpool._native.Grants``): the slot's nine fields after the leading 1,
+#: then the number of hints; each hint is five words (offset, bytes, fd, memfd length, inode).
+GRANT_WORDS = 11
+HINT_WORDS = 5
 
 
-#: A ticket's ten little-endian unsigned 64-bit ints (``pinpool._native.Tickets``).
-_TICKET = struct.Struct("<10Q")
-
-
-def ticket_reservation(ticket: bytes) -> SlotReservation | None:
-    """The reservation a ticket names; None for no slot (zeros), or anything else (a
-    placeholder nobody wrote over: no slot either)."""
-    if len(ticket) != _TICKET.size:
+def grant_from_words(words: tuple[int, ...]) -> SlotGrant | None:
+    """The grant an answer of the main process's grant desk names (after its sequence number);
+    None for no grant, or anything malformed."""
+    if len(words) < GRANT_WORDS or words[0] != 1:
         return None
-    issued, *fields = _TICKET.unpack(ticket)
-    return SlotReservation(*fields) if issued == 1 else None
+    fields = words[1:10]
+    hints = words[GRANT_WORDS:]
+    if len(hints) != words[10] * HINT_WORDS:
+        return None
+    pid = fields[5]
+    ahead = tuple(
+        WindowHint(h[0], h[1], pid, h[2], h[3], h[4])
+        for h in (hints[i : i + HINT_WORDS] for i in range(0, len(hints), HINT_WORDS))
+    )
+    return SlotGrant(*fields, ahead=ahead)
+
+
+class ZeroCopyTask(NamedTuple):
+    """What a batch's indices carry in zero-copy mode: the iterator (its sampler's owner
+    number) and the batch's task number in it, for the worker to name when it asks for room."""
+
+    owner: int
+    task: int
 
 
 class TaggedIndices(list):  # type: ignore[type-arg]
-    """A batch's indices, with the slot its batch should land in (or None)."""
+    """A batch's indices, with its zero-copy task (or None)."""
 
-    reservation: SlotReservation | PendingTicket | None
+    task: ZeroCopyTask | None
 
-    def __init__(self, indices: Any, reservation: SlotReservation | PendingTicket | None) -> None:
+    def __init__(self, indices: Any, task: ZeroCopyTask | None) -> None:
         super().__init__(indices)
-        self.reservation = reservation
+        self.task = task
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled once a batch on the consumer's thread (the index queue's put): as plain
-        # tuples of ints, in three quarters of the time its list and named tuple take; a
-        # pending ticket as its placeholder's bytes.
-        r = self.reservation
-        if r is None:
-            return (_tagged, (list(self), None))
-        if type(r) is PendingTicket:
-            return (_tagged, (list(self), r.placeholder))
-        assert isinstance(r, SlotReservation)
-        return (_tagged, (list(self), (*r[:9], tuple(tuple(h) for h in r.ahead))))
+        # Pickled once a batch on the consumer's thread (the index queue's put): the task as
+        # a plain tuple of ints.
+        t = self.task
+        return (_tagged, (list(self), None if t is None else (t[0], t[1])))
 
 
-def _tagged(indices: list[Any], fields: tuple[Any, ...] | bytes | None) -> TaggedIndices:
-    """A :class:`TaggedIndices` from what its ``__reduce__`` made (a ticket, once written)."""
-    if fields is None:
-        return TaggedIndices(indices, None)
-    if type(fields) is bytes:
-        return TaggedIndices(indices, ticket_reservation(fields))
-    assert isinstance(fields, tuple)
-    ahead = tuple(WindowHint(*h) for h in fields[9])
-    return TaggedIndices(indices, SlotReservation(*fields[:9], ahead=ahead))
+def _tagged(indices: list[Any], task: tuple[int, int] | None) -> TaggedIndices:
+    """A :class:`TaggedIndices` from what its ``__reduce__`` made."""
+    return TaggedIndices(indices, None if task is None else ZeroCopyTask(*task))
 
 
-class ReservedItems:
+class TaskedItems:
     """What a dataset's own ``__getitems__`` made of tagged indices (a list of samples, or a
-    whole batch that torch hands to collate unchanged), with the indices' reservation."""
+    whole batch that torch hands to collate unchanged), with the indices' zero-copy task."""
 
-    __slots__ = ("items", "reservation")
+    __slots__ = ("items", "task")
 
-    def __init__(self, items: Any, reservation: SlotReservation | None) -> None:
+    def __init__(self, items: Any, task: ZeroCopyTask | None) -> None:
         self.items = items
-        self.reservation = reservation
+        self.task = task
 
 
 #: A handle's state, unpickled, awaiting its receiver.
@@ -170,7 +158,7 @@ class BatchHandle:
     - or the segment: ``worker`` (its ring's key), ``segment`` (its number in the ring),
       ``origin`` ((pid, fd) to open it through ``/proc``, on its first use only),
       ``total_len`` and ``nonce`` (its header's), ``retired`` (segments of the ring the worker
-      dropped) and ``unused`` (the claim of a zero-copy slot the batch did not fit);
+      dropped) and ``unused`` (the claim of a granted slot the batch outgrew);
     - or neither: a batch without arrays, carried whole in ``tree`` (``specs`` empty).
     """
 

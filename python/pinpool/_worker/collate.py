@@ -19,7 +19,7 @@ import torch.utils.data
 from .. import _trace
 from .._torch_contract import default_convert
 from .._wire import codec, registry
-from .._wire.handle import BatchHandle, ReservedItems, WorkerProgress
+from .._wire.handle import BatchHandle, TaskedItems, WorkerProgress
 from .._wire.pool_hint import PoolHint
 from . import places, streaming
 from .heap import keep_freed_memory
@@ -32,7 +32,9 @@ class PinCollate:
     torch batches samples (``batch_size`` or ``batch_sampler`` given); ``ring_size`` is the
     number of segments each worker keeps for this loader; ``report_state``: each worker's
     batch goes out with its dataset's ``state_dict()`` (a resumable ``IterableDataset``);
-    ``pool_hint``: where a worker tells its first batch's size early (when it streams)."""
+    ``pool_hint``: where a worker tells its first batch's size early (when it streams);
+    ``desk``: zero-copy, where a worker asks for a slot for a batch whose indices carry a task
+    (``_worker.desk``: the main process's grant desk and the loader's table there)."""
 
     def __init__(
         self,
@@ -45,8 +47,10 @@ class PinCollate:
         stream_samples: bool = True,
         report_state: bool = False,
         pool_hint: PoolHint | None = None,
+        desk: tuple[bytes, int] | None = None,
     ) -> None:
         self.token = token
+        self.desk = desk
         self.pool_hint = pool_hint
         self.report_state = report_state
         self.stream_samples = stream_samples
@@ -57,11 +61,8 @@ class PinCollate:
         self.worker_copy_threads = worker_copy_threads
 
     def __call__(self, data: Any) -> Any:
-        # Only pinpool's own carriers have a reservation (a user's batch may have such an
-        # attribute).
-        reservation = (
-            data.reservation if isinstance(data, (streaming.LazySamples, ReservedItems)) else None
-        )
+        # Only pinpool's own carriers have a task (a user's batch may have such an attribute).
+        task = data.task if isinstance(data, (streaming.LazySamples, TaskedItems)) else None
         in_worker = torch.utils.data.get_worker_info() is not None
         if isinstance(data, streaming.LazySamples):
             if self.stream_samples and self.collate_fn is None and in_worker:
@@ -71,7 +72,7 @@ class PinCollate:
                 data = made
             else:
                 data = list(data)
-        elif isinstance(data, ReservedItems):
+        elif isinstance(data, TaskedItems):
             data = data.items  # what torch would give collate
         # Samples in the batch, when the data is a list of them (a dataset's own __getitems__
         # may return a whole batch instead).
@@ -84,13 +85,18 @@ class PinCollate:
             batch = default_convert(data)
         if not in_worker:
             return registry.lookup(self.token).encode_local(batch, count)
-        if self.pool_hint is not None:
-            self.pool_hint.pass_turn()  # (a first batch not streamed: no hint from later ones)
         p = codec.plan(batch)
+        if self.pool_hint is not None:
+            if task is not None and p.specs:
+                # Zero-copy: the main process makes its pool from the first hint, and this
+                # batch's request for room waits for it.
+                self.pool_hint.send(p.nbytes, count or 1)
+            else:
+                self.pool_hint.pass_turn()  # (a first batch not streamed: no hint from later ones)
         if self.keep_worker_memory:
             keep_freed_memory(p.nbytes)
         threads = self.worker_copy_threads
-        handle = places.write(self.token, self.ring_size, p, reservation, count, threads)
+        handle = places.write(self.token, self.ring_size, p, task, self.desk, count, threads)
         if self.report_state:
             # The samples are drawn (torch's fetcher draws them all, then collates): the
             # dataset's state is now the state after this batch.
@@ -116,14 +122,20 @@ class PinCollate:
             return [first, *rest]
         if self.keep_worker_memory:
             keep_freed_memory(layout.nbytes)
-        if samples.reservation is None and self.pool_hint is not None:
+        if self.pool_hint is not None:
             # The main process may make its pool while this batch is made (once a worker).
             # (The spare: numbers, which become tensors of 8 bytes a sample.)
             self.pool_hint.send(layout.batch_bytes() + _STREAM_SPARE, count)
-        nbytes = layout.nbytes
-        if samples.reservation is None or nbytes > samples.reservation.nbytes:
-            nbytes += _STREAM_SPARE  # a segment: room for the rest of the batch too
-        place = places.Place(self.token, self.ring_size, samples.reservation, nbytes)
+        # A granted slot holds the big arrays and about the rest (numbers become 8 bytes a
+        # sample, each leaf aligned); a segment has room to spare for the rest.
+        place = places.Place(
+            self.token,
+            self.ring_size,
+            layout.batch_bytes() + count * codec.ALIGN + _REST_LEAVES * codec.ALIGN,
+            samples.task,
+            self.desk,
+            segment_bytes=layout.nbytes + _STREAM_SPARE,
+        )
         box = [first]
         del first  # the samples are freed as they are streamed
         threads = self.worker_copy_threads
@@ -154,3 +166,5 @@ class PinCollate:
 
 #: Room a streamed batch's segment gets after its big arrays, for the rest of the batch.
 _STREAM_SPARE = 1 << 20
+#: Leaves of a streamed batch's rest a granted slot has room to align, beyond one a sample.
+_REST_LEAVES = 16

@@ -1,8 +1,9 @@
-"""Where a worker writes a batch: the one choice between its zero-copy slot and a segment.
+"""Where a worker writes a batch: the one choice between a zero-copy slot and a segment.
 
-A batch whose indices came with a reservation (zero-copy mode) goes into that slot of the main
-process's arena if it fits; otherwise (no reservation, or too large) into one of this worker's
-segments, and the handle tells the main process to take the unused slot back.
+A batch whose indices came with a zero-copy task asks the main process for a slot of exactly
+its size once that is known (``desk``) and goes into the slot granted; otherwise (no task, or
+no grant) into one of this worker's segments. A streamed batch whose rest outgrows its slot
+moves to a segment, and its handle tells the main process to take the unused slot back.
 
 Each worker keeps, per loader, a small ring of segments (sealed memfds, see
 ``src/transport/segment.rs``). A batch goes into a segment the main process has finished
@@ -11,8 +12,8 @@ with. The first time a segment is used, its handle says where the main process c
 small for a batch are retired: the worker drops its mapping and the next handle tells the
 main process to drop its own.
 
-A reservation's slot is written through a window onto the main process's arena, which the
-worker keeps for its next batches (``windows``): open while the batch is written, made
+A granted slot is written through a window onto the main process's arena, which the worker
+keeps for its next batches (``windows``): open while the batch is written, made
 inaccessible again before its handle is made (or the batch abandoned).
 
 On a worker's last task of an epoch (``_wire.last_tasks``) the page tables of its ring's
@@ -38,12 +39,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.utils.data
+
 from .. import _trace
 from .._errors import PinPoolError
 from .._native import ArenaWindow, WorkerSegment
 from .._wire import codec, last_tasks
-from .._wire.handle import BatchHandle, SlotReservation
-from . import windows
+from .._wire.handle import BatchHandle, SlotGrant, ZeroCopyTask
+from . import desk, windows
 
 
 @dataclass
@@ -111,27 +114,41 @@ def _release(view: memoryview) -> None:
 class Place:
     """The memory one batch is written into, and the handle that names it.
 
-    ``memory`` is a writable byte view of the reservation's slot or of a claimed segment. Exactly
-    one of :meth:`send` and :meth:`abandon` ends a place's life."""
+    ``memory`` is a writable byte view of a granted slot (``nbytes``, for ``task``'s batch, from
+    the grant desk ``desk_at``) or of a claimed segment (``segment_bytes``, if given, else
+    ``nbytes``). Exactly one of :meth:`send` and :meth:`abandon` ends a place's life."""
 
     def __init__(
-        self, token: str, ring_size: int, reservation: SlotReservation | None, nbytes: int
+        self,
+        token: str,
+        ring_size: int,
+        nbytes: int,
+        task: ZeroCopyTask | None = None,
+        desk_at: tuple[bytes, int] | None = None,
+        segment_bytes: int | None = None,
     ):
         t0 = _trace.on and _trace.now()
         self.token = token
         self.ring = ring_for(token, ring_size)
-        self.reservation = reservation
+        self.desk_at = desk_at
+        self.grant: SlotGrant | None = None
         self._window: ArenaWindow | None = None
         self._arena: memoryview | None = None
         self.segment: WorkerSegment | None = None
         self.sid = -1
         mapped = False
-        if reservation is not None and nbytes <= reservation.nbytes:
-            self._window, at, mapped = windows.open_for(reservation)
+        if task is not None and desk_at is not None and nbytes > 0:
+            self.grant = desk.ask(desk_at, task, _worker_id(), nbytes)
+        if self.grant is not None:
+            try:
+                self._window, at, mapped = windows.open_for(self.grant)
+            except BaseException:
+                desk.give_back(desk_at, self.grant)  # type: ignore[arg-type]
+                raise
             self._arena = memoryview(self._window)
-            self.memory = self._arena[at : at + reservation.nbytes]
+            self.memory = self._arena[at : at + self.grant.nbytes]
         else:
-            self.sid, self.segment = self.ring.acquire(nbytes)
+            self.sid, self.segment = self.ring.acquire(segment_bytes or nbytes)
             self.memory = memoryview(self.segment).cast("B")
         self.last = last_tasks.take()
         if self.last:
@@ -169,7 +186,7 @@ class Place:
     def send(self, p: codec.Plan, count: int | None) -> BatchHandle:
         """The handle of the batch planned as ``p``, now written here."""
         segment, sid, ring, window = self.segment, self.sid, self.ring, self._window
-        claim = None if self.reservation is None else self.reservation.claim
+        claim = None if self.grant is None else self.grant.claim
         self._drop_views()
         if segment is None:
             assert claim is not None
@@ -196,9 +213,12 @@ class Place:
         )
 
     def abandon(self) -> None:
-        """Nothing is sent: the segment goes back to the ring (a zero-copy slot is taken back
-        by the main process when the iterator ends)."""
+        """Nothing is sent: the segment goes back to the ring, a granted slot to the main
+        process."""
+        grant, self.grant = self.grant, None
         self._let_go()
+        if grant is not None and self.desk_at is not None:
+            desk.give_back(self.desk_at, grant)
 
     def _let_go(self) -> None:
         if self.segment is not None:
@@ -236,17 +256,18 @@ def write(
     token: str,
     ring_size: int,
     p: codec.Plan,
-    reservation: SlotReservation | None,
+    task: ZeroCopyTask | None,
+    desk_at: tuple[bytes, int] | None,
     count: int | None,
     threads: int = 1,
 ) -> BatchHandle:
-    """Writes the batch planned as ``p`` into its place (the reservation's slot if it fits, else a
-    segment; big arrays copied with ``threads`` threads) and returns its handle. A batch
-    without arrays and without a reservation needs no place: its handle carries it whole (and the
-    main process makes no pool for it)."""
-    if not p.specs and reservation is None:
+    """Writes the batch planned as ``p`` into its place (a slot granted for ``task``'s batch,
+    else a segment; big arrays copied with ``threads`` threads) and returns its handle. A batch
+    without arrays needs no place: its handle carries it whole (and the main process makes no
+    pool for it)."""
+    if not p.specs:
         return BatchHandle(token, p, count)
-    place = Place(token, ring_size, reservation, p.nbytes)
+    place = Place(token, ring_size, p.nbytes, task, desk_at)
     try:
         place.allow()
         t0 = _trace.on and _trace.now()
@@ -257,3 +278,9 @@ def write(
         place.abandon()
         raise
     return place.send(p, count)
+
+
+def _worker_id() -> int:
+    """torch's id of this worker (0 outside a worker)."""
+    info = torch.utils.data.get_worker_info()
+    return info.id if info is not None else 0

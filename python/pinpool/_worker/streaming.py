@@ -40,7 +40,7 @@ import torch.utils.data
 from .. import _native
 from .._torch_contract import torch_collate
 from .._wire import codec
-from .._wire.handle import ReservedItems
+from .._wire.handle import TaggedIndices, TaskedItems, ZeroCopyTask
 from .._wire.tree import KEEP, map_leaves
 
 #: Arrays smaller than this are left to ordinary collation.
@@ -52,12 +52,12 @@ GROUP_BYTES = 1 << 20
 class LazySamples:
     """A batch's indices standing in for its samples: iterating makes them, in order."""
 
-    __slots__ = ("dataset", "indices", "reservation")
+    __slots__ = ("dataset", "indices", "task")
 
-    def __init__(self, dataset: Any, indices: list[Any], reservation: Any) -> None:
+    def __init__(self, dataset: Any, indices: list[Any], task: ZeroCopyTask | None) -> None:
         self.dataset = dataset
         self.indices = indices
-        self.reservation = reservation
+        self.task = task
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -70,7 +70,7 @@ class LazySamples:
 
 class StreamingDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     """Wraps a map-style dataset for torch's workers: their fetcher then passes collate the
-    indices (with a zero-copy reservation, if the index list carries one) rather than the
+    indices (with their zero-copy task, if the index list carries one) rather than the
     samples. A dataset with its own ``__getitems__`` gets its samples made by it, as torch
     would. Attributes set on the wrapper (in a ``worker_init_fn``, say) go to the dataset."""
 
@@ -78,11 +78,11 @@ class StreamingDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         object.__setattr__(self, "dataset", dataset)
 
     def __getitems__(self, indices: Any) -> Any:
-        reservation = getattr(indices, "reservation", None)
+        task = indices.task if type(indices) is TaggedIndices else None
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems:
-            return ReservedItems(getitems(list(indices)), reservation)
-        return LazySamples(self.dataset, list(indices), reservation)
+            return TaskedItems(getitems(list(indices)), task)
+        return LazySamples(self.dataset, list(indices), task)
 
     def __getitem__(self, index: Any) -> Any:
         return self.dataset[index]

@@ -1,24 +1,24 @@
 """A zero-copy worker's windows onto the main process's arena: which ones it keeps, opened only
 while a batch is written.
 
-A reservation's slot is reached through ``/proc/<main pid>/fd/<fd>``, checked before anything
-is mapped: the file is the one the reservation names (its inode), sealed against shrinking
+A granted slot is reached through ``/proc/<main pid>/fd/<fd>``, checked before anything is
+mapped: the file is the one the grant names (its inode), sealed against shrinking
 (nothing can truncate it under the mapping) and of the announced length, and the slot lies
 inside it. Only the slot's own pages are mapped (an ``ArenaWindow``, ``src/window.rs``), and
 the descriptor is closed at once. A window is writable only while a batch is written into it,
 so a stray write in a worker cannot reach a batch the consumer holds (the trust model in
 ``docs/design.md``). It is kept, page tables and all, for the worker's next batches: the main
-process hands a worker, first, the slots it had before (``_main.reservations``), and reopening
+process grants a worker, first, the slots it had before (``pinpool._native.Grants``), and reopening
 a kept window costs one ``mprotect`` where mapping the slot afresh faults in every page (about
 54 ms per 256 MB). A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
 ``handle.WINDOW_BYTES_KEPT`` bytes of them, the latest used first.
 
 A fresh worker (each epoch's, unless workers persist) would fault in each of its first slots'
-windows on the path of its first batches. Its first reservation names where its next slots
-will likely be (``SlotReservation.ahead``): where the worker of the same id in the iterator
-before had its slots, or, in a loader's first epoch, this worker's share of the arena's slot
-places (``_main.reservations``, which offers those slots first). Where windows have keys, the
-worker maps them while it holds the descriptor for its first slot (checked as a reservation's
+windows on the path of its first batches. Its first big grant names where its next slots will
+likely be (``SlotGrant.ahead``): where the worker of the same id in the iterator before had its
+slots, or, in a loader's first epoch, this worker's share of the arena's slot places (the
+grants offer those slots first). Where windows have keys, the
+worker maps them while it holds the descriptor for its first slot (checked as a grant's
 slot is, and mapped inaccessible and not yet faulted in), and a thread of its own faults them in
 while it collates (:func:`map_ahead`): their pages are writable meanwhile under each window's
 key, which only that thread switches on, so no other thread of the worker can reach them, and
@@ -37,7 +37,7 @@ is opened as before, writable by every thread until the close.
 Invariants:
 
 - A window covers only slots the main process handed this worker or named as its next ones
-  (hints: opened only for a reservation that lies in them), is checked against the file it
+  (hints: opened only for a grant that lies in them), is checked against the file it
   maps (inode and range) each time it is reused, and is writable only between
   :func:`open_for` and :func:`close` (one range at a time: ``src/window.rs``); opened keyed,
   only by the thread that opened it, while its access is switched on (``Place.allow``); and,
@@ -65,7 +65,7 @@ import torch
 from .._errors import PinPoolError
 from .._native import ArenaWindow
 from .._wire import peer
-from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotReservation, WindowHint
+from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotGrant, WindowHint
 
 #: This process's kept windows, the latest used first: ``((main pid, inode, start, end),
 #: window)``, where ``[start, end)`` are the file offsets the window maps (kept here as plain
@@ -91,36 +91,32 @@ def _here() -> None:
         _start_afresh()
 
 
-def _refuse(reservation: SlotReservation | WindowHint, why: str) -> PinPoolError:
+def _refuse(grant: SlotGrant | WindowHint, why: str) -> PinPoolError:
     return PinPoolError(
-        f"the slot handed out with this batch's indices (fd {reservation.arena_fd} of process "
-        f"{reservation.arena_pid}) cannot be written: {why}"
+        f"the slot granted for this batch (fd {grant.arena_fd} of process "
+        f"{grant.arena_pid}) cannot be written: {why}"
     )
 
 
-def _check_part(fd: int, reservation: SlotReservation | WindowHint) -> None:
-    """Raises unless ``fd`` is the arena part ``reservation`` names and its slot lies inside."""
+def _check_part(fd: int, grant: SlotGrant | WindowHint) -> None:
+    """Raises unless ``fd`` is the arena part ``grant`` names and its slot lies inside."""
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_ino != reservation.arena_ino:
-        raise _refuse(
-            reservation, "that descriptor no longer names the arena the reservation was made for"
-        )
+    if not stat.S_ISREG(info.st_mode) or info.st_ino != grant.arena_ino:
+        raise _refuse(grant, "that descriptor no longer names the arena the grant was made for")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         seals = 0  # (not a memfd)
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise _refuse(reservation, "the file is not sealed against shrinking")
-    if info.st_size != reservation.arena_len:
-        raise _refuse(
-            reservation, f"the file holds {info.st_size} bytes, not {reservation.arena_len}"
-        )
-    offset, nbytes = reservation.offset, reservation.nbytes
+        raise _refuse(grant, "the file is not sealed against shrinking")
+    if info.st_size != grant.arena_len:
+        raise _refuse(grant, f"the file holds {info.st_size} bytes, not {grant.arena_len}")
+    offset, nbytes = grant.offset, grant.nbytes
     if not (0 <= offset and 0 < nbytes and offset + nbytes <= info.st_size):
-        raise _refuse(reservation, f"bytes {offset}..{offset + nbytes} lie outside the file")
+        raise _refuse(grant, f"bytes {offset}..{offset + nbytes} lie outside the file")
 
 
-def _pages(extent: SlotReservation | WindowHint) -> tuple[int, int]:
+def _pages(extent: SlotGrant | WindowHint) -> tuple[int, int]:
     """The file offset and length of the whole pages holding ``extent``'s bytes."""
     start = extent.offset - extent.offset % mmap.PAGESIZE
     end = extent.offset + extent.nbytes
@@ -128,37 +124,37 @@ def _pages(extent: SlotReservation | WindowHint) -> tuple[int, int]:
     return start, end - start
 
 
-def map_window(reservation: SlotReservation) -> ArenaWindow:
-    """A window over the pages holding the reservation's slot (mapped, faulted in, and
+def map_window(grant: SlotGrant) -> ArenaWindow:
+    """A window over the pages holding the grant's slot (mapped, faulted in, and
     inaccessible until opened). The descriptor opened to make it is closed before this
     returns."""
-    fd = peer.open_fd_of(reservation.arena_pid, reservation.arena_fd)
+    fd = peer.open_fd_of(grant.arena_pid, grant.arena_fd)
     try:
-        _check_part(fd, reservation)
-        return ArenaWindow(fd, *_pages(reservation))
+        _check_part(fd, grant)
+        return ArenaWindow(fd, *_pages(grant))
     finally:
         os.close(fd)
 
 
-def open_for(reservation: SlotReservation) -> tuple[ArenaWindow, int, bool]:
-    """A window holding the reservation's slot, opened for writing the slot's bytes, where the
+def open_for(grant: SlotGrant) -> tuple[ArenaWindow, int, bool]:
+    """A window holding the grant's slot, opened for writing the slot's bytes, where the
     slot starts in it, and whether it was mapped now: a kept one if one holds the slot (in the
     same file: its inode, which cannot name another file while the window keeps this one
     mapped), else a new one, kept in place of the least recently used. A kept window still
     being faulted in by the map-ahead thread is waited for. With a process's first hints
-    (``reservation.ahead``), maps them and starts the thread that faults them in
+    (``grant.ahead``), maps them and starts the thread that faults them in
     (:func:`map_ahead`). Raises ``PinPoolError`` if the slot cannot be reached (see
     :func:`map_window`)."""
     _here()
-    key = (reservation.arena_pid, reservation.arena_ino)
-    offset, nbytes = reservation.offset, reservation.nbytes
+    key = (grant.arena_pid, grant.arena_ino)
+    offset, nbytes = grant.offset, grant.nbytes
     window = _kept(key, offset, nbytes)
     new = window is None
     if window is None:
-        window = map_window(reservation)
+        window = map_window(grant)
         _keep(key, window, latest=True)
-    if reservation.ahead and _AHEAD_IN != os.getpid() and window.has_key:
-        map_ahead(reservation.ahead, reservation.arena_pid)  # (before any range is opened)
+    if grant.ahead and _AHEAD_IN != os.getpid() and window.has_key:
+        map_ahead(grant.ahead, grant.arena_pid)  # (before any range is opened)
     window.open(offset, nbytes, keyed=window.has_key and _one_writer())
     return window, offset - window.offset, new
 
@@ -245,7 +241,7 @@ def map_ahead(hints: tuple[WindowHint, ...], main_pid: int) -> list[ArenaWindow]
 
 
 def _fault_in(mapped: list[ArenaWindow]) -> None:
-    """The map-ahead thread: faults each window in, in order (one a reservation opens first is
+    """The map-ahead thread: faults each window in, in order (one a grant opens first is
     faulted in by the opener, which this waits for)."""
     for window in mapped:
         try:

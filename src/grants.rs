@@ -1,0 +1,559 @@
+//! Zero-copy grants: a slot of exactly a batch's size, checked out for the worker that has
+//! just collated the batch, when it asks ([`crate::transport::grant_desk`]).
+//!
+//! In zero-copy mode a worker writes its batch straight into the main process's arena. It asks
+//! for the room once it knows the batch's size (a collated batch's, or a streamed batch's from
+//! its first sample), so nothing is guessed: the slot is exactly the batch's bytes, rounded up
+//! to a page. The answer is a *grant* ([`Grant`]): the slot's place in shared memory and a
+//! random nonce; the worker's handle names (index, generation, nonce), and the main process
+//! adopts the slot only for that claim ([`Grants::adopt`]). No room: the worker writes the batch
+//! into a segment of its own (copy mode), counted in [`Grants::fallbacks`].
+//!
+//! Why no batch waits on room held for batches behind it: room is only ever granted to a batch
+//! that exists; a grant for any batch but the one the consumer waits for next (the *head*,
+//! [`Grants::set_head`]) must leave [`crate::pool::claim::room_kept`] bytes free in one range,
+//! so the head, which may take that range too, finds room as large as 1.25 times the largest
+//! batch asked for so far whatever was granted ahead of it; and nothing here ever waits (a
+//! request is answered at once). A batch that finds no room goes through copy mode in its
+//! turn, where the consumer's own claim may use the kept range too.
+//!
+//! A grant is [`GRANT_WORDS`] little-endian `u64`s, then its hints: `1` (granted; `0`: none),
+//! the slot's table index, its generation, the nonce (below 2^63), the slot's offset in its
+//! memfd, its length, this process's id, the memfd's descriptor, the memfd's length and its
+//! inode number, then how many hints follow and, for each, [`HINT_WORDS`] words: offset,
+//! length, descriptor, memfd length and inode of an extent the worker's next slots will likely
+//! be in (sent with a worker's first big grant only, for it to map them ahead).
+//!
+//! Invariants:
+//! - A granted slot is in the table from its checkout until it is adopted (by the batch that
+//!   names its index, generation and nonce: once), given back, or dropped with its owner; it
+//!   stays checked out meanwhile, so the pool cannot hand it out again. It leaves un-adopted
+//!   only once no worker that got it can write any more (the caller's promise), and is then
+//!   released unfenced (no device work was queued on it: only an adopted slot reaches the
+//!   device).
+//! - Only an open owner (an iterator, [`Grants::open`]) gets grants: a late request of an
+//!   ended iterator's worker gets none, so nothing is granted that no one would take back.
+//! - Per (owner, worker) the table remembers the offsets of that worker's last slots (as many
+//!   as it keeps windows over) and offers them first: memory the worker has mapped already.
+//! - In a process forked from the table's owner nothing is granted or released.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use crate::error::{Error, Result};
+use crate::pool::{claim::room_kept, Pool, SlotPlace};
+use crate::slots::Checkout;
+
+/// Words of a grant before its hints.
+pub const GRANT_WORDS: usize = 11;
+/// Words of one hint.
+pub const HINT_WORDS: usize = 5;
+/// By default, batches of at least this many bytes are big ([`Grants::new`]): a fresh worker's
+/// first big grant names where its next slots will likely be, for it to map them ahead, and a
+/// worker's last big slots are offered to the worker of the same id of the next iterator (a
+/// small window costs a fresh worker little to fault in).
+pub const BIG_FROM: usize = 8 << 20;
+/// How many slots a fresh worker with no predecessor is told of ahead as its own (its first
+/// included): its share of the arena's slot places.
+pub const PLANNED_SLOTS: usize = 4;
+/// And how many more, after those: the last places of the next worker's share, where its batch
+/// goes when all of its own are busy.
+pub const SPARE_SLOTS: usize = 1;
+/// The most hints one grant carries.
+pub const MAX_HINTS: usize = 8;
+
+/// One worker's request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantRequest {
+    /// The iterator the batch belongs to ([`Grants::open`]).
+    pub owner: u64,
+    /// The worker asking (torch's worker id).
+    pub worker: usize,
+    /// The batch's task number in its iterator (torch's order of dispatch).
+    pub task: u64,
+    /// The batch's bytes.
+    pub nbytes: usize,
+}
+
+/// What a request gets now ([`Grants::answer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// A slot.
+    Granted(Grant),
+    /// No room now, but it is on its way: ask again when something changes.
+    Wait,
+    /// No room, and none is coming that this batch may take.
+    No,
+}
+
+/// A slot granted to a worker, and where its next slots will likely be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// The slot.
+    pub checkout: Checkout,
+    /// The nonce its batch's handle must name.
+    pub nonce: u64,
+    /// Where it lies in shared memory.
+    pub place: SlotPlace,
+    /// Extents the worker may map ahead (its first big grant only).
+    pub ahead: Vec<SlotPlace>,
+}
+
+impl Grant {
+    /// The grant as the words a worker reads (see the module's doc).
+    pub fn words(&self) -> Vec<u64> {
+        let p = &self.place;
+        let mut out = vec![
+            1,
+            u64::from(self.checkout.index),
+            u64::from(self.checkout.generation),
+            self.nonce,
+            p.offset as u64,
+            p.nbytes as u64,
+            u64::from(std::process::id()),
+            p.fd as u64,
+            p.part_len as u64,
+            p.inode,
+            self.ahead.len() as u64,
+        ];
+        for h in &self.ahead {
+            out.extend([h.offset as u64, h.nbytes as u64, h.fd as u64, h.part_len as u64, h.inode]);
+        }
+        out
+    }
+}
+
+#[derive(Debug)]
+struct Issued {
+    pool: Arc<Pool>,
+    checkout: Checkout,
+    nonce: u64,
+    owner: u64,
+    task: u64,
+}
+
+/// One worker's places in one iterator.
+#[derive(Debug, Default)]
+struct WorkerPlaces {
+    /// Arena offsets of its last slots, latest first (those it keeps windows over).
+    recent: Vec<usize>,
+    /// Offsets it was told of ahead, offered after `recent`.
+    hinted: Vec<usize>,
+}
+
+/// An open iterator.
+#[derive(Debug, Default)]
+struct Owner {
+    /// The task the consumer waits for next.
+    head: u64,
+    workers: HashMap<usize, WorkerPlaces>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    issued: HashMap<(u32, u32), Issued>,
+    /// Adopted slots of batches not yet yielded to the consumer: (owner, task, checkout).
+    unyielded: HashMap<(u32, u32), (u64, u64, Checkout)>,
+    owners: HashMap<u64, Owner>,
+    /// Per worker id, across iterators, the places of its last big slots, latest first, in
+    /// the pool whose table id is `last_table`.
+    last: HashMap<usize, Vec<SlotPlace>>,
+    last_table: u32,
+    /// The largest batch asked for, rounded up to a page.
+    largest: usize,
+}
+
+/// The grants of one loader: see the module's doc.
+#[derive(Debug)]
+pub struct Grants {
+    pool: Mutex<Weak<Pool>>,
+    windows: usize,
+    window_bytes: usize,
+    big_from: usize,
+    table: Mutex<Table>,
+    hinted: AtomicU64,
+    fallbacks: AtomicU64,
+    epoch: AtomicU64,
+    /// No pool yet, but one is being made: requests wait for it.
+    pool_coming: AtomicBool,
+    owner_pid: u32,
+}
+
+impl Grants {
+    /// A table whose workers keep `windows` windows at most, and `window_bytes` bytes of them,
+    /// and whose batches of `big_from` bytes and more are big (see [`BIG_FROM`]); no pool yet
+    /// ([`Grants::use_pool`]).
+    pub fn new(windows: usize, window_bytes: usize, big_from: usize) -> Self {
+        Grants {
+            pool: Mutex::new(Weak::new()),
+            windows: windows.max(1),
+            window_bytes,
+            big_from,
+            hinted: AtomicU64::new(0),
+            table: Mutex::new(Table::default()),
+            fallbacks: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
+            pool_coming: AtomicBool::new(false),
+            owner_pid: std::process::id(),
+        }
+    }
+
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn forked(&self) -> bool {
+        std::process::id() != self.owner_pid
+    }
+
+    /// Grants come from `pool` from now on (the loader's pool, once made).
+    pub fn use_pool(&self, pool: &Arc<Pool>) {
+        *self.pool.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(pool);
+        self.pool_coming.store(false, Ordering::SeqCst);
+        self.changed();
+    }
+
+    /// Whether a pool is being made (a loader's first batches are told its size): until
+    /// [`Grants::use_pool`], requests wait for it rather than go without.
+    pub fn pool_coming(&self, coming: bool) {
+        self.pool_coming.store(coming, Ordering::SeqCst);
+        self.changed();
+    }
+
+    /// Iterator `owner` may be granted slots; its head is task 0 (a new epoch's, for an
+    /// iterator open already: what was not yielded of the last one is no longer waited for).
+    pub fn open(&self, owner: u64) {
+        let mut t = self.table();
+        t.owners.entry(owner).or_default().head = 0;
+        t.unyielded.retain(|_, u| u.0 != owner);
+        drop(t);
+        self.changed();
+    }
+
+    /// The consumer of iterator `owner` waits for task `task` next: the batches before it are
+    /// the consumer's.
+    pub fn set_head(&self, owner: u64, task: u64) {
+        let mut t = self.table();
+        if let Some(o) = t.owners.get_mut(&owner) {
+            o.head = task;
+            if !t.unyielded.is_empty() {
+                t.unyielded.retain(|_, u| u.0 != owner || u.1 >= task);
+            }
+        }
+        drop(t);
+        self.changed();
+    }
+
+    /// How many windows over slots of `nbytes` a worker keeps (at least one).
+    fn kept(&self, nbytes: usize) -> usize {
+        (self.window_bytes / nbytes.max(1)).clamp(1, self.windows)
+    }
+
+    /// Checks a slot of `request.nbytes` out for that worker (preferably where its last slots
+    /// were) and returns the grant; None (counted in [`Grants::fallbacks`]) when there is no
+    /// room now that leaves what the head needs, no pool, the pool is closed, its memory is no
+    /// memfd, or the owner is not open.
+    pub fn issue(&self, request: &GrantRequest) -> Option<Grant> {
+        match self.answer(request) {
+            Answer::Granted(grant) => Some(grant),
+            Answer::Wait | Answer::No => {
+                self.refused(request);
+                None
+            }
+        }
+    }
+
+    /// Counts a request that gets no grant (see [`Grants::fallbacks`]).
+    pub fn refused(&self, request: &GrantRequest) {
+        if request.nbytes > 0 {
+            self.fallbacks.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// What `request` gets now: a grant, or [`Answer::Wait`] while the room it needs is held by
+    /// batches the consumer will reach first (and fenced slots), or [`Answer::No`]. Never
+    /// waits; counts nothing.
+    pub fn answer(&self, request: &GrantRequest) -> Answer {
+        if self.forked() || request.nbytes == 0 {
+            return Answer::No;
+        }
+        let Some(pool) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).upgrade() else {
+            if self.pool_coming.load(Ordering::SeqCst) {
+                return Answer::Wait;
+            }
+            return Answer::No;
+        };
+        let page = crate::shm::page_size();
+        let Some(size) = request.nbytes.checked_next_multiple_of(page) else { return Answer::No };
+        if size > pool.largest_slot() {
+            return Answer::No;
+        }
+        let table_id = pool.table_id();
+        let big = size >= self.big_from;
+        let (keep, prefer, seeds) = {
+            let mut t = self.table();
+            t.largest = t.largest.max(size);
+            let largest = t.largest;
+            if t.last_table != table_id {
+                t.last.clear(); // (another pool's places name other memory)
+                t.last_table = table_id;
+            }
+            let last = if big { t.last.get(&request.worker).cloned() } else { None };
+            let Some(owner) = t.owners.get_mut(&request.owner) else { return Answer::No };
+            let keep = if request.task <= owner.head {
+                0
+            } else {
+                room_kept(largest, pool.arena().len(), pool.largest_slot())
+            };
+            let places = owner.workers.entry(request.worker).or_default();
+            let fresh = places.recent.is_empty() && places.hinted.is_empty();
+            let seeds: Vec<SlotPlace> = match last {
+                Some(last) if fresh => last,
+                _ if fresh && big => planned(&pool, request.worker, size, self.kept(size)),
+                _ => Vec::new(),
+            };
+            let mut prefer = places.recent.clone();
+            prefer.extend(places.hinted.iter().filter(|o| !places.recent.contains(o)));
+            prefer.extend(seeds.iter().map(|s| s.arena_offset));
+            (keep, prefer, seeds)
+        };
+        let checkout = match pool.try_checkout_bytes_preferring(size, keep, &prefer, false) {
+            Ok(Some(checkout)) => checkout,
+            Ok(None) => return self.wait_or_not(&pool, request, size, keep),
+            Err(_) => return Answer::No,
+        };
+        let Some(place) = pool.slot_place(checkout) else {
+            let _ = pool.release(checkout, None);
+            return Answer::No;
+        };
+        let Ok(nonce) = random_u64() else {
+            let _ = pool.release(checkout, None);
+            return Answer::No;
+        };
+        let nonce = nonce >> 1;
+        let at = place.arena_offset;
+        let ahead: Vec<SlotPlace> =
+            seeds.into_iter().filter(|s| s.arena_offset != at).take(MAX_HINTS).collect();
+        let mut t = self.table();
+        let Some(owner) = t.owners.get_mut(&request.owner) else {
+            drop(t); // (closed meanwhile: its workers can no longer write)
+            let _ = pool.release(checkout, None);
+            return Answer::No;
+        };
+        let kept = self.kept(place.nbytes);
+        let places = owner.workers.entry(request.worker).or_default();
+        if !ahead.is_empty() {
+            places.hinted = ahead.iter().map(|s| s.arena_offset).collect();
+            self.hinted.fetch_add(1, Ordering::Relaxed);
+        }
+        places.hinted.retain(|&o| o != at);
+        places.recent.retain(|&o| o != at);
+        places.recent.insert(0, at);
+        places.recent.truncate(kept);
+        if big {
+            let last = t.last.entry(request.worker).or_default();
+            last.retain(|p| p.arena_offset != at);
+            last.insert(0, place);
+            last.truncate(kept);
+        }
+        let issued = Issued {
+            pool: Arc::clone(&pool),
+            checkout,
+            nonce,
+            owner: request.owner,
+            task: request.task,
+        };
+        t.issued.insert((checkout.index, checkout.generation), issued);
+        Answer::Granted(Grant { checkout, nonce, place, ahead })
+    }
+
+    /// Whether a request that found no room now is worth an answer later: the room it needs
+    /// (a slot of `size` and `keep` bytes in one range) is on its way, held by fenced slots or
+    /// by batches of its iterator the consumer reaches before this one (granted and not yet
+    /// adopted, or adopted and not yet yielded). Batches the consumer has been handed do not
+    /// count: it may keep them.
+    fn wait_or_not(&self, pool: &Pool, request: &GrantRequest, size: usize, keep: usize) -> Answer {
+        let before: Vec<Checkout> = {
+            let t = self.table();
+            let first = |owner: u64, task: u64| owner == request.owner && task < request.task;
+            t.issued
+                .values()
+                .filter(|i| first(i.owner, i.task))
+                .map(|i| i.checkout)
+                .chain(t.unyielded.values().filter(|u| first(u.0, u.1)).map(|u| u.2))
+                .collect()
+        };
+        if pool.room_once_back(size, keep, &before) {
+            Answer::Wait
+        } else {
+            Answer::No
+        }
+    }
+
+    /// A number that changes whenever an answer may change without the pool's bytes changing
+    /// (a head moves, an iterator opens or closes, a batch is adopted); with
+    /// [`Pool::epoch`], when a waiting request is worth asking again.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    fn changed(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The pool grants come from, if it is still there.
+    pub fn pool(&self) -> Option<Arc<Pool>> {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).upgrade()
+    }
+
+    /// The slot granted as (`index`, `generation`) with `nonce`, which leaves the table: its
+    /// pool and checkout. None if no such grant is out (never made, adopted already, given
+    /// back, or another nonce).
+    pub fn adopt(&self, index: u32, generation: u32, nonce: u64) -> Option<(Arc<Pool>, Checkout)> {
+        let issued = self.take(index, generation, nonce)?;
+        let mut table = self.table();
+        if table.owners.get(&issued.owner).is_some_and(|o| issued.task >= o.head) {
+            // (not yielded yet: room the batches behind it may wait for)
+            let entry = (issued.owner, issued.task, issued.checkout);
+            table.unyielded.insert((index, generation), entry);
+        }
+        drop(table);
+        self.changed();
+        Some((issued.pool, issued.checkout))
+    }
+
+    fn take(&self, index: u32, generation: u32, nonce: u64) -> Option<Issued> {
+        let mut table = self.table();
+        match table.issued.get(&(index, generation)) {
+            Some(issued) if issued.nonce == nonce => {}
+            _ => return None,
+        }
+        table.issued.remove(&(index, generation))
+    }
+
+    /// Releases the slot granted as (`index`, `generation`) with `nonce`, whose batch will not
+    /// arrive in it; returns whether there was one.
+    pub fn give_back(&self, index: u32, generation: u32, nonce: u64) -> bool {
+        match self.take(index, generation, nonce) {
+            Some(issued) => {
+                self.release(&issued.pool, issued.checkout);
+                self.changed();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Closes `owner` (every owner with None): no more grants for it; releases the slots
+    /// granted to it and not adopted, once no worker that got them can write any more.
+    pub fn close(&self, owner: Option<u64>) {
+        let gone: Vec<Issued> = {
+            let mut table = self.table();
+            table.owners.retain(|&o, _| owner.is_some_and(|w| w != o));
+            table.unyielded.retain(|_, u| owner.is_some_and(|w| w != u.0));
+            let keys: Vec<(u32, u32)> = table
+                .issued
+                .iter()
+                .filter(|(_, v)| owner.is_none_or(|w| w == v.owner))
+                .map(|(k, _)| *k)
+                .collect();
+            keys.iter().filter_map(|k| table.issued.remove(k)).collect()
+        };
+        for issued in gone {
+            self.release(&issued.pool, issued.checkout);
+        }
+        self.changed();
+    }
+
+    fn release(&self, pool: &Pool, checkout: Checkout) {
+        if !self.forked() {
+            let _ = pool.release(checkout, None); // (unfenced: see the module's doc)
+        }
+    }
+
+    /// Requests that got no grant (their batches went through copy mode).
+    pub fn fallbacks(&self) -> u64 {
+        self.fallbacks.load(Ordering::Relaxed)
+    }
+
+    /// Grants that named where the worker's next slots will likely be.
+    pub fn hinted(&self) -> u64 {
+        self.hinted.load(Ordering::Relaxed)
+    }
+
+    /// Grants made and not yet adopted, given back or dropped.
+    pub fn outstanding(&self) -> usize {
+        self.table().issued.len()
+    }
+}
+
+impl Drop for Grants {
+    fn drop(&mut self) {
+        if self.forked() {
+            // A forked copy: the slots are the parent's to give back.
+            std::mem::forget(std::mem::take(
+                &mut self.table.get_mut().unwrap_or_else(|e| e.into_inner()).issued,
+            ));
+            return;
+        }
+        self.close(None);
+    }
+}
+
+/// Where a fresh worker's first big slots will be when no worker of its id came before it:
+/// worker `worker`'s share of the arena's places of `size` bytes ([`PLANNED_SLOTS`] of them,
+/// the `worker`-th ones), then [`SPARE_SLOTS`] of the next worker's, its last; at most `kept`
+/// in all (the windows it keeps), none without memfd parts.
+fn planned(pool: &Pool, worker: usize, size: usize, kept: usize) -> Vec<SlotPlace> {
+    let arena = pool.arena();
+    let mut places = Vec::new();
+    let mut at = 0;
+    while let Some((fd, start, len)) = arena.part_at(at) {
+        let inode = arena.part_inode_at(start).unwrap_or(0);
+        let mut offset = 0;
+        while offset + size <= len {
+            places.push(SlotPlace {
+                arena_offset: start + offset,
+                offset,
+                nbytes: size,
+                fd: std::os::fd::AsRawFd::as_raw_fd(&fd),
+                part_len: len,
+                inode,
+            });
+            offset += size;
+        }
+        at = start + len;
+    }
+    let n = places.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let told = (PLANNED_SLOTS + SPARE_SLOTS).min(kept).min(n);
+    let own = PLANNED_SLOTS.min(told);
+    let first = worker * PLANNED_SLOTS;
+    let picks = (0..own)
+        .map(|i| first + i)
+        .chain((0..told - own).map(|i| first + 2 * PLANNED_SLOTS - 1 - i));
+    let mut chosen: Vec<usize> = Vec::new();
+    for i in picks {
+        if !chosen.contains(&(i % n)) {
+            chosen.push(i % n); // (with few places, the spare may be one of its own)
+        }
+    }
+    chosen.into_iter().map(|i| places[i]).collect()
+}
+
+/// A random `u64` from the kernel.
+pub fn random_u64() -> Result<u64> {
+    let mut out = [0u8; 8];
+    let mut filled = 0;
+    while filled < out.len() {
+        match rustix::rand::getrandom(&mut out[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(Error::os("getrandom", e)),
+        }
+    }
+    Ok(u64::from_le_bytes(out))
+}
