@@ -132,6 +132,9 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "there is no pin thread; returns (success, (index, batch))",
     "_shutdown_workers": "overridden and called: pinpool completes what torch's shutdown "
     "left, and shuts an iterator down when its epoch ends",
+    "_process_data": "overridden (its arguments passed on as they come: torch 2.6 and 2.15 "
+    "differ): called as each batch is yielded, once _rcvd_idx counts it; zero-copy grants "
+    "then learn the task the consumer waits for next",
     # attributes torch sets on the iterator
     "_index_queues": "each worker's multiprocessing queue of indices: written directly, "
     "sent the exit message and closed after shutdown",
@@ -154,7 +157,8 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_rcvd_idx": "how many index lists the epoch has passed on (checkpoints); when it reaches "
     "_send_idx, no task is in flight: an ended epoch's shutdown goes to the ending thread",
     "_shutdown": "set by torch's shutdown: an iterator not yet shut down ends in the background",
-    "_index_sampler": "the loader's index sampler as the iterator started (zero-copy reservations)",
+    "_index_sampler": "the loader's index sampler as the iterator started (zero-copy: the task "
+    "tagger, told the consumer's next task)",
     "_sampler_iter": "None before the first __next__ (torch's own __next__ then)",
     "_IterableDataset_len_called": "set for an iterable dataset's length check (torch's own "
     "__next__ then)",
@@ -171,7 +175,8 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
 LOADER_ATTRIBUTES: dict[str, str] = {
     "_get_iterator": "overridden: the workers get pinpool's collate (and a streaming wrapper "
     "of the dataset) as the iterator starts",
-    "_index_sampler": "overridden property: records each epoch, attaches zero-copy reservations",
+    "_index_sampler": "overridden property: records each epoch, tags each index list with its "
+    "zero-copy task",
     "_iterator": "a persistent loader's iterator, shut down before a resumed iterable epoch",
     "_auto_collation": "whether torch batches samples (checkpoints)",
 }
@@ -186,6 +191,11 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (MultiProcessingIter, "__next__", ("self",)),
     (MultiProcessingIter, "__del__", ("self",)),
     (torch.utils.data.DataLoader, "_get_iterator", ("self",)),
+)
+
+#: Those whose leading parameters are all pinpool relies on (the rest is passed on as it comes).
+_LEADING: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+    (MultiProcessingIter, "_process_data", ("self", "data")),
 )
 
 # -- torch's other private parts ---------------------------------------------------------------
@@ -348,7 +358,15 @@ def _check_classes() -> list[str]:
         found = tuple(inspect.signature(function).parameters)
         if found != expected:
             out.append(f"{cls.__name__}.{name} takes {found}, not {expected}")
-    methods = {name for cls, name, _ in _SIGNATURES if cls is iterator}
+    for cls, name, leading in _LEADING:
+        function = inspect.getattr_static(cls, name, None)
+        if not callable(function):
+            out.append(f"{cls.__name__}.{name} is missing")
+            continue
+        found = tuple(inspect.signature(function).parameters)
+        if found[: len(leading)] != leading:
+            out.append(f"{cls.__name__}.{name} takes {found}, not {leading} first")
+    methods = {name for cls, name, _ in (*_SIGNATURES, *_LEADING) if cls is iterator}
     assigned = assigned_attributes(iterator)
     for name in ITERATOR_ATTRIBUTES:
         if name not in methods and name not in assigned:

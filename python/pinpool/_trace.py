@@ -98,6 +98,8 @@ EVENTS: dict[str, str] = {
     "batch.finish": "the consumer's turn for an item torch produced: a handle taken, a copy "
     "waited for (span)",
     # A batch, worker process (events stay in the worker: see the module's doc).
+    "worker.grant": "zero-copy: a slot of the batch's size asked for at the main process's "
+    "grant desk (span; nbytes, got: whether one was granted)",
     "worker.place": "the memory a batch is written into: its zero-copy slot's window opened, "
     "or a segment of the worker's ring claimed (span; nbytes, slot: a zero-copy slot, mapped: "
     "its window mapped now rather than kept from an earlier batch)",

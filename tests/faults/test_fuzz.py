@@ -66,7 +66,7 @@ from pinpool._wire import codec as _codec
 from pinpool._wire.codec import ALIGN, Leaf
 from pinpool._wire.handle import BatchHandle, WorkerProgress, ZeroCopyTask
 from pinpool._wire.tree import KEEP, map_leaves
-from pinpool._worker import places
+from pinpool._worker import desk, places
 
 PAGE = pinpool.page_size()
 
@@ -683,7 +683,8 @@ def test_batch_handle_fields(decoy: int) -> None:
 
 
 def one_slot_handle(data: Any, worker: Worker) -> None:
-    with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3) as loader:
+    # (A worker, never started, so that the loader grants zero-copy slots.)
+    with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3, num_workers=1) as loader:
         receiver = loader._pin_receiver
         grants = receiver.grants
         grants.open(1)
@@ -703,6 +704,7 @@ def one_slot_handle(data: Any, worker: Worker) -> None:
         finally:
             # The loader takes back a slot whose batch never came (the iterator's end).
             grants.take_back(sent.slot)
+            desk.disconnect()  # (this process asked as a worker does)
         assert_slots_back(loader)
 
 

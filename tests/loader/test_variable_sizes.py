@@ -225,3 +225,48 @@ def test_random_batch_sizes_are_bit_exact_in_both_modes(
         collate_fn=pad_collate,
         zero_copy=zero_copy,
     )
+
+
+@pytest.mark.every_mode
+def test_larger_batches_after_kept_ones_with_holes_never_wait_for_the_consumer(
+    loader_mode: Any,
+) -> None:
+    """An 8 MiB arena full of eight 1 MiB batches the consumer keeps, every other one then
+    dropped: four free MiB in four holes, none of which holds the 1.5 MiB batches that follow.
+    Nothing but the consumer can make room (no fence, no batch ahead of it), so no claim waits:
+    each batch goes to ordinary memory at once (counted), where a claim counting free bytes
+    waited ``slot_timeout`` for every other batch."""
+    import time
+
+    from soak_cases import BatchRows
+
+    rows = 4
+    lengths = [(1 << 20) // (rows * 8)] * 8 + [(3 << 19) // (rows * 8)] * 6
+    dataset = BatchRows(lengths, rows, ragged=False)
+    reference = list(torch.utils.data.DataLoader(dataset, batch_size=rows))
+    loader = pinpool.DataLoader(
+        dataset,
+        batch_size=rows,
+        num_workers=1,
+        arena_bytes=8 << 20,
+        max_batch_bytes=2 << 20,
+        slot_timeout=60,
+    )
+    it = iter(loader)
+    held = [next(it) for _ in range(8)]
+    for got, ref in zip(held, reference, strict=False):
+        assert_same(ref, got)
+    assert all(in_pool(loader.pool, b) for b in held)
+    del held[::2]
+    gc.collect()
+    assert loader.stats()["largest_free"] == 1 << 20
+    took = []
+    for ref in reference[8:]:
+        t0 = time.perf_counter()
+        got = next(it)
+        took.append(time.perf_counter() - t0)
+        assert_same(ref, got)
+        assert not in_pool(loader.pool, got)
+    assert max(took) < 2.0, took
+    assert loader.stats()["overflow_batches"] == 6
+    del it, got, held

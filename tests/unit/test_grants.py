@@ -27,6 +27,13 @@ PAGE = 4096
 _ints = st.integers(0, (1 << 64) - 1)
 
 
+@pytest.fixture(autouse=True)
+def _disconnected() -> Any:
+    """This process asks the desk as a worker would: its connections close after each test."""
+    yield
+    desk.disconnect()
+
+
 @given(st.lists(st.integers(0, 1 << 40), max_size=20), st.none() | st.tuples(_ints, _ints))
 def test_tagged_indices_reach_the_worker_as_they_were_sent(
     indices: list[int], task: tuple[int, int] | None
@@ -228,7 +235,7 @@ def test_a_request_whose_room_is_held_by_batches_before_it_waits_for_them(
     batches the consumer was handed is refused at once (it may keep them)."""
     import threading
 
-    pool, grants = granted
+    _pool, grants = granted
     at = grants.desk
     # Batches of 5, 2 and 2 pages (9 of 16 held); the room kept for the head: 7 pages.
     sizes = (5, 2, 2)

@@ -77,6 +77,13 @@ class SlotGrant(NamedTuple):
         """What a handle sends back about this slot: (index, generation, nonce)."""
         return (self.index, self.generation, self.nonce)
 
+    @property
+    def hint(self) -> WindowHint:
+        """This slot's extent as a hint."""
+        return WindowHint(
+            self.offset, self.nbytes, self.arena_pid, self.arena_fd, self.arena_len, self.arena_ino
+        )
+
 
 #: A grant's words (``pinpool._native.Grants``): the slot's nine fields after the leading 1,
 #: then the number of hints; each hint is five words (offset, bytes, fd, memfd length, inode).

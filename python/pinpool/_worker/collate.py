@@ -126,12 +126,12 @@ class PinCollate:
             # The main process may make its pool while this batch is made (once a worker).
             # (The spare: numbers, which become tensors of 8 bytes a sample.)
             self.pool_hint.send(layout.batch_bytes() + _STREAM_SPARE, count)
-        # A granted slot holds the big arrays and about the rest (numbers become 8 bytes a
-        # sample, each leaf aligned); a segment has room to spare for the rest.
+        # A granted slot holds the batch as the first sample foretells it (the rest outgrowing
+        # it moves to a segment); a segment has room to spare for the rest.
         place = places.Place(
             self.token,
             self.ring_size,
-            layout.batch_bytes() + count * codec.ALIGN + _REST_LEAVES * codec.ALIGN,
+            layout.batch_bytes(),
             samples.task,
             self.desk,
             segment_bytes=layout.nbytes + _STREAM_SPARE,
@@ -166,5 +166,3 @@ class PinCollate:
 
 #: Room a streamed batch's segment gets after its big arrays, for the rest of the batch.
 _STREAM_SPARE = 1 << 20
-#: Leaves of a streamed batch's rest a granted slot has room to align, beyond one a sample.
-_REST_LEAVES = 16

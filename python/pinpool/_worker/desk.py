@@ -90,6 +90,13 @@ def ask(desk: tuple[bytes, int], task: ZeroCopyTask, worker: int, nbytes: int) -
         return None
 
 
+def disconnect() -> None:
+    """Closes this process's connections (a worker's close as it exits; a test that asks in
+    the main process closes its own)."""
+    for address in list(_CONNECTIONS):
+        _drop(address)
+
+
 def give_back(desk: tuple[bytes, int], grant: SlotGrant) -> None:
     """Tells the desk ``desk`` that the slot of ``grant`` will not be written."""
     address, table = desk

@@ -138,7 +138,10 @@ class Place:
         self.sid = -1
         mapped = False
         if task is not None and desk_at is not None and nbytes > 0:
+            t1 = _trace.on and _trace.now()
             self.grant = desk.ask(desk_at, task, _worker_id(), nbytes)
+            if t1:
+                _trace.span("worker.grant", t1, nbytes=nbytes, got=self.grant is not None)
         if self.grant is not None:
             try:
                 self._window, at, mapped = windows.open_for(self.grant)

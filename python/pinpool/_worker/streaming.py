@@ -134,13 +134,15 @@ class Layout:
     regions: list[_Region]
     count: int  # samples in the batch
     nbytes: int  # bytes the regions take, from 0
-    #: The first sample's arrays that are not streamed, in bytes (each aligned): collated
-    #: after the regions, about ``count`` times this.
-    rest_per_sample: int = 0
+    #: The bytes of each of the first sample's leaves that are not streamed and that torch's
+    #: collation stacks into an array of ``count`` of them (arrays, numbers): collated after
+    #: the regions, each leaf aligned.
+    rest: tuple[int, ...] = ()
 
     def batch_bytes(self) -> int:
-        """About the whole batch's bytes: the regions, then ``count`` times the rest."""
-        return self.nbytes + self.count * self.rest_per_sample
+        """The whole batch's bytes, if its other samples are like the first: the regions, then
+        each of the rest's leaves, stacked and aligned."""
+        return self.nbytes + sum(codec.align(self.count * n) for n in self.rest)
 
     def spec(self, k: int) -> codec.LeafSpec:
         r = self.regions[k]
@@ -175,18 +177,22 @@ def plan_layout(first: Any, count: int) -> Layout | None:
         return None
     regions: list[_Region] = []
     end = 0
-    rest = 0
+    rest: list[int] = []
 
     def on_array(array: Any) -> Any:
-        nonlocal end, rest
+        nonlocal end
         found = _region_of(array)
         if found is not None:
             shape, row_bytes, name, np_dtype = found
             offset = codec.align(end)
             end = offset + row_bytes * count
             regions.append(_Region(offset, shape, row_bytes, name, np_dtype))
-        elif isinstance(array, (torch.Tensor, np.ndarray)):
-            rest += codec.align(array.nbytes)
+        elif isinstance(array, (torch.Tensor, np.ndarray, np.generic)):
+            rest.append(array.nbytes)
+        elif isinstance(array, bool):
+            rest.append(1)  # (torch.tensor of bools)
+        elif isinstance(array, (int, float)):
+            rest.append(8)  # (int64, float64)
         return KEEP
 
     try:
@@ -195,7 +201,7 @@ def plan_layout(first: Any, count: int) -> Layout | None:
         return None
     if not regions:
         return None
-    return Layout(regions, count, codec.align(end), rest)
+    return Layout(regions, count, codec.align(end), tuple(rest))
 
 
 class _Rows:

@@ -1,0 +1,195 @@
+"""A soak of the whole matrix of a loader's modes (``soak_cases``): copy and zero-copy, with and
+without torch's pin thread (and the device, where there is one), 0 to 8 workers, fork and
+forkserver, batches of fixed, lognormal, ascending, descending and alternating sizes and one at
+the largest allowed, a consumer that keeps nothing, its last few batches or everything,
+persistent workers, a ``break`` in the first epoch. Each run against torch's own loader:
+
+- every batch bit for bit torch's;
+- no ``next()`` over :data:`NEXT_AT_MOST_S` (but the one that starts the workers);
+- no batch in ordinary memory where the arena could hold it: none at all unless the consumer
+  keeps everything, and then only when no free range of the arena holds the batch;
+- every slot and byte back in the arena at the end, and no grant left out;
+- zero-copy: at least :data:`IN_PLACE_AT_LEAST` of the batches written in place by the
+  workers, unless the consumer keeps everything.
+
+``make test`` runs the cases every run needs and :data:`CASES` drawn from a seeded generator
+(``$PINPOOL_SOAK_CASES`` and ``$PINPOOL_SOAK_SEED`` change them); ``make soak`` runs many more,
+with the device modes on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data
+from conftest import fake_pin_thread
+from loader_datasets import array_leaves, assert_same, in_pool
+from soak_cases import KEPT_LAST, Case, dataset_of, draw
+
+import pinpool
+from pinpool._main import ending
+
+#: The longest any ``next()`` may take (but the first of an iterator that starts its workers).
+NEXT_AT_MOST_S = 2.0
+#: The least share of zero-copy batches written in place (unless the consumer keeps everything).
+IN_PLACE_AT_LEAST = 0.75
+#: Cases drawn, beyond those every run needs.
+CASES = int(os.environ.get("PINPOOL_SOAK_CASES", "14"))
+SEED = int(os.environ.get("PINPOOL_SOAK_SEED", "20261204"))
+
+_DEVICES = ("cuda",) if torch.cuda.is_available() else ()
+
+
+def _needed() -> list[Case]:
+    """The cases every run needs: dynamic padding with lognormal and ascending lengths, 8
+    workers, zero-copy with and without the pin thread; and the same in copy mode."""
+    base = draw(0)
+    out = []
+    for zero_copy in (True, False):
+        for sizes, pin in (("lognormal", False), ("ascending", True)):
+            out.append(
+                base.__class__(
+                    **{
+                        **base.__dict__,
+                        "seed": len(out) + 1,
+                        "zero_copy": zero_copy,
+                        "pin_thread": pin,
+                        "device": None,
+                        "workers": 8,
+                        "context": "fork",
+                        "sizes": sizes,
+                        "keep": "nothing",
+                        "persistent": False,
+                        "brk": False,
+                        "streamed": False,
+                        "batches": 40,
+                        "batch_size": 16,
+                        "median": 3 << 20,
+                    }
+                )
+            )
+    return out
+
+
+ALL = _needed() + [draw(SEED + i, _DEVICES) for i in range(CASES)]
+
+
+def _bytes(batch: Any) -> int:
+    return sum(leaf.nbytes for leaf in array_leaves(batch))
+
+
+def _pages(n: int) -> int:
+    page = 4096
+    return -(-n // page) * page
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("case", ALL, ids=[c.id for c in ALL])
+def test_a_run_of_the_matrix(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    if case.pin_thread:
+        fake_pin_thread(monkeypatch)
+    dataset, collate = dataset_of(case)
+    reference = list(
+        torch.utils.data.DataLoader(dataset, batch_size=case.batch_size, collate_fn=collate)
+    )
+    largest = max(_bytes(b) for b in reference)
+    kw: dict[str, Any] = {
+        "batch_size": case.batch_size,
+        "num_workers": case.workers,
+        "collate_fn": collate,
+        "zero_copy": case.zero_copy and case.workers > 0,
+        "persistent_workers": case.persistent,
+        "device": case.device,
+    }
+    if case.workers:
+        kw["multiprocessing_context"] = case.context
+    if case.sizes == "at_max":
+        kw["max_batch_bytes"] = largest  # (a streamed batch: one array, exactly its bytes)
+    if case.keep == "last":  # (the default arena holds the batches in flight and 4 more)
+        in_flight = 2 * case.workers if case.workers else 1
+        kw["arena_bytes"] = _pages(int((in_flight + KEPT_LAST + 4) * largest * 1.5))
+        kw.setdefault("max_batch_bytes", _pages(largest))
+    elif case.sizes != "at_max":
+        kw["oversize"] = "copy"  # (the default largest batch is sized from the first)
+    loader = pinpool.DataLoader(dataset, **kw)
+    epochs = 2 if case.persistent or case.brk else 1
+    times: list[float] = []
+    held: list[Any] = []
+    for epoch in range(epochs):
+        starts_workers = case.workers > 0 and (epoch == 0 or not case.persistent)
+        it = iter(loader)
+        for i, ref in enumerate(reference):
+            if case.brk and epoch == 0 and i == len(reference) // 2:
+                break
+            t0 = time.perf_counter()
+            batch = next(it)
+            if i or not starts_workers:
+                times.append(time.perf_counter() - t0)
+            got = _on_host(batch)
+            assert_same(ref, got, f"epoch {epoch} batch {i}")
+            if case.device is None:
+                leaves = [x for x in array_leaves(batch) if x.nbytes]
+                if not all(in_pool(loader.pool, x) for x in leaves):
+                    # In ordinary memory: only where no free range held it.
+                    stats = loader.stats()
+                    need = _pages(_bytes(batch))
+                    assert stats["largest_free"] < need, (i, need, stats)
+                del leaves
+            del got
+            if case.keep == "nothing":
+                del batch
+            else:
+                held.append(batch)
+                del batch
+                if case.keep == "last":
+                    del held[:-KEPT_LAST]
+        del it
+    assert max(times, default=0.0) <= NEXT_AT_MOST_S, sorted(times)[-5:]
+    stats = loader.stats()
+    if case.keep != "everything":
+        assert stats["overflow_batches"] == 0, stats
+        if kw["zero_copy"]:
+            written = stats["zero_copy_batches"] + stats["zero_copy_fallbacks"]
+            assert stats["zero_copy_batches"] >= IN_PLACE_AT_LEAST * written, stats
+    pool = loader.pool
+    grants = loader._pin_receiver.grants
+    held.clear()
+    ending.wait_all(timeout=30)
+    gc.collect()
+    if pool is not None:
+        _wait_until_back(pool)
+    if grants is not None:
+        assert grants._grants.outstanding == 0, "a grant left out"
+    del loader
+    ending.wait_all(timeout=30)
+    gc.collect()
+
+
+def _on_host(batch: Any) -> Any:
+    """The batch with its tensors on the CPU (the device mode's batches are on the GPU)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.cpu() if batch.device.type != "cpu" else batch
+    if isinstance(batch, dict):
+        return {k: _on_host(v) for k, v in batch.items()}
+    return batch
+
+
+def _wait_until_back(pool: Any) -> None:
+    """Every slot and byte back in the arena (fences complete within a moment)."""
+    deadline = time.monotonic() + 10
+    while True:
+        s = pool.stats()
+        back = s["bytes_free"] + s["bytes_preparing"] == s["arena_bytes"]
+        if (s["slots_checked_out"] == 0 and s["slots_fenced"] == 0 and back) or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.01)
+        gc.collect()
+    assert s["slots_checked_out"] == 0 and s["bytes_checked_out"] == 0, s
+    assert s["bytes_free"] + s["bytes_fenced"] + s["bytes_preparing"] == s["arena_bytes"], s
