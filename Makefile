@@ -8,7 +8,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test checks build lint rust-lint py-lint rust-test py-test test-modes test-oldest fuzz \
-	bench wheel clean sanitize miri tsan test-pkeys
+	bench wheel clean sanitize miri tsan test-pkeys soak
 
 demo: build
 	$(PY) -m pinpool.bench --out demo-results
@@ -92,6 +92,12 @@ test-pkeys: build
 	tests/pkeys_vm.sh rust
 	tests/pkeys_vm.sh python tests/unit/test_windows.py tests/faults/test_hardening.py \
 		-k "window or reservation or arena"
+
+# The soak of the loader's mode matrix at length (`make test` runs a bounded number of cases),
+# with the device modes where there is a GPU: tests/soak/test_soak.py says what each case asserts.
+SOAK_CASES ?= 300
+soak: build
+	PINPOOL_SOAK_CASES=$(SOAK_CASES) $(PYTEST) -n 2 tests/soak
 
 # The fuzz tests at length (`make test` runs a bounded number of examples).
 fuzz: build

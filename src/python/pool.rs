@@ -335,11 +335,11 @@ impl PyPinPool {
     }
 
     /// Takes a slot of `nbytes` (default: `slot_bytes`) by a loader's rules, waiting without
-    /// the GIL while room is on its way: a `Slot`, or `"later"` (with `defer`: the free and
-    /// coming bytes would not hold it and `reserve` more bytes, or `timeout` passed), or
-    /// `"overflow"` (with `overflow`: no room and nothing coming back). `reserve`: bytes to
-    /// leave free in one range for other claims. Without `defer`, a timeout raises
-    /// `PoolExhausted`.
+    /// the GIL while room is on its way: a `Slot`, or `"later"` (with `defer`, at once: no free
+    /// range, once fenced slots are back, would hold it and `reserve` more bytes; or `timeout`
+    /// passed), or `"overflow"` (with `overflow`, at once: no free range, once fenced slots are
+    /// back, would hold it). `reserve`: bytes to leave free in one range for other claims.
+    /// Without `defer`, a timeout raises `PoolExhausted`.
     #[pyo3(signature = (nbytes = None, reserve = 0, timeout = None, overflow = false, defer = false))]
     fn claim<'py>(
         &self,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .loaders import LOADERS
-from .workloads import WORKLOADS
+from .workloads import VARLEN_LENGTHS, WORKLOADS
 
 MODES = ("throughput", "compute", "stall")
 
@@ -101,6 +101,7 @@ class Config:
     varlen_workers: int
     varlen_steps: int
     varlen_warmup: int
+    varlen_lengths: str
     data_dir: str
     out: str
     ranks: int  # data-parallel ranks (1: a plain run)
@@ -196,6 +197,14 @@ def parser() -> argparse.ArgumentParser:
         help=f"DataLoader workers, varlen workload {varlen_preset('varlen_workers')}",
     )
     add("--varlen-steps", type=int, help=f"batches per run, varlen {varlen_preset('varlen_steps')}")
+    add(
+        "--varlen-lengths",
+        choices=VARLEN_LENGTHS,
+        default="pareto",
+        help="row lengths, varlen workload: a long Pareto tail (pareto, the default), "
+        "lognormal (padded batches of 16 rows: about 1.2 to 8 MB), or that lognormal draw "
+        "shortest first (ascending: a length curriculum)",
+    )
     add("--prefetch-factor", type=int, default=2, help="batches in flight per worker (2)")
     add("--compute-ms", type=float, default=30.0, help="GPU work per step, compute loop (30)")
     add("--repeats", type=int, help=f"runs of each loader, alternating {preset('repeats')}")
@@ -300,6 +309,7 @@ def resolve(argv: list[str] | None, cuda: bool) -> Config:
         varlen_workers=varlen_workers,
         varlen_steps=pick_varlen("varlen_steps"),
         varlen_warmup=varlen_warmup,
+        varlen_lengths=args.varlen_lengths,
         data_dir=args.data_dir or os.path.join(tempfile.gettempdir(), "pinpool-bench"),
         out=out,
         ranks=max(1, args.ranks),

@@ -363,6 +363,7 @@ def run_once(
         "step_ms_max": max(steps_ms),
         "next_ms_median": float(np.median(next_ms)),
         "next_ms_p99": float(np.percentile(next_ms, 99)),
+        "next_ms_max": max(next_ms),
         "probe_samples": len(late_ms),
         "probe_max_ms": float(late_ms.max()) if len(late_ms) else None,
         "probe_p99_ms": float(np.percentile(late_ms, 99)) if len(late_ms) else None,

@@ -67,8 +67,9 @@ def host_pinned_held() -> int | None:
 
 def pinned_held(stats: Any, pool: dict[str, Any] | None, torch_held: int | None) -> dict[str, Any]:
     """What a loader holds at the end: ``pinned_held_bytes``, ``pinned_held`` (where the
-    figure comes from, or why there is none), and pinpool's ``overflow_batches`` and
-    ``zero_copy_fallbacks`` (None for torch's loaders)."""
+    figure comes from, or why there is none), and pinpool's ``overflow_batches``,
+    ``zero_copy_fallbacks`` and ``zero_copy_in_place`` (the share of zero-copy batches the
+    workers wrote in place; None for torch's loaders and pinpool's copy modes)."""
     if pool is not None:
         held: int | None = int(pool["arena_bytes"]) + (torch_held or 0)
         how = f"pool.arena_bytes (backend {pool['backend']})"
@@ -81,10 +82,15 @@ def pinned_held(stats: Any, pool: dict[str, Any] | None, torch_held: int | None)
     else:
         held, how = torch_held, "torch.cuda.host_memory_stats()['allocated_bytes.current']"
     stats = stats or {}
+    in_place = None
+    if pool is not None:
+        written = stats.get("zero_copy_batches", 0) + stats.get("zero_copy_fallbacks", 0)
+        in_place = stats.get("zero_copy_batches", 0) / written if written else None
     return {
         "pinned_held_bytes": held,
         "pinned_held_mib": None if held is None else held / MIB,
         "pinned_held": how,
         "overflow_batches": stats.get("overflow_batches") if pool is not None else None,
         "zero_copy_fallbacks": stats.get("zero_copy_fallbacks") if pool is not None else None,
+        "zero_copy_in_place": in_place,
     }

@@ -32,6 +32,7 @@ METRICS = {
     "idle_share_copy_busy": "GPU idle, copy as work",
     "next_ms_median": "next() ms, median",
     "next_ms_p99": "next() ms, p99",
+    "next_ms_max": "next() ms, max",
     "busy_ms_median": "GPU busy ms/step",
     "step_ms_median": "step ms, median",
     "step_ms_max": "step ms, max",
@@ -42,6 +43,7 @@ METRICS = {
     "pinned_held_mib": "pinned MiB held at the end",
     "overflow_batches": "overflow batches (unpinned)",
     "zero_copy_fallbacks": "zero-copy fallbacks",
+    "zero_copy_in_place": "zero-copy in place, %",
     "time_to_first_batch_s": "time to first batch, ms",
     "end_of_epoch_ms": "end of epoch, ms",
 }
@@ -56,7 +58,12 @@ METRICS.update(
     {key: f"{phase}: {_PHASE_FIELDS[field]}" for key, (phase, field) in PHASE_METRICS.items()}
 )
 #: Shown multiplied by this (a share in percent, seconds in ms).
-SCALE = {"idle_share": 100.0, "idle_share_copy_busy": 100.0, "time_to_first_batch_s": 1e3}
+SCALE = {
+    "idle_share": 100.0,
+    "idle_share_copy_busy": 100.0,
+    "time_to_first_batch_s": 1e3,
+    "zero_copy_in_place": 100.0,
+}
 #: Counts: shown as whole numbers where they are (a median of two may be a half).
 COUNTS = {"overflow_batches", "zero_copy_fallbacks"}
 _COMMON = ["step_ms_max", "probe_p99_ms", "probe_max_ms", "cpu_ms_per_batch", "pinned_mib"]
@@ -83,12 +90,14 @@ SHOWN = {
         "gb_per_s",
         "us_per_batch",
         *_NEXT,
+        "next_ms_max",
         "time_to_first_batch_s",
         "end_of_epoch_ms",
         *_COMMON,
         "pinned_held_mib",
         "overflow_batches",
         "zero_copy_fallbacks",
+        "zero_copy_in_place",
     ],
     "compute": [
         "steps_per_s",

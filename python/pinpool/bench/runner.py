@@ -45,6 +45,7 @@ from .workloads import (
     VARLEN_MAX,
     VARLEN_MIN,
     VARLEN_SEED,
+    VARLEN_SIGMA,
     VarlenRows,
     batch_nbytes,
     collate_of,
@@ -169,9 +170,14 @@ def _size(nbytes: float) -> str:
 def describe_varlen(sc: Scenario, dataset: VarlenRows, cfg: Config) -> str:
     """One line for the varlen workload: the rows, the padded batches' sizes over the epoch."""
     sizes = dataset.batch_bytes(sc.batch_size)
+    drawn = {
+        "pareto": f"Pareto tail, alpha {VARLEN_ALPHA:g}",
+        "lognormal": f"lognormal, sigma {VARLEN_SIGMA:g}",
+        "ascending": f"lognormal, sigma {VARLEN_SIGMA:g}, shortest first",
+    }[dataset.kind]
     return (
         f"varlen, batch {sc.batch_size} rows of {sc.shape[0]}..{sc.shape[1]} int64 tokens "
-        f"(Pareto tail, alpha {VARLEN_ALPHA:g}, seed {VARLEN_SEED}), padded per batch to its "
+        f"({drawn}, seed {VARLEN_SEED}), padded per batch to its "
         f"longest row: input_ids + int64 attention_mask = {_size(sizes.min())} to "
         f"{_size(sizes.max())} ({sizes.max() / sizes.min():.0f}x), median "
         f"{_size(float(np.median(sizes)))}, mean {_size(float(sizes.mean()))} over the epoch; "
@@ -224,7 +230,9 @@ def run_all(
         for name, sc in scenarios.items():
             bar.set_description(f"{name}: preparing data")
             length = (sc.warmup + sc.steps) * sc.batch_size
-            dataset = make_dataset(sc.workload, length * world, sc.shape, cfg.data_dir)
+            dataset = make_dataset(
+                sc.workload, length * world, sc.shape, cfg.data_dir, cfg.varlen_lengths
+            )
             sampler: Any = None
             if ranks is not None:  # this rank's shard: warmup + steps batches, as one rank's
                 sampler = torch.utils.data.distributed.DistributedSampler(

@@ -11,11 +11,13 @@
   preallocated array, so a batch of 8 is 512 KiB and the loader's per-batch cost, not the
   dataset, is what is measured. It has its own batch size, workers and steps (``--token-*``).
 - ``varlen``: variable-size batches, the usual NLP "dynamic padding": each item is one row of
-  int64 token ids whose length is drawn once, from a seeded long-tailed (Pareto) distribution
-  between :data:`VARLEN_MIN` and :data:`VARLEN_MAX` tokens, and :func:`pad_collate` pads each
-  batch to its own longest row (``input_ids`` and an int64 ``attention_mask``), so batch sizes
-  vary by 100x and more within an epoch. Every loader sees the same batches, in the same
-  order. It has its own batch size, workers and steps (``--varlen-*``).
+  int64 token ids whose length is drawn once, seeded, between :data:`VARLEN_MIN` and
+  :data:`VARLEN_MAX` tokens, and :func:`pad_collate` pads each batch to its own longest row
+  (``input_ids`` and an int64 ``attention_mask``). The lengths (``--varlen-lengths``,
+  :data:`VARLEN_LENGTHS`): a long Pareto tail (batch sizes vary by 100x and more), lognormal,
+  or that lognormal draw in ascending order (a length curriculum: the first batch is the
+  smallest). Every loader sees the same batches, in the same order. It has its own batch size,
+  workers and steps (``--varlen-*``).
 
 Also the helpers that walk a batch: its tensors, its size in bytes, the move to a device.
 """
@@ -46,6 +48,11 @@ VARLEN_MIN = 16
 VARLEN_MAX = 40_000
 VARLEN_ALPHA = 0.7
 VARLEN_SEED = 25
+#: The varlen workload's row lengths: a Pareto tail, lognormal (median VARLEN_MAX / 8, sigma
+#: VARLEN_SIGMA: with 16 rows a batch, padded, is about 1.2 to 8 MB), or that lognormal draw
+#: sorted, shortest first.
+VARLEN_LENGTHS = ("pareto", "lognormal", "ascending")
+VARLEN_SIGMA = 0.5
 #: The varlen workload slices its rows from this many preallocated int64 values (8 MiB).
 VARLEN_POOL = 1 << 20
 
@@ -123,11 +130,21 @@ def varlen_lengths(
     high: int = VARLEN_MAX,
     alpha: float = VARLEN_ALPHA,
     seed: int = VARLEN_SEED,
+    kind: str = "pareto",
 ) -> np.ndarray:
-    """``length`` row lengths (int64) from ``low`` to ``high`` tokens with a Pareto tail of
-    shape ``alpha`` (see :data:`VARLEN_ALPHA`), the same for the same arguments."""
-    u = 1.0 - np.random.default_rng(seed).random(length)  # in (0, 1]
-    return np.clip(np.floor(low * u ** (-1.0 / alpha)), low, high).astype(np.int64)
+    """``length`` row lengths (int64) from ``low`` to ``high`` tokens, the same for the same
+    arguments: with a Pareto tail of shape ``alpha`` (see :data:`VARLEN_ALPHA`), or lognormal
+    around ``high / 8``, or that lognormal draw in ascending order (:data:`VARLEN_LENGTHS`)."""
+    rng = np.random.default_rng(seed)
+    if kind == "pareto":
+        u = 1.0 - rng.random(length)  # in (0, 1]
+        drawn = low * u ** (-1.0 / alpha)
+    elif kind in ("lognormal", "ascending"):
+        drawn = np.exp(rng.normal(np.log(high / 8), VARLEN_SIGMA, length))
+    else:
+        raise ValueError(f"unknown varlen lengths {kind!r}: one of {VARLEN_LENGTHS}")
+    lengths = np.clip(np.floor(drawn), low, high).astype(np.int64)
+    return np.sort(lengths) if kind == "ascending" else lengths
 
 
 def pad_collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -149,9 +166,12 @@ class VarlenRows(Dataset[Any]):
 
     collate_fn = staticmethod(pad_collate)
 
-    def __init__(self, length: int, low: int = VARLEN_MIN, high: int = VARLEN_MAX) -> None:
+    def __init__(
+        self, length: int, low: int = VARLEN_MIN, high: int = VARLEN_MAX, kind: str = "pareto"
+    ) -> None:
         self.length = length
-        self.lengths = varlen_lengths(length, low, high)
+        self.kind = kind
+        self.lengths = varlen_lengths(length, low, high, kind=kind)
         self.data = torch.arange(max(VARLEN_POOL, 2 * high), dtype=torch.int64)
 
     def __len__(self) -> int:
@@ -222,14 +242,17 @@ def ensure_memmap(data_dir: str, items: int, shape: tuple[int, ...]) -> str:
     return path
 
 
-def make_dataset(name: str, length: int, shape: tuple[int, ...], data_dir: str) -> Dataset[Any]:
+def make_dataset(
+    name: str, length: int, shape: tuple[int, ...], data_dir: str, lengths: str = "pareto"
+) -> Dataset[Any]:
     """Workload ``name`` with ``length`` items of image ``shape`` (tokens: rows of ``shape``;
-    varlen: rows of ``shape[0]`` to ``shape[1]`` tokens)."""
+    varlen: rows of ``shape[0]`` to ``shape[1]`` tokens, their lengths drawn as ``lengths``
+    says)."""
     item_bytes = math.prod(shape)
     if name == "tokens":
         return TokenRows(length, row=shape[0])
     if name == "varlen":
-        return VarlenRows(length, low=shape[0], high=shape[1])
+        return VarlenRows(length, low=shape[0], high=shape[1], kind=lengths)
     if name == "synthetic":
         return SyntheticImages(length, shape)
     if name == "nested":
