@@ -501,6 +501,47 @@ impl Arena {
         }
     }
 
+    /// This arena, taken again by a new pool: its start-up steps are no longer its own.
+    pub fn taken_again(mut self) -> Self {
+        self.timings = vec![("kept from a pool dropped before", 0.0)];
+        self
+    }
+
+    /// Whether a pool asking for an arena of `len` bytes in parts of whole `align`s, for
+    /// `device` with `backend` (None: the default), can take this one as it is: of that size,
+    /// for that device and backend, every part a whole number of `align` (its parts not made
+    /// ready yet are made as a new arena's would be). (`cuda-hostalloc`, one block of the
+    /// driver's, is never taken again.)
+    pub fn reusable_for(
+        &self,
+        len: usize,
+        align: usize,
+        device: Option<usize>,
+        backend: Option<Backend>,
+    ) -> bool {
+        let wanted =
+            backend.unwrap_or(if device.is_some() { Backend::CUDA_DEFAULT } else { Backend::Host });
+        let same_device = match (self.device(), device) {
+            (Some(d), Some(ordinal)) => d.ordinal() == ordinal,
+            (None, None) => true,
+            _ => wanted == Backend::Host && self.backend == Backend::Host,
+        };
+        let mut starts = self.part_starts();
+        starts.push(self.len);
+        let mut last = 0;
+        let aligned = align > 0
+            && starts.iter().all(|&s| {
+                let whole = (s - last) % align == 0;
+                last = s;
+                whole
+            });
+        self.len == len
+            && self.backend == wanted
+            && self.backend != Backend::CudaHostAlloc
+            && same_device
+            && aligned
+    }
+
     /// Where each part after the first starts (none for `cuda-hostalloc`, one block): no slot
     /// may straddle two parts, which are separate memfds and driver registrations.
     pub fn part_starts(&self) -> Vec<usize> {

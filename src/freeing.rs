@@ -1,19 +1,29 @@
 //! The freeing thread: where a pool's memory is given back, so that no caller ever waits for
 //! it. The caller is often a Python thread holding the GIL (the last reference to a pool dies
 //! in a Python object's deallocation); unregistering and unmapping a large arena there would
-//! freeze every Python thread for hundreds of milliseconds.
+//! freeze every Python thread for hundreds of milliseconds. (`pool::teardown` says what a
+//! dropped pool hands over; this module runs it, and keeps the arena it ends with.)
 //!
 //! (Step 8 of "the life of a slot" in [`crate::pool`].)
 //!
+//! Memory comes back as fast as pools are made: the thread runs at idle priority, and with the
+//! CPU busy it can fall behind a loop that makes and drops loaders; so a thread about to make
+//! a pool first runs the jobs still queued itself ([`catch_up`], without the GIL), and the
+//! arena a dropped pool ends with is kept a moment ([`shelve`], [`SHELVED_FOR`]) for the next
+//! pool of its shape to take ([`take_shelved`]) instead of faulting in a new one.
+//!
 //! Invariants:
-//! - One thread per process, named `pinpool-free`, started by the first job. Jobs run one
-//!   at a time, in the order they were queued, each exactly once.
+//! - One thread per process, named `pinpool-free`, started by the first job. Jobs are taken in
+//!   the order they were queued, each exactly once, by that thread or by a thread about to
+//!   make a pool ([`catch_up`]).
 //! - [`submit`] never blocks on a job: it queues and returns. Only when no thread can be
 //!   started at all (the process is out of resources) does the job run on the caller's thread:
 //!   a stall is better than a leak.
-//! - [`flush`] returns true once every job queued before the call has finished and no
-//!   [`Hold`] is held (background work that may still drop the last reference to a pool, such
-//!   as making an arena ready), or false when its timeout passes first.
+//! - At most one arena is kept ([`shelve`]), for at most [`SHELVED_FOR`]: a second one frees
+//!   the first, and [`flush`] (hence the exit hook) frees it.
+//! - [`flush`] returns true once every job queued before the call has finished, no [`Hold`] is
+//!   held (background work that may still drop the last reference to a pool, such as making an
+//!   arena ready) and no arena is kept, or false when its timeout passes first.
 //! - At process exit a C `atexit` hook waits (at most [`EXIT_WAIT`]) for the queue to drain.
 //!   It is registered when the thread starts, after the CUDA driver was loaded, so it runs
 //!   before the driver's own exit handlers: no arena is unregistered from a torn-down driver,
@@ -27,6 +37,8 @@
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use crate::arena::Arena;
 
 /// Work handed to the freeing thread.
 pub type Job = Box<dyn FnOnce() + Send + 'static>;
@@ -57,6 +69,8 @@ struct Queue {
     jobs: VecDeque<Job>,
     queued: u64,
     done: u64,
+    /// Jobs taken and not finished.
+    running: u64,
     started: bool,
     /// Live [`Hold`]s.
     held: usize,
@@ -68,6 +82,7 @@ static QUEUE: Mutex<Queue> = Mutex::new(Queue {
     jobs: VecDeque::new(),
     queued: 0,
     done: 0,
+    running: 0,
     started: false,
     held: 0,
     records: VecDeque::new(),
@@ -86,6 +101,7 @@ fn queue() -> MutexGuard<'static, Queue> {
         q.pid = me;
         q.queued = 0;
         q.done = 0;
+        q.running = 0;
         q.started = false;
         q.held = 0;
     }
@@ -132,7 +148,7 @@ impl Drop for Hold {
 }
 
 /// Waits until no [`Hold`] is held and every job queued by then has run, at most `timeout`
-/// (forever if `None`). Returns whether that happened.
+/// (forever if `None`), and frees the arena kept, if any. Returns whether that happened.
 pub fn flush(timeout: Option<Duration>) -> bool {
     let deadline = timeout.map(|t| Instant::now() + t);
     let mut q = queue();
@@ -148,6 +164,8 @@ pub fn flush(timeout: Option<Duration>) -> bool {
             }
         };
     }
+    drop(q);
+    evict_shelved();
     true
 }
 
@@ -155,6 +173,108 @@ pub fn flush(timeout: Option<Duration>) -> bool {
 pub fn pending() -> u64 {
     let q = queue();
     q.queued - q.done
+}
+
+/// Runs the jobs still queued on the calling thread (a thread about to make a pool, without
+/// the GIL: the memory of the pools dropped before comes back before the new one is taken),
+/// and waits, at most `wait`, for any the freeing thread is running. Returns whether none is
+/// left.
+pub fn catch_up(wait: Duration) -> bool {
+    let deadline = Instant::now() + wait;
+    let mut q = queue();
+    loop {
+        if let Some(job) = q.jobs.pop_front() {
+            q.running += 1;
+            drop(q);
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            q = queue();
+            q.running -= 1;
+            q.done += 1;
+            CHANGED.notify_all();
+            continue;
+        }
+        if q.running == 0 {
+            return true;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        q = CHANGED.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+    }
+}
+
+/// How long an arena is kept for the next pool of its shape (see the module's doc).
+pub const SHELVED_FOR: Duration = Duration::from_secs(2);
+
+/// The arena kept, when it was kept, and what its free is recorded as.
+struct Shelf {
+    pid: u32,
+    kept: Option<(Arena, Instant, Freed)>,
+}
+
+static SHELF: Mutex<Shelf> = Mutex::new(Shelf { pid: 0, kept: None });
+
+fn shelf() -> MutexGuard<'static, Shelf> {
+    let mut s = SHELF.lock().unwrap_or_else(|e| e.into_inner());
+    let me = std::process::id();
+    if s.pid != me {
+        // A forked child's copy of its parent's arena: the parent's to free.
+        std::mem::forget(s.kept.take());
+        s.pid = me;
+    }
+    s
+}
+
+/// Keeps `arena` (whole, with no slot out or fenced) for the next pool of its shape; frees
+/// the one kept before, if any. `freed` is recorded when it is freed.
+pub fn shelve(arena: Arena, freed: Freed) {
+    let old = shelf().kept.replace((arena, Instant::now(), freed));
+    CHANGED.notify_all(); // (the freeing thread times the kept arena out)
+    if let Some((old, _, record_of)) = old {
+        free_kept(old, record_of);
+    }
+}
+
+/// The arena kept, if `fits` it: the caller makes its pool over it.
+pub fn take_shelved(fits: impl Fn(&Arena) -> bool) -> Option<Arena> {
+    let mut s = shelf();
+    if s.kept.as_ref().is_some_and(|(arena, _, _)| fits(arena)) {
+        return s.kept.take().map(|(arena, _, _)| arena);
+    }
+    None
+}
+
+/// Frees the arena kept, if `now(kept_since)` says so.
+fn evict(now: impl Fn(Instant) -> bool) {
+    let kept = {
+        let mut s = shelf();
+        match &s.kept {
+            Some((_, since, _)) if now(*since) => s.kept.take(),
+            _ => None,
+        }
+    };
+    if let Some((arena, _, freed)) = kept {
+        free_kept(arena, freed);
+    }
+}
+
+/// Frees the arena kept (without the shelf's lock: unmapping it takes a while).
+pub fn evict_shelved() {
+    evict(|_| true);
+}
+
+fn free_kept(arena: Arena, mut freed: Freed) {
+    let start = Instant::now();
+    drop(arena);
+    freed.freed_on = crate::priority::thread_id();
+    freed.seconds += start.elapsed().as_secs_f64();
+    record(freed);
+}
+
+/// How long until the arena kept times out (None: none is kept).
+fn shelf_expires_in() -> Option<Duration> {
+    shelf().kept.as_ref().map(|(_, since, _)| SHELVED_FOR.saturating_sub(since.elapsed()))
 }
 
 /// Notes what a job freed (kept for [`recent`]).
@@ -171,7 +291,8 @@ pub fn recent() -> Vec<Freed> {
     queue().records.iter().cloned().collect()
 }
 
-/// The freeing thread's loop: take a job, run it without the lock, count it done.
+/// The freeing thread's loop: take a job, run it without the lock, count it done; free the
+/// arena kept once it has been kept [`SHELVED_FOR`].
 fn run() {
     crate::priority::become_background();
     loop {
@@ -179,14 +300,28 @@ fn run() {
             let mut q = queue();
             loop {
                 if let Some(job) = q.jobs.pop_front() {
-                    break job;
+                    q.running += 1;
+                    break Some(job);
                 }
-                q = CHANGED.wait(q).unwrap_or_else(|e| e.into_inner());
+                match shelf_expires_in() {
+                    None => q = CHANGED.wait(q).unwrap_or_else(|e| e.into_inner()),
+                    Some(left) if left.is_zero() => break None,
+                    Some(left) => {
+                        q = CHANGED.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+                    }
+                }
             }
+        };
+        let Some(job) = job else {
+            evict(|since| since.elapsed() >= SHELVED_FOR);
+            continue;
         };
         // A panicking job must not take the thread (and every later free) with it.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-        queue().done += 1;
+        let mut q = queue();
+        q.running -= 1;
+        q.done += 1;
+        drop(q);
         CHANGED.notify_all();
     }
 }

@@ -106,6 +106,7 @@ use crate::copy::{Copier, MAX_COPY_THREADS};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
+use crate::freeing;
 use crate::shm::{page_size, round_up};
 use crate::slots::{Checkout, Layout, SlotTable};
 
@@ -205,7 +206,19 @@ impl Pool {
         let slot_bytes = Self::checked_slot_bytes(config)?;
         let arena_len = Self::arena_len(config, slot_bytes)?;
         SlotTable::check_len(config.num_slots)?; // before any memory is taken
-        let arena = if config.background {
+                                                 // The pools dropped before give their memory back first (the freeing thread may lag
+                                                 // behind a loop that makes loaders), and one of this shape gives its arena.
+        freeing::catch_up(CATCH_UP_AT_MOST);
+        let (device, backend) = (config.device, config.backend);
+        let kept =
+            freeing::take_shelved(|a| a.reusable_for(arena_len, slot_bytes, device, backend));
+        let arena = if let Some(arena) = kept {
+            if !config.background {
+                while arena.prepare_next(fault_threads())?.is_some() {} // (whole, as asked)
+            }
+            arena.taken_again()
+        } else if config.background {
+            freeing::evict_shelved();
             Arena::new_partial(
                 arena_len,
                 slot_bytes,
@@ -215,6 +228,7 @@ impl Pool {
                 slot_bytes.max(READY_FIRST),
             )?
         } else {
+            freeing::evict_shelved();
             Arena::new(arena_len, slot_bytes, config.device, config.backend, fault_threads())?
         };
         let table = Self::table_over(&arena, config.num_slots, slot_bytes)?;
@@ -604,6 +618,10 @@ const PER_THREAD_DEFAULT_STREAM: StreamHandle = 2;
 fn fault_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| n.get()).div_ceil(2)
 }
+
+/// The longest a pool being made waits for the freeing thread to finish a free it has begun
+/// (a dropped pool's fences, say), before it makes its arena anyway.
+const CATCH_UP_AT_MOST: Duration = Duration::from_secs(1);
 
 /// A background pool makes at least this much of its arena (and at least one part, so the
 /// largest slot) ready before it returns: small arenas are made whole, and a big one has room

@@ -21,7 +21,8 @@
 //!   once (the worker is gone) has its grant given back.
 //! - The desk lives while a [`Registration`] does; dropping the last one stops its thread,
 //!   which closes the socket and every connection before the drop returns. A process forked
-//!   from the desk's owner has no desk thread: it neither uses nor stops its parent's.
+//!   from the desk's owner has no desk thread: it neither uses nor stops its parent's, and
+//!   takes none of its locks (its thread may have held one at the fork).
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
@@ -143,6 +144,11 @@ impl Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        if self.desk.pid != std::process::id() {
+            // A forked child's copy (a worker's, collected there): the parent's desk thread
+            // may have held the lock at the fork, and nothing here answers anyway.
+            return;
+        }
         lock(&self.desk.tables).remove(&self.table);
     }
 }

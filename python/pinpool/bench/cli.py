@@ -24,7 +24,13 @@ from typing import Any
 from .loaders import LOADERS
 from .workloads import VARLEN_LENGTHS, WORKLOADS
 
-MODES = ("throughput", "compute", "stall")
+MODES = ("throughput", "compute", "stall", "churn")
+#: The churn scenario: loaders made, run for one epoch over a tiny dataset and dropped, one
+#: after the other, this many (what an evaluation loader per epoch, a sweep or a test suite
+#: does); CHURN_ITEMS items of batch CHURN_BATCH each.
+CHURN_LOADERS = 100
+CHURN_ITEMS = 24
+CHURN_BATCH = 4
 
 
 def cpu_count() -> int:

@@ -57,6 +57,7 @@ from __future__ import annotations
 import gc
 import math
 import multiprocessing
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -152,7 +153,7 @@ class Scenario:
     """What every run of one scenario does (saved as the JSON's ``scenarios`` entries)."""
 
     workload: str
-    mode: str  # "throughput", "compute" or "stall"
+    mode: str  # "throughput", "compute", "stall" or "churn"
     batch_size: int
     shape: tuple[int, ...]
     workers: int
@@ -251,6 +252,8 @@ def run_once(
     and collects garbage; its probe runs from before construction to the end, and each of
     :data:`PHASES` is reported on its own (``phases``).
     """
+    if plan.mode == "churn":
+        return run_churn(spec, dataset, plan, device)
     life = plan.mode == "stall"  # the whole life, phase by phase
     epoch = plan.warmup + plan.steps  # batches in the dataset
     reset_host_pinned()
@@ -405,6 +408,54 @@ def run_once(
         rec["idle_share"] = max(0.0, 1.0 - sum(busy) / (wall * 1e3))
         rec["steps_per_s"] = plan.steps / wall
     return rec
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def run_churn(
+    spec: LoaderSpec, dataset: Any, plan: Scenario, device: torch.device | None
+) -> dict[str, Any]:
+    """``plan.steps`` loaders for ``spec`` made one after the other, each run for one epoch
+    over ``dataset`` (a few items) and dropped: the time each costs, and how far the process's
+    resident memory and threads grew over the loop (what the loaders left behind, or had not
+    given back yet)."""
+    gc.collect()
+    pinpool.wait_for_freed_pools(timeout=120)
+    rss0, threads0 = _rss_mib(), _threads()
+    rss_peak, threads_peak = rss0, threads0
+    t0 = time.perf_counter()
+    for _ in range(plan.steps):
+        loader = build(
+            spec,
+            dataset,
+            batch_size=plan.batch_size,
+            workers=plan.workers,
+            prefetch_factor=plan.prefetch_factor,
+            device=None if device is None else str(device),
+            collate_fn=collate_of(dataset),
+        )
+        for batch in loader:
+            del batch
+        del loader
+        rss_peak, threads_peak = max(rss_peak, _rss_mib()), max(threads_peak, _threads())
+    _sync(device)
+    wall = time.perf_counter() - t0
+    gc.collect()
+    pinpool.wait_for_freed_pools(timeout=120)
+    return {
+        "steps": plan.steps,
+        "ms_per_loader": wall / plan.steps * 1e3,
+        "rss_growth_mib": rss_peak - rss0,
+        "thread_growth": threads_peak - threads0,
+        "rss_left_mib": _rss_mib() - rss0,
+    }
 
 
 def h2d_ceiling(nbytes: int, device: torch.device, repeats: int = 10) -> float:

@@ -46,6 +46,10 @@ METRICS = {
     "zero_copy_in_place": "zero-copy in place, %",
     "time_to_first_batch_s": "time to first batch, ms",
     "end_of_epoch_ms": "end of epoch, ms",
+    "ms_per_loader": "ms a loader (made, run, dropped)",
+    "rss_growth_mib": "RSS growth over the loop, MiB",
+    "thread_growth": "threads grown over the loop",
+    "rss_left_mib": "RSS left after the loop, MiB",
 }
 #: Phase metric key -> (phase, key in the run's ``phases[phase]``).
 _PHASE_FIELDS = {
@@ -65,7 +69,7 @@ SCALE = {
     "zero_copy_in_place": 100.0,
 }
 #: Counts: shown as whole numbers where they are (a median of two may be a half).
-COUNTS = {"overflow_batches", "zero_copy_fallbacks"}
+COUNTS = {"overflow_batches", "zero_copy_fallbacks", "thread_growth"}
 _COMMON = ["step_ms_max", "probe_p99_ms", "probe_max_ms", "cpu_ms_per_batch", "pinned_mib"]
 _NEXT = ["next_ms_median", "next_ms_p99"]
 #: The metrics shown for each mode, headline first (tokens, varlen: for their workloads).
@@ -99,6 +103,7 @@ SHOWN = {
         "zero_copy_fallbacks",
         "zero_copy_in_place",
     ],
+    "churn": ["ms_per_loader", "rss_growth_mib", "thread_growth", "rss_left_mib"],
     "compute": [
         "steps_per_s",
         "idle_share",
@@ -435,6 +440,8 @@ def write_all(result: dict[str, Any], out: str) -> list[str]:
     with open(paths[1], "w") as f:
         f.write(table(result) + "\n")
     for scenario in result["scenarios"]:
+        if result["scenarios"][scenario]["mode"] == "churn":
+            continue  # (no steps: loaders)
         path = os.path.join(out, f"steps-{scenario.replace('/', '-')}.png")
         plot_steps(result, scenario, path)
         paths.append(path)

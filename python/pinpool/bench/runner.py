@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import pinpool
 
-from .cli import STALL_ITEMS, Config, cpu_count, resolve
+from .cli import CHURN_BATCH, CHURN_ITEMS, CHURN_LOADERS, STALL_ITEMS, Config, cpu_count, resolve
 from .loaders import BASELINE, LoaderSpec, check, same_here, spec_named
 from .measure import ComputeWork, Scenario, h2d_ceiling, run_once
 from .ranks import DataParallelStep, Ranks, launch, missing_gpus, totals
@@ -155,6 +155,12 @@ def plan_scenarios(cfg: Config) -> dict[str, Scenario]:
                 workload, mode, cfg.batch_size, cfg.shape, cfg.workers,
                 cfg.prefetch_factor, cfg.warmup, cfg.steps,
             )  # fmt: skip
+    if "churn" in cfg.modes:
+        # (warm-up: none; steps: the loaders made; the shape: one small image an item)
+        out["churn"] = Scenario(
+            "synthetic", "churn", CHURN_BATCH, (3, 16, 16), 0, cfg.prefetch_factor, 0,
+            CHURN_LOADERS,
+        )  # fmt: skip
     if "stall" in cfg.modes:
         out["stall"] = Scenario(
             "synthetic", "stall", STALL_ITEMS, cfg.stall_shape, cfg.stall_workers,
@@ -198,11 +204,15 @@ def describe(sc: Scenario, dataset: Any, cfg: Config) -> str:
         "throughput": "no compute",
         "compute": f"{cfg.compute_ms:g} ms GPU work + loss.item() per step",
         "stall": "big batches, the loader's whole life: main-thread stalls per phase",
+        "churn": f"{sc.steps} loaders made one after the other, each run for one epoch of "
+        f"{CHURN_ITEMS} items and dropped",
     }[sc.mode]
     steps = f"{sc.steps} steps after {sc.warmup} warm-up"
     if sc.mode == "stall":
         steps = f"2 epochs of {sc.warmup + sc.steps} batches (timed steps: the last {sc.steps} "
         steps += "of epoch 1)"
+    elif sc.mode == "churn":
+        steps = f"{CHURN_ITEMS // sc.batch_size} batches a loader"
     size = _size(nbytes)
     return (
         f"{sc.workload}, batch {sc.batch_size} x {'x'.join(map(str, sc.shape))} {dtype} = "
@@ -230,6 +240,8 @@ def run_all(
         for name, sc in scenarios.items():
             bar.set_description(f"{name}: preparing data")
             length = (sc.warmup + sc.steps) * sc.batch_size
+            if sc.mode == "churn":
+                length = CHURN_ITEMS
             dataset = make_dataset(
                 sc.workload, length * world, sc.shape, cfg.data_dir, cfg.varlen_lengths
             )
