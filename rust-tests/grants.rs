@@ -22,7 +22,7 @@ fn pool(slot: usize, slots: usize) -> Arc<Pool> {
 
 fn grants(pool: &Arc<Pool>) -> Arc<Grants> {
     let g = Arc::new(Grants::new(16, 1 << 30, BIG_FROM));
-    g.use_pool(pool);
+    g.use_pool(pool, usize::MAX);
     g.open(7);
     g
 }
@@ -116,12 +116,15 @@ fn no_grant_without_a_pool_or_for_a_batch_no_part_holds() {
     g.open(7);
     assert!(g.issue(&ask(0, 0, PAGE)).is_none(), "no pool yet");
     let pool = pool(4 * PAGE, 2);
-    g.use_pool(&pool);
+    g.use_pool(&pool, 3 * PAGE + 1);
+    assert!(g.issue(&ask(0, 0, 3 * PAGE + 2)).is_none(), "one byte over the largest batch");
+    assert!(g.issue(&ask(0, 0, 3 * PAGE + 1)).is_some());
+    g.use_pool(&pool, usize::MAX);
     assert!(g.issue(&ask(0, 0, pool.largest_slot() + 1)).is_none());
     assert!(g.issue(&ask(0, 0, 0)).is_none());
     pool.close();
     assert!(g.issue(&ask(0, 0, PAGE)).is_none(), "closed");
-    assert_eq!(g.fallbacks(), 3, "an empty batch asks for nothing");
+    assert_eq!(g.fallbacks(), 4, "an empty batch asks for nothing");
 }
 
 #[test]

@@ -120,8 +120,8 @@ fn many_threads_few_slots_never_share_a_slot() {
                         // A very short timeout: timing out is expected and must not leak.
                         1 => match pool.checkout(Some(Duration::from_micros(50))) {
                             Ok(t) => t,
-                            Err(Error::Exhausted { num_slots, .. }) => {
-                                assert_eq!(num_slots, SLOTS);
+                            Err(Error::Exhausted { held, .. }) => {
+                                assert_eq!(held.entries, SLOTS);
                                 timeouts.fetch_add(1, Ordering::Relaxed);
                                 continue;
                             }

@@ -132,8 +132,6 @@ pub struct Arena {
     timings: Vec<(&'static str, f64)>,
 }
 
-const GIB: f64 = (1u64 << 30) as f64;
-
 /// About how big the parts of an arena made ready in the background are (whole slots).
 const BACKGROUND_PART: usize = 128 << 20;
 
@@ -236,7 +234,8 @@ impl Arena {
     }
 
     /// As [`Arena::new`], but only the first `first` bytes (a multiple of `align`, rounded up
-    /// to one) are made ready before it returns; [`Arena::prepare_next`] does the rest.
+    /// to one, and at most the arena's whole `align`s) are made ready before it returns;
+    /// [`Arena::prepare_next`] does the rest.
     /// `cuda-hostalloc` (one driver call) is always made ready whole.
     pub fn new_partial(
         len: usize,
@@ -246,7 +245,8 @@ impl Arena {
         threads: usize,
         first: usize,
     ) -> Result<Self> {
-        let first = first.div_ceil(align.max(1)).max(1).saturating_mul(align).min(len);
+        let align = align.max(1);
+        let first = first.div_ceil(align).max(1).saturating_mul(align).min(len / align * align);
         Self::build(len, align, device, backend, threads, Some(first))
     }
 
@@ -263,12 +263,12 @@ impl Arena {
         }
         if let Some(available) = available_memory() {
             if len > available {
-                return Err(Error::Invalid(format!(
-                    "an arena of {len} bytes ({:.2} GiB) does not fit in the {available} bytes \
-                     ({:.2} GiB) of memory available; ask for fewer or smaller slots",
-                    len as f64 / GIB,
-                    available as f64 / GIB
-                )));
+                return Err(Error::NotEnoughMemory {
+                    what: "the arena (slot_bytes= x num_slots=, or arena_bytes=: ask for less)"
+                        .into(),
+                    wanted: len,
+                    available,
+                });
             }
         }
         let mut timings = Vec::new();
@@ -648,7 +648,7 @@ mod tests {
         // and the arena's own (make test runs the Rust tests beside the Python build).
         let len = (available / page * 2 + 1) * page;
         let err = Arena::new(len, page, None, Some(Backend::Host), 1).unwrap_err();
-        assert!(err.to_string().contains("does not fit"), "{err}");
+        assert!(matches!(err, Error::NotEnoughMemory { wanted, .. } if wanted == len), "{err}");
     }
 
     #[test]

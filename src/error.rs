@@ -9,8 +9,8 @@ use std::fmt;
 /// Everything that can go wrong in pinpool.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Error {
-    /// No slot became free before the timeout.
-    Exhausted { waited_ms: u64, num_slots: usize },
+    /// No room for a slot of `wanted` bytes came before the timeout; what held the arena then.
+    Exhausted { waited_ms: u64, wanted: usize, held: Held },
     /// The slot was already released (or the checkout it names is stale).
     SlotReleased { index: usize },
     /// A batch needs more bytes than one slot holds.
@@ -29,6 +29,24 @@ pub enum Error {
     Os { call: &'static str, errno: i32 },
     /// An argument makes no sense (zero sizes, unknown backend, ...).
     Invalid(String),
+    /// Memory of `wanted` bytes was asked for where `available` are (`what`: for what).
+    NotEnoughMemory { what: String, wanted: usize, available: usize },
+}
+
+/// What holds an arena at one moment (for [`Error::Exhausted`]'s message).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Held {
+    /// Slots checked out, and their bytes.
+    pub checked_out: usize,
+    pub checked_out_bytes: usize,
+    /// Slots released but waiting for their fence, and their bytes.
+    pub fenced: usize,
+    pub fenced_bytes: usize,
+    /// The longest free range, and the arena's length.
+    pub largest_free: usize,
+    pub arena: usize,
+    /// Slots the table can hold at once.
+    pub entries: usize,
 }
 
 impl Error {
@@ -46,9 +64,18 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Exhausted { waited_ms, num_slots } => write!(
+            Error::Exhausted { waited_ms, wanted, held: h } => write!(
                 f,
-                "no free slot after {waited_ms} ms: all {num_slots} slots are checked out or fenced"
+                "no room for a slot of {wanted} bytes after {waited_ms} ms: {} slots checked \
+                 out ({} bytes), {} fenced ({} bytes); the longest free range is {} bytes of \
+                 the arena's {} ({} slots at most)",
+                h.checked_out,
+                h.checked_out_bytes,
+                h.fenced,
+                h.fenced_bytes,
+                h.largest_free,
+                h.arena,
+                h.entries
             ),
             Error::SlotReleased { index } => {
                 write!(f, "slot {index} was already released; this handle can no longer be used")
@@ -71,6 +98,13 @@ impl fmt::Display for Error {
                 write!(f, "{call} failed: {}", std::io::Error::from_raw_os_error(*errno))
             }
             Error::Invalid(msg) => f.write_str(msg),
+            Error::NotEnoughMemory { what, wanted, available } => write!(
+                f,
+                "{what}: {wanted} bytes ({:.2} GiB) asked for, but {available} bytes ({:.2} GiB) \
+                 of memory are available",
+                *wanted as f64 / f64::from(1 << 30),
+                *available as f64 / f64::from(1 << 30)
+            ),
         }
     }
 }

@@ -38,7 +38,7 @@
 //! - In a process forked from the table's owner nothing is granted or released.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::error::{Error, Result};
@@ -177,6 +177,8 @@ pub struct Grants {
     epoch: AtomicU64,
     /// No pool yet, but one is being made: requests wait for it.
     pool_coming: AtomicBool,
+    /// The largest batch granted a slot, in bytes.
+    largest: AtomicUsize,
     owner_pid: u32,
 }
 
@@ -195,6 +197,7 @@ impl Grants {
             fallbacks: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
             pool_coming: AtomicBool::new(false),
+            largest: AtomicUsize::new(usize::MAX),
             owner_pid: std::process::id(),
         }
     }
@@ -207,9 +210,11 @@ impl Grants {
         std::process::id() != self.owner_pid
     }
 
-    /// Grants come from `pool` from now on (the loader's pool, once made).
-    pub fn use_pool(&self, pool: &Arc<Pool>) {
+    /// Grants come from `pool` from now on (the loader's pool, once made), for batches of up
+    /// to `largest` bytes (a larger one is the loader's to take, by its rules for them).
+    pub fn use_pool(&self, pool: &Arc<Pool>, largest: usize) {
         *self.pool.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(pool);
+        self.largest.store(largest, Ordering::SeqCst);
         self.pool_coming.store(false, Ordering::SeqCst);
         self.changed();
     }
@@ -284,6 +289,9 @@ impl Grants {
             }
             return Answer::No;
         };
+        if request.nbytes > self.largest.load(Ordering::SeqCst) {
+            return Answer::No;
+        }
         let page = crate::shm::page_size();
         let Some(size) = request.nbytes.checked_next_multiple_of(page) else { return Answer::No };
         if size > pool.largest_slot() {

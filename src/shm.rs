@@ -192,8 +192,9 @@ impl Mapping {
 ///
 /// Faulting fresh pages into one shared-memory file does not scale with threads (they contend
 /// on the file); faulting several files does (measured on the H200 machine:
-/// `benchmarks/arena_populate.py`). Each part is a whole number of `part_align` bytes, so a
-/// slot never straddles two parts.
+/// `benchmarks/arena_populate.py`). Each part holds a whole number of `part_align` bytes (the
+/// last one the rest, a whole number of pages, besides), so a slot of up to `part_align` never
+/// straddles two parts and none is wasted.
 pub struct Region {
     base: NonNull<u8>,
     len: usize,
@@ -228,14 +229,15 @@ impl std::fmt::Debug for Region {
 }
 
 impl Region {
-    /// `len` bytes (a multiple of `part_align`, itself a multiple of the page size) in at most
-    /// `max_parts` memfds.
+    /// `len` bytes (a whole number of pages, at least `part_align`, itself a whole number of
+    /// pages) in at most `max_parts` memfds.
     pub fn new(name: &str, len: usize, part_align: usize, max_parts: usize) -> Result<Self> {
         Self::with_first(name, len, part_align, 0, max_parts)
     }
 
     /// As [`Region::new`], but with a first part of exactly `first` bytes (a multiple of
-    /// `part_align`; 0 for none) before the others, so it can be made ready on its own.
+    /// `part_align`; 0 for none) before the others, so it can be made ready on its own. What is
+    /// left over after whole `part_align`s goes to the last part.
     pub fn with_first(
         name: &str,
         len: usize,
@@ -245,7 +247,8 @@ impl Region {
     ) -> Result<Self> {
         if len == 0
             || part_align == 0
-            || len % part_align != 0
+            || len % page_size() != 0
+            || len < part_align
             || part_align % page_size() != 0
             || first % part_align != 0
             || first > len
@@ -262,11 +265,19 @@ impl Region {
         let rest = len - first;
         if rest > 0 {
             let units = rest / part_align;
-            let per_part = units.div_ceil(max_parts.clamp(1, units)) * part_align;
-            let mut offset = 0;
-            while offset < rest {
-                lens.push(per_part.min(rest - offset));
-                offset += per_part;
+            if units == 0 {
+                lens.push(rest); // (after a first part: less than one more `part_align`)
+            } else {
+                let whole = units * part_align;
+                let per_part = units.div_ceil(max_parts.clamp(1, units)) * part_align;
+                let mut offset = 0;
+                while offset < whole {
+                    lens.push(per_part.min(whole - offset));
+                    offset += per_part;
+                }
+                if let Some(last) = lens.last_mut() {
+                    *last += rest - whole; // (the pages left over: the last part's)
+                }
             }
         }
         // SAFETY: a fresh inaccessible reservation chosen by the kernel; it aliases nothing.
@@ -677,7 +688,12 @@ mod tests {
         // SAFETY: reading the separate mapping of the same memfd.
         assert_eq!(unsafe { *seen.as_ptr().add(last.len - 1) }, 7);
         assert!(r.part_at(10 * page).is_none());
-        assert!(Region::new("pinpool-test", 3 * page, 2 * page, 1).is_err());
+        // The pages past whole units go to the last part; less than one unit is refused.
+        let odd = Region::new("pinpool-test", 7 * page, 2 * page, 2).unwrap();
+        let lens: Vec<usize> = odd.parts().iter().map(|p| p.len).collect();
+        assert_eq!(lens, vec![4 * page, 3 * page]);
+        assert!(Region::new("pinpool-test", page, 2 * page, 1).is_err());
+        assert!(Region::new("pinpool-test", 3 * page + 1, 2 * page, 1).is_err());
     }
 
     /// How many pages of this process are mapped from memfds named `name` (from

@@ -56,5 +56,9 @@ class InvalidArgument(PinPoolError, ValueError):
     """An argument makes no sense (zero sizes, unknown backend, ...)."""
 
 
+class NotEnoughMemory(PinPoolError, MemoryError):
+    """More memory was asked for (an arena, by its sizes) than this process may take."""
+
+
 class OutOfBounds(PinPoolError, ValueError):
     """A byte range lies outside the memory it names (a corrupt or hostile description)."""

@@ -420,8 +420,8 @@ class Grants:
     def desk(self) -> tuple[bytes, int] | None:
         """``(address, table)``: the desk's abstract socket name (without its leading NUL) and
         the number requests name this table by; None once closed."""
-    def use_pool(self, pool: PinPool) -> None:
-        """Grants come from ``pool`` from now on."""
+    def use_pool(self, pool: PinPool, largest: int) -> None:
+        """Grants come from ``pool`` from now on, for batches of up to ``largest`` bytes."""
     def pool_coming(self, coming: bool) -> None:
         """Whether the loader's pool is being made: until ``use_pool``, requests wait for it
         (at most 5 s) rather than go without."""

@@ -93,9 +93,12 @@ def _torch_dtype(torch: Any, dtype: Any) -> Any:
                 "(or use numpy on memoryview(slot))"
             )
         name = found.name
-    except (TypeError, ImportError):
+    except InvalidArgument:
+        raise
+    except (TypeError, ImportError, ValueError, SyntaxError):
+        # (numpy parses strings, and raises what it meets: "0:", "01")
         name = getattr(dtype, "name", None) or str(dtype)
-    found = getattr(torch, name, None)
+    found = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(found, torch.dtype):
         raise InvalidArgument(f"unknown dtype {dtype!r}")
     return found
@@ -116,7 +119,7 @@ def _plain_numpy_dtype(dtype: Any) -> Any:
 
     try:
         found = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError):
         raise InvalidArgument(f"unknown dtype {dtype!r}") from None
     if dtype is None:  # (numpy reads None as float64)
         raise InvalidArgument("a slot view needs a dtype, not None")

@@ -154,6 +154,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
             collate_fn = None  # torch's default: pinpool's own, bit for bit, streamed
+        settings.check_bool("zero_copy", zero_copy)
+        settings.check_bool("keep_worker_memory", keep_worker_memory)
+        settings.check_bool("stream_samples", stream_samples, none_ok=True)
+        settings.check_int("worker_copy_threads", worker_copy_threads, 1, 64, none_ok=True)
         in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
         pool_settings = PoolSettings.checked(
             pool=pool,

@@ -100,7 +100,8 @@ impl Pool {
             if expired {
                 return Err(Error::Exhausted {
                     waited_ms: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
-                    num_slots: self.num_slots(),
+                    wanted: bytes,
+                    held: self.held(),
                 });
             }
             if rules.reserve > 0 && room_once_back {

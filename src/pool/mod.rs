@@ -104,7 +104,7 @@ use std::time::{Duration, Instant};
 use crate::arena::{Arena, Backend, Residency};
 use crate::copy::{Copier, MAX_COPY_THREADS};
 use crate::cuda::StreamHandle;
-use crate::error::{Error, Result};
+use crate::error::{Error, Held, Result};
 use crate::fence::{CudaFences, FenceTracker, Fences};
 use crate::freeing;
 use crate::shm::{page_size, round_up};
@@ -135,8 +135,8 @@ pub struct PoolConfig {
     pub slot_bytes: usize,
     /// The most slots out or fenced at once.
     pub num_slots: usize,
-    /// The arena's size, rounded up to a whole number of `slot_bytes`; `None`:
-    /// `slot_bytes * num_slots` (equal slots).
+    /// The arena's size, rounded up to a whole page (and at least `slot_bytes`: the last part
+    /// holds the pages past whole slots); `None`: `slot_bytes * num_slots` (equal slots).
     pub arena_bytes: Option<usize>,
     /// CUDA device ordinal, or `None` for no CUDA. (The Python layer's automatic choice,
     /// the rank's own device, is [`crate::device_choice::DeviceRequest::resolve`].)
@@ -248,11 +248,12 @@ impl Pool {
         Self::assemble(arena, slot_bytes, table, Some(fences), config.copy_threads)
     }
 
-    /// The arena's length: `arena_bytes` rounded up to whole slots, else `num_slots` slots.
+    /// The arena's length: `arena_bytes` rounded up to a whole page (at least one slot), else
+    /// `num_slots` slots.
     fn arena_len(config: &PoolConfig, slot_bytes: usize) -> Result<usize> {
         let len = match config.arena_bytes {
             Some(0) => return Err(Error::Invalid("arena_bytes must be positive".into())),
-            Some(n) => n.checked_next_multiple_of(slot_bytes),
+            Some(n) => n.checked_next_multiple_of(page_size()).map(|n| n.max(slot_bytes)),
             None => slot_bytes.checked_mul(config.num_slots),
         };
         len.ok_or_else(|| Error::Invalid("the arena's size overflows the address space".into()))
@@ -356,6 +357,20 @@ impl Pool {
     /// A number that changes whenever bytes or an entry become free.
     pub fn epoch(&self) -> u64 {
         self.table.epoch()
+    }
+
+    /// What holds the arena now (for [`Error::Exhausted`]).
+    pub fn held(&self) -> Held {
+        let (c, b) = (self.table.counts(), self.table.bytes());
+        Held {
+            checked_out: c.checked_out,
+            checked_out_bytes: b.checked_out,
+            fenced: c.fenced,
+            fenced_bytes: b.fenced,
+            largest_free: b.largest_free,
+            arena: b.arena,
+            entries: self.table.len(),
+        }
     }
 
     /// The slot table's id (every checkout of this pool carries it).
@@ -511,7 +526,8 @@ impl Pool {
                     if elapsed >= limit {
                         return Err(Error::Exhausted {
                             waited_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
-                            num_slots: self.num_slots(),
+                            wanted: bytes,
+                            held: self.held(),
                         });
                     }
                     nap.min(limit - elapsed)
@@ -656,7 +672,8 @@ mod tests {
         let _held = pool.checkout(None).unwrap();
         let t0 = Instant::now();
         let err = pool.checkout(Some(Duration::from_millis(30))).unwrap_err();
-        assert!(matches!(err, Error::Exhausted { num_slots: 1, .. }), "{err}");
+        assert!(matches!(err, Error::Exhausted { held: Held { checked_out: 1, .. }, .. }), "{err}");
+        assert!(err.to_string().contains("1 slots checked out (4096 bytes)"), "{err}");
         assert!(t0.elapsed() >= Duration::from_millis(30));
         assert_eq!(pool.stats().waits, 1);
     }

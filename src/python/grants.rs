@@ -53,12 +53,12 @@ impl PyGrants {
         desk.as_ref().map(|d| (PyBytes::new(py, d.address()), d.table()))
     }
 
-    /// Grants come from `pool` from now on.
-    fn use_pool(&self, py: Python<'_>, pool: &PyPinPool) -> PyResult<()> {
+    /// Grants come from `pool` from now on, for batches of up to `largest` bytes.
+    fn use_pool(&self, py: Python<'_>, pool: &PyPinPool, largest: usize) -> PyResult<()> {
         guarded(|| {
             let p = pool.get(py)?;
             *self.fence_device.lock().unwrap_or_else(|e| e.into_inner()) = pool.device_for_fences();
-            self.inner.use_pool(&p);
+            self.inner.use_pool(&p, largest);
             Ok(())
         })
     }

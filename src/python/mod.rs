@@ -50,6 +50,7 @@ pyo3::import_exception!(pinpool._errors, BatchTooLarge);
 pyo3::import_exception!(pinpool._errors, CudaError);
 pyo3::import_exception!(pinpool._errors, InvalidArgument);
 pyo3::import_exception!(pinpool._errors, OutOfBounds);
+pyo3::import_exception!(pinpool._errors, NotEnoughMemory);
 
 /// Builds the Python exception for a core error.
 pub(crate) fn to_py(_py: Python<'_>, err: Error) -> PyErr {
@@ -67,6 +68,7 @@ pub(crate) fn to_py(_py: Python<'_>, err: Error) -> PyErr {
         Error::Closed => PoolClosed::new_err(msg),
         Error::Os { .. } => PinPoolError::new_err(msg),
         Error::Invalid(_) => InvalidArgument::new_err(msg),
+        Error::NotEnoughMemory { .. } => NotEnoughMemory::new_err(msg),
     }
 }
 
@@ -212,16 +214,39 @@ pub(crate) fn timeout_arg(py: Python<'_>, timeout: Option<f64>) -> PyResult<Opti
 /// negative or huge int is an `InvalidArgument` naming the argument (not PyO3's
 /// `OverflowError`); anything else keeps Python's `TypeError`.
 pub(crate) fn size_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    let int = value.is_instance_of::<pyo3::types::PyInt>()
+        && !value.is_instance_of::<pyo3::types::PyBool>();
     match value.extract::<usize>() {
-        Ok(n) => Ok(n),
-        Err(_) if value.is_instance_of::<pyo3::types::PyInt>() => Err(to_py(
+        Ok(n) if int => Ok(n),
+        _ if int => Err(to_py(
             py,
             Error::Invalid(format!(
                 "{name} must be a non-negative integer of at most {}, got {value}",
                 usize::MAX
             )),
         )),
-        Err(err) => Err(err),
+        _ => Err(to_py(
+            py,
+            Error::Invalid(format!(
+                "{name} must be a non-negative integer, not {} ({})",
+                value.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()),
+                value.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string())
+            )),
+        )),
+    }
+}
+
+/// `value` as a bool, or an `InvalidArgument` naming `name` (a string, say `"yes"`, is not one).
+pub(crate) fn bool_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    match value.cast::<pyo3::types::PyBool>() {
+        Ok(b) => Ok(b.is_true()),
+        Err(_) => Err(to_py(
+            py,
+            Error::Invalid(format!(
+                "{name} must be True or False, not {}",
+                value.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
+            )),
+        )),
     }
 }
 

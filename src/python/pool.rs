@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::slot::PySlot;
-use super::{guarded, size_arg, timeout_arg, to_py, IntoPy};
+use super::{bool_arg, guarded, size_arg, timeout_arg, to_py, IntoPy};
 use crate::arena::Backend;
 use crate::copy::MAX_COPY_THREADS;
 use crate::device_choice::DeviceRequest;
@@ -60,6 +60,30 @@ pub(crate) enum DeviceArg<'py> {
     Object(Bound<'py, PyAny>),
 }
 
+/// `device=` as given: an int, a string, or an object whose `str()` names a device (a
+/// `torch.device`); a bool or a float is none of these.
+fn device_arg<'py>(value: &Bound<'py, PyAny>) -> PyResult<DeviceArg<'py>> {
+    let py = value.py();
+    if value.is_instance_of::<pyo3::types::PyBool>()
+        || value.is_instance_of::<pyo3::types::PyFloat>()
+    {
+        return Err(to_py(
+            py,
+            Error::Invalid(format!(
+                "device must be None, 'cpu', 'cuda', 'cuda:N', an int or a torch.device, not {}",
+                value.repr()?
+            )),
+        ));
+    }
+    if let Ok(i) = value.extract::<i64>() {
+        return Ok(DeviceArg::Index(i));
+    }
+    if let Ok(s) = value.extract::<String>() {
+        return Ok(DeviceArg::Name(s));
+    }
+    Ok(DeviceArg::Object(value.clone()))
+}
+
 /// Parses `device=`: "cpu" means no CUDA; `None` and "cuda" (torch's "the current device")
 /// the rank's own device, chosen by [`DeviceRequest::resolve`] (`None` only may come to host
 /// memory where there is no GPU).
@@ -77,7 +101,15 @@ pub(crate) fn parse_device(
         Some(DeviceArg::Name(s)) => s,
         Some(DeviceArg::Object(o)) => o.str()?.to_string(),
     };
-    let bad = || to_py(py, Error::Invalid(format!("cannot use device {text:?}")));
+    let bad = || {
+        to_py(
+            py,
+            Error::Invalid(format!(
+                "device must be None, 'cpu', 'cuda', 'cuda:N', an int or a torch.device, not \
+                 {text:?}"
+            )),
+        )
+    };
     match text.as_str() {
         "cpu" => Ok(DeviceRequest::Cpu),
         "cuda" => Ok(DeviceRequest::Cuda),
@@ -223,7 +255,7 @@ fn stats_dict<'py>(
 impl PyPinPool {
     #[new]
     #[pyo3(
-        signature = (slot_bytes, num_slots, device = None, backend = "auto", copy_threads = None, background = false, arena_bytes = None),
+        signature = (slot_bytes, num_slots, device = None, backend = None, copy_threads = None, background = None, arena_bytes = None),
         text_signature = "(slot_bytes, num_slots, device=None, backend='auto', copy_threads=None, background=False, arena_bytes=None)"
     )]
     #[allow(clippy::too_many_arguments)] // (Python's keyword arguments)
@@ -231,20 +263,37 @@ impl PyPinPool {
         py: Python<'_>,
         slot_bytes: &Bound<'_, PyAny>,
         num_slots: &Bound<'_, PyAny>,
-        device: Option<DeviceArg<'_>>,
-        backend: &str,
-        copy_threads: Option<usize>,
-        background: bool,
+        device: Option<&Bound<'_, PyAny>>,
+        backend: Option<&Bound<'_, PyAny>>,
+        copy_threads: Option<&Bound<'_, PyAny>>,
+        background: Option<&Bound<'_, PyAny>>,
         arena_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         guarded(|| {
             let slot_bytes = size_arg(py, slot_bytes, "slot_bytes")?;
             let arena_bytes = arena_bytes.map(|n| size_arg(py, n, "arena_bytes")).transpose()?;
             let num_slots = size_arg(py, num_slots, "num_slots")?;
-            let request = parse_device(py, device)?;
-            let backend = Backend::parse(backend).py(py)?;
+            let request = parse_device(py, device.map(device_arg).transpose()?)?;
+            let backend = match backend {
+                None => "auto".to_owned(),
+                Some(b) => b.extract::<String>().map_err(|_| {
+                    to_py(
+                        py,
+                        Error::Invalid(format!(
+                            "backend must be 'auto', 'cuda-register', 'cuda-hostalloc' or \
+                             'host', not {}",
+                            b.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
+                        )),
+                    )
+                })?,
+            };
+            let backend = Backend::parse(&backend).py(py)?;
+            let background = match background {
+                None => false,
+                Some(b) => bool_arg(py, b, "background")?,
+            };
             let copy_threads = match copy_threads {
-                Some(n) => n,
+                Some(n) => size_arg(py, n, "copy_threads")?,
                 None => default_copy_threads().py(py)?,
             };
             // On this thread (detached, not moved): the automatic choice reads its context.

@@ -369,8 +369,9 @@ def test_a_pool_larger_than_memory_is_refused_before_it_is_touched() -> None:
     assert available is not None
     # Twice what is available: memory another process frees between the reading above and
     # the pool's own (tests run side by side) must not let it through.
-    with pytest.raises(InvalidArgument, match="does not fit"):
+    with pytest.raises(pinpool.NotEnoughMemory, match="arena") as info:
         pinpool.PinPool(available + MiB, 2, device="cpu")
+    assert isinstance(info.value, MemoryError)
 
 
 # --------------------------------------------------------------------------- threads

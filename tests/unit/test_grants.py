@@ -68,7 +68,7 @@ def granted(make_pool: Any) -> Any:
     open: (pool, grants)."""
     pool = make_pool(16 * PAGE, 64, arena_bytes=16 * PAGE)
     grants = LoaderGrants()
-    grants.use_pool(pool)
+    grants.use_pool(pool, 1 << 40)
     grants.open(1)
     yield pool, grants
     grants.close()
@@ -109,7 +109,7 @@ def test_a_worker_gets_a_slot_of_its_batchs_size_and_the_batch_adopts_it_once(
 def test_a_closed_desk_grants_nothing_and_the_worker_goes_on(make_pool: Any) -> None:
     pool = make_pool(16 * PAGE, 8)
     grants = LoaderGrants()
-    grants.use_pool(pool)
+    grants.use_pool(pool, 1 << 40)
     grants.open(1)
     at = grants.desk
     assert at is not None
@@ -130,7 +130,7 @@ def test_a_task_tagger_numbers_the_tasks_of_each_epoch_and_opens_its_iterator(
         assert [t.task for t in tasks] == [handle.ZeroCopyTask(tagger.owner, n) for n in range(3)]
     assert len(tagger) == 3
     pool = make_pool(4 * PAGE, 4)
-    grants.use_pool(pool)
+    grants.use_pool(pool, 1 << 40)
     assert desk.ask(grants.desk, handle.ZeroCopyTask(tagger.owner, 0), 0, PAGE) is not None
     grants.close()
 
@@ -150,7 +150,7 @@ class NoBatchWaitsOnTheOnesBehindIt(RuleBasedStateMachine):
     def make(self, pages: int) -> None:
         self.pool = pinpool.PinPool(pages * PAGE, 128, device="cpu", arena_bytes=pages * PAGE)
         self.grants = LoaderGrants()
-        self.grants.use_pool(self.pool)
+        self.grants.use_pool(self.pool, 1 << 40)
         self.grants.open(1)
         self.head = 0
         self.largest = 0

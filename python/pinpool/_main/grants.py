@@ -69,9 +69,10 @@ class LoaderGrants:
         """Requests that got no slot (their batches came through copy mode)."""
         return self._grants.fallbacks
 
-    def use_pool(self, pool: PinPool) -> None:
-        """Slots are granted from ``pool`` (the loader's, once made) from now on."""
-        self._grants.use_pool(pool)
+    def use_pool(self, pool: PinPool, largest: int) -> None:
+        """Slots are granted from ``pool`` (the loader's, once made) from now on, for batches
+        of up to ``largest`` bytes."""
+        self._grants.use_pool(pool, largest)
 
     def pool_coming(self, coming: bool) -> None:
         """Whether the loader's pool is being made (a worker told its first batch's size): the

@@ -126,7 +126,7 @@ class LazyPool:
             if self.cache is None:
                 self.cache = SegmentCache(self.pool)
                 if self.grants is not None:
-                    self.grants.use_pool(self.pool)
+                    self.grants.use_pool(self.pool, self.max_batch)
             return self.pool, self.cache
 
     def _replace_if_wrong(self, nbytes: int) -> None:
@@ -152,10 +152,12 @@ class LazyPool:
 
     @property
     def max_batch(self) -> int:
-        """The largest batch the pool takes (0 before it exists)."""
+        """The largest batch the pool takes, in bytes, exactly (0 before it exists): the
+        size given (``max_batch_bytes=``, ``slot_bytes=``, a pool of the caller's
+        ``slot_bytes``), else the largest slot of the arena."""
         if self.plan is not None:
-            return self.plan.largest
-        return self.pool.largest_slot if self.pool is not None else 0
+            return self.plan.largest_batch
+        return self.pool.slot_bytes if self.pool is not None else 0
 
     def make_ahead(self) -> None:
         """Has the pool made as soon as a worker tells the first batch's size, while that

@@ -65,6 +65,10 @@ class PoolSettings:
         when ``num_slots`` is not given (None: sized from the batches in flight). The pool's
         device is a given pool's, else the delivery device's, else torch's current CUDA
         device, else None."""
+        if pool is not None and not isinstance(pool, PinPool):
+            raise InvalidArgument(
+                f"pool must be a pinpool.PinPool or None, not {pool!r} ({type(pool).__name__})"
+            )
         check_choice("overflow", overflow, ("copy", "wait"))
         check_choice("oversize", oversize, ("copy", "error"))
         check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
@@ -113,6 +117,7 @@ class PoolSettings:
             num_slots=num_slots if num_slots is not None else default_num_slots,
             in_flight=in_flight,
         )
+        sizing.check()  # (an arena over the memory available: NotEnoughMemory, now)
         return cls(
             pool=pool,
             sizing=sizing,

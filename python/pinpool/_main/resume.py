@@ -85,14 +85,17 @@ from .resume_state import (
     check_sampler_epoch,
     check_state,
     checked_field,
+    drawn_from,
     order_differs,
     order_of,
     plain,
     restore,
     type_name,
+    uncaptured,
 )
 
 _END = object()
+BATCH_SAMPLER = torch.utils.data.BatchSampler
 
 
 @dataclass
@@ -117,6 +120,9 @@ class Epoch:
     #: batch, and the worker whose batch comes next.
     worker_states: dict[int, Any] = field(default_factory=dict)
     next_worker: int = 0
+    #: Where the sampler drew this epoch's order from, if from a generator a state does not
+    #: capture (``resume_state.drawn_from``): the epoch cannot be resumed.
+    uncaptured: str | None = None
 
     def sent(self, indices: Any, batched: bool) -> None:
         """An index list was dispatched (``batched``: a list of samples, else one sample)."""
@@ -188,12 +194,13 @@ class EpochSampler:
             restore(self.loader, plan.at_iter)
         if first_call:
             epoch.at_iter = capture(self.loader)
+        others = uncaptured()
         it = iter(self.base)  # now, when torch calls it: a sampler may draw here
         if first_call and plan is not None and plan.at_pull == "undo":
             plan.at_pull = capture(self.loader)
-        return self._run(it, epoch, plan)
+        return self._run(it, epoch, plan, others)
 
-    def _run(self, it: Iterator[Any], epoch: Epoch, plan: Plan | None) -> Any:
+    def _run(self, it: Iterator[Any], epoch: Epoch, plan: Plan | None, others: Any) -> Any:
         first: Any = _END
         if plan is not None and self.resume.plan is plan:
             self.resume.plan = None
@@ -204,6 +211,10 @@ class EpochSampler:
             if plan is not None:
                 it = self._skip(it, plan)
             first = next(it, _END)
+            drawn = drawn_from(others, uncaptured())
+            if drawn is not None:
+                drawer = self.base.sampler if type(self.base) is BATCH_SAMPLER else self.base
+                epoch.uncaptured = f"{type_name(drawer)} draws its order with {drawn}"
         finally:
             if plan is not None and plan.after is not None:
                 torch.set_rng_state(plan.after)
@@ -341,6 +352,13 @@ class Resume:
         if self.pending is not None:  # loaded, not iterated since
             return dict(self.pending)
         epoch = self.current
+        if epoch is not None and epoch.uncaptured is not None:
+            raise NotResumable(
+                f"pinpool.DataLoader cannot checkpoint this loader: its sampler "
+                f"{epoch.uncaptured}, which a checkpoint does not capture (a resumed epoch "
+                "would draw another order: samples seen twice, others never); draw the order "
+                "with torch's generator (the loader's generator= or torch.manual_seed)"
+            )
         mid = epoch is not None and not epoch.ended and epoch.at_iter is not None
         rng, generators = capture(loader)
         shared = Shared()

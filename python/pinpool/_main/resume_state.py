@@ -63,6 +63,30 @@ def restore(loader: Any, states: States) -> None:
         own[path].set_state(state)
 
 
+def uncaptured() -> tuple[Any, ...]:
+    """What the random generators a state does not capture are at now: Python's ``random``
+    and numpy's global one (where numpy is loaded). A sampler that draws its order from them
+    (:func:`drawn_from`) cannot be resumed: the order a resumed epoch draws differs."""
+    import random
+    import sys
+
+    now: list[Any] = [random.getstate()]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        now.append((kind, keys.tobytes(), pos, has_gauss, gauss))
+    return tuple(now)
+
+
+def drawn_from(before: tuple[Any, ...], after: tuple[Any, ...]) -> str | None:
+    """The generator :func:`uncaptured` saw move between ``before`` and ``after``, if one did."""
+    names = ("Python's random module", "numpy's global random generator (np.random)")
+    for name, was, now in zip(names, before, after, strict=False):
+        if was != now:
+            return name
+    return None
+
+
 def type_name(obj: Any) -> str:
     kind = type(obj)
     return f"{kind.__module__}.{kind.__qualname__}"

@@ -29,6 +29,16 @@ def check_int(name: str, value: Any, low: int, high: int, none_ok: bool = False)
         raise InvalidArgument(f"{name} must be an integer from {low} to {high}, not {value!r}")
 
 
+def check_bool(name: str, value: Any, none_ok: bool = False) -> None:
+    """Raises InvalidArgument unless ``value`` is True or False (or None): a string such as
+    ``"false"`` is not taken for one."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, bool):
+        allowed = "True, False or None" if none_ok else "True or False"
+        raise InvalidArgument(f"{name} must be {allowed}, not {value!r}")
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise InvalidArgument(
@@ -49,7 +59,13 @@ def cuda_device(device: Any) -> torch.device | None:
     """The CUDA device batches are delivered on (None: pinned CPU batches)."""
     if device is None:
         return None
-    dev = torch.device(device)
+    wanted = "None, 'cpu', 'cuda', 'cuda:N', an int or a torch.device"
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise InvalidArgument(f"device must be {wanted}, not {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise InvalidArgument(f"device must be {wanted}, not {device!r}: {exc}") from None
     if dev.type == "cpu":
         return None
     if dev.type != "cuda":

@@ -16,13 +16,14 @@ The batches in flight are counted in whole parts: no batch crosses one of the ar
 and a part may be as short as the largest batch, so an arena holds ``batches`` of the first
 batch's room only if its largest-batch units, each holding as many as fit in it, hold them.
 
-Settings: ``arena_bytes=`` (the whole arena) and ``max_batch_bytes=`` (the largest batch; the
-arena is a whole number of them). ``slot_bytes=`` with ``num_slots=`` is the older form:
-``num_slots`` batches of up to ``slot_bytes`` each.
+Settings: ``arena_bytes=`` (the whole arena, to the page) and ``max_batch_bytes=`` (the
+largest batch, to the byte). ``slot_bytes=`` with ``num_slots=`` is the older form:
+``num_slots`` batches of up to ``slot_bytes`` each (to the byte).
 
-Invariants: the plan's arena is a whole multiple of its largest batch, which is a whole
-number of pages; nothing here scales what a batch or a worker claims (a batch's sample
-count, a hint) beyond the bytes that arrived.
+Invariants: an arena given is made as given, rounded up to a page; one sized automatically is
+a whole multiple of its largest batch, which is a whole number of pages; the largest batch a
+loader takes (``Plan.limit``) is the bytes given, not rounded; nothing here scales what a batch
+or a worker claims (a batch's sample count, a hint) beyond the bytes that arrived.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 
-from .._errors import BatchTooLarge
+from .._errors import NotEnoughMemory
 from .._native import available_memory
 from . import settings
 
@@ -59,12 +60,20 @@ def _pages(n: int) -> int:
 class Plan:
     """What a pool is made with."""
 
-    #: The largest batch (a whole number of pages).
+    #: The largest slot (a whole number of pages): the arena's parts hold whole ones.
     largest: int
-    #: The arena's size (a whole number of ``largest``).
+    #: The arena's size (a whole number of pages, at least ``largest``).
     arena: int
     #: The most batches out at once.
     entries: int
+    #: The largest batch the loader takes, in bytes (``max_batch_bytes=`` or ``slot_bytes=``
+    #: as given; else ``largest``).
+    limit: int = 0
+
+    @property
+    def largest_batch(self) -> int:
+        """The largest batch the loader takes, in bytes."""
+        return self.limit or self.largest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +107,9 @@ class Sizing:
         """The pool for a loader whose first batch has ``first`` bytes."""
         if self.slot_bytes is not None:
             largest = _pages(self.slot_bytes)
-            return Plan(largest, largest * self.batches, self.batches)
+            plan = Plan(largest, largest * self.batches, self.batches, self.slot_bytes)
+            self._within_memory(plan.arena, "slot_bytes= x num_slots=")
+            return plan
         # Entries are cheap: room for many small batches held at once.
         entries = max(2 * self.batches, 64) if self.num_slots is None else self.num_slots
         room = _pages(max(1, first) * HEADROOM)
@@ -115,29 +126,41 @@ class Sizing:
             # (batches of 84 MB leave 44 of a 128 MiB unit unused).
             per_unit = max(1, largest // room)
             arena = max(arena, -(-self.batches // per_unit) * largest)
-        arena = -(-arena // largest) * largest
+            arena = -(-arena // largest) * largest
+        else:
+            arena = _pages(arena)  # as given (the last part holds the pages past whole units)
         cap = self._memory_cap()
         if cap is not None and arena > cap:
             if explicit:
-                raise BatchTooLarge(
-                    f"an arena of {arena / 2**30:.2f} GiB (batches of up to {largest} bytes) "
-                    f"is more than {self._share_text()} of memory available; pass smaller "
-                    "arena_bytes= or max_batch_bytes= to pinpool.DataLoader",
-                    first,
-                    largest,
-                )
+                named = "arena_bytes=" if self.arena_bytes is not None else "max_batch_bytes="
+                self._within_memory(arena, named)
             # Smaller, but still two of the first batch.
             largest = max(room, cap // 2 // _PAGE * _PAGE)
             arena = 2 * largest
             if arena > cap:
-                raise BatchTooLarge(
+                raise NotEnoughMemory(
                     f"batches of {first} bytes need an arena of at least {arena / 2**30:.2f} "
                     f"GiB, more than {self._share_text()} of memory available; pass "
-                    "max_batch_bytes= with oversize='copy' to pinpool.DataLoader",
-                    first,
-                    largest,
+                    "max_batch_bytes= with oversize='copy' to pinpool.DataLoader"
                 )
-        return Plan(largest, arena, entries)
+        return Plan(largest, arena, entries, self.max_batch_bytes or 0)
+
+    def check(self) -> None:
+        """Raises ``NotEnoughMemory`` now, naming the setting, if the sizes given make an arena
+        over the memory this loader may take (a loader checks its settings when it is made)."""
+        if self.slot_bytes is not None or self.arena_bytes is not None:
+            self.plan(1)
+        elif self.max_batch_bytes is not None:
+            self.plan(self.max_batch_bytes)
+
+    def _within_memory(self, arena: int, named: str) -> None:
+        cap = self._memory_cap()
+        if cap is not None and arena > cap:
+            raise NotEnoughMemory(
+                f"{named} makes an arena of {arena} bytes ({arena / 2**30:.2f} GiB), more than "
+                f"{self._share_text()} of the memory available ({cap} bytes may be taken); "
+                f"pass a smaller {named.split(' ')[0]} to pinpool.DataLoader"
+            )
 
     def _memory_cap(self) -> int | None:
         available = available_memory()

@@ -92,7 +92,13 @@ class WorkersIter(MultiProcessingIter):
         self._pin_read_ahead = ReadAhead(loader._pin_receiver)
         self._pin_pid = os.getpid()
         t0 = _trace.on and _trace.now()
-        super().__init__(loader)
+        try:
+            super().__init__(loader)
+        except BaseException:
+            # Half made (a worker that could not start: a pickling error, no file descriptor
+            # left): what torch made goes now, silently, and nothing is left for __del__.
+            _abandon(self)
+            raise
         if not self._persistent_workers:
             ending.start()  # (now, not at the epoch's end: see _main.ending)
         if t0:
@@ -226,8 +232,8 @@ class WorkersIter(MultiProcessingIter):
         # collected: its workers and their done event are this process's.)
         if getattr(self, "_pin_pid", None) != os.getpid():
             return
-        if self.__dict__.get("_pin_ended") is not None:
-            return  # (begun at the epoch's end: the ending thread finishes it)
+        if self.__dict__.get("_pin_ended") is not None or self.__dict__.get("_pin_shut_down"):
+            return  # (begun at the epoch's end: the ending thread finishes it; or done)
         if self._ends_naturally():
             self._end_in_background()
             return
@@ -439,6 +445,30 @@ def _shutting_down_python() -> bool:
     """Whether the interpreter is exiting (torch's worker shutdown then does nothing)."""
     status = python_exit_status()
     return status is True or status is None
+
+
+def _abandon(it: Any) -> None:
+    """Undoes what torch's ``__init__`` made of an iterator before it raised: its workers
+    stopped (told to, then killed) and reaped, its queues closed; the iterator then counts as
+    shut down (its finalizer does nothing). Nothing here raises: the ``__init__``'s error is
+    the one the caller gets."""
+    d = it.__dict__
+    d["_pin_shut_down"] = True
+    d["_shutdown"] = True
+    try:
+        done = d.get("_workers_done_event")
+        if done is not None:
+            done.set()
+        for w in d.get("_workers", ()):
+            if w.pid is not None and w.exitcode is None:
+                w.kill()
+            w.join(mp_status_check_interval())
+        for q in (*d.get("_index_queues", ()), d.get("_worker_result_queue")):
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+    except Exception:  # (what could not be undone goes with the process)
+        pass
 
 
 def _reap_workers(it: Any) -> None:
