@@ -111,6 +111,11 @@ class Receiver:
         and on to the device in one call without the GIL (``SegmentCache.copy_to_device``),
         as it is delivered; its segment goes back after that."""
         if not handle._state:
+            cut = getattr(handle, "_cut", None)
+            if cut is not None:
+                # An interrupt cut this batch's taking short (its memory is back): the
+                # consumer meets it again, in a storm of interrupts say, as that interrupt.
+                raise cut("this batch was lost to an interrupt that cut its taking short")
             raise PinPoolError("this batch handle was taken or dropped already")
         if handle.slot is None and handle.segment is None and handle.worker is None:
             self.intake.inline(handle)
@@ -141,7 +146,9 @@ class Receiver:
                         return self.deliver.send(handle.tree, specs, memory, need, source)
                     finally:
                         self.intake.drop(handle)
-        except BaseException:
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                handle._cut = type(exc)
             self.intake.drop(handle)
             raise
         self.intake.drop(handle, handed_back=copying is not None)

@@ -170,6 +170,7 @@ class BatchHandle:
     """
 
     __slots__ = (
+        "_cut",
         "_state",
         "count",
         "nbytes",
@@ -256,6 +257,9 @@ class BatchHandle:
         for name, value in zip(self._STATE, state, strict=True):
             setattr(self, name, value)
         self._state = ARRIVED
+        #: Set when an interrupt (``KeyboardInterrupt``, ``SystemExit``) cut its taking short:
+        #: its batch is lost, and taking it again raises that interrupt's kind.
+        self._cut: type[BaseException] | None = None
 
     def pin_memory(self) -> Any:
         """torch's pin thread: the batch in pinned memory (or on the device), pending (the
