@@ -102,7 +102,7 @@ def __getattr__(name: str) -> Any:
             import torch  # noqa: F401
         except ModuleNotFoundError as exc:
             raise ImportError(
-                f"pinpool.{name} needs PyTorch: pip install pinpool[torch] (the pool "
+                f"pinpool.{name} needs PyTorch: pip install 'pinpool[torch]' (the pool "
                 "itself, pinpool.PinPool, works without it)"
             ) from exc
         if name == "DataLoader":

@@ -41,7 +41,9 @@ class PoolStats(TypedDict):
 class _LoaderCounters(TypedDict):
     batches: int
     bytes: int
+    batches_ahead: int
     overflow_batches: int
+    oversize_batches: int
     zero_copy_batches: int
     zero_copy_fallbacks: int
     zero_copy_no_grant: int

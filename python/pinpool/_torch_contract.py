@@ -49,6 +49,7 @@ from torch.utils.data._utils import collate as torch_collate
 __all__ = [
     "COLLATE_ATTRIBUTES",
     "ITERATOR_ATTRIBUTES",
+    "ITERATOR_READABLE",
     "LOADER_ATTRIBUTES",
     "MAP_DATASET",
     "QUEUE_ATTRIBUTES",
@@ -59,6 +60,7 @@ __all__ = [
     "check",
     "cuda_pin_thread_deferrable",
     "cuda_raw_stream",
+    "dataset_kind",
     "default_convert",
     "get_spawning_popen",
     "mp_status_check_interval",
@@ -67,6 +69,7 @@ __all__ = [
     "python_exit_status",
     "register_persistent_atexit",
     "remove_worker_pids",
+    "serialize_polls",
     "start_pin_thread",
     "torch_collate",
     "unflatten_dense_tensors",
@@ -81,6 +84,43 @@ MultiProcessingIter = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
 #: ``dataloader._DatasetKind.Map`` (None if missing): an iterator's ``_dataset_kind`` for a
 #: map-style dataset, whose epoch has a length (``_main.workers``: the workers' last tasks).
 MAP_DATASET: Any = getattr(getattr(torch.utils.data.dataloader, "_DatasetKind", None), "Map", None)
+
+
+def dataset_kind() -> Any:
+    """``torch.utils.data._DatasetKind``: its ``create_fetcher(kind, dataset, auto_collation,
+    collate_fn, drop_last)``, which a worker calls once its ``worker_init_fn`` has run, is
+    where a streaming worker's fetcher is made (``_worker.streaming.stream_in_this_worker``,
+    in the worker only), and ``Map``."""
+    return torch.utils.data._DatasetKind
+
+
+#: What a user's code may read on torch's iterator (their worker processes, their state) and
+#: reads on pinpool's the same (``_main.loader_iter.LoaderIter`` hands them on to torch's).
+ITERATOR_READABLE = (
+    "_workers",
+    "_num_workers",
+    "_dataset_kind",
+    "_dataset",
+    "_workers_status",
+    "_index_queues",
+    "_worker_result_queue",
+    "_persistent_workers",
+    "_prefetch_factor",
+    "_auto_collation",
+    "_drop_last",
+    "_index_sampler",
+    "_sampler_iter",
+    "_num_yielded",
+    "_pin_memory",
+    "_timeout",
+    "_collate_fn",
+    "_base_seed",
+    "_send_idx",
+    "_rcvd_idx",
+    "_tasks_outstanding",
+    "_task_info",
+    "_in_order",
+)
 
 # torch_collate, imported above (``torch.utils.data._utils.collate``): the workers collate the
 # way ``default_collate`` does with its ``collate(batch, collate_fn_map=...)``,
@@ -173,8 +213,8 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
 
 #: The names pinpool reads or overrides on ``torch.utils.data.DataLoader``, and what for.
 LOADER_ATTRIBUTES: dict[str, str] = {
-    "_get_iterator": "overridden: the workers get pinpool's collate (and a streaming wrapper "
-    "of the dataset) as the iterator starts",
+    "_get_iterator": "overridden: the workers get pinpool's collate (and a worker_init_fn that "
+    "has them stream) as the iterator starts",
     "_index_sampler": "overridden property: records each epoch, tags each index list with its "
     "zero-copy task",
     "_iterator": "a persistent loader's iterator, shut down before a resumed iterable epoch",
@@ -204,6 +244,26 @@ _LEADING: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 #: the pin thread's loop, which ``_main.workers.WorkersIter`` starts itself, as torch's
 #: ``__init__`` does, once a big batch arrives (see :func:`start_pin_thread`).
 pin_memory_loop: Callable[..., None] = _utils.pin_memory._pin_memory_loop
+
+
+def serialize_polls(process: Any) -> None:
+    """Makes the ``poll`` of a multiprocessing ``Process``'s ``_popen`` (what ``join``,
+    ``is_alive`` and ``exitcode`` reach) one thread at a time. Two threads that poll a child
+    at once (the ending thread reaping an epoch's workers, the caller joining them) race in
+    multiprocessing: the one whose ``waitpid`` finds the child reaped already gets no status,
+    and ``is_alive()`` answers True for a child that has exited."""
+    popen = getattr(process, "_popen", None)
+    poll = getattr(popen, "poll", None)
+    if poll is None or getattr(poll, "_pinpool", False):
+        return
+    lock = threading.Lock()
+
+    def serialized(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return poll(*args, **kwargs)
+
+    serialized._pinpool = True  # type: ignore[attr-defined]
+    popen.poll = serialized
 
 
 def cuda_pin_thread_deferrable() -> bool:
@@ -411,6 +471,16 @@ def _check_others() -> list[str]:
     import inspect
 
     out = []
+    kind = getattr(torch.utils.data, "_DatasetKind", None)
+    fetcher = getattr(kind, "create_fetcher", None)
+    if fetcher is None or tuple(inspect.signature(fetcher).parameters) != (
+        "kind",
+        "dataset",
+        "auto_collation",
+        "collate_fn",
+        "drop_last",
+    ):
+        out.append("torch.utils.data._DatasetKind.create_fetcher is missing or changed")
     loop = tuple(inspect.signature(pin_memory_loop).parameters)
     if loop != ("in_queue", "out_queue", "device_id", "done_event", "device"):
         out.append(f"torch.utils.data._utils.pin_memory._pin_memory_loop takes {loop}")

@@ -49,7 +49,7 @@ from ._stats import LoaderStats
 from ._wire import registry
 from ._wire.pool_hint import PoolHint
 from ._worker.collate import PinCollate
-from ._worker.streaming import StreamingDataset
+from ._worker.streaming import StreamInWorkers
 
 _torch_versions.check(torch.__version__)
 
@@ -79,9 +79,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
       unpinned memory, counted in ``stats()["overflow_batches"]``; ``"wait"`` waits up to
       ``slot_timeout`` seconds (None: forever) for one to die, then raises
       :class:`~pinpool.PoolExhausted`. Slots still fenced by GPU work are always waited for.
-    - ``oversize``: a batch larger than the largest the arena takes raises
-      :class:`~pinpool.BatchTooLarge` naming the setting (``"error"``, default), or goes
-      into ordinary memory (``"copy"``).
+    - ``oversize``: a batch larger than the largest the arena takes gets memory of its own,
+      pinned by torch's caching host allocator where there is a CUDA device (``"pin"``,
+      default) or ordinary memory (``"copy"``), counted in ``stats()["oversize_batches"]`` and
+      warned about once, naming the setting that would keep it in the arena; ``"error"``
+      raises :class:`~pinpool.BatchTooLarge` naming that setting.
     - ``zero_copy``: workers write batches straight into the arena, each into a slot of its
       own size granted when the worker knows that size (map-style datasets with batching and
       ``num_workers > 0``; the pool must be a memfd: ``cuda-register`` or ``host``). Batches
@@ -103,15 +105,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     A setting given that cannot apply warns once, saying why (``zero_copy=True`` without
     workers, say: ``settings.ignored``), or raises when it contradicts another (sizes given
-    with ``pool=``). In the workers, ``get_worker_info().dataset`` is
-      then a thin wrapper (attributes read or set on it are the dataset's); ``loader.dataset``
-      is yours.
+    with ``pool=``). In the workers, ``get_worker_info().dataset`` is your dataset, as with
+    torch's loader.
     """
 
     # Set in __init__ through __dict__ (see there).
     _pin_receiver: Receiver
     _pin_collate: PinCollate
-    _pin_worker_dataset: StreamingDataset | None
+    _pin_streams: bool
     _pin_tagging: bool
     _pin_resume: Resume
 
@@ -140,11 +141,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         max_batch_bytes: int | None = None,
         slot_bytes: int | None = None,
         num_slots: int | None = None,
-        device: Any = None,
+        device: str | torch.device | int | None = None,
         copy_threads: int | None = None,
         slot_timeout: float | None = 60.0,
         overflow: Literal["copy", "wait"] = "copy",
-        oversize: Literal["error", "copy"] = "error",
+        oversize: Literal["pin", "copy", "error"] = "pin",
         zero_copy: bool = False,
         keep_worker_memory: bool = True,
         worker_copy_threads: int | None = None,
@@ -188,10 +189,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         streams = stream_samples is not False and collate_fn is None
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         resume = Resume(iterable, num_workers)
-        # What torch's workers are given (loader.dataset stays the caller's own).
-        worker_dataset = (
-            StreamingDataset(dataset) if batched_map_style and (streams or zero_copy) else None
-        )
+        # Whether the workers hand collate the indices, not the samples (the dataset they get
+        # stays the caller's own: _worker.streaming.StreamingFetcher).
+        worker_streams = batched_map_style and bool(streams or zero_copy)
         collate = PinCollate(
             token,
             collate_fn,
@@ -248,7 +248,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             stream_samples=stream_samples,
             _pin_receiver=receiver,
             _pin_collate=collate,
-            _pin_worker_dataset=worker_dataset,
+            _pin_streams=worker_streams,
             _pin_tagging=receiver.grants is not None,
             _pin_resume=resume,
             _pin_wrap=False,
@@ -330,25 +330,26 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return unsupported(self.dataset, resume.iterable, self.num_workers, in_order)
 
     def _get_iterator(self) -> Any:
-        # torch's iterator reads loader.dataset and loader.collate_fn once, as it starts, and
-        # hands them to the workers: for that moment only, they are what the workers need
-        # (the streaming wrapper of the dataset; pinpool's collate around the caller's).
-        # A resumed iterable dataset's workers also load their states as they start.
-        own_dataset, own_collate, own_init = self.dataset, self.collate_fn, self.worker_init_fn
-        inner = getattr(self, "_pin_worker_dataset", None)
-        if inner is not None:
-            object.__setattr__(self, "dataset", inner)
+        # torch's iterator reads loader.collate_fn and loader.worker_init_fn once, as it
+        # starts, and hands them to the workers: for that moment only, they are what the
+        # workers need (pinpool's collate around the caller's; a worker_init_fn that has the
+        # workers stream, and a resumed iterable dataset's workers load their states, before
+        # the caller's own runs). The dataset is the caller's.
+        own_collate, own_init = self.collate_fn, self.worker_init_fn
         object.__setattr__(self, "collate_fn", self._pin_collate)
         start, self._pin_resume.worker_start = self._pin_resume.worker_start, None
+        init = own_init
         if start is not None:
-            object.__setattr__(self, "worker_init_fn", LoadWorkerState(start.states, own_init))
+            init = LoadWorkerState(start.states, init)
+        if getattr(self, "_pin_streams", False):
+            init = StreamInWorkers(init)
+        object.__setattr__(self, "worker_init_fn", init)
         try:
             if self.num_workers == 0:
                 return super()._get_iterator()
             self.check_worker_number_rationality()  # (as torch's _get_iterator)
             return WorkersIter(self, start.first if start is not None else 0)
         finally:
-            object.__setattr__(self, "dataset", own_dataset)
             object.__setattr__(self, "collate_fn", own_collate)
             object.__setattr__(self, "worker_init_fn", own_init)
 

@@ -316,3 +316,18 @@ def test_the_outside_probe_stops_while_a_forked_child_lives() -> None:
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_the_benchs_own_probes_say_nothing_of_pinpools() -> None:
+    """``make demo``'s first lines are the bench's: its probe of each loader (made without
+    workers) gives none of pinpool's warnings about settings that need workers."""
+    import warnings
+
+    from pinpool.bench.loaders import LOADERS, check
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for spec in LOADERS:
+            check(spec, None)
+    said = [str(w.message) for w in caught if str(w.message).startswith("pinpool")]
+    assert not said, said

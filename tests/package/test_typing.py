@@ -149,3 +149,33 @@ def test_the_typed_dicts_name_exactly_what_stats_returns() -> None:
     assert set(after) == set(loader_hints)
     for key, value in after.items():
         assert isinstance(value, loader_hints[key]), (key, value)
+
+
+@pytest.mark.slow
+def test_the_guides_examples_pass_mypy_strict_on_the_oldest_python(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Every complete Python block of the README and the guide type-checks with ``mypy
+    --strict`` as Python 3.11 (the oldest pinpool supports) sees it: what a user copies
+    passes their own type checker."""
+    pytest.importorskip("mypy")
+    root = Path(__file__).resolve().parent.parent.parent
+    files = []
+    block = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+    for doc in (root / "README.md", root / "docs" / "guide.md"):
+        for n, found in enumerate(block.finditer(doc.read_text())):
+            code = found.group(1)
+            if code.split("\n", 1)[0].strip().lower().startswith("# fragment"):
+                continue
+            path = tmp_path / f"{doc.stem.lower()}_{n}.py"
+            path.write_text(code)
+            files.append(path)
+    store = getattr(request.config, "cache", None)
+    cache = Path(store.mkdir("mypy")) if store is not None else tmp_path / "mypy-cache"
+    command = [sys.executable, "-m", "mypy", "--strict", "--python-version", "3.11"]
+    command += ["--cache-dir", str(cache), "--show-error-codes", "--no-error-summary"]
+    command += ["--ignore-missing-imports"]  # (accelerate ships no types: the user's own call)
+    proc = subprocess.run(
+        [*command, *map(str, files)], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -20,6 +20,7 @@ from loader_datasets import make_array as make_leaf
 from torch.utils.data import default_collate
 
 from pinpool._wire import codec as _codec
+from pinpool._wire import handle
 from pinpool._wire import leaves as _leaves
 from pinpool._worker import streaming as _stream
 
@@ -280,15 +281,35 @@ def test_each_sample_is_freed_before_the_next_is_made() -> None:
     assert [s["alive"] for s in plain] == [0, 1, 2, 3, 4, 5]
 
 
-def test_streaming_dataset_forwards_attributes() -> None:
+def test_the_streaming_fetcher_hands_collate_the_indices_of_the_callers_dataset() -> None:
     ds = Tracked(3)
-    wrapped = _stream.StreamingDataset(ds)
-    wrapped.tag = "set on the wrapper"
-    assert ds.tag == "set on the wrapper"
-    assert wrapped.n == 3 and len(wrapped) == 3
-    lazy = wrapped.__getitems__([2, 0])
-    assert isinstance(lazy, _stream.LazySamples)
+    seen: list[Any] = []
+    fetcher = _stream.StreamingFetcher(ds, True, seen.append, False)
+    task = handle.ZeroCopyTask(7, 1)
+    fetcher.fetch(handle.TaggedIndices([2, 0], task))
+    (lazy,) = seen
+    assert isinstance(lazy, _stream.LazySamples) and lazy.dataset is ds and lazy.task == task
     assert [s["x"][0, 0].item() for s in lazy] == [2.0, 0.0]
+
+
+def test_a_worker_streams_only_with_pinpools_collate() -> None:
+    """Installed in a worker, torch's fetcher for a map-style dataset with batching and
+    pinpool's collate streams; for anything else it is torch's own."""
+    from pinpool._torch_contract import dataset_kind
+    from pinpool._worker.collate import PinCollate
+
+    kind = dataset_kind()
+    original = kind.create_fetcher
+    try:
+        _stream.stream_in_this_worker()
+        _stream.stream_in_this_worker()  # (once)
+        collate = PinCollate("token", None, auto_collation=True, ring_size=4)
+        made = kind.create_fetcher(kind.Map, Tracked(2), True, collate, False)
+        assert isinstance(made, _stream.StreamingFetcher)
+        plain = kind.create_fetcher(kind.Map, Tracked(2), True, list, False)
+        assert not isinstance(plain, _stream.StreamingFetcher)
+    finally:
+        kind.create_fetcher = original
 
 
 def test_a_dataset_with_its_own_getitems_makes_its_samples() -> None:
@@ -299,5 +320,7 @@ def test_a_dataset_with_its_own_getitems_makes_its_samples() -> None:
         def __len__(self) -> int:
             return 4
 
-    got = _stream.StreamingDataset(Batched()).__getitems__([1, 3]).items
+    seen: list[Any] = []
+    _stream.StreamingFetcher(Batched(), True, seen.append, False).fetch([1, 3])
+    got = seen[0].items
     assert isinstance(got, list) and len(got) == 2

@@ -32,9 +32,12 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, Literal, TypeVar
 
+import torch
+
 from .. import _signals
 from .._errors import InvalidArgument
 from .._native import PinPool
+from .._stats import LoaderStats
 from .delivery import hand_over
 from .pool_settings import PoolSettings
 from .receiver import Receiver
@@ -51,14 +54,14 @@ DEFAULT_NUM_SLOTS = 5
 def pinned(
     loader: Iterable[_T],
     *,
-    device: Any = None,
+    device: str | torch.device | int | None = None,
     pool: PinPool | None = None,
     slot_bytes: int | None = None,
     num_slots: int | None = None,
     copy_threads: int | None = None,
     slot_timeout: float | None = 60.0,
     overflow: Literal["copy", "wait"] = "copy",
-    oversize: Literal["error", "copy"] = "error",
+    oversize: Literal["pin", "copy", "error"] = "pin",
 ) -> Pinned[_T]:
     """Wraps ``loader`` (any iterable of batches) so that each batch it yields lands in a
     pinned slot of a :class:`~pinpool.PinPool`, or on ``device``.
@@ -90,8 +93,9 @@ def pinned(
       (default) puts the batch in ordinary memory, counted in ``stats()["overflow_batches"]``;
       ``"wait"`` waits up to ``slot_timeout`` seconds (None: forever), then raises
       :class:`~pinpool.PoolExhausted`.
-    - ``oversize``: a batch larger than a slot raises :class:`~pinpool.BatchTooLarge`
-      (``"error"``, default) or goes into ordinary memory (``"copy"``).
+    - ``oversize``: a batch larger than a slot gets memory of its own, pinned by torch where
+      there is a CUDA device (``"pin"``, default) or ordinary (``"copy"``), counted in
+      ``stats()["oversize_batches"]``; ``"error"`` raises :class:`~pinpool.BatchTooLarge`.
 
     What it gains: batches in a fixed set of pinned slots, reused, instead of each one
     allocated through torch's caching host allocator (which keeps growing, rounding every
@@ -122,14 +126,14 @@ class Pinned(Generic[_T]):
         self,
         loader: Iterable[_T],
         *,
-        device: Any = None,
+        device: str | torch.device | int | None = None,
         pool: PinPool | None = None,
         slot_bytes: int | None = None,
         num_slots: int | None = None,
         copy_threads: int | None = None,
         slot_timeout: float | None = 60.0,
         overflow: Literal["copy", "wait"] = "copy",
-        oversize: Literal["error", "copy"] = "error",
+        oversize: Literal["pin", "copy", "error"] = "pin",
     ) -> None:
         if not isinstance(loader, Iterable):
             raise InvalidArgument(f"pinned() needs an iterable of batches, not {loader!r}")
@@ -182,13 +186,11 @@ class Pinned(Generic[_T]):
         """The pool batches land in (None until the first batch when it is made lazily)."""
         return self._receiver.pool
 
-    def stats(self) -> dict[str, Any]:
-        """The pool's counters (once it exists) plus ``batches``, ``bytes`` (array bytes
-        copied into slots or overflow memory) and ``overflow_batches``."""
-        out: dict[str, Any] = dict(self._receiver.stats())
-        for key in ("zero_copy_batches", "zero_copy_fallbacks", "segments_cached"):
-            out.pop(key, None)
-        return out
+    def stats(self) -> LoaderStats:
+        """The counters of ``pinpool.DataLoader.stats()`` (:class:`~pinpool.LoaderStats`): the
+        pool's (once it exists), ``batches`` and ``bytes`` handed over, ``overflow_batches``;
+        the zero-copy and segment counters are 0 (a wrapped loader has neither)."""
+        return self._receiver.stats()
 
     def close(self) -> None:
         """Closes the pool made for this wrapper (its arena is freed once the batches that

@@ -32,6 +32,7 @@ every batch delivered leaves here as a :class:`Pending`, and is yielded only thr
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
 import threading
@@ -39,6 +40,7 @@ import types
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import _trace
@@ -69,7 +71,17 @@ class Pending:
     does that ahead, for the stream the consumer used last (``recorded``: its raw handle);
     ``wait()`` only does it again when the consumer's current stream is another one."""
 
-    __slots__ = ("batch", "copying", "delivery", "later", "recorded", "sent", "storage")
+    __slots__ = (
+        "batch",
+        "copying",
+        "counts",
+        "delivery",
+        "later",
+        "nbytes",
+        "recorded",
+        "sent",
+        "storage",
+    )
 
     def __init__(
         self,
@@ -81,8 +93,13 @@ class Pending:
         delivery: Delivery | None = None,
         recorded: int | None = None,
         later: SendLater | None = None,
+        counts: Delivery | None = None,
+        nbytes: int = 0,
     ) -> None:
         self.batch = batch
+        #: Where the batch, once handed over, is counted (``Delivery.handed``), and its bytes.
+        self.counts = counts
+        self.nbytes = nbytes
         self.copying = copying
         self.storage = storage
         self.sent = sent
@@ -104,6 +121,10 @@ class Pending:
             self._hand_to_current_stream()
         if t0 and (self.copying is not None or self.sent is not None or what == "send"):
             _trace.span("batch.wait", t0, what=what)
+        counts, self.counts = self.counts, None
+        if counts is not None:  # (handed over: once)
+            counts.handed += 1
+            counts.handed_bytes += self.nbytes
         return self.batch
 
     def _hand_to_current_stream(self) -> None:
@@ -172,6 +193,24 @@ def pinned_by_itself(kind: type, called: bool) -> None:
         _warnings_due.append(message)
 
 
+#: What a batch may hold that has no arrays: kept whole, without a word.
+_PLAIN = (np.generic, torch.dtype, torch.device, torch.Size, enum.Enum, range, slice)
+
+
+def looked_past(kind: type) -> None:
+    """Warns (once per loader and type: the caller keeps count) that objects of ``kind``, which
+    pinpool cannot look into, went past the loader's pool with whatever arrays they hold."""
+    message = (
+        f"pinpool: a batch holds a {kind.__module__}.{kind.__qualname__} object, which pinpool "
+        "cannot look into: tensors it holds did not go through the loader's arena of pinned "
+        "memory (torch's DataLoader leaves them unpinned too). To have them in the arena, make "
+        "it a dataclass, a namedtuple, or a dict, list or tuple of tensors (warned once per "
+        "loader and type)."
+    )
+    with _warned_lock:
+        _warnings_due.append(message)
+
+
 def _give_warnings_due() -> None:
     with _warned_lock:
         messages = _warnings_due[:]
@@ -197,18 +236,31 @@ class Delivery:
         if device is not None:
             default = torch.cuda.default_stream(device)
             self.consumer = (default, int(default.cuda_stream))
+        #: Batches taken (into the arena, or onto the device), and their bytes: handed over to
+        #: the consumer, or ahead of it.
         self.batches = 0
         self.bytes = 0
+        #: Batches handed over to the consumer (``Pending.wait``), and their bytes.
+        self.handed = 0
+        self.handed_bytes = 0
         # Whether objects that pin themselves are pinned (as torch would): known with a
         # device, else asked at the first such object.
         self._pin_others: bool | None = True if device is not None else None
+        #: The types of objects the batches held that pinpool cannot look into (warned about
+        #: once per loader).
+        self._looked_past: set[type] = set()
 
     def pin_opaque(self, obj: Any) -> Any:
         """What torch's ``pin_memory`` would make of ``obj``, an object the tree walk kept
         whole: itself, or (an object with a ``pin_memory`` attribute, not a tensor) what
         calling it returns, where torch would call it (a ``TypeError`` if it is not
         callable, as torch's call raises)."""
-        if isinstance(obj, (torch.Tensor, type)) or not hasattr(obj, "pin_memory"):
+        if isinstance(obj, (torch.Tensor, type)):
+            return obj
+        if not hasattr(obj, "pin_memory"):
+            if not isinstance(obj, _PLAIN) and type(obj) not in self._looked_past:
+                self._looked_past.add(type(obj))
+                looked_past(type(obj))
             return obj
         if self._pin_others is None:
             self._pin_others = torch_would_pin()
@@ -243,7 +295,7 @@ class Delivery:
         self.bytes += need
         if memory is None:
             arrays = leaves.host_leaves(specs, b"", 0)
-            return Pending(leaves.rebuild(tree, arrays, self.pin_opaque))
+            return Pending(leaves.rebuild(tree, arrays, self.pin_opaque), counts=self)
         # The leaves' buffer: a slot, or the numpy array of an ordinary buffer (no torch op:
         # see leaves.host_leaf).
         host = memory if isinstance(memory, Slot) else memory.numpy()
@@ -251,7 +303,8 @@ class Delivery:
             # The views hold the slot; it returns to the pool when the last of them dies.
             arrays = leaves.host_leaves(specs, host, need)
             del host, memory
-            return Pending(leaves.rebuild(tree, arrays, self.pin_opaque), copying=copying)
+            batch = leaves.rebuild(tree, arrays, self.pin_opaque)
+            return Pending(batch, copying=copying, counts=self, nbytes=need)
         assert self.copy_stream is not None
         base = torch.frombuffer(host, dtype=torch.uint8, count=need)
         with torch.cuda.stream(self.copy_stream):
@@ -264,7 +317,7 @@ class Delivery:
         if isinstance(memory, Slot):
             memory.release(self.copy_stream)
         batch = leaves.rebuild(tree, views, self.pin_opaque)
-        return Pending(batch, storage=storage, sent=event, delivery=self)
+        return Pending(batch, storage=storage, sent=event, delivery=self, counts=self, nbytes=need)
 
     def send(
         self,
@@ -296,7 +349,15 @@ class Delivery:
         consumer, raw = self.consumer
         storage.record_stream(consumer)
         batch = leaves.rebuild(tree, views, self.pin_opaque)
-        return Pending(batch, storage=storage, sent=sent, delivery=self, recorded=raw)
+        return Pending(
+            batch,
+            storage=storage,
+            sent=sent,
+            delivery=self,
+            recorded=raw,
+            counts=self,
+            nbytes=need,
+        )
 
     def send_in_turn(self, tree: Any, specs: list[codec.LeafSpec], slot: Slot, need: int) -> Any:
         """The batch of ``tree`` on the device, sent on the consumer's thread as it is

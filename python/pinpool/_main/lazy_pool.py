@@ -72,6 +72,8 @@ class LazyPool:
         #: it).
         self.largest_seen = 0
         self.overflow_batches = 0
+        #: Batches larger than the arena takes, given memory of their own.
+        self.oversize_batches = 0
 
     # -- making the pool ----------------------------------------------------------------------
 
@@ -197,13 +199,14 @@ class LazyPool:
         timeout = self.settings.slot_timeout
         if need > largest:
             if ahead:
-                return IN_TURN  # the error or the ordinary buffer belongs to this batch's turn
-            if self.settings.oversize == "copy":
-                return self.overflow_buffer(need)
+                return IN_TURN  # the error or the buffer of its own belongs to its turn
+            if self.settings.oversize != "error":
+                return self.oversize_buffer(need, largest)
             raise BatchTooLarge(
                 f"a batch needs {need} bytes but the loader's arena takes batches of up to "
-                f"{largest} bytes; pass {self.sizing.setting_names()} (at least {need}) to "
-                "pinpool.DataLoader, or oversize='copy' to put such batches in ordinary memory",
+                f"{largest} bytes; pass {self.sizing.setting_to_take(need)} to "
+                "pinpool.DataLoader, or leave oversize= at 'pin' to give such batches pinned "
+                "memory of their own",
                 need,
                 largest,
             )
@@ -239,6 +242,24 @@ class LazyPool:
         """A batch of ``need`` bytes arrived."""
         if need > self.largest_seen:
             self.largest_seen = need
+
+    def oversize_buffer(self, need: int, largest: int) -> torch.Tensor:
+        """Memory of its own for a batch larger than the arena takes: pinned by torch's caching
+        host allocator (``oversize="pin"``, where there is a CUDA device), else ordinary
+        memory; counted, warned about once with the setting that would keep it in the arena."""
+        self.oversize_batches += 1
+        pinned = self.settings.oversize == "pin" and self.settings.pool_device is not None
+        if self.oversize_batches == 1:
+            _log.warning(
+                "a batch of %d bytes is larger than the largest the loader's arena takes (%d): "
+                "it went to %s memory of its own; pass %s to pinpool.DataLoader to keep such "
+                "batches in the arena",
+                need,
+                largest,
+                "pinned" if pinned else "ordinary",
+                self.sizing.setting_to_take(need),
+            )
+        return torch.empty(need, dtype=torch.uint8, pin_memory=pinned)
 
     def overflow_buffer(self, need: int) -> torch.Tensor:
         """Ordinary memory for a batch that gets no slot (counted, warned about once)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import _signals, _trace
 from .._errors import PinPoolError
-from .._torch_contract import RERAISE_CODE
+from .._torch_contract import ITERATOR_READABLE, RERAISE_CODE
 from .._wire.handle import WorkerProgress
 from .delivery import hand_over
 from .grants import TaskTagger
@@ -39,6 +39,13 @@ class LoaderIter:
 
     def __iter__(self) -> LoaderIter:
         return self
+
+    def __getattr__(self, name: str) -> Any:
+        # What user code reads on torch's iterator (its workers, their state) is torch's
+        # iterator's (``_torch_contract.ITERATOR_READABLE``).
+        if name in ITERATOR_READABLE:
+            return getattr(self.__dict__["_inner"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ class PoolSettings:
     slot_timeout: float | None
     #: ``"copy"`` or ``"wait"``: a batch that finds the arena held by live batches.
     overflow: str
-    #: ``"error"`` or ``"copy"``: a batch larger than the largest the arena takes.
+    #: ``"pin"``, ``"copy"`` or ``"error"``: a batch larger than the largest the arena takes.
     oversize: str
 
     @classmethod
@@ -70,7 +70,7 @@ class PoolSettings:
                 f"pool must be a pinpool.PinPool or None, not {pool!r} ({type(pool).__name__})"
             )
         check_choice("overflow", overflow, ("copy", "wait"))
-        check_choice("oversize", oversize, ("copy", "error"))
+        check_choice("oversize", oversize, ("pin", "copy", "error"))
         check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
         check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
         check_int("arena_bytes", arena_bytes, 1, 1 << 50, none_ok=True)

@@ -155,7 +155,14 @@ class Receiver:
         if small and self._send_from_segment(memory):
             # Sent on the consumer's thread as it is yielded (Pending.wait).
             later = (handle.tree, specs, memory, need)
-            return Pending(None, copying=copying, later=later, delivery=self.deliver)
+            return Pending(
+                None,
+                copying=copying,
+                later=later,
+                delivery=self.deliver,
+                counts=self.deliver,
+                nbytes=need,
+            )
         t0 = _trace.on and _trace.now()
         pending = self.deliver(handle.tree, specs, memory, need, copying)
         if t0:
@@ -295,9 +302,12 @@ class Receiver:
         """The pool's counters (once it exists) plus the loader's own."""
         pool, cache = self.pools.pool, self.pools.cache
         out: dict[str, Any] = dict(pool.stats()) if pool is not None else {}
-        out["batches"] = self.deliver.batches
-        out["bytes"] = self.deliver.bytes
+        deliver = self.deliver
+        out["batches"] = deliver.handed
+        out["bytes"] = deliver.handed_bytes
+        out["batches_ahead"] = deliver.batches - deliver.handed
         out["overflow_batches"] = self.pools.overflow_batches
+        out["oversize_batches"] = self.pools.oversize_batches
         out["zero_copy_batches"] = self.intake.zero_copy_batches
         grants = self.grants
         no_grant, outgrown = (grants.no_grant, grants.outgrown) if grants else (0, 0)

@@ -97,11 +97,13 @@ class Sizing:
         """Batches out at once: in flight plus the consumer's."""
         return self.num_slots if self.num_slots is not None else self.in_flight + EXTRA_BATCHES
 
-    def setting_names(self) -> str:
-        """The settings a user changes to take larger batches."""
+    def setting_to_take(self, need: int) -> str:
+        """The setting that, given, makes the arena take a batch of ``need`` bytes."""
         if self.slot_bytes is not None:
-            return "slot_bytes="
-        return "max_batch_bytes= (or arena_bytes=)"
+            return f"slot_bytes={need}"
+        if self.arena_bytes is not None:
+            return f"max_batch_bytes={need} and arena_bytes={2 * _pages(need)} (or more)"
+        return f"max_batch_bytes={need} (or more)"
 
     def plan(self, first: int) -> Plan:
         """The pool for a loader whose first batch has ``first`` bytes."""

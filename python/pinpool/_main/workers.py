@@ -47,6 +47,7 @@ from .._torch_contract import (
     python_exit_status,
     register_persistent_atexit,
     remove_worker_pids,
+    serialize_polls,
     start_pin_thread,
 )
 from . import ending
@@ -99,6 +100,8 @@ class WorkersIter(MultiProcessingIter):
             # left): what torch made goes now, silently, and nothing is left for __del__.
             _abandon(self)
             raise
+        for w in self._workers:
+            serialize_polls(w)  # (the ending thread reaps them, and the caller may join them)
         if not self._persistent_workers:
             ending.start()  # (now, not at the epoch's end: see _main.ending)
         if t0:

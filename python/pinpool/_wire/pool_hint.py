@@ -118,7 +118,11 @@ class PoolHint:
         except (PinPoolError, OSError, EOFError, MemoryError, struct.error) as exc:
             # (a hint is only a hint: the first batch sizes the pool. The message only: a
             # record holding the exception would keep its frames alive.)
-            _log.warning("pinpool: could not make the pool ahead of the first batch: %s", str(exc))
+            _log.warning(
+                "pinpool: could not make the pool ahead of the first batch (%s): %s",
+                type(exc).__name__,
+                str(exc) or "no reason given",
+            )
         finally:
             with self._lock:
                 self._reader = None

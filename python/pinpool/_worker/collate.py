@@ -61,6 +61,14 @@ class PinCollate:
         self.worker_copy_threads = worker_copy_threads
 
     def __call__(self, data: Any) -> Any:
+        try:
+            return self._collate(data)
+        except streaming.DatasetStopped as stopped:
+            # As torch's fetcher: the dataset's StopIteration out of fetch() (it ends the
+            # epoch), not a RuntimeError.
+            raise stopped.stop from None
+
+    def _collate(self, data: Any) -> Any:
         # Only pinpool's own carriers have a task (a user's batch may have such an attribute).
         task = data.task if isinstance(data, (streaming.LazySamples, TaskedItems)) else None
         in_worker = torch.utils.data.get_worker_info() is not None

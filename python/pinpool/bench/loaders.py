@@ -95,6 +95,10 @@ def build(
     else:
         cls = torch.utils.data.DataLoader
     kwargs: dict[str, Any] = {k: (device if v == DEVICE else v) for k, v in spec.kwargs.items()}
+    if workers == 0:
+        # (Settings of the workers' own: without workers they would only be warned about.)
+        for name in ("zero_copy", "stream_samples"):
+            kwargs.pop(name, None)
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn
     try:
