@@ -46,15 +46,18 @@ _MAIN_PID = os.getpid()
 #: Workers write their totals here (``<pid>.json``) every :data:`_DUMP_EVERY` batches.
 _WORKER_DIR = os.path.join(tempfile.gettempdir(), f"next_profile_{_MAIN_PID}")
 _DUMP_EVERY = 50
-#: The label of the call that ends a worker's batch (torch's fetch, collation included).
+#: The label of torch's fetch (collation included), where a worker uses torch's fetcher.
 _WORKER_BATCH = "torch fetch + collate"
+#: The label of the call that ends a worker's batch, whichever fetcher made it: the put of
+#: its result on torch's data queue.
+_WORKER_PUT = "multiprocessing Queue.put"
 
 
 def _dump_worker_totals() -> None:
     """In a worker: writes its totals, every :data:`_DUMP_EVERY` batches (a DataLoader worker
     exits without running ``atexit`` handlers, so the last few batches may be missing)."""
     with _LOCK:
-        done = _TOTALS.get((_WORKER_BATCH, "worker"))
+        done = _TOTALS.get((_WORKER_PUT, "worker"))
         if not done or len(done) % _DUMP_EVERY:
             return  # (none: another recorder than the totals, stall_trace.py's)
         data = {f"{label}\t{who}": xs for (label, who), xs in _TOTALS.items()}
@@ -109,7 +112,7 @@ def wrap(owner: Any, name: str, label: str, record: Recorder = _add_to_totals) -
         finally:
             who = _who()
             record(label, who, t0, time.perf_counter())
-            if who == "worker" and label == _WORKER_BATCH:
+            if who == "worker" and label == _WORKER_PUT:
                 _dump_worker_totals()
 
     setattr(owner, name, timed)
@@ -137,7 +140,7 @@ def instrument(record: Recorder = _add_to_totals) -> None:
     # The queues between the threads: a worker's batch reaches the pin thread through a
     # multiprocessing queue, and the consumer through a thread queue.
     _wrap(multiprocessing.queues.Queue, "get", "multiprocessing Queue.get")
-    _wrap(multiprocessing.queues.Queue, "put", "multiprocessing Queue.put")
+    _wrap(multiprocessing.queues.Queue, "put", _WORKER_PUT)
     _wrap(queue.Queue, "put", "queue.Queue.put")
     pm = torch.utils.data._utils.pin_memory
     _wrap(pm, "pin_memory", "torch pin_memory()")

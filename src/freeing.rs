@@ -147,26 +147,35 @@ impl Drop for Hold {
     }
 }
 
-/// Waits until no [`Hold`] is held and every job queued by then has run, at most `timeout`
-/// (forever if `None`), and frees the arena kept, if any. Returns whether that happened.
+/// Frees the arena kept, if any, and waits until no [`Hold`] is held and every job queued by
+/// then (that free among them, on the freeing thread) has run, at most `timeout` (forever if
+/// `None`). Returns whether that happened.
 pub fn flush(timeout: Option<Duration>) -> bool {
     let deadline = timeout.map(|t| Instant::now() + t);
-    let mut q = queue();
-    while q.held > 0 || q.done < q.queued {
-        q = match deadline {
-            None => CHANGED.wait(q).unwrap_or_else(|e| e.into_inner()),
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return false;
+    loop {
+        if shelf().kept.is_some() {
+            // Freed on the freeing thread too, never on the caller's.
+            submit(Box::new(evict_shelved));
+        }
+        let mut q = queue();
+        while q.held > 0 || q.done < q.queued {
+            q = match deadline {
+                None => CHANGED.wait(q).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return false;
+                    }
+                    CHANGED.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0
                 }
-                CHANGED.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0
-            }
-        };
+            };
+        }
+        drop(q);
+        // (A job that ran meanwhile may have kept its pool's arena.)
+        if shelf().kept.is_none() {
+            return true;
+        }
     }
-    drop(q);
-    evict_shelved();
-    true
 }
 
 /// Jobs queued but not yet finished.

@@ -56,6 +56,11 @@ class InvalidArgument(PinPoolError, ValueError):
     """An argument makes no sense (zero sizes, unknown backend, ...)."""
 
 
+class ArgumentTypeError(InvalidArgument, TypeError):
+    """An argument of the wrong type (a string where a size goes): an ``InvalidArgument`` that
+    is also the ``TypeError`` Python raises for one."""
+
+
 class NotEnoughMemory(PinPoolError, MemoryError):
     """More memory was asked for (an arena, by its sizes) than this process may take."""
 

@@ -89,7 +89,7 @@ MAP_DATASET: Any = getattr(getattr(torch.utils.data.dataloader, "_DatasetKind", 
 def dataset_kind() -> Any:
     """``torch.utils.data._DatasetKind``: its ``create_fetcher(kind, dataset, auto_collation,
     collate_fn, drop_last)``, which a worker calls once its ``worker_init_fn`` has run, is
-    where a streaming worker's fetcher is made (``_worker.streaming.stream_in_this_worker``,
+    where a streaming worker's fetcher is made (``_worker.fetcher.stream_in_this_worker``,
     in the worker only), and ``Map``."""
     return torch.utils.data._DatasetKind
 

@@ -49,7 +49,7 @@ from ._stats import LoaderStats
 from ._wire import registry
 from ._wire.pool_hint import PoolHint
 from ._worker.collate import PinCollate
-from ._worker.streaming import StreamInWorkers
+from ._worker.fetcher import StreamInWorkers
 
 _torch_versions.check(torch.__version__)
 
@@ -190,7 +190,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         resume = Resume(iterable, num_workers)
         # Whether the workers hand collate the indices, not the samples (the dataset they get
-        # stays the caller's own: _worker.streaming.StreamingFetcher).
+        # stays the caller's own: _worker.fetcher.StreamingFetcher).
         worker_streams = batched_map_style and bool(streams or zero_copy)
         collate = PinCollate(
             token,

@@ -251,12 +251,18 @@ impl Pool {
     /// The arena's length: `arena_bytes` rounded up to a whole page (at least one slot), else
     /// `num_slots` slots.
     fn arena_len(config: &PoolConfig, slot_bytes: usize) -> Result<usize> {
-        let len = match config.arena_bytes {
-            Some(0) => return Err(Error::Invalid("arena_bytes must be positive".into())),
-            Some(n) => n.checked_next_multiple_of(page_size()).map(|n| n.max(slot_bytes)),
-            None => slot_bytes.checked_mul(config.num_slots),
-        };
-        len.ok_or_else(|| Error::Invalid("the arena's size overflows the address space".into()))
+        let overflows =
+            |what: String| Error::Invalid(format!("{what} overflows the address space"));
+        match config.arena_bytes {
+            Some(0) => Err(Error::Invalid("arena_bytes must be positive".into())),
+            Some(n) => n
+                .checked_next_multiple_of(page_size())
+                .map(|n| n.max(slot_bytes))
+                .ok_or_else(|| overflows(format!("arena_bytes={n}"))),
+            None => slot_bytes.checked_mul(config.num_slots).ok_or_else(|| {
+                overflows(format!("slot_bytes={slot_bytes} x num_slots={}", config.num_slots))
+            }),
+        }
     }
 
     /// The slot table over `arena`: `entries` slots at most, of any size up to the longest

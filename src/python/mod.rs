@@ -49,6 +49,7 @@ pyo3::import_exception!(pinpool._errors, SlotReleased);
 pyo3::import_exception!(pinpool._errors, BatchTooLarge);
 pyo3::import_exception!(pinpool._errors, CudaError);
 pyo3::import_exception!(pinpool._errors, InvalidArgument);
+pyo3::import_exception!(pinpool._errors, ArgumentTypeError);
 pyo3::import_exception!(pinpool._errors, OutOfBounds);
 pyo3::import_exception!(pinpool._errors, NotEnoughMemory);
 
@@ -212,7 +213,8 @@ pub(crate) fn timeout_arg(py: Python<'_>, timeout: Option<f64>) -> PyResult<Opti
 
 /// Converts a size or count argument `name`: a non-negative int that fits a `usize`. A
 /// negative or huge int is an `InvalidArgument` naming the argument (not PyO3's
-/// `OverflowError`); anything else keeps Python's `TypeError`.
+/// `OverflowError`); anything else an `ArgumentTypeError` (an `InvalidArgument` and a
+/// `TypeError`) naming it.
 pub(crate) fn size_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
     let int = value.is_instance_of::<pyo3::types::PyInt>()
         && !value.is_instance_of::<pyo3::types::PyBool>();
@@ -225,28 +227,23 @@ pub(crate) fn size_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> 
                 usize::MAX
             )),
         )),
-        _ => Err(to_py(
-            py,
-            Error::Invalid(format!(
-                "{name} must be a non-negative integer, not {} ({})",
-                value.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()),
-                value.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string())
-            )),
-        )),
+        _ => Err(ArgumentTypeError::new_err(format!(
+            "{name} must be a non-negative integer, not {} ({})",
+            value.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()),
+            value.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string())
+        ))),
     }
 }
 
-/// `value` as a bool, or an `InvalidArgument` naming `name` (a string, say `"yes"`, is not one).
+/// `value` as a bool, or an `ArgumentTypeError` naming `name` (a string, say `"yes"`, is not
+/// one).
 pub(crate) fn bool_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
     match value.cast::<pyo3::types::PyBool>() {
         Ok(b) => Ok(b.is_true()),
-        Err(_) => Err(to_py(
-            py,
-            Error::Invalid(format!(
-                "{name} must be True or False, not {}",
-                value.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
-            )),
-        )),
+        Err(_) => Err(ArgumentTypeError::new_err(format!(
+            "{name} must be True or False, not {}",
+            value.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
+        ))),
     }
 }
 

@@ -337,11 +337,27 @@ def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.Monk
     import pinpool._main.sizing
 
     monkeypatch.setattr(pinpool._main.sizing, "available_memory", lambda: 16 * MiB)
+    # A first batch of 4 MiB: the arena may take 8 MiB, so it holds two batches of 4 MiB.
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
-    with pytest.raises(pinpool.BatchTooLarge, match="memory available") as info:
-        loader._pin_receiver.pools.pool_for(4 * MiB)
-    assert loader.pool is None
-    del info
+    pools = loader._pin_receiver.pools
+    pool, _ = pools.pool_for(4 * MiB)
+    assert pool.arena_bytes <= 8 * MiB and pool.largest_slot >= 4 * MiB
+    # A first batch of 6 MiB: no arena of two of it fits; the arena is what fits, and the
+    # batch gets memory of its own (counted), or, with oversize="error", a clear error.
+    for oversize in ("pin", "error"):
+        loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0, oversize=oversize)
+        pools = loader._pin_receiver.pools
+        pool, _ = pools.pool_for(6 * MiB)
+        assert pool.arena_bytes <= 8 * MiB and pools.max_batch < 6 * MiB
+        if oversize == "error":
+            with pytest.raises(pinpool.BatchTooLarge, match="memory available") as info:
+                pools.claim(pool, 6 * MiB)
+            del info
+        else:
+            own = pools.claim(pool, 6 * MiB)
+            assert isinstance(own, torch.Tensor) and own.nbytes == 6 * MiB
+            assert pools.oversize_batches == 1
+            del own
 
 
 def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
@@ -354,11 +370,15 @@ def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
     # half of 64 MiB (4 ranks), and within half of it for one rank (made smaller than its
     # default, 5 batches or the smallest arena, to fit).
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0, oversize="error")
+    pools = loader._pin_receiver.pools
+    pool, _ = pools.pool_for(5 * MiB)
+    assert pool.arena_bytes <= 8 * MiB and pools.max_batch < 5 * MiB
     with pytest.raises(pinpool.BatchTooLarge, match="4 ranks on this host") as info:
-        loader._pin_receiver.pools.pool_for(5 * MiB)
-    del info
+        pools.claim(pool, 5 * MiB)
+    del info, pool
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     pool, _ = loader._pin_receiver.pools.pool_for(5 * MiB)
     assert pool.arena_bytes <= 32 * MiB
     assert pool.largest_slot >= 5 * MiB

@@ -60,6 +60,14 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
     assert result["baseline"] == "torch-pinned"
     runs = result["runs"]
     assert runs and not [r for r in runs if r.get("error")]
+    # Churn: loaders made and dropped in a loop, each timed; what the loop left behind.
+    churn = [r for r in runs if r["scenario"] == "churn"]
+    assert {r["loader"] for r in churn} == set(result["loaders"])
+    for run in churn:
+        assert run["steps"] == result["scenarios"]["churn"]["steps"] > 0
+        assert run["ms_per_loader"] > 0 and run["thread_growth"] >= 0
+        assert run["rss_growth_mib"] >= 0
+    runs = [r for r in runs if r["scenario"] != "churn"]
     for run in runs:
         assert run["steps"] == len(run["step_ms"]) == len(run["wait_ms"]) > 0
         assert run["gb_per_s"] > 0 and run["cpu_ms_per_batch"] >= 0
@@ -104,6 +112,8 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
         assert run["us_per_batch"] > 0
 
     for scenario in result["scenarios"]:
+        if scenario == "churn":
+            continue
         by_loader = result["summary"][scenario]
         assert by_loader["torch-pinned"]["batches_per_s"]["ratio"] == pytest.approx(1.0)
         assert set(by_loader["pinpool"]["batches_per_s"]) >= {"median", "min", "max", "ratio"}

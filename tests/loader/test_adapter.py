@@ -87,7 +87,8 @@ def test_batches_equal_torchs_and_lie_in_slots(num_workers: int) -> None:
     assert stats["bytes"] < 10 * per_sample + 4 * 2 * 64
     assert stats["overflow_batches"] == 0
     assert stats["checkouts"] == 4
-    assert "zero_copy_batches" not in stats and "segments_cached" not in stats
+    # The same counters as a DataLoader's (a LoaderStats): no worker wrote or sent anything.
+    assert stats["zero_copy_batches"] == 0 and stats["segments_cached"] == 0
 
 
 def test_numpy_leaves_and_custom_collate() -> None:
@@ -306,12 +307,14 @@ def test_overflow_wait_and_oversize() -> None:
     del first, it
     big = [torch.ones(MiB, dtype=torch.uint8), torch.ones(4 * MiB, dtype=torch.uint8)]
     with pytest.raises(BatchTooLarge):
-        list(pinpool.pinned(big, slot_bytes=2 * MiB))
-    copied = pinpool.pinned(big, slot_bytes=2 * MiB, oversize="copy")
-    assert copied.pool is not None, "with slot_bytes=, the pool is made at once"
-    got = list(copied)
-    assert [g.nbytes for g in got] == [b.nbytes for b in big]
-    assert copied.stats()["overflow_batches"] == 1
+        list(pinpool.pinned(big, slot_bytes=2 * MiB, oversize="error"))
+    for oversize in ("pin", "copy"):
+        outside = pinpool.pinned(big, slot_bytes=2 * MiB, oversize=oversize)
+        assert outside.pool is not None, "with slot_bytes=, the pool is made at once"
+        got = list(outside)
+        assert [g.nbytes for g in got] == [b.nbytes for b in big]
+        assert outside.stats()["oversize_batches"] == 1
+        assert outside.stats()["overflow_batches"] == 0
 
 
 # --------------------------------------------------------------------------- the end

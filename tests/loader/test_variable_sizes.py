@@ -148,7 +148,11 @@ def test_a_batch_past_the_largest_is_one_clear_error_at_that_batch() -> None:
     # batches before it were delivered.
     lengths = [16] * 8 + [300_000] * 4
     pin = pinpool.DataLoader(
-        TokenRows(lengths), batch_size=4, collate_fn=pad_collate, max_batch_bytes=1 << 20
+        TokenRows(lengths),
+        batch_size=4,
+        collate_fn=pad_collate,
+        max_batch_bytes=1 << 20,
+        oversize="error",
     )
     it = iter(pin)
     assert next(it)["input_ids"].shape == (4, 16)

@@ -58,7 +58,7 @@ def test_the_dataloader_without_torch_says_what_to_install() -> None:
     lines = proc.stdout.splitlines()
     assert len(lines) == 3, proc.stdout
     for name, line in zip(("DataLoader", "pinned", "Pinned"), lines, strict=True):
-        assert f"pinpool.{name} needs PyTorch" in line and "pip install pinpool[torch]" in line
+        assert f"pinpool.{name} needs PyTorch" in line and "pip install 'pinpool[torch]'" in line
 
 
 def test_the_bench_without_its_extras_says_what_to_install() -> None:

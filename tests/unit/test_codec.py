@@ -569,17 +569,23 @@ def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
     assert s["pending_unmaps"] == 0
 
 
-def test_the_pin_thread_leaves_an_oversized_batch_to_the_consumer(live_loader: Any) -> None:
-    """torch's pin thread (``pin_memory()``) does not decide what happens to a batch larger
-    than a slot: it returns the handle, and the consumer's decode raises in its turn."""
+@pytest.mark.parametrize("ahead", [True, False], ids=["pin-thread", "consumer"])
+def test_a_handle_claiming_more_than_its_segment_is_refused_before_memory_is_taken(
+    live_loader: Any, ahead: bool
+) -> None:
+    """A handle naming a segment mapped before, with a length it does not have, is refused
+    (on torch's pin thread, ``pin_memory()``, as on the consumer's): no memory is taken for
+    what it claims, and nothing is held."""
     make = HandleFactory(live_loader)
     make.make(worker=7).pin_memory()
     make.segment.unclaim()
     make.write()
     handle = corrupt_handles(make)["bigger-than-a-slot"]()
-    assert handle.pin_memory() is handle
-    with pytest.raises(pinpool.BatchTooLarge):
-        handle.take()
+    arena = live_loader.pool.arena_bytes
+    with pytest.raises(pinpool.OutOfBounds, match="is not 1073741824 bytes long"):
+        handle.pin_memory() if ahead else handle.take()
+    assert live_loader.stats()["oversize_batches"] == 0
+    assert live_loader.pool.arena_bytes == arena
     del handle
     gc.collect()
     assert_all_free(live_loader)

@@ -95,7 +95,7 @@ def test_only_a_workers_first_batch_is_hinted(pool_threads: list[str]) -> None:
     # Sized for a small first batch: the smallest arena, its largest batch half of it.
     assert loader.pool is not None and loader.pool.arena_bytes == MIN_ARENA
     assert loader.pool.largest_slot == MIN_ARENA // 2 < 36 << 20
-    assert loader.stats()["overflow_batches"] == 1  # the big batch, in ordinary memory
+    assert loader.stats()["oversize_batches"] == 1  # the big batch, in ordinary memory
 
 
 def test_without_streamed_batches_the_first_batch_sizes_the_pool(

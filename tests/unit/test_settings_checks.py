@@ -52,16 +52,21 @@ def test_max_batch_bytes_is_exact_to_the_byte(limit: int) -> None:
     ok = pinpool.DataLoader(Bytes([limit]), batch_size=1, max_batch_bytes=limit)
     (batch,) = _batches(ok)
     assert batch.nbytes == limit and in_pool(ok.pool, batch)
-    over = pinpool.DataLoader(Bytes([limit + 1]), batch_size=1, max_batch_bytes=limit)
+    over = pinpool.DataLoader(
+        Bytes([limit + 1]), batch_size=1, max_batch_bytes=limit, oversize="error"
+    )
     with pytest.raises(BatchTooLarge, match=f"needs {limit + 1} bytes"):
         _batches(over)
-    # With oversize="copy" it goes to ordinary memory, and is counted.
-    copied = pinpool.DataLoader(
-        Bytes([limit + 1]), batch_size=1, max_batch_bytes=limit, oversize="copy"
-    )
-    (batch,) = _batches(copied)
-    assert not in_pool(copied.pool, batch) and copied.stats()["overflow_batches"] == 1
-    del batch
+    # By default (and with oversize="copy") it gets memory of its own, and is counted.
+    for oversize in ("pin", "copy"):
+        outside = pinpool.DataLoader(
+            Bytes([limit + 1]), batch_size=1, max_batch_bytes=limit, oversize=oversize
+        )
+        (batch,) = _batches(outside)
+        assert batch.nbytes == limit + 1 and not in_pool(outside.pool, batch)
+        assert outside.stats()["oversize_batches"] == 1
+        assert outside.stats()["overflow_batches"] == 0
+        del batch
 
 
 @pytest.mark.parametrize("workers", [1])
@@ -77,7 +82,7 @@ def test_max_batch_bytes_is_exact_in_zero_copy_too(workers: int) -> None:
     )
     first, second = _batches(loader)
     assert in_pool(loader.pool, first) and not in_pool(loader.pool, second)
-    assert loader.stats()["overflow_batches"] == 1
+    assert loader.stats()["oversize_batches"] == 1
     del first, second
 
 
@@ -97,7 +102,7 @@ def test_arena_bytes_is_made_as_given_to_the_page(arena: int, largest: int | Non
 
 def test_a_pool_of_slot_bytes_bounds_each_batch_by_its_slot_bytes() -> None:
     pool = pinpool.PinPool(MiB, 4, device="cpu")
-    loader = pinpool.DataLoader(Bytes([MiB, MiB + 1]), batch_size=1, pool=pool)
+    loader = pinpool.DataLoader(Bytes([MiB, MiB + 1]), batch_size=1, pool=pool, oversize="error")
     it = iter(loader)
     assert in_pool(pool, next(it))
     with pytest.raises(BatchTooLarge, match=f"needs {MiB + 1} bytes"):

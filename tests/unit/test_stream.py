@@ -22,6 +22,7 @@ from torch.utils.data import default_collate
 from pinpool._wire import codec as _codec
 from pinpool._wire import handle
 from pinpool._wire import leaves as _leaves
+from pinpool._worker import fetcher
 from pinpool._worker import streaming as _stream
 
 KiB = 1 << 10
@@ -284,9 +285,9 @@ def test_each_sample_is_freed_before_the_next_is_made() -> None:
 def test_the_streaming_fetcher_hands_collate_the_indices_of_the_callers_dataset() -> None:
     ds = Tracked(3)
     seen: list[Any] = []
-    fetcher = _stream.StreamingFetcher(ds, True, seen.append, False)
+    streaming_fetcher = fetcher.StreamingFetcher(ds, True, seen.append, False)
     task = handle.ZeroCopyTask(7, 1)
-    fetcher.fetch(handle.TaggedIndices([2, 0], task))
+    streaming_fetcher.fetch(handle.TaggedIndices([2, 0], task))
     (lazy,) = seen
     assert isinstance(lazy, _stream.LazySamples) and lazy.dataset is ds and lazy.task == task
     assert [s["x"][0, 0].item() for s in lazy] == [2.0, 0.0]
@@ -301,13 +302,13 @@ def test_a_worker_streams_only_with_pinpools_collate() -> None:
     kind = dataset_kind()
     original = kind.create_fetcher
     try:
-        _stream.stream_in_this_worker()
-        _stream.stream_in_this_worker()  # (once)
+        fetcher.stream_in_this_worker()
+        fetcher.stream_in_this_worker()  # (once)
         collate = PinCollate("token", None, auto_collation=True, ring_size=4)
         made = kind.create_fetcher(kind.Map, Tracked(2), True, collate, False)
-        assert isinstance(made, _stream.StreamingFetcher)
+        assert isinstance(made, fetcher.StreamingFetcher)
         plain = kind.create_fetcher(kind.Map, Tracked(2), True, list, False)
-        assert not isinstance(plain, _stream.StreamingFetcher)
+        assert not isinstance(plain, fetcher.StreamingFetcher)
     finally:
         kind.create_fetcher = original
 
@@ -321,6 +322,6 @@ def test_a_dataset_with_its_own_getitems_makes_its_samples() -> None:
             return 4
 
     seen: list[Any] = []
-    _stream.StreamingFetcher(Batched(), True, seen.append, False).fetch([1, 3])
+    fetcher.StreamingFetcher(Batched(), True, seen.append, False).fetch([1, 3])
     got = seen[0].items
     assert isinstance(got, list) and len(got) == 2

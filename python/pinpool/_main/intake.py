@@ -40,6 +40,9 @@ class Intake:
         self.zero_copy_batches = 0
         # Worker key -> pid, for the workers whose segments are mapped here.
         self._worker_pids: dict[int, int] = {}
+        # Segment key -> its checked length, for the segments mapped here: a later handle
+        # naming the segment must name that length (the size of what it may claim).
+        self._segment_lens: dict[tuple[int, int], int] = {}
 
     def inline(self, handle: BatchHandle) -> None:
         """A batch without arrays, carried whole by its handle: no memory, no pool."""
@@ -114,6 +117,10 @@ class Intake:
             cache = self.pools.cache
             if cache is None or key not in cache:
                 raise PinPoolError(f"segment {key} was never received by this process")
+            if self._segment_lens.get(key) != total_len:
+                raise OutOfBounds(
+                    f"corrupt batch handle: segment {key} is not {total_len} bytes long"
+                )
             handle._state = HELD
             if t0:
                 _trace.span("batch.receive", t0, first=False)
@@ -137,6 +144,7 @@ class Intake:
             os.close(own)
             raise
         cache.insert(key, own, total_len, nonce)  # owns the fd from here
+        self._segment_lens[key] = total_len
         self._worker_pids[worker] = pid
         handle._state = HELD
         if t0:
@@ -181,6 +189,7 @@ class Intake:
             pass  # already retired with the whole worker
         for sid in handle.retired:
             cache.retire((handle.worker, sid))
+            self._segment_lens.pop((handle.worker, sid), None)
         if handle.unused is not None and self.grants is not None:
             # A streamed batch whose rest outgrew its slot came through a segment instead.
             self.grants.outgrown += 1
@@ -195,9 +204,13 @@ class Intake:
         if not dead_only:
             cache.retire_all()
             self._worker_pids.clear()
+            self._segment_lens.clear()
             return
         # (Also on the ending thread, after an ended epoch's workers exit: the consumer's
         # thread may retire every segment meanwhile, the loader being closed.)
         for worker, pid in list(self._worker_pids.items()):
             if not peer.alive(pid) and self._worker_pids.pop(worker, None) is not None:
                 cache.retire_all(worker)
+                for key in list(self._segment_lens):  # (a copy: other threads change it)
+                    if key[0] == worker:
+                        self._segment_lens.pop(key, None)

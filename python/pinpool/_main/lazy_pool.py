@@ -204,9 +204,8 @@ class LazyPool:
                 return self.oversize_buffer(need, largest)
             raise BatchTooLarge(
                 f"a batch needs {need} bytes but the loader's arena takes batches of up to "
-                f"{largest} bytes; pass {self.sizing.setting_to_take(need)} to "
-                "pinpool.DataLoader, or leave oversize= at 'pin' to give such batches pinned "
-                "memory of their own",
+                f"{largest} bytes; it takes {self.sizing.setting_to_take(need)}, or leave "
+                "oversize= at 'pin' to give such batches pinned memory of their own",
                 need,
                 largest,
             )
@@ -252,8 +251,8 @@ class LazyPool:
         if self.oversize_batches == 1:
             _log.warning(
                 "a batch of %d bytes is larger than the largest the loader's arena takes (%d): "
-                "it went to %s memory of its own; pass %s to pinpool.DataLoader to keep such "
-                "batches in the arena",
+                "it went to %s memory of its own; to keep such batches in the arena, it "
+                "takes %s",
                 need,
                 largest,
                 "pinned" if pinned else "ordinary",

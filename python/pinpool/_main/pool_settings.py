@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgument
+from .._errors import ArgumentTypeError, InvalidArgument
 from .._native import PinPool
 from .settings import MAX_COPY_THREADS, check_choice, check_int, check_timeout, cuda_device
 from .sizing import Sizing
@@ -66,7 +66,7 @@ class PoolSettings:
         device is a given pool's, else the delivery device's, else torch's current CUDA
         device, else None."""
         if pool is not None and not isinstance(pool, PinPool):
-            raise InvalidArgument(
+            raise ArgumentTypeError(
                 f"pool must be a pinpool.PinPool or None, not {pool!r} ({type(pool).__name__})"
             )
         check_choice("overflow", overflow, ("copy", "wait"))

@@ -15,18 +15,22 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgument
+from .._errors import ArgumentTypeError, InvalidArgument
 
 #: The most copy threads a pool or a worker may have (the Rust core's limit).
 MAX_COPY_THREADS = 64
 
 
 def check_int(name: str, value: Any, low: int, high: int, none_ok: bool = False) -> None:
-    """Raises InvalidArgument unless ``value`` is an int from ``low`` to ``high`` (or None)."""
+    """Raises InvalidArgument unless ``value`` is an int from ``low`` to ``high`` (or None):
+    ``ArgumentTypeError`` (also a ``TypeError``) for one that is not an int."""
     if value is None and none_ok:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise InvalidArgument(f"{name} must be an integer from {low} to {high}, not {value!r}")
+    wanted = f"{name} must be an integer from {low} to {high}, not {value!r}"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ArgumentTypeError(wanted)
+    if not low <= value <= high:
+        raise InvalidArgument(wanted)
 
 
 def check_bool(name: str, value: Any, none_ok: bool = False) -> None:
@@ -36,7 +40,7 @@ def check_bool(name: str, value: Any, none_ok: bool = False) -> None:
         return
     if not isinstance(value, bool):
         allowed = "True, False or None" if none_ok else "True or False"
-        raise InvalidArgument(f"{name} must be {allowed}, not {value!r}")
+        raise ArgumentTypeError(f"{name} must be {allowed}, not {value!r}")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -47,12 +51,13 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def check_timeout(name: str, value: Any) -> None:
-    if value is not None and not (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and 0 <= value < float("inf")
-    ):
-        raise InvalidArgument(f"{name} must be None or a non-negative number, not {value!r}")
+    wanted = f"{name} must be None or a non-negative number, not {value!r}"
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ArgumentTypeError(wanted)
+    if not 0 <= value < float("inf"):
+        raise InvalidArgument(wanted)
 
 
 def cuda_device(device: Any) -> torch.device | None:
@@ -61,7 +66,7 @@ def cuda_device(device: Any) -> torch.device | None:
         return None
     wanted = "None, 'cpu', 'cuda', 'cuda:N', an int or a torch.device"
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise InvalidArgument(f"device must be {wanted}, not {device!r}")
+        raise ArgumentTypeError(f"device must be {wanted}, not {device!r}")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError) as exc:

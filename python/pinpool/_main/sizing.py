@@ -98,12 +98,22 @@ class Sizing:
         return self.num_slots if self.num_slots is not None else self.in_flight + EXTRA_BATCHES
 
     def setting_to_take(self, need: int) -> str:
-        """The setting that, given, makes the arena take a batch of ``need`` bytes."""
+        """What makes the arena take a batch of ``need`` bytes: the setting to pass to
+        ``pinpool.DataLoader``, or, where that arena would be over the memory this loader may
+        take, that fact."""
+        cap = self._memory_cap()
+        if cap is not None and 2 * _pages(need) > cap:
+            return (
+                f"more memory: an arena holding batches of {need} bytes is over "
+                f"{self._share_text()} of the memory available ({cap} bytes may be taken)"
+            )
         if self.slot_bytes is not None:
-            return f"slot_bytes={need}"
-        if self.arena_bytes is not None:
-            return f"max_batch_bytes={need} and arena_bytes={2 * _pages(need)} (or more)"
-        return f"max_batch_bytes={need} (or more)"
+            setting = f"slot_bytes={need}"
+        elif self.arena_bytes is not None:
+            setting = f"max_batch_bytes={need} and arena_bytes={2 * _pages(need)} (or more)"
+        else:
+            setting = f"max_batch_bytes={need} (or more)"
+        return f"{setting} passed to pinpool.DataLoader"
 
     def plan(self, first: int) -> Plan:
         """The pool for a loader whose first batch has ``first`` bytes."""
@@ -136,15 +146,10 @@ class Sizing:
             if explicit:
                 named = "arena_bytes=" if self.arena_bytes is not None else "max_batch_bytes="
                 self._within_memory(arena, named)
-            # Smaller, but still two of the first batch.
-            largest = max(room, cap // 2 // _PAGE * _PAGE)
+            # Smaller: two of the largest batch that fits (the first batch too, if it does;
+            # if not, it and those like it take memory of their own, by oversize=).
+            largest = max(_PAGE, cap // 2 // _PAGE * _PAGE)
             arena = 2 * largest
-            if arena > cap:
-                raise NotEnoughMemory(
-                    f"batches of {first} bytes need an arena of at least {arena / 2**30:.2f} "
-                    f"GiB, more than {self._share_text()} of memory available; pass "
-                    "max_batch_bytes= with oversize='copy' to pinpool.DataLoader"
-                )
         return Plan(largest, arena, entries, self.max_batch_bytes or 0)
 
     def check(self) -> None:

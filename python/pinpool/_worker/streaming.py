@@ -2,8 +2,8 @@
 
 torch's fetcher makes every sample of a batch and only then collates them. With 256 fresh
 150 KB images that is 38 MB of item memory written, then read back by the stack, long after
-it left the CPU's caches, and often faulted in afresh for every batch. Here
-:class:`StreamingFetcher` hands collate the indices (:class:`LazySamples`) and
+it left the CPU's caches, and often faulted in afresh for every batch. Here the worker's
+fetcher (``_worker.fetcher``) hands collate the indices (:class:`LazySamples`) and
 :func:`collate_streaming` makes the samples one at a time: a sample's big arrays (plain
 tensors and numeric numpy arrays of at least :data:`STREAM_MIN` bytes) are copied into their
 row of the batch's buffer while still in cache, and the sample keeps a :class:`_Row` marker
@@ -38,10 +38,9 @@ import torch
 import torch.utils.data
 
 from .. import _native
-from .. import _torch_contract as torch_contract
 from .._torch_contract import torch_collate
 from .._wire import codec
-from .._wire.handle import TaggedIndices, TaskedItems, ZeroCopyTask
+from .._wire.handle import ZeroCopyTask
 from .._wire.tree import KEEP, map_leaves
 
 #: Arrays smaller than this are left to ordinary collation.
@@ -73,6 +72,7 @@ class LazySamples:
                 # torch's fetcher lets it out of fetch(), which ends the epoch.)
                 raise DatasetStopped(stop) from None
             yield sample
+            del sample  # (freed before the next is made, once its consumer lets it go)
 
 
 class DatasetStopped(Exception):
@@ -83,64 +83,6 @@ class DatasetStopped(Exception):
     def __init__(self, stop: StopIteration) -> None:
         super().__init__("the dataset raised StopIteration")
         self.stop = stop
-
-
-class StreamingFetcher:
-    """torch's map-style fetcher, for pinpool's collate: ``fetch`` hands collate the indices
-    (:class:`LazySamples`, with their zero-copy task, if the index list carries one) rather
-    than the samples; a dataset with its own ``__getitems__`` gets its samples made by it, as
-    torch's fetcher would (:class:`~pinpool._wire.handle.TaskedItems`). The dataset is the
-    caller's own: ``get_worker_info().dataset`` in a worker is what they passed."""
-
-    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Any, drop_last: bool):
-        self.dataset = dataset
-        self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
-        self.drop_last = drop_last
-
-    def fetch(self, possibly_batched_index: Any) -> Any:
-        indices = possibly_batched_index
-        task = indices.task if type(indices) is TaggedIndices else None
-        getitems = getattr(self.dataset, "__getitems__", None)
-        if getitems:
-            return self.collate_fn(TaskedItems(getitems(list(indices)), task))
-        return self.collate_fn(LazySamples(self.dataset, list(indices), task))
-
-
-class StreamInWorkers:
-    """The ``worker_init_fn`` of a loader whose workers stream: :func:`stream_in_this_worker`,
-    then the caller's own (``init_fn``), if any."""
-
-    def __init__(self, init_fn: Any) -> None:
-        self.init_fn = init_fn
-
-    def __call__(self, worker_id: int) -> None:
-        stream_in_this_worker()
-        if self.init_fn is not None:
-            self.init_fn(worker_id)
-
-
-def stream_in_this_worker() -> None:
-    """Has torch's workers in this process fetch batches with :class:`StreamingFetcher` where
-    the dataset is map-style, samples are batched and the collate is pinpool's (called in the
-    worker, by its ``worker_init_fn``, before torch makes its fetcher). Elsewhere, torch's own
-    fetcher."""
-    kind = torch_contract.dataset_kind()
-    if getattr(kind.create_fetcher, "_pinpool", False):
-        return
-    original = kind.create_fetcher
-
-    def create_fetcher(
-        dataset_kind: Any, dataset: Any, auto_collation: bool, collate_fn: Any, drop_last: bool
-    ) -> Any:
-        from .collate import PinCollate
-
-        if dataset_kind == kind.Map and auto_collation and isinstance(collate_fn, PinCollate):
-            return StreamingFetcher(dataset, auto_collation, collate_fn, drop_last)
-        return original(dataset_kind, dataset, auto_collation, collate_fn, drop_last)
-
-    create_fetcher._pinpool = True  # type: ignore[attr-defined]
-    kind.create_fetcher = staticmethod(create_fetcher)
 
 
 class _Region(NamedTuple):
