@@ -29,11 +29,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pinpool::copy::CopyRange;
-use pinpool::cuda::{self, Device, StreamHandle};
-use pinpool::extents::ExtentMap;
-use pinpool::fence::{FenceId, Fences, ManualFences};
-use pinpool::shm::Mapping;
+use pinpool::allocation::extents::ExtentMap;
+use pinpool::memory::shm::Mapping;
+use pinpool::system::cuda::{self, Device, StreamHandle};
+use pinpool::transfer::copy::CopyRange;
+use pinpool::transfer::fence::{FenceId, Fences, ManualFences};
 use pinpool::{Pool, PoolConfig, Result};
 
 const MIB: usize = 1 << 20;

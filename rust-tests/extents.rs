@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use pinpool::cuda::StreamHandle;
-use pinpool::fence::ManualFences;
-use pinpool::shm::page_size;
+use pinpool::memory::shm::page_size;
+use pinpool::system::cuda::StreamHandle;
+use pinpool::transfer::fence::ManualFences;
 use pinpool::{Checkout, Pool, PoolConfig};
 use proptest::prelude::*;
 

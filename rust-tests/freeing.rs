@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use pinpool::freeing;
+use pinpool::memory::freeing;
 use pinpool::{Pool, PoolConfig};
 
 const PAGE: usize = 4096;

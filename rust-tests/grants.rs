@@ -5,8 +5,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pinpool::grants::{GrantRequest, Grants, BIG_FROM, GRANT_WORDS, HINT_WORDS};
 use pinpool::pool::claim::room_kept;
+use pinpool::pool::grants::{GrantRequest, Grants, BIG_FROM, GRANT_WORDS, HINT_WORDS};
 use pinpool::transport::grant_desk::{self, ASK, GIVE_BACK, REQUEST_WORDS};
 use pinpool::{Pool, PoolConfig};
 use rustix::net::{
@@ -219,7 +219,7 @@ fn the_desk_stops_with_its_last_registration() {
 
 #[test]
 fn a_request_waits_for_room_the_batches_before_it_hold() {
-    use pinpool::grants::Answer;
+    use pinpool::pool::grants::Answer;
     let config = PoolConfig { arena_bytes: Some(16 * PAGE), ..PoolConfig::host(16 * PAGE, 64) };
     let pool = Pool::new(&config).unwrap();
     let g = grants(&pool);

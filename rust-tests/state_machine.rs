@@ -26,15 +26,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pinpool::cuda::StreamHandle;
-use pinpool::fence::{FenceId, FenceTracker, Fences, ManualFences};
-use pinpool::slots::{Counts, SlotTable, State};
+use pinpool::allocation::slots::{Counts, SlotTable, State};
+use pinpool::system::cuda::StreamHandle;
+use pinpool::transfer::fence::{FenceId, FenceTracker, Fences, ManualFences};
 use pinpool::{Checkout, Error, Result};
 use proptest::prelude::*;
 
 /// The arena's page size: the tables here have one-page slots.
 fn page() -> usize {
-    pinpool::shm::page_size()
+    pinpool::memory::shm::page_size()
 }
 
 /// `table.state(i)` of every slot, at one moment.

@@ -9,9 +9,9 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use pinpool::cuda::StreamHandle;
-use pinpool::fence::{FenceId, Fences, ManualFences};
-use pinpool::slots::SlotTable;
+use pinpool::allocation::slots::SlotTable;
+use pinpool::system::cuda::StreamHandle;
+use pinpool::transfer::fence::{FenceId, Fences, ManualFences};
 use pinpool::{Checkout, Error, Pool, PoolConfig, Result};
 
 /// A small xorshift generator: enough randomness for schedules, no dependency.

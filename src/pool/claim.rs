@@ -19,10 +19,10 @@
 use std::time::{Duration, Instant};
 
 use super::Pool;
-use crate::error::{Error, Result};
-use crate::slots::Checkout;
+use crate::allocation::slots::Checkout;
 #[cfg(doc)]
-use crate::slots::SlotTable;
+use crate::allocation::slots::SlotTable;
+use crate::error::{Error, Result};
 
 /// How [`Pool::claim`] may take a slot.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -60,7 +60,7 @@ pub enum Claim {
 /// parts (`part` bytes: no range is longer, so more could never be kept and every claim ahead
 /// would fail).
 pub fn room_kept(largest_seen: usize, arena: usize, part: usize) -> usize {
-    let page = crate::shm::page_size();
+    let page = crate::memory::shm::page_size();
     let room = largest_seen.saturating_add(largest_seen / 4);
     let room = room.checked_next_multiple_of(page).unwrap_or(usize::MAX);
     room.min(arena.saturating_sub(largest_seen)).min(part)
@@ -124,8 +124,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::fence::ManualFences;
     use crate::pool::PoolConfig;
+    use crate::transfer::fence::ManualFences;
 
     #[test]
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
@@ -170,7 +170,7 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn a_claim_the_holes_cannot_hold_is_answered_at_once() {
         // Eight pages, every other one kept by the consumer: four free pages in four holes.
-        let page = crate::shm::page_size();
+        let page = crate::memory::shm::page_size();
         let fences = Arc::new(ManualFences::new());
         let pool = Pool::with_fences(&PoolConfig::host(page, 8), Box::new(fences.clone())).unwrap();
         let held: Vec<Checkout> = (0..8).map(|_| pool.try_checkout().unwrap().unwrap()).collect();

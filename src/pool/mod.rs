@@ -2,16 +2,22 @@
 //!
 //! This module is the pool itself: the arena, the slot table and the fences, checkout and
 //! release, and the counters. Its other jobs are modules of their own: the loader's claim
-//! policy ([`claim`]), copies into slots and sends to the device ([`transfer`]), what
+//! policy ([`claim`]), copies into slots and sends to the device ([`fill_and_send`]), what
 //! `stats()` reports ([`stats`]), the prepare and fence threads (`threads`), and what dropping
-//! a pool does (`teardown`). Worker segments are mapped, counted and unmapped by
-//! [`crate::transport`], which uses the pool; the pool knows nothing of segments.
+//! a pool does (`teardown`). Built on the pool: one checked-out slot held by one owner, with
+//! the rules for giving it back ([`lease`]), and the zero-copy grants ([`grants`]). Worker
+//! segments are mapped, counted and unmapped by [`crate::transport`], which uses the pool;
+//! the pool knows nothing of segments.
+//!
+//! Layer invariant: this folder uses only [`crate::system`], [`crate::memory`],
+//! [`crate::allocation`] and [`crate::transfer`] (and [`crate::error`]), never
+//! [`crate::transport`] or the Python layer.
 //!
 //! Invariants:
 //! - A slot is an extent of the arena: the bytes its checkout asked for, rounded up to a page,
 //!   inside one of the arena's parts (each a whole number of `slot_bytes`, the largest slot);
-//!   the slot table ([`crate::slots`]) and its extent map ([`crate::extents`]) keep live
-//!   extents disjoint.
+//!   the slot table ([`crate::allocation::slots`]) and its extent map
+//!   ([`crate::allocation::extents`]) keep live extents disjoint.
 //! - A slot is written or read through this module only while its checkout is live
 //!   ([`SlotTable::is_live`]); every range copied in is checked against the source mapping and
 //!   the slot first, so no copy reads or writes outside either.
@@ -21,12 +27,12 @@
 //!   fence is never handed out.
 //! - The arena outlives every user: checkouts are only usable through an `Arc<Pool>`. Dropping
 //!   the last one only closes the table and hands what the pool owns to the freeing thread
-//!   ([`crate::freeing`]), whatever thread drops it: there the pending fences are waited for,
-//!   then the threads stopped and the arena freed (or, if a fence has not completed after
+//!   ([`crate::memory::freeing`]), whatever thread drops it: there the pending fences are waited
+//!   for, then the threads stopped and the arena freed (or, if a fence has not completed after
 //!   30 s, the arena is leaked rather than free memory the GPU may read).
 //! - A copy into a slot may run on a copy thread ([`Pool::copy_in_background`]): its job owns
 //!   the pool, the source mapping and what keeps the slot out of the pool, and drops them only
-//!   after the copy ([`transfer`]).
+//!   after the copy ([`fill_and_send`]).
 //! - After [`Pool::close`] no checkout succeeds; slots already out may still be used and
 //!   released.
 //! - A forked child (a DataLoader worker) may inherit and drop the last reference to its
@@ -41,18 +47,18 @@
 //! Other modules point here. One slot, from the arena's making to its reuse, in both of the
 //! DataLoader's modes (the Python halves are named after "Python:", in `python/pinpool/`):
 //!
-//! 1. **Made.** [`Pool::new`] makes the arena ([`crate::arena`]) and the slot table
-//!    ([`crate::slots`]): a fixed number of entries and the arena's free bytes. When the pool
-//!    makes the rest of its arena in the background, those bytes are free only once
+//! 1. **Made.** [`Pool::new`] makes the arena ([`crate::memory::arena`]) and the slot table
+//!    ([`crate::allocation::slots`]): a fixed number of entries and the arena's free bytes. When
+//!    the pool makes the rest of its arena in the background, those bytes are free only once
 //!    [`SlotTable::admit`] adds them, as their part is faulted in (and registered).
 //! 2. **Checked out.** A free entry takes an extent of exactly the bytes asked for (rounded
-//!    up to a page), carved by address-ordered first fit ([`crate::extents`] says why: batches
-//!    are mostly consumed in order, so the oldest bytes free first and the next batch lands
-//!    there again; a batch kept for long holds only its own bytes, the others flow around
-//!    it; nothing is rounded to a power of two). `Free -> CheckedOut`, with a new generation;
-//!    the [`Checkout`] (table, index, generation) names this one checkout. Copy mode: the main
-//!    process checks it out when a worker's batch arrives, of that batch's size (Python:
-//!    `Receiver._claim` in `_main/receiver.py`). Zero-copy: it is checked out as torch
+//!    up to a page), carved by address-ordered first fit ([`crate::allocation::extents`] says
+//!    why: batches are mostly consumed in order, so the oldest bytes free first and the next
+//!    batch lands there again; a batch kept for long holds only its own bytes, the others flow
+//!    around it; nothing is rounded to a power of two). `Free -> CheckedOut`, with a new
+//!    generation; the [`Checkout`] (table, index, generation) names this one checkout. Copy
+//!    mode: the main process checks it out when a worker's batch arrives, of that batch's size
+//!    (Python: `Receiver._claim` in `_main/receiver.py`). Zero-copy: it is checked out as torch
 //!    dispatches a batch's indices, before the batch exists, of a size guessed from the
 //!    recent batches (Python: `_main/checkouts.py`, `_main/sizing.py`), and its place in the
 //!    arena (memfd, offset, length, generation, a nonce) travels to the worker with them; a
@@ -73,8 +79,8 @@
 //!    stream (Python: `_main/delivery.py`).
 //! 5. **Released.** When the last view of the batch dies (or on an explicit `release`), the
 //!    binding releases the checkout with torch's current stream: `CheckedOut -> Fenced`, and
-//!    `(checkout, stream)` is queued ([`crate::fence`]); without CUDA, straight to `Free`. No
-//!    driver call on the releasing thread, which may hold the GIL.
+//!    `(checkout, stream)` is queued ([`crate::transfer::fence`]); without CUDA, straight to
+//!    `Free`. No driver call on the releasing thread, which may hold the GIL.
 //! 6. **Fenced.** The fence thread (or a checkout that finds nothing free) records one event
 //!    per stream for everything queued and polls the events; when a slot's event completes,
 //!    `Fenced -> Free`, and its bytes go back to the extent map, merged with free neighbours.
@@ -83,17 +89,19 @@
 //! 7. **Reused.** The next checkout bumps the generation again: every checkout of an earlier
 //!    checkout (a stale handle, a second release) is refused with `SlotReleased`.
 //! 8. **Freed.** When the last reference to the pool goes, the freeing thread
-//!    ([`crate::freeing`]) waits for the fences still pending, then frees the arena.
+//!    ([`crate::memory::freeing`]) waits for the fences still pending, then frees the arena.
 
 pub mod claim;
+pub mod fill_and_send;
+pub mod grants;
+pub mod lease;
 pub mod stats;
 mod teardown;
 mod threads;
-pub mod transfer;
 
 pub use claim::{Claim, ClaimRules};
+pub use fill_and_send::validate_ranges;
 pub use stats::{Counters, Stats};
-pub use transfer::validate_ranges;
 
 use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
@@ -101,14 +109,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::arena::{Arena, Backend, Residency};
-use crate::copy::{Copier, MAX_COPY_THREADS};
-use crate::cuda::StreamHandle;
+use crate::allocation::slots::{Checkout, Layout, SlotTable};
 use crate::error::{Error, Held, Result};
-use crate::fence::{CudaFences, FenceTracker, Fences};
-use crate::freeing;
-use crate::shm::{page_size, round_up};
-use crate::slots::{Checkout, Layout, SlotTable};
+use crate::memory::arena::{Arena, Backend, Residency};
+use crate::memory::freeing;
+use crate::memory::shm::{page_size, round_up};
+use crate::system::cuda::StreamHandle;
+use crate::transfer::copy::{Copier, MAX_COPY_THREADS};
+use crate::transfer::fence::{CudaFences, FenceTracker, Fences};
 
 /// Where a slot lies in shared memory ([`Pool::slot_place`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,7 +147,7 @@ pub struct PoolConfig {
     /// holds the pages past whole slots); `None`: `slot_bytes * num_slots` (equal slots).
     pub arena_bytes: Option<usize>,
     /// CUDA device ordinal, or `None` for no CUDA. (The Python layer's automatic choice,
-    /// the rank's own device, is [`crate::device_choice::DeviceRequest::resolve`].)
+    /// the rank's own device, is [`crate::memory::device_choice::DeviceRequest::resolve`].)
     pub device: Option<usize>,
     /// Backend, or `None` to choose.
     pub backend: Option<Backend>,
@@ -178,7 +186,7 @@ pub struct Pool {
     /// These two own threads (and CUDA events): dropped by hand, in the creating process only.
     fences: ManuallyDrop<Option<FenceTracker>>,
     copier: ManuallyDrop<Copier>,
-    /// The process that made the pool, and the fork count there ([`crate::forks`]).
+    /// The process that made the pool, and the fork count there ([`crate::system::forks`]).
     owner: u32,
     owner_forks: u64,
     counters: Arc<Counters>,
@@ -206,8 +214,10 @@ impl Pool {
         let slot_bytes = Self::checked_slot_bytes(config)?;
         let arena_len = Self::arena_len(config, slot_bytes)?;
         SlotTable::check_len(config.num_slots)?; // before any memory is taken
-                                                 // The pools dropped before give their memory back first (the freeing thread may lag
-                                                 // behind a loop that makes loaders), and one of this shape gives its arena.
+                                                 // The pools dropped before give their memory
+                                                 // back first (the freeing thread may lag behind
+                                                 // a loop that makes loaders), and one of this
+                                                 // shape gives its arena.
         freeing::catch_up(CATCH_UP_AT_MOST);
         let (device, backend) = (config.device, config.backend);
         let kept =
@@ -298,7 +308,7 @@ impl Pool {
     fn check_owner(&self) -> Result<()> {
         // The fork count first: no system call. (A process id check alone would cost one per
         // checkout.)
-        if crate::forks::current() == self.owner_forks {
+        if crate::system::forks::current() == self.owner_forks {
             return Ok(());
         }
         let me = std::process::id();
@@ -333,7 +343,7 @@ impl Pool {
             fences: ManuallyDrop::new(fences.map(FenceTracker::new)),
             copier: ManuallyDrop::new(copier),
             owner: std::process::id(),
-            owner_forks: crate::forks::current(),
+            owner_forks: crate::system::forks::current(),
             counters: Arc::new(Counters {
                 num_slots: AtomicU64::new(n),
                 arena_bytes: AtomicU64::new(arena_len as u64),
@@ -423,8 +433,8 @@ impl Pool {
 
     /// As [`Pool::try_checkout_bytes`], but the slot starts at the first arena offset of
     /// `prefer` where a slot of `bytes` can start now (free, a whole number of pages, inside
-    /// one part, `keep` honoured: [`crate::extents::ExtentMap::alloc_preferring`]), else
-    /// (unless `only`: then None) wherever first fit puts it. A zero-copy worker that keeps
+    /// one part, `keep` honoured: [`crate::allocation::extents::ExtentMap::alloc_preferring`]),
+    /// else (unless `only`: then None) wherever first fit puts it. A zero-copy worker that keeps
     /// the extents of its last batches mapped asks for them again. (With `prefer`, a preferred
     /// extent free now is taken as it is; only where none is are the fences that have
     /// completed retired first, since their bytes are free only once retired: this runs on the
@@ -570,7 +580,7 @@ impl Pool {
     pub fn is_fenced(&self, checkout: Checkout) -> bool {
         checkout.table == self.table.id()
             && self.table.state(checkout.index as usize)
-                == Some((crate::slots::State::Fenced, checkout.generation))
+                == Some((crate::allocation::slots::State::Fenced, checkout.generation))
     }
 
     /// The length of the slot `checkout` holds, if the checkout is live.
@@ -688,7 +698,7 @@ mod tests {
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
     #[cfg_attr(miri, ignore)]
     fn a_released_extent_is_handed_out_again_once_its_fence_is_retired() {
-        let fences = Arc::new(crate::fence::ManualFences::new());
+        let fences = Arc::new(crate::transfer::fence::ManualFences::new());
         let slot = 4 * page_size();
         let config = PoolConfig::host(slot, 4);
         let pool = Pool::with_fences(&config, Box::new(Arc::clone(&fences))).unwrap();
@@ -735,7 +745,7 @@ mod tests {
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
     #[cfg_attr(miri, ignore)]
     fn a_free_preferred_extent_is_taken_without_retiring_fences() {
-        let fences = Arc::new(crate::fence::ManualFences::new());
+        let fences = Arc::new(crate::transfer::fence::ManualFences::new());
         let slot = 4 * page_size();
         let pool =
             Pool::with_fences(&PoolConfig::host(slot, 4), Box::new(Arc::clone(&fences))).unwrap();

@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::Pool;
-use crate::fence::FenceTracker;
-use crate::slots::{Bytes, Counts};
+use crate::allocation::slots::{Bytes, Counts};
+use crate::transfer::fence::FenceTracker;
 
 /// Counters reported by `pool.stats()`. Shared ([`Pool::counters`]) so that the last figures
 /// can still be read once the pool itself is gone.

@@ -1,8 +1,10 @@
 //! Dropping a pool: the last reference only closes the slot table and hands what the pool
-//! owns ([`Remains`]) to the freeing thread ([`crate::freeing`]), which waits for the pending
-//! fences, stops the pool's threads and frees the arena, or keeps it a moment for the next
-//! pool of its shape ([`crate::freeing::shelve`]). (This module says what is handed over and
-//! in what order; [`crate::freeing`] runs it.)
+//! owns ([`Remains`]) to the freeing thread ([`crate::memory::freeing`]), which waits for the
+//! pending fences, stops the pool's threads and frees the arena, or keeps it a moment for the
+//! next pool of its shape ([`crate::memory::freeing::shelve`]).
+//!
+//! Boundary: this module says what a dropped pool hands over and in what order;
+//! [`crate::memory::freeing`] runs it off the caller's thread.
 //!
 //! (Step 8 of "the life of a slot" in [`crate::pool`].)
 //!
@@ -25,11 +27,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{Counters, Pool};
-use crate::arena::Arena;
-use crate::copy::Copier;
-use crate::fence::FenceTracker;
-use crate::freeing;
-use crate::slots::SlotTable;
+use crate::allocation::slots::SlotTable;
+use crate::memory::arena::Arena;
+use crate::memory::freeing;
+use crate::transfer::copy::Copier;
+use crate::transfer::fence::FenceTracker;
 
 impl Drop for Pool {
     fn drop(&mut self) {
@@ -51,7 +53,7 @@ impl Drop for Pool {
                 fences: ManuallyDrop::take(&mut self.fences),
                 copier: ManuallyDrop::take(&mut self.copier),
                 counters: Arc::clone(&self.counters),
-                dropped_on: crate::priority::thread_id(),
+                dropped_on: crate::system::priority::thread_id(),
             }
         };
         freeing::submit(Box::new(move || remains.free()));
@@ -98,7 +100,7 @@ impl Remains {
         let mut freed = freeing::Freed {
             bytes: if fenced_forever { 0 } else { bytes },
             dropped_on,
-            freed_on: crate::priority::thread_id(),
+            freed_on: crate::system::priority::thread_id(),
             seconds: 0.0,
         };
         // Out of every slot's hands (no part is being made ready: that holds the pool): kept a
@@ -107,7 +109,7 @@ impl Remains {
         drop(table);
         if fenced_forever {
             std::mem::forget(arena);
-        } else if unused && arena.backend() != crate::arena::Backend::CudaHostAlloc {
+        } else if unused && arena.backend() != crate::memory::arena::Backend::CudaHostAlloc {
             freed.seconds = start.elapsed().as_secs_f64();
             freeing::shelve(arena, freed);
             return;
@@ -125,8 +127,8 @@ const DROP_FENCE_WAIT: Duration = Duration::from_secs(30);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fence::ManualFences;
     use crate::pool::PoolConfig;
+    use crate::transfer::fence::ManualFences;
 
     #[test]
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
@@ -143,7 +145,7 @@ mod tests {
 
     /// The release record of the pool of `bytes` bytes dropped on this thread, once freed.
     fn freed_record(bytes: usize) -> Option<freeing::Freed> {
-        let me = crate::priority::thread_id();
+        let me = crate::system::priority::thread_id();
         freeing::recent().into_iter().rev().find(|r| r.dropped_on == me && r.bytes == bytes)
     }
 
@@ -167,7 +169,11 @@ mod tests {
             assert!(Instant::now() < deadline, "the arena was never freed");
             std::thread::sleep(Duration::from_millis(10));
         };
-        assert_ne!(record.freed_on, crate::priority::thread_id(), "freed on the dropping thread");
+        assert_ne!(
+            record.freed_on,
+            crate::system::priority::thread_id(),
+            "freed on the dropping thread"
+        );
     }
 
     #[test]

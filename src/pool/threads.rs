@@ -24,8 +24,8 @@ use std::time::Duration;
 
 use super::{fault_threads, Pool};
 use crate::error::{Error, Result};
-use crate::fence::FenceTracker;
-use crate::freeing;
+use crate::memory::freeing;
+use crate::transfer::fence::FenceTracker;
 
 /// Starts the thread that makes the rest of `pool`'s arena ready, if any of it is not.
 pub(super) fn start_preparing(pool: &Arc<Pool>) -> Result<()> {
@@ -56,7 +56,7 @@ pub(super) fn start_retiring(pool: &Arc<Pool>) -> Result<()> {
 /// every part is ready, the pool is closed or dropped, or a part fails (its error is kept:
 /// [`Pool::prepare_error`]; those slots are never handed out).
 fn prepare_loop(pool: Weak<Pool>) {
-    crate::priority::become_background();
+    crate::system::priority::become_background();
     let mut pinned = false;
     // Half the fault threads (a quarter of the cores): the workers are starting meanwhile.
     let threads = fault_threads().div_ceil(2);
@@ -123,8 +123,8 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::fence::ManualFences;
     use crate::pool::{PoolConfig, READY_FIRST};
+    use crate::transfer::fence::ManualFences;
 
     #[test]
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.

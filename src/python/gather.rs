@@ -11,9 +11,9 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
 use super::{guarded, to_py, IntoPy};
-use crate::copy::{process_copier, CopyRange};
 use crate::error::Error;
 use crate::pool::validate_ranges;
+use crate::transfer::copy::{process_copier, CopyRange};
 
 /// Copies `(source address, nbytes, destination offset)` items into `target` (a writable,
 /// C-contiguous buffer) with `threads` threads, without the GIL. Returns the bytes copied.

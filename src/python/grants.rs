@@ -1,5 +1,5 @@
 //! `Grants`: a loader's zero-copy grants, answered at the process's grant desk
-//! (`crate::grants`, `crate::transport::grant_desk`); this layer converts arguments and wraps
+//! (`crate::pool::grants`, `crate::transport::grant_desk`); this layer converts arguments and wraps
 //! adopted slots as `Slot`s.
 
 use std::sync::{Arc, Mutex};
@@ -10,7 +10,7 @@ use pyo3::types::PyBytes;
 use super::pool::PyPinPool;
 use super::slot::PySlot;
 use super::{guarded, IntoPy};
-use crate::grants::{GrantRequest, Grants};
+use crate::pool::grants::{GrantRequest, Grants};
 use crate::transport::grant_desk::{self, Registration};
 
 /// The zero-copy grants of one loader, and its place at the process's grant desk.
@@ -36,7 +36,7 @@ impl PyGrants {
     /// and whose batches of `big_from` bytes and more are big (hinted, remembered for the next
     /// iterator), answered at the process's grant desk (started if need be) until `close()`.
     #[new]
-    #[pyo3(signature = (windows, window_bytes, big_from = crate::grants::BIG_FROM))]
+    #[pyo3(signature = (windows, window_bytes, big_from = crate::pool::grants::BIG_FROM))]
     fn new(py: Python<'_>, windows: usize, window_bytes: usize, big_from: usize) -> PyResult<Self> {
         guarded(|| {
             let inner = Arc::new(Grants::new(windows, window_bytes, big_from));
@@ -69,7 +69,7 @@ impl PyGrants {
     }
 
     /// What the desk answers a request now, without waiting for room on its way: the grant's
-    /// words (`crate::grants::Grant::words`), or None.
+    /// words (`crate::pool::grants::Grant::words`), or None.
     fn issue(
         &self,
         owner: u64,

@@ -1,10 +1,10 @@
 //! `Handoff`: a job handed to another thread and waited for without waking for signals
-//! (`crate::handoff`).
+//! (`crate::system::handoff`).
 
 use pyo3::prelude::*;
 
 use super::{guarded, timeout_arg};
-use crate::handoff::{Handoff, Stage, Waited};
+use crate::system::handoff::{Handoff, Stage, Waited};
 
 /// A job handed from one thread to another. Its wait releases the GIL and only the job's end
 /// (or the time given to take it back) ends it: a signal's Python handler runs once the wait

@@ -1,12 +1,13 @@
 //! The PyO3 layer: `pinpool._native`.
 //!
 //! Invariants:
+//! - This layer sits on top of every other one and nothing uses it.
 //! - This layer only converts arguments, results and errors; the logic lives in the core.
 //! - Every entry point runs inside [`guarded`]: a panic anywhere below becomes
 //!   `pinpool.PinPoolError`, never `PanicException`.
 //! - Anything that can block (waiting for a slot, copying, joining threads) runs inside
 //!   `Python::detach`, with the GIL released; only copies under
-//!   [`crate::copy::KEEP_GIL_MAX`] bytes keep it (winning it back would cost more).
+//!   [`crate::transfer::copy::KEEP_GIL_MAX`] bytes keep it (winning it back would cost more).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
@@ -145,14 +146,14 @@ fn _set_stream_hook(hook: Py<PyAny>) -> bool {
 /// Whether the CUDA driver can be loaded and reports at least one device.
 #[pyfunction]
 fn cuda_available() -> bool {
-    crate::cuda::device_count().map(|n| n > 0).unwrap_or(false)
+    crate::system::cuda::device_count().map(|n| n > 0).unwrap_or(false)
 }
 
 /// Bytes of memory this process could still fault in (None if unknown): what an arena, which
 /// is faulted in whole at start-up, may take at most.
 #[pyfunction]
 fn available_memory() -> Option<usize> {
-    crate::arena::available_memory()
+    crate::memory::arena::available_memory()
 }
 
 /// Bytes a claim made ahead of the consumer leaves free in one range, for batches of up to
@@ -170,7 +171,7 @@ fn room_kept(largest_seen: usize, arena: usize, part: usize) -> usize {
 fn wait_for_freed_pools(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
     guarded(|| {
         let timeout = timeout_arg(py, timeout)?;
-        Ok(py.detach(|| crate::freeing::flush(timeout)))
+        Ok(py.detach(|| crate::memory::freeing::flush(timeout)))
     })
 }
 
@@ -179,7 +180,7 @@ fn wait_for_freed_pools(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> 
 #[pyfunction]
 fn recently_freed_pools(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
     guarded(|| {
-        crate::freeing::recent()
+        crate::memory::freeing::recent()
             .into_iter()
             .map(|r| {
                 let d = pyo3::types::PyDict::new(py);
@@ -237,7 +238,7 @@ pub(crate) fn size_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> 
 
 /// `value` as a bool, or an `ArgumentTypeError` naming `name` (a string, say `"yes"`, is not
 /// one).
-pub(crate) fn bool_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+pub(crate) fn bool_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
     match value.cast::<pyo3::types::PyBool>() {
         Ok(b) => Ok(b.is_true()),
         Err(_) => Err(ArgumentTypeError::new_err(format!(
@@ -250,7 +251,7 @@ pub(crate) fn bool_arg(py: Python<'_>, value: &Bound<'_, PyAny>, name: &str) -> 
 /// The system page size.
 #[pyfunction]
 fn page_size() -> usize {
-    crate::shm::page_size()
+    crate::memory::shm::page_size()
 }
 
 #[pymodule]

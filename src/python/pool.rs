@@ -8,11 +8,11 @@ use pyo3::types::{PyDict, PyList};
 
 use super::slot::PySlot;
 use super::{bool_arg, guarded, size_arg, timeout_arg, to_py, IntoPy};
-use crate::arena::Backend;
-use crate::copy::MAX_COPY_THREADS;
-use crate::device_choice::DeviceRequest;
 use crate::error::Error;
+use crate::memory::arena::Backend;
+use crate::memory::device_choice::DeviceRequest;
 use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig, Stats};
+use crate::transfer::copy::MAX_COPY_THREADS;
 use crate::transport::reclaim::{Reclaimer, SegmentStats, SharedReclaimer};
 
 /// A fixed arena of (pinned) host memory, handed out as slots of any size.
@@ -186,7 +186,7 @@ impl PyPinPool {
         self.segments.get().py(py)
     }
 
-    fn wrap(&self, pool: Arc<Pool>, checkout: crate::slots::Checkout) -> PySlot {
+    fn wrap(&self, pool: Arc<Pool>, checkout: crate::allocation::slots::Checkout) -> PySlot {
         PySlot::new(pool, checkout, self.device_for_fences())
     }
 
@@ -290,7 +290,7 @@ impl PyPinPool {
             let backend = Backend::parse(&backend).py(py)?;
             let background = match background {
                 None => false,
-                Some(b) => bool_arg(py, b, "background")?,
+                Some(b) => bool_arg(b, "background")?,
             };
             let copy_threads = match copy_threads {
                 Some(n) => size_arg(py, n, "copy_threads")?,
@@ -485,7 +485,7 @@ impl PyPinPool {
                 drop(pool); // cheap: the arena goes to the freeing thread
             }
             if wait {
-                py.detach(|| crate::freeing::flush(None));
+                py.detach(|| crate::memory::freeing::flush(None));
             }
             Ok(())
         })

@@ -23,8 +23,8 @@ use super::pool::PyPinPool;
 use super::sent::{device_target, pool_device, PySent};
 use super::slot::PySlot;
 use super::{guarded, to_py, IntoPy};
-use crate::copy::{CopyDone, CopyRange};
 use crate::error::Error;
+use crate::transfer::copy::{CopyDone, CopyRange};
 use crate::transport::segment::{SegmentCache, WorkerSegment};
 
 /// A copy into a slot running on a copy thread (`SegmentCache.copy_to_slot_then_release`).
@@ -318,7 +318,7 @@ impl PySegmentCache {
             let _pin = slot.pin(py, self.cache.pool())?;
             let checkout = slot.checkout();
             let total = ranges.iter().fold(0usize, |n, r| n.saturating_add(r.len));
-            if total < crate::copy::KEEP_GIL_MAX {
+            if total < crate::transfer::copy::KEEP_GIL_MAX {
                 return self.cache.copy_to_slot(key, checkout, &ranges).py(py);
             }
             py.detach(|| self.cache.copy_to_slot(key, checkout, &ranges)).py(py)

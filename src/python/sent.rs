@@ -7,9 +7,9 @@
 use pyo3::prelude::*;
 
 use super::{guarded, to_py, IntoPy};
-use crate::cuda::Event;
 use crate::error::Error;
 use crate::pool::Pool;
+use crate::system::cuda::Event;
 
 /// The ordinal of the device `pool`'s arena was pinned for, which copies to a device need.
 pub(crate) fn pool_device(py: Python<'_>, pool: &Pool) -> PyResult<usize> {

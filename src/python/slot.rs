@@ -16,9 +16,9 @@ use pyo3::prelude::*;
 
 use super::sent::{device_target, pool_device, PySent};
 use super::{current_stream, guarded, stream_arg, to_py, IntoPy};
-use crate::lease::{Lease, LeasePin, OwnedPin};
+use crate::allocation::slots::Checkout;
+use crate::pool::lease::{Lease, LeasePin, OwnedPin};
 use crate::pool::Pool;
-use crate::slots::Checkout;
 
 /// One slot of a `PinPool`, checked out.
 #[pyclass(name = "Slot", module = "pinpool._native", frozen, weakref)]
@@ -64,7 +64,7 @@ impl PySlot {
         nbytes: usize,
         stream: &Bound<'_, PyAny>,
         keep_gil: bool,
-    ) -> PyResult<(crate::cuda::Event, usize)> {
+    ) -> PyResult<(crate::system::cuda::Event, usize)> {
         let pool = Arc::clone(self.lease.pool());
         let device = pool_device(py, &pool)?;
         let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
@@ -184,9 +184,9 @@ impl PySlot {
     /// on `stream` after this call sees the copy done).
     ///
     /// The driver is called with the GIL held: this is the training thread's call for a small
-    /// batch, and queuing a copy from pinned memory returns in microseconds, while a thread
-    /// that gives the GIL up there hands it to torch's pin thread, which keeps it for the
-    /// whole of its next step (measured on the H200: `benchmarks/results/h200-small-batch-costs`).
+    /// batch, and queuing a copy from pinned memory returns quickly, while a thread that gives
+    /// the GIL up there hands it to torch's pin thread, which keeps it for the whole of its next
+    /// step (the figures are in `docs/performance.md`).
     fn send_then_release(
         &self,
         py: Python<'_>,

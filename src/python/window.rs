@@ -1,5 +1,5 @@
 //! `pinpool._native.ArenaWindow`: a zero-copy worker's window onto the main process's arena
-//! ([`crate::window::Window`]), with the buffer protocol.
+//! ([`crate::memory::window::Window`]), with the buffer protocol.
 //!
 //! Invariants:
 //! - This layer only converts arguments and errors; what is open, and when, is the core's.
@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 
 use super::{guarded, size_arg, to_py, IntoPy};
 use crate::error::Error;
-use crate::window::Window;
+use crate::memory::window::Window;
 
 /// A lasting mapping of `length` bytes of an arena memfd from file offset `offset`, kept by a
 /// zero-copy worker between batches, inaccessible (`PROT_NONE`) except for the one range

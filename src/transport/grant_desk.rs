@@ -1,5 +1,5 @@
 //! The grant desk: where zero-copy workers ask the main process for room in its arena, once
-//! they know their batch's size, and get an answer at once ([`crate::grants`]).
+//! they know their batch's size, and get an answer at once ([`crate::pool::grants`]).
 //!
 //! One desk per process, while a loader needs it ([`register`]): a Unix socket of type
 //! `SOCK_SEQPACKET` bound to an abstract address (no file anywhere; the name is the process
@@ -11,13 +11,14 @@
 //!   [`Registration::table`]), then for [`ASK`] the owner, the worker, the task and the
 //!   bytes; for [`GIVE_BACK`] the slot's index, generation and nonce, and a zero;
 //! - an answer to [`ASK`] is the request's sequence number, then the grant's words
-//!   ([`crate::grants::Grant::words`]), or a single `0` for no grant. [`GIVE_BACK`] gets none.
+//!   ([`crate::pool::grants::Grant::words`]), or a single `0` for no grant. [`GIVE_BACK`] gets
+//!   none.
 //!
 //! Invariants:
 //! - Only processes of this process's effective user are answered (`SO_PEERCRED`): others
 //!   are disconnected at once, as is a connection that sends anything but whole requests.
 //! - The desk's thread never waits for anything but its socket: a request is answered from
-//!   [`crate::grants::Grants::issue`], which never waits; an answer that cannot be sent at
+//!   [`crate::pool::grants::Grants::issue`], which never waits; an answer that cannot be sent at
 //!   once (the worker is gone) has its grant given back.
 //! - The desk lives while a [`Registration`] does; dropping the last one stops its thread,
 //!   which closes the socket and every connection before the drop returns. A process forked
@@ -37,7 +38,7 @@ use rustix::net::{
 };
 
 use crate::error::{Error, Result};
-use crate::grants::{
+use crate::pool::grants::{
     random_u64, Answer, Grant, GrantRequest, Grants, GRANT_WORDS, HINT_WORDS, MAX_HINTS,
 };
 

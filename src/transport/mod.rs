@@ -3,10 +3,14 @@
 //! reclaimer that maps and counts them and unmaps retired ones off the caller's thread
 //! ([`reclaim`]); the thread that writes each worker's batch indices to its pipe
 //! ([`pipe_writer`]); and, in zero-copy mode, the desk where workers ask for room in the arena
-//! ([`grant_desk`]). This module uses [`crate::pool`]; the pool never uses it.
+//! ([`grant_desk`]).
+//!
+//! Layer invariant: this folder uses [`crate::pool`] and the layers below it; nothing but the
+//! Python layer uses it (the pool never does).
 //!
 //! Invariants: see each module. Everything here maps only sealed memfds
-//! ([`crate::shm::check_sealed`]), and nothing here unmaps on a thread that may hold the GIL.
+//! ([`crate::memory::shm::check_sealed`]), and nothing here unmaps on a thread that may hold the
+//! GIL.
 
 pub mod grant_desk;
 pub mod pipe_writer;

@@ -19,8 +19,8 @@
 //!   the mapping on a fresh short-lived thread, so nothing is leaked and the caller still does
 //!   not unmap.
 //! - Dropping a reclaimer never waits: its lingering mappings are retired, its thread is told
-//!   to end once its queue is empty, and the freeing thread ([`crate::freeing`]) joins it. In
-//!   a forked child, where that thread does not exist, the drop does nothing.
+//!   to end once its queue is empty, and the freeing thread ([`crate::memory::freeing`]) joins
+//!   it. In a forked child, where that thread does not exist, the drop does nothing.
 
 use std::os::fd::OwnedFd;
 use std::sync::mpsc::{channel, Sender};
@@ -28,7 +28,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::shm::Mapping;
+use crate::memory::shm::Mapping;
 
 /// Segments mapped, unmapped, and waiting to be.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -114,7 +114,7 @@ impl Reclaimer {
         let thread = std::thread::Builder::new()
             .name("pinpool-reclaim".into())
             .spawn(move || {
-                crate::priority::become_background();
+                crate::system::priority::become_background();
                 for mapping in rx {
                     worker.drop_one(mapping);
                 }
@@ -149,7 +149,7 @@ impl Reclaimer {
             // and the mapping with it, is then dropped here, which is still better than a leak.
             let spawned =
                 std::thread::Builder::new().name("pinpool-reclaim-late".into()).spawn(move || {
-                    crate::priority::become_background();
+                    crate::system::priority::become_background();
                     tally.drop_one(mapping)
                 });
             if spawned.is_err() {
@@ -246,7 +246,7 @@ impl Drop for Reclaimer {
         // that, which the freeing thread does, not the caller.
         drop(self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).take());
         if let Some(thread) = thread {
-            crate::freeing::submit(Box::new(move || {
+            crate::memory::freeing::submit(Box::new(move || {
                 let _ = thread.join();
             }));
         }
@@ -343,6 +343,6 @@ mod tests {
         second.retire(Mapping::memfd("pinpool-test", 1 << 16).unwrap());
         shared.flush();
         assert_eq!(shared.stats().unmapped, 2, "the second reclaimer counts on");
-        assert!(crate::freeing::flush(Some(std::time::Duration::from_secs(30))));
+        assert!(crate::memory::freeing::flush(Some(std::time::Duration::from_secs(30))));
     }
 }

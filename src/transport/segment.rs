@@ -24,7 +24,7 @@
 //!   the header's magic, capacity and nonce are checked when a segment is first mapped (so a
 //!   recycled fd number can never pass off another segment as this one; [`check_header`], a
 //!   pure function of the header bytes, property-tested over arbitrary bytes), and every
-//!   range is checked against the capacity before a copy ([`crate::pool::transfer`]).
+//!   range is checked against the capacity before a copy ([`crate::pool::fill_and_send`]).
 //! - The main process closes a segment's fd as soon as it is mapped; a mapping leaves the
 //!   cache only to the cache's reclaimer ([`crate::transport::reclaim`]), which unmaps it off
 //!   the GIL once no copy borrows it. Every method that lets go of a borrowed mapping reaps.
@@ -35,13 +35,13 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::copy::{CopyDone, CopyRange};
-use crate::cuda::{Event, StreamHandle};
+use crate::allocation::slots::Checkout;
 use crate::error::{Error, Result};
-use crate::lease::OwnedPin;
+use crate::memory::shm::{check_sealed, page_size, round_up, Mapping};
+use crate::pool::lease::OwnedPin;
 use crate::pool::Pool;
-use crate::shm::{check_sealed, page_size, round_up, Mapping};
-use crate::slots::Checkout;
+use crate::system::cuda::{Event, StreamHandle};
+use crate::transfer::copy::{CopyDone, CopyRange};
 use crate::transport::reclaim::Reclaimer;
 
 /// Where batch data starts in a segment.
@@ -417,7 +417,7 @@ impl SegmentCache {
         let checkout = pin.lease().checkout();
         let reclaimer = Arc::clone(&self.reclaimer);
         // SAFETY: a pin keeps its lease's slot out of the pool until it is dropped (a release
-        // meanwhile waits for it: `crate::lease`).
+        // meanwhile waits for it: `crate::pool::lease`).
         unsafe {
             self.pool.copy_in_background(checkout, pin, map, shifted, move |map| {
                 // Back to its worker; and unmapped now if it was retired during the copy.
@@ -503,7 +503,7 @@ impl Drop for SegmentCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lease::Lease;
+    use crate::pool::lease::Lease;
     use crate::pool::PoolConfig;
     use proptest::prelude::*;
 

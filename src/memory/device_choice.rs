@@ -24,9 +24,9 @@
 //! - A `$LOCAL_RANK` that is set but is not a rank is an error, not silently device 0: every
 //!   rank would then share one GPU.
 
-use crate::arena::Backend;
-use crate::cuda;
 use crate::error::{Error, Result};
+use crate::memory::arena::Backend;
+use crate::system::cuda;
 
 /// What `device=` asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,9 +1,9 @@
 //! The slot table: every checkout's state and extent, and the arena's free bytes.
 //!
 //! A slot is one checkout of a piece of the arena: an extent of exactly the bytes asked for
-//! (rounded up to a page), carved from the arena by [`crate::extents`]. The table has a fixed
-//! number of entries (the most slots that can be out or fenced at once); an entry names its
-//! slot's extent while it is checked out or fenced, and nothing while free.
+//! (rounded up to a page), carved from the arena by [`crate::allocation::extents`]. The table
+//! has a fixed number of entries (the most slots that can be out or fenced at once); an entry
+//! names its slot's extent while it is checked out or fenced, and nothing while free.
 //!
 //! (See "the life of a slot" in [`crate::pool`] for where each transition is made.)
 //!
@@ -37,9 +37,9 @@ use std::time::Duration;
 // release) take it at once.
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use crate::allocation::extents::ExtentMap;
 use crate::error::{Error, Result};
-use crate::extents::ExtentMap;
-use crate::shm::page_size;
+use crate::memory::shm::page_size;
 
 /// Names one checkout of one slot of one table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -214,7 +214,7 @@ impl Device {
     }
 
     /// The device's PCI address as the driver writes it (`cuDeviceGetPCIBusId`), for example
-    /// `"0000:41:00.0"`; [`crate::topology::normalise_bus_id`] turns it into sysfs's form.
+    /// `"0000:41:00.0"`; [`crate::system::topology::normalise_bus_id`] turns it into sysfs's form.
     pub fn pci_bus_id(&self) -> Result<String> {
         // "dddd:bb:dd.f" is 13 bytes with its NUL; the driver documents 13 as enough, and
         // longer domains still fit in 64.

@@ -13,7 +13,7 @@
 //!   was asked is explained in `notes()`.
 //! - Construction never panics: a missing driver, an absent device or a failed call is an
 //!   [`Error`]. A device given is used or refused (the caller's `device=None` may fall back
-//!   to host memory before the arena is made: [`crate::device_choice`]).
+//!   to host memory before the arena is made: [`crate::memory::device_choice`]).
 //! - Every byte of the arena is faulted in at start-up, so an arena larger than the memory
 //!   available (see [`available_memory`]) is refused before anything is mapped: faulting it
 //!   in would end in the kernel's out-of-memory killer, not in an error.
@@ -21,7 +21,7 @@
 //!   the constructor returns; the others are made ready one by one, in order, by
 //!   [`Arena::prepare_next`], and [`Arena::ready_len`] bytes from the start are ready. Bytes
 //!   past that are mapped but must not be used: the pool hands out only slots inside it.
-//! - On a CUDA backend, the arena is placed on its GPU's NUMA node ([`crate::numa`]) before
+//! - On a CUDA backend, the arena is placed on its GPU's NUMA node ([`crate::memory::numa`]) before
 //!   its first page is touched: the mapping's policy is set before any part is faulted in, or
 //!   the thread's around `cuMemHostAlloc`; the threads that fault it in run on the node's
 //!   CPUs. `placement()` says where it went; a failure to place it is a note, never an error.
@@ -30,10 +30,10 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::cuda::{self, Device};
 use crate::error::{Error, Result};
-use crate::numa::Placement;
-use crate::shm::Region;
+use crate::memory::numa::Placement;
+use crate::memory::shm::Region;
+use crate::system::cuda::{self, Device};
 
 /// How the arena's memory is obtained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,8 +70,8 @@ impl Backend {
         }
     }
 
-    /// The CUDA backend `auto` picks when a device is usable (the faster start-up on the H200,
-    /// see `benchmarks/results/`).
+    /// The CUDA backend `auto` picks when a device is usable: the faster start-up (the figures
+    /// are in `docs/performance.md`).
     pub const CUDA_DEFAULT: Backend = Backend::CudaRegister;
 }
 
@@ -482,7 +482,7 @@ impl Arena {
         &self.notes
     }
 
-    /// Where the arena's pages went and where its threads run (see [`crate::numa`]).
+    /// Where the arena's pages went and where its threads run (see [`crate::memory::numa`]).
     pub fn placement(&self) -> &Placement {
         &self.placement
     }
@@ -643,7 +643,7 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn an_arena_larger_than_memory_is_refused_before_mapping() {
         let available = available_memory().expect("/proc/meminfo is readable here");
-        let page = crate::shm::page_size();
+        let page = crate::memory::shm::page_size();
         // Twice what is available now: other processes may free memory between this reading
         // and the arena's own (make test runs the Rust tests beside the Python build).
         let len = (available / page * 2 + 1) * page;

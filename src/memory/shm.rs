@@ -24,7 +24,7 @@ use std::ptr::NonNull;
 use rustix::fs::{MemfdFlags, Mode, SealFlags};
 
 use crate::error::{Error, Result};
-use crate::fork_private;
+use crate::memory::forked_child;
 
 /// The system page size.
 pub fn page_size() -> usize {
@@ -42,8 +42,8 @@ pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
     fd: Option<OwnedFd>,
-    /// A writable mapping is read-only in forked children (see `fork_private`).
-    read_only_in_children: Option<fork_private::Registration>,
+    /// A writable mapping is read-only in forked children (see `forked_child`).
+    read_only_in_children: Option<forked_child::Registration>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; who may read or write which bytes
@@ -71,9 +71,10 @@ impl Mapping {
 
     /// Maps `len` bytes of the file behind `fd` (taking ownership of `fd`), `MAP_SHARED`, and
     /// keeps the mapping out of children forked from then on (`MADV_DONTFORK`: another
-    /// process's segment is this process's to copy from, never a child's). Fails if the file is not a memfd sealed against shrinking (a
-    /// plain file, or a memfd without `F_SEAL_SHRINK`, could be truncated under the mapping: a
-    /// later read would raise `SIGBUS`), or if it is shorter than `len`.
+    /// process's segment is this process's to copy from, never a child's). Fails if the file is
+    /// not a memfd sealed against shrinking (a plain file, or a memfd without `F_SEAL_SHRINK`,
+    /// could be truncated under the mapping: a later read would raise `SIGBUS`), or if it is
+    /// shorter than `len`.
     pub fn from_fd(fd: OwnedFd, len: usize, writable: bool) -> Result<Self> {
         if len == 0 {
             return Err(Error::Invalid("cannot map an empty segment".into()));
@@ -93,7 +94,7 @@ impl Mapping {
     /// nothing at these addresses, neither to read nor to tear down when it exits (a
     /// DataLoader's workers of the next epoch are forked while the last epoch's segments are
     /// still mapped here). Where the kernel refuses the advice, children get the mapping
-    /// read-only, as every writable mapping (see `fork_private`).
+    /// read-only, as every writable mapping (see `forked_child`).
     fn keep_from_children(&mut self) {
         // SAFETY: `[ptr, ptr+len)` is exactly this value's own mapping; the advice changes
         // only what a later fork copies, not this process's access to it.
@@ -117,7 +118,7 @@ impl Mapping {
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(Error::Os { call: "mmap", errno: 0 })?;
         let read_only_in_children =
-            writable.then(|| fork_private::register_read_only(ptr.as_ptr() as usize, len));
+            writable.then(|| forked_child::register_read_only(ptr.as_ptr() as usize, len));
         Ok(Mapping { ptr, len, fd: Some(fd), read_only_in_children })
     }
 
@@ -191,16 +192,16 @@ impl Mapping {
 /// Several sealed memfds ("parts") mapped back to back as one contiguous range.
 ///
 /// Faulting fresh pages into one shared-memory file does not scale with threads (they contend
-/// on the file); faulting several files does (measured on the H200 machine:
-/// `benchmarks/arena_populate.py`). Each part holds a whole number of `part_align` bytes (the
-/// last one the rest, a whole number of pages, besides), so a slot of up to `part_align` never
-/// straddles two parts and none is wasted.
+/// on the file); faulting several files does (`benchmarks/arena_populate.py` measures it; the
+/// figures: `docs/performance.md`). Each part holds a whole number of `part_align` bytes (the
+/// last one the rest, a whole number of pages, besides), so a slot of up to `part_align`
+/// never straddles two parts and none is wasted.
 pub struct Region {
     base: NonNull<u8>,
     len: usize,
     parts: Vec<Part>,
-    /// Forked children get each part privately (see `fork_private`); dropped before unmapping.
-    private_in_children: Vec<fork_private::Registration>,
+    /// Forked children get each part privately (see `forked_child`); dropped before unmapping.
+    private_in_children: Vec<forked_child::Registration>,
 }
 
 /// One memfd of a [`Region`].
@@ -301,7 +302,7 @@ impl Region {
         for part_len in lens {
             let fd = sealed_memfd(name, part_len)?;
             let addr = base.as_ptr() as usize + offset;
-            region.private_in_children.push(fork_private::register(addr, part_len, fd.as_raw_fd()));
+            region.private_in_children.push(forked_child::register(addr, part_len, fd.as_raw_fd()));
             // SAFETY: `[base+offset, +part_len)` lies inside our reservation (the lengths sum
             // to len); MAP_FIXED replaces exactly that part of it with the memfd.
             let at = unsafe {
@@ -433,7 +434,7 @@ fn populate_part(
 
 impl Drop for Region {
     fn drop(&mut self) {
-        // Children forked from here on leave the range alone (see `fork_private`).
+        // Children forked from here on leave the range alone (see `forked_child`).
         for registration in &self.private_in_children {
             registration.unmapping();
         }
@@ -442,7 +443,7 @@ impl Drop for Region {
         unsafe { unmap_in_chunks(self.base.as_ptr(), self.len) };
         // The memfds go before their registrations, the descriptor numbers after them.
         for part in &self.parts {
-            fork_private::let_go_of(part.fd.as_raw_fd());
+            forked_child::let_go_of(part.fd.as_raw_fd());
         }
         self.private_in_children.clear();
     }
@@ -577,7 +578,7 @@ pub const MM_CALL_BYTES: usize = 4 << 20;
 /// `ptr` must be page-aligned and `[ptr, ptr + len)` mapped by the caller, who gives it up:
 /// nothing may touch it afterwards.
 pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
-    let pause = crate::priority::is_background();
+    let pause = crate::system::priority::is_background();
     let mut end = len;
     while end > 0 {
         // Every piece starts a whole number of chunks (so of pages) past `ptr`.
@@ -592,7 +593,7 @@ pub unsafe fn unmap_in_chunks(ptr: *mut u8, len: usize) {
     }
 }
 
-/// How long a background thread ([`crate::priority::is_background`]) waits between two
+/// How long a background thread ([`crate::system::priority::is_background`]) waits between two
 /// `munmap` calls of [`unmap_in_chunks`]. Without it the thread takes the address-space lock
 /// again the moment it lets it go, ahead of a thread already waiting for it, which the kernel
 /// wakes but lets wait until it has waited about 4 ms (its lock hand-off rule). That waiting
@@ -671,7 +672,8 @@ mod tests {
     }
 
     #[test]
-    // Miri: maps memory with mmap (PROT_NONE reservations, MAP_SHARED memfds), which Miri cannot run.
+    // Miri: maps memory with mmap (PROT_NONE reservations, MAP_SHARED memfds), which Miri cannot
+    // run.
     #[cfg_attr(miri, ignore)]
     fn region_parts_are_contiguous_and_shared() {
         let page = page_size();
@@ -737,7 +739,7 @@ mod tests {
     fn a_background_thread_unmaps_everything_too() {
         // The same pieces, with a pause between them (the reclaimer's and freeing thread's way).
         std::thread::spawn(|| {
-            crate::priority::become_background();
+            crate::system::priority::become_background();
             let len = 3 * MM_CALL_BYTES + 5 * page_size();
             let m = Mapping::memfd("pinpool-unmap-background", len).unwrap();
             assert_eq!(pages_mapped_from("pinpool-unmap-background"), len / page_size());

@@ -3,7 +3,7 @@
 //! On a machine with several NUMA nodes, a GPU hangs off one of them: pinned memory on that
 //! node reaches the GPU without crossing the link between sockets, and threads on that node's
 //! CPUs fill it without crossing it either. This module only reads and decides; putting
-//! memory and threads there is [`crate::numa`]'s.
+//! memory and threads there is [`crate::memory::numa`]'s.
 //!
 //! Files read, under a sysfs root (`/sys`, or `$PINPOOL_SYSFS_ROOT` so tests can use a fake
 //! tree):

@@ -29,15 +29,15 @@
 //!   for the per-thread default stream, `in_flight` and the event list) only to push or pop.
 //!   Retirers take turns through their own lock (`retiring`; a checkout does not wait for it,
 //!   it leaves the retiring to the holder) and record and query fences holding only that
-//!   one; the device-wide wait after a failed fence holds none. Checkouts on their way from one list to
-//!   the other are counted in `moving`, so [`FenceTracker::pending`] never misses one.
+//!   one; the device-wide wait after a failed fence holds none. Checkouts on their way from one
+//!   list to the other are counted in `moving`, so [`FenceTracker::pending`] never misses one.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::cuda::{Device, Event, StreamHandle};
+use crate::allocation::slots::{Checkout, SlotTable};
 use crate::error::{Error, Result};
-use crate::slots::{Checkout, SlotTable};
+use crate::system::cuda::{Device, Event, StreamHandle};
 
 /// Names one recorded fence.
 pub type FenceId = usize;

@@ -1,6 +1,9 @@
 //! Whether this is still the process that made something, without a system call on the hot
 //! path: a counter that every child of a `fork` bumps as it starts (`pthread_atfork`).
 //!
+//! Boundary: this module says whether a fork happened; [`crate::memory::forked_child`] says what
+//! a forked child sees of shared memory.
+//!
 //! Invariants:
 //! - In a process forked (through libc's `fork`, as Python's `os.fork` and multiprocessing
 //!   do) after [`current`] was first called, [`current`] returns a value it never returned in

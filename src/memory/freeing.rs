@@ -1,8 +1,10 @@
 //! The freeing thread: where a pool's memory is given back, so that no caller ever waits for
 //! it. The caller is often a Python thread holding the GIL (the last reference to a pool dies
 //! in a Python object's deallocation); unregistering and unmapping a large arena there would
-//! freeze every Python thread for hundreds of milliseconds. (`pool::teardown` says what a
-//! dropped pool hands over; this module runs it, and keeps the arena it ends with.)
+//! freeze every Python thread for as long as that takes (`docs/performance.md`).
+//!
+//! Boundary: the pool's `teardown` says what a dropped pool hands over and in what order; this
+//! module runs it off the caller's thread, and keeps the arena it ends with.
 //!
 //! (Step 8 of "the life of a slot" in [`crate::pool`].)
 //!
@@ -38,7 +40,7 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::arena::Arena;
+use crate::memory::arena::Arena;
 
 /// Work handed to the freeing thread.
 pub type Job = Box<dyn FnOnce() + Send + 'static>;
@@ -276,7 +278,7 @@ pub fn evict_shelved() {
 fn free_kept(arena: Arena, mut freed: Freed) {
     let start = Instant::now();
     drop(arena);
-    freed.freed_on = crate::priority::thread_id();
+    freed.freed_on = crate::system::priority::thread_id();
     freed.seconds += start.elapsed().as_secs_f64();
     record(freed);
 }
@@ -303,7 +305,7 @@ pub fn recent() -> Vec<Freed> {
 /// The freeing thread's loop: take a job, run it without the lock, count it done; free the
 /// arena kept once it has been kept [`SHELVED_FOR`].
 fn run() {
-    crate::priority::become_background();
+    crate::system::priority::become_background();
     loop {
         let job = {
             let mut q = queue();
@@ -348,7 +350,7 @@ fn register_exit_hook() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::priority::thread_id;
+    use crate::system::priority::thread_id;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
 

@@ -14,10 +14,10 @@
 //!   `Pool::copy_in_background`), and `CopyDone` is set even if the job unwinds, so no waiter
 //!   waits forever.
 //! - A copy runs with its caller's rights to this process's memory protection keys
-//!   ([`crate::pkeys`]): each piece takes them on its thread and gives them up as it ends.
+//!   ([`crate::system::pkeys`]): each piece takes them on its thread and gives them up as it ends.
 //! - A pool's copier may be pinned to CPUs (those of its arena's NUMA node, see
-//!   [`crate::numa`]): each of its threads pins itself as it starts; the calling thread, which
-//!   runs small copies, never is.
+//!   [`crate::memory::numa`]): each of its threads pins itself as it starts; the calling thread,
+//!   which runs small copies, never is.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -88,9 +88,9 @@ impl Copier {
             .start_handler(move |_| {
                 // (Started by a thread that may have had access to a window's key: a copy
                 // thread has none but during a copy that hands it its caller's.)
-                crate::pkeys::deny_all_ours();
+                crate::system::pkeys::deny_all_ours();
                 if !cpus.is_empty() {
-                    let _ = crate::numa::pin_current_thread(&cpus);
+                    let _ = crate::memory::numa::pin_current_thread(&cpus);
                 }
             })
             .build()
@@ -143,10 +143,10 @@ impl Copier {
         let streaming = self.streaming;
         // The caller's protection-key rights go with each piece: a zero-copy worker's window
         // open under its key is writable by the thread that opened it (and so by this copy).
-        let rights = crate::pkeys::Rights::of_this_thread();
+        let rights = crate::system::pkeys::Rights::of_this_thread();
         self.pool.install(|| {
             pieces.par_iter().for_each(|p| {
-                let _rights = crate::pkeys::Adopted::new(rights);
+                let _rights = crate::system::pkeys::Adopted::new(rights);
                 // SAFETY: each piece lies inside a range the caller vouched for; pieces of
                 // one range are disjoint, and ranges are disjoint by the caller's contract.
                 unsafe {

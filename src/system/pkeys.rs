@@ -4,8 +4,8 @@
 //! Every page carries a key (0 unless `pkey_mprotect` set another); each thread's PKRU
 //! register says, key by key, whether that thread may touch such pages. Changing one's own
 //! rights is one unprivileged instruction (`WRPKRU`) that changes no page-table entry, so a
-//! zero-copy worker's window ([`crate::window`]) kept readable and writable under a key of its
-//! own costs nothing to open and close for the thread that writes the batch, where
+//! zero-copy worker's window ([`crate::memory::window`]) kept readable and writable under a key
+//! of its own costs nothing to open and close for the thread that writes the batch, where
 //! `mprotect` rewrites every page's entry twice a batch, and makes the kernel flush the
 //! other CPUs' TLBs where the worker's other threads ran.
 //!
@@ -13,7 +13,7 @@
 //! - Keys are allocated only by [`Key::alloc`], with access switched off in the allocating
 //!   thread; the keys this process holds are in one bit set, and a key is freed only by
 //!   dropping its [`Key`] (never while a thread might still have access to it: the owner's
-//!   business, see [`crate::window`]).
+//!   business, see [`crate::memory::window`]).
 //! - A thread's access to a key of ours is switched on only by [`allow`] on that thread,
 //!   until [`deny`] there; and for the length of one copy task that took its caller's rights
 //!   ([`Adopted`]), which switches off every key of ours as it ends. A thread inherits its

@@ -41,9 +41,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
+use crate::allocation::slots::Checkout;
 use crate::error::{Error, Result};
 use crate::pool::{claim::room_kept, Pool, SlotPlace};
-use crate::slots::Checkout;
 
 /// Words of a grant before its hints.
 pub const GRANT_WORDS: usize = 11;
@@ -292,7 +292,7 @@ impl Grants {
         if request.nbytes > self.largest.load(Ordering::SeqCst) {
             return Answer::No;
         }
-        let page = crate::shm::page_size();
+        let page = crate::memory::shm::page_size();
         let Some(size) = request.nbytes.checked_next_multiple_of(page) else { return Answer::No };
         if size > pool.largest_slot() {
             return Answer::No;

@@ -13,6 +13,9 @@
 //! can read them but not write them. (The segments of workers the main process has mapped
 //! are kept out of children altogether: `shm::Mapping::from_fd`.)
 //!
+//! Boundary: this module says what a forked child sees of shared memory; whether a fork
+//! happened is [`crate::system::forks`]'s.
+//!
 //! Invariants:
 //! - A registration is live from before its part is mapped until before it is unmapped
 //!   ([`Registration::unmapping`]): a child never maps over a range that no longer belongs to
@@ -187,12 +190,12 @@ unsafe fn privatize(addr: usize, len: usize, fd: i32) {
 
 #[cfg(test)]
 mod tests {
-    use crate::shm::Region;
+    use crate::memory::shm::Region;
 
     #[test]
     #[cfg_attr(miri, ignore)] // (Miri cannot fork or map memfds)
     fn a_child_writes_its_own_copy_and_reads_the_parents_bytes() {
-        let page = crate::shm::page_size();
+        let page = crate::memory::shm::page_size();
         let region = Region::new("pinpool-test", 4 * page, page, 2).unwrap();
         let base = region.as_ptr();
         // SAFETY: the region is ours, mapped read-write, 4 pages long.
@@ -231,8 +234,8 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore)] // (Miri cannot fork or map memfds)
     fn a_child_reads_a_segment_mapping_but_cannot_write_it() {
-        let page = crate::shm::page_size();
-        let m = crate::shm::Mapping::memfd("pinpool-test", 2 * page).unwrap();
+        let page = crate::memory::shm::page_size();
+        let m = crate::memory::shm::Mapping::memfd("pinpool-test", 2 * page).unwrap();
         let base = m.as_ptr();
         // SAFETY: the mapping is ours, read-write, 2 pages long.
         unsafe { base.write_bytes(5, 2 * page) };
@@ -265,14 +268,14 @@ mod tests {
     #[cfg_attr(miri, ignore)] // (Miri cannot fork or map memfds)
     fn a_child_has_nothing_of_another_processs_segment() {
         use std::os::fd::{FromRawFd, OwnedFd};
-        let page = crate::shm::page_size();
+        let page = crate::memory::shm::page_size();
         // A worker's segment, mapped in this process from its descriptor, as the segment
         // cache maps it.
-        let worker = crate::shm::Mapping::memfd("pinpool-test", 2 * page).unwrap();
+        let worker = crate::memory::shm::Mapping::memfd("pinpool-test", 2 * page).unwrap();
         let fd = worker.fd().unwrap().as_raw_fd();
         // SAFETY: `dup` of a descriptor we hold; the new one is owned by `OwnedFd` alone.
         let dup = unsafe { OwnedFd::from_raw_fd(libc::dup(fd)) };
-        let m = crate::shm::Mapping::from_fd(dup, 2 * page, true).unwrap();
+        let m = crate::memory::shm::Mapping::from_fd(dup, 2 * page, true).unwrap();
         let base = m.as_ptr();
         // SAFETY: the child only asks the kernel about the range (`msync` fails with ENOMEM
         // where nothing is mapped) and leaves with `_exit`.

@@ -1,5 +1,5 @@
 //! Putting an arena's pages and pinpool's threads on one NUMA node: the node of the arena's
-//! GPU, as [`crate::topology`] decided.
+//! GPU, as [`crate::system::topology`] decided.
 //!
 //! How: the arena's own mapping gets a memory policy (`mbind`) before its first page is
 //! faulted in (and so before CUDA registers it); where the driver allocates the memory itself
@@ -22,7 +22,7 @@
 use std::ffi::{c_int, c_long, c_ulong};
 
 use crate::error::{Error, Result};
-use crate::topology::{self, format_cpulist, Decision};
+use crate::system::topology::{self, format_cpulist, Decision};
 
 /// `MPOL_DEFAULT` from `<linux/mempolicy.h>` (absent from `libc`).
 const MPOL_DEFAULT: c_int = 0;
@@ -390,7 +390,7 @@ impl Placement {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shm::{page_size, Region};
+    use crate::memory::shm::{page_size, Region};
 
     fn placed(node: usize, cpus: &[usize]) -> Decision {
         Decision::Place { node, cpus: cpus.to_vec(), bus_id: "0000:41:00.0".into() }

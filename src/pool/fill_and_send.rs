@@ -21,11 +21,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::Pool;
-use crate::copy::{CopyDone, CopyRange, SetWhenDropped};
-use crate::cuda::{Event, StreamHandle};
+use crate::allocation::slots::Checkout;
 use crate::error::{Error, Result};
-use crate::shm::{check_range, Mapping};
-use crate::slots::Checkout;
+use crate::memory::shm::{check_range, Mapping};
+use crate::system::cuda::{Event, StreamHandle};
+use crate::transfer::copy::{CopyDone, CopyRange, SetWhenDropped};
 
 impl Pool {
     /// Copies `ranges` from `src` (offsets relative to the mapping) into the slot of `checkout`
@@ -109,7 +109,11 @@ impl Pool {
 
     /// The device a copy of `len` bytes from the slot of `checkout` goes to: refused on a pool
     /// the driver did not pin, or for more bytes than the slot holds.
-    fn send_checks(&self, checkout: Checkout, len: usize) -> Result<&Arc<crate::cuda::Device>> {
+    fn send_checks(
+        &self,
+        checkout: Checkout,
+        len: usize,
+    ) -> Result<&Arc<crate::system::cuda::Device>> {
         let Some(device) = self.arena.device() else {
             return Err(Error::Invalid(
                 "copies to a device need a pool of pinned memory on that device".into(),
@@ -130,7 +134,7 @@ impl Pool {
     ///
     /// # Safety
     /// `hold` keeps the slot of `checkout` checked out (out of the pool) until it is dropped: a
-    /// pin of the slot's lease (`crate::lease::OwnedPin`), whose drop carries out a release
+    /// pin of the slot's lease (`crate::pool::lease::OwnedPin`), whose drop carries out a release
     /// that waited for it.
     pub unsafe fn copy_in_background<H: Send + 'static>(
         self: &Arc<Self>,

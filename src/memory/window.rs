@@ -2,25 +2,25 @@
 //! extents, kept between batches but inaccessible except while a batch is written into it.
 //!
 //! In zero-copy mode a worker writes each batch straight into a slot of the arena (a memfd of
-//! the main process's). Mapping the slot's pages per batch, faulting them in and unmapping
-//! them afterwards costs tens of milliseconds for a batch of hundreds of megabytes. A
-//! [`Window`] maps a stretch of the file once, faults it in, and makes it `PROT_NONE`: the
-//! page-table entries stay, so [`Window::open`]ing the pages of the next batch's slot is one
-//! `mprotect` (the main process hands the worker the same extents again when it can:
-//! [`crate::extents::ExtentMap::alloc_preferring`]), and a stray write between batches, or
-//! into bytes that are not this batch's slot, still faults.
+//! the main process's). Mapping the slot's pages per batch, faulting them in and unmapping them
+//! afterwards is slow for a large batch (the figures: "a worker's kept windows" in
+//! `docs/performance.md`). A [`Window`] maps a stretch of the file once, faults it in, and
+//! makes it `PROT_NONE`: the page-table entries stay, so [`Window::open`]ing the pages of the
+//! next batch's slot is one `mprotect` (the main process hands the worker the same extents
+//! again when it can: [`crate::allocation::extents::ExtentMap::alloc_preferring`]), and a stray
+//! write between batches, or into bytes that are not this batch's slot, still faults.
 //!
-//! Where the processor and the kernel have memory protection keys ([`crate::pkeys`]), a
+//! Where the processor and the kernel have memory protection keys ([`crate::system::pkeys`]), a
 //! window gets a key of its own and a range can be opened *keyed*: its pages are made readable
-//! and writable under that key once, and kept so between batches, while each thread's access
-//! to the key is off but between [`Window::allow`] and [`Window::deny`] (or [`Window::close`])
-//! on the thread that writes. Reopening the same range then changes no page-table entry: a
-//! stray write between batches still faults, from any thread, and so does a write while the
-//! writing thread runs code of the caller's with access switched off (a streamed batch's
-//! next sample being made).
+//! and writable under that key once, and kept so between batches, while each thread's access to
+//! the key is off but between [`Window::allow`] and [`Window::deny`] (or [`Window::close`]) on
+//! the thread that writes. Reopening the same range then changes no page-table entry: a stray
+//! write between batches still faults, from any thread, and so does a write while the writing
+//! thread runs code of the caller's with access switched off (a streamed batch's next sample
+//! being made).
 //!
 //! A window can be mapped without its pages faulted in ([`Window::unfaulted`]: one `mmap`,
-//! microseconds), and faulted in later by another thread ([`Window::fault_in_privately`]): a
+//! cheap), and faulted in later by another thread ([`Window::fault_in_privately`]): a
 //! fresh worker maps the windows of its next slots while it holds the arena's descriptor for
 //! its first one, and a thread of its own faults them in while it collates. Where the window
 //! has a key, its pages are writable during that fault-in under the key alone, which only the
@@ -33,14 +33,14 @@
 //!   more than the file's size when it was mapped (checked with `fstat` after the seals): the
 //!   file can never shrink under it, so no access of a mapped page raises `SIGBUS`. The
 //!   descriptor is only borrowed to map it. Dropping the window unmaps the range once, in
-//!   pieces ([`crate::shm::unmap_in_chunks`]); nothing else unmaps it.
+//!   pieces ([`crate::memory::shm::unmap_in_chunks`]); nothing else unmaps it.
 //! - Every page is `PROT_NONE` except (a) between an [`Window::open`] and the next successful
 //!   [`Window::close`], the pages of the one range opened (rounded out to pages), and (b) on a
 //!   window with a key, the *armed* range: the pages of the last range opened keyed, readable
 //!   and writable under the window's key, which stay so after the close. A range opened
 //!   plainly is under key 0 (any thread may write it while it is open); a window opened
 //!   plainly has no armed range. At most one range is open at a time. Protections change in
-//!   pieces of [`crate::shm::MM_CALL_BYTES`] (each `mprotect` call holds the process's
+//!   pieces of [`crate::memory::shm::MM_CALL_BYTES`] (each `mprotect` call holds the process's
 //!   address-space lock, as `munmap` does).
 //! - Every page is faulted in before any range is opened: [`Window::open`] faults in a window
 //!   that is not yet ([`Window::is_faulted`]) first, under the lock, so an opener waits for a
@@ -57,7 +57,7 @@
 //!   one is alive, so a view is never made inaccessible under a writer that was handed it.
 //!   The open range, the armed range and the count change only under the window's lock.
 //! - Forked children do not inherit the mapping (`MADV_DONTFORK`); where the kernel refuses
-//!   the advice, they get it read-only ([`crate::fork_private`]), never writable.
+//!   the advice, they get it read-only ([`crate::memory::forked_child`]), never writable.
 //! - Only the process that mapped the window acts on its addresses. A copy of the value in a
 //!   forked child (a Python object inherited with its parent's memory) names addresses the
 //!   child does not have mapped as the window, or has since used for something else: there
@@ -69,12 +69,12 @@ use std::ptr::NonNull;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::fork_private;
-use crate::pkeys::{self, Key};
-use crate::shm::{
+use crate::memory::forked_child;
+use crate::memory::shm::{
     check_range, check_sealed, drop_page_tables_of, page_size, prefault_shared, unmap_in_chunks,
     MM_CALL_BYTES,
 };
+use crate::system::pkeys::{self, Key};
 
 /// A mapping of `[offset, offset + len)` of an arena memfd, inaccessible but for the range
 /// opened.
@@ -85,7 +85,7 @@ pub struct Window {
     offset: usize,
     state: Mutex<State>,
     /// Set only where `MADV_DONTFORK` was refused: children get the window read-only.
-    read_only_in_children: Option<fork_private::Registration>,
+    read_only_in_children: Option<forked_child::Registration>,
     /// The process that mapped it (see the invariants).
     owner: u32,
     /// The window's protection key, where the machine has them and one was left.
@@ -183,7 +183,7 @@ impl Window {
             len,
             offset,
             state: Mutex::new(State::default()),
-            read_only_in_children: Some(fork_private::register_read_only(
+            read_only_in_children: Some(forked_child::register_read_only(
                 ptr.as_ptr() as usize,
                 len,
             )),
@@ -581,7 +581,7 @@ mod tests {
     use rustix::fs::MemfdFlags;
 
     use super::*;
-    use crate::shm::Mapping;
+    use crate::memory::shm::Mapping;
 
     /// One mapping (VMA) of this process, from `/proc/self/smaps`.
     #[derive(Debug)]
@@ -1068,9 +1068,9 @@ mod tests {
         let pages = 1024; // 4 MiB: a copy the copier splits among its threads
         let m = Mapping::memfd("pinpool-window-copy-test", pages * p).unwrap();
         let w = Window::new(m.fd().unwrap(), 0, pages * p).unwrap();
-        let copier = crate::copy::Copier::new(4).unwrap();
+        let copier = crate::transfer::copy::Copier::new(4).unwrap();
         let src = vec![0x3Cu8; pages * p];
-        let ranges = [crate::copy::CopyRange { src: 0, dst: 0, len: pages * p }];
+        let ranges = [crate::transfer::copy::CopyRange { src: 0, dst: 0, len: pages * p }];
         assert!(w.has_key() || !keys_required(), "no protection key for the window");
         w.open(0, pages * p, true).unwrap();
         w.allow().unwrap();

@@ -16,10 +16,10 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::cuda::StreamHandle;
+use crate::allocation::slots::Checkout;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
-use crate::slots::Checkout;
+use crate::system::cuda::StreamHandle;
 
 /// How a slot is to be given back.
 #[derive(Debug, Clone, Copy)]
@@ -223,8 +223,8 @@ impl Lease {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fence::ManualFences;
     use crate::pool::PoolConfig;
+    use crate::transfer::fence::ManualFences;
 
     fn lease(n: usize) -> (Arc<Pool>, Lease) {
         let pool = Pool::new(&PoolConfig::host(4096, n)).unwrap();
