@@ -6,7 +6,7 @@ stream as a device batch's slot is), in a loop.
     python3 benchmarks/reservation_cost.py [--rounds 20000]
 
 Prints the mean microseconds of each step, best of 5 runs: two system calls the path could
-make (``os.getpid``, ``os.fstat``), the pool's ``slot_place``, a checkout preferring a
+make (``os.getpid``, ``os.fstat``), the pool's ``slot_location``, a checkout preferring a
 worker's recent slots and its release, and a whole reservation with its adoption and release
 (``Reservations.reserve``, ``adopt``, ``Slot.release``). A round that finds every slot
 fenced waits for the device instead (counted).
@@ -84,7 +84,7 @@ def main() -> None:
     steps: dict[str, Callable[[], object]] = {
         "os.getpid()": os.getpid,
         "os.fstat(arena memfd)": lambda: os.fstat(fd),
-        "pool.slot_place(slot)": lambda: pool.slot_place(probe),
+        "pool.slot_location(slot)": lambda: pool.slot_location(probe),
         "try_checkout(prefer=16) + release": checkout,
         "reserve + adopt + release": reserve,
     }

@@ -10,27 +10,28 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
+use pinpool::allocation::slots::Preference;
 use pinpool::memory::shm::page_size;
 use pinpool::system::cuda::StreamHandle;
 use pinpool::transfer::fence::ManualFences;
-use pinpool::{Checkout, Pool, PoolConfig};
+use pinpool::{Pool, PoolConfig, SlotId};
 use proptest::prelude::*;
 
 /// A slot the test holds: its checkout, where it is, and the byte it was filled with.
 #[derive(Debug, Clone, Copy)]
 struct Held {
-    checkout: Checkout,
+    slot: SlotId,
     ptr: usize,
     len: usize,
     fill: u8,
 }
 
-fn fill(pool: &Pool, checkout: Checkout, fill: u8) -> Held {
-    let ptr = pool.slot_ptr(checkout).unwrap();
-    let len = pool.slot_len(checkout).unwrap();
+fn fill(pool: &Pool, slot: SlotId, fill: u8) -> Held {
+    let ptr = pool.slot_ptr(slot).unwrap();
+    let len = pool.slot_len(slot).unwrap();
     // SAFETY: the slot is checked out to this test, `len` bytes long, inside the live arena.
     unsafe { std::ptr::write_bytes(ptr, fill, len) };
-    Held { checkout, ptr: ptr as usize, len, fill }
+    Held { slot, ptr: ptr as usize, len, fill }
 }
 
 fn intact(h: &Held) -> bool {
@@ -108,7 +109,7 @@ proptest! {
                             .collect(),
                         _ => Vec::new(),
                     };
-                    match pool.try_checkout_bytes_preferring(n, 0, &prefer, false).unwrap() {
+                    match pool.try_checkout_bytes_preferring(n, 0, &prefer, Preference::Prefer).unwrap() {
                         Some(t) => {
                             next_fill = next_fill.wrapping_add(1).max(1);
                             let h = fill(&pool, t, next_fill);
@@ -124,10 +125,10 @@ proptest! {
                 }
                 Op::Release(i, stream) if !held.is_empty() => {
                     let h = held.swap_remove(i % held.len());
-                    prop_assert!(intact(&h), "slot {:?} overwritten while held", h.checkout);
-                    released.push(pool.extent(h.checkout).unwrap().0);
-                    pool.release(h.checkout, stream).unwrap();
-                    prop_assert!(pool.release(h.checkout, stream).is_err());
+                    prop_assert!(intact(&h), "slot {:?} overwritten while held", h.slot);
+                    released.push(pool.extent(h.slot).unwrap().0);
+                    pool.release(h.slot, stream).unwrap();
+                    prop_assert!(pool.release(h.slot, stream).is_err());
                     if let Some(s) = stream {
                         fenced.push((h, s, false));
                     }
@@ -147,29 +148,29 @@ proptest! {
             // bytes are untouched while it is fenced, whatever was checked out since; and it
             // is freed only after its stream completed.
             for (h, s, completed) in std::mem::take(&mut fenced) {
-                if pool.is_fenced(h.checkout) {
-                    prop_assert!(intact(&h), "fenced slot {:?} reused early", h.checkout);
+                if pool.is_fenced(h.slot) {
+                    prop_assert!(intact(&h), "fenced slot {:?} reused early", h.slot);
                     fenced.push((h, s, completed));
                 } else {
-                    prop_assert!(completed, "slot {:?} freed before its fence", h.checkout);
+                    prop_assert!(completed, "slot {:?} freed before its fence", h.slot);
                 }
             }
             for h in &held {
-                prop_assert!(intact(h), "slot {:?} overwritten", h.checkout);
+                prop_assert!(intact(h), "slot {:?} overwritten", h.slot);
             }
         }
         // The end: everything released, every fence completed; every byte comes back, and
         // each part can be taken whole.
         for h in held.drain(..) {
             prop_assert!(intact(&h));
-            pool.release(h.checkout, None).unwrap();
+            pool.release(h.slot, None).unwrap();
         }
         pool.retire_fences(); // (records a fence for every release still queued)
         fences.complete_all();
         pool.retire_fences();
         let b = pool.bytes();
         prop_assert_eq!((b.free, b.checked_out, b.fenced), (PARTS * SLOT, 0, 0));
-        let whole: Vec<Checkout> = (0..PARTS)
+        let whole: Vec<SlotId> = (0..PARTS)
             .map(|_| pool.try_checkout_bytes(SLOT, 0).unwrap().expect("a part's worth"))
             .collect();
         prop_assert!(pool.try_checkout_bytes(1, 0).unwrap().is_none());

@@ -36,18 +36,18 @@ fn a_grant_is_exactly_the_batch_and_is_adopted_once() {
     let pool = pool(64 * PAGE, 4);
     let g = grants(&pool);
     let grant = g.issue(&ask(0, 0, 3 * PAGE + 1)).unwrap();
-    assert_eq!(grant.place.nbytes, 4 * PAGE, "the batch's bytes, rounded up to a page");
+    assert_eq!(grant.location.nbytes, 4 * PAGE, "the batch's bytes, rounded up to a page");
     let w = grant.words();
     assert_eq!(w.len(), GRANT_WORDS);
     assert_eq!((w[0], w[5], w[6]), (1, 4 * PAGE as u64, u64::from(std::process::id())));
     assert!(w[3] < 1 << 63);
-    let (index, generation) = (grant.checkout.index, grant.checkout.generation);
+    let (index, generation) = (grant.slot.index, grant.slot.generation);
     assert!(g.adopt(index, generation, grant.nonce ^ 1).is_none(), "another nonce");
-    let (p, checkout) = g.adopt(index, generation, grant.nonce).unwrap();
+    let (p, slot) = g.adopt(index, generation, grant.nonce).unwrap();
     assert!(Arc::ptr_eq(&p, &pool));
     assert!(g.adopt(index, generation, grant.nonce).is_none(), "adopted once");
     assert!(!g.give_back(index, generation, grant.nonce), "adopted: not given back");
-    pool.release(checkout, None).unwrap();
+    pool.release(slot, None).unwrap();
     assert_eq!(pool.stats().bytes.free, pool.arena().len());
 }
 
@@ -58,13 +58,13 @@ fn a_worker_gets_its_last_slots_again_first() {
     let first: Vec<_> = (0..3).map(|t| g.issue(&ask(1, t, 4 * PAGE)).unwrap()).collect();
     let other = g.issue(&ask(2, 3, 4 * PAGE)).unwrap();
     for grant in first.iter().chain([&other]) {
-        let c = grant.checkout;
+        let c = grant.slot;
         assert!(g.give_back(c.index, c.generation, grant.nonce));
     }
-    let at = |t: u64, worker| g.issue(&ask(worker, t, 4 * PAGE)).unwrap().place.arena_offset;
-    assert_eq!(at(4, 1), first[2].place.arena_offset, "its latest first");
-    assert_eq!(at(5, 1), first[1].place.arena_offset);
-    assert_eq!(at(6, 2), other.place.arena_offset);
+    let at = |t: u64, worker| g.issue(&ask(worker, t, 4 * PAGE)).unwrap().location.arena_offset;
+    assert_eq!(at(4, 1), first[2].location.arena_offset, "its latest first");
+    assert_eq!(at(5, 1), first[1].location.arena_offset);
+    assert_eq!(at(6, 2), other.location.arena_offset);
 }
 
 #[test]
@@ -85,7 +85,7 @@ fn only_the_consumers_next_batch_may_take_the_room_kept_for_it() {
     assert!(g.issue(&ask(3, 0, PAGE)).is_none(), "full");
     // The consumer moves on: task 3 is the head now, and a batch given back makes room.
     g.set_head(7, 3);
-    let c = head.checkout;
+    let c = head.slot;
     assert!(g.give_back(c.index, c.generation, head.nonce));
     assert!(g.issue(&ask(2, 3, 3 * PAGE)).is_some());
     let _ = (a, b);
@@ -101,7 +101,7 @@ fn no_grant_for_an_iterator_that_is_not_open_and_closing_one_frees_its_grants_on
     let mine = g.issue(&ask(0, 0, PAGE)).unwrap();
     g.close(Some(7));
     assert_eq!(g.outstanding(), 1);
-    let c = mine.checkout;
+    let c = mine.slot;
     assert!(g.adopt(c.index, c.generation, mine.nonce).is_none());
     assert!(g.issue(&ask(0, 0, PAGE)).is_none(), "closed");
     assert_eq!(pool.stats().slots.checked_out, 1);
@@ -138,17 +138,17 @@ fn a_fresh_worker_is_told_where_its_next_big_slots_will_be_and_gets_them() {
     assert_eq!(first.words().len(), GRANT_WORDS + first.ahead.len() * HINT_WORDS);
     // Worker 1's share: places 4 to 7; the spare is worker 2's last, place 11.
     let places: Vec<usize> = first.ahead.iter().map(|h| h.arena_offset / size).collect();
-    assert_eq!(first.place.arena_offset / size, 4);
+    assert_eq!(first.location.arena_offset / size, 4);
     assert_eq!(places, vec![5, 6, 7, 11]);
     let second = g.issue(&ask(1, 1, size)).unwrap();
-    assert_eq!(second.place.arena_offset / size, 5, "where it was told");
+    assert_eq!(second.location.arena_offset / size, 5, "where it was told");
     assert!(second.ahead.is_empty(), "told once");
     // The next iterator's worker 1 is offered its predecessor's places first, latest first,
     // and told of the others.
     g.close(Some(7));
     g.open(9);
     let next = g.issue(&GrantRequest { owner: 9, ..ask(1, 0, size) }).unwrap();
-    assert_eq!(next.place.arena_offset / size, 5);
+    assert_eq!(next.location.arena_offset / size, 5);
     let told: Vec<usize> = next.ahead.iter().map(|h| h.arena_offset / size).collect();
     assert_eq!(told, vec![4]);
 }
@@ -225,7 +225,7 @@ fn a_request_waits_for_room_the_batches_before_it_hold() {
     let g = grants(&pool);
     let first: Vec<_> = (0..3).map(|t| g.issue(&ask(0, t, 3 * PAGE)).unwrap()).collect();
     assert_eq!(g.answer(&ask(1, 3, 4 * PAGE)), Answer::Wait);
-    let c = first[0].checkout;
+    let c = first[0].slot;
     let (_, slot) = g.adopt(c.index, c.generation, first[0].nonce).unwrap();
     g.set_head(7, 1);
     pool.release(slot, None).unwrap();

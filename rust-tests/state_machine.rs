@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use pinpool::allocation::slots::{Counts, SlotTable, State};
 use pinpool::system::cuda::StreamHandle;
 use pinpool::transfer::fence::{FenceId, FenceTracker, Fences, ManualFences};
-use pinpool::{Checkout, Error, Result};
+use pinpool::{Error, Result, SlotId};
 use proptest::prelude::*;
 
 /// The arena's page size: the tables here have one-page slots.
@@ -165,7 +165,7 @@ enum Slot {
 #[derive(Debug, Clone)]
 struct InFlight {
     fence: FenceId,
-    checkouts: Vec<Checkout>,
+    checkouts: Vec<SlotId>,
 }
 
 /// What the test expects of the table, the tracker and the fences.
@@ -181,11 +181,11 @@ struct Model {
     /// Which pages of the arena are ready.
     ready: Vec<bool>,
     /// Every checkout ever handed out, in order.
-    issued: Vec<Checkout>,
+    issued: Vec<SlotId>,
     /// The checkout most recently released successfully.
-    last_released: Option<Checkout>,
+    last_released: Option<SlotId>,
     /// Fenced releases whose fence is not recorded yet, in release order.
-    queued: Vec<(Checkout, StreamHandle)>,
+    queued: Vec<(SlotId, StreamHandle)>,
     /// Every fence recorded so far: its stream and whether it has completed.
     fences: Vec<(StreamHandle, bool)>,
     /// Recorded fences whose checkouts are not free yet, in recording order.
@@ -197,7 +197,7 @@ struct Model {
     /// `wait_all` calls.
     waits: u64,
     /// For each `wait_all` not checked yet: the checkouts it frees afterwards.
-    waited_for: Vec<Vec<Checkout>>,
+    waited_for: Vec<Vec<SlotId>>,
 }
 
 impl Model {
@@ -221,12 +221,12 @@ impl Model {
         }
     }
 
-    fn is_live(&self, t: Checkout) -> bool {
+    fn is_live(&self, t: SlotId) -> bool {
         let i = t.index as usize;
         i < self.slots.len() && self.slots[i] == Slot::Out && self.generation[i] == t.generation
     }
 
-    fn is_fenced_checkout(&self, t: Checkout) -> bool {
+    fn is_fenced_checkout(&self, t: SlotId) -> bool {
         let i = t.index as usize;
         i < self.slots.len() && self.slots[i] == Slot::Fenced && self.generation[i] == t.generation
     }
@@ -257,9 +257,9 @@ impl Model {
         self.queued.len() + self.in_flight.iter().map(|f| f.checkouts.len()).sum::<usize>()
     }
 
-    fn choose(&self, pick: Pick) -> Option<Checkout> {
+    fn choose(&self, pick: Pick) -> Option<SlotId> {
         let n = self.slots.len() as u32;
-        let from = |list: Vec<Checkout>, k: usize| {
+        let from = |list: Vec<SlotId>, k: usize| {
             if list.is_empty() {
                 None
             } else {
@@ -269,22 +269,22 @@ impl Model {
         let any = |k: usize| from(self.issued.clone(), k);
         match pick {
             Pick::Live(k) => {
-                let live: Vec<Checkout> =
+                let live: Vec<SlotId> =
                     self.issued.iter().copied().filter(|&t| self.is_live(t)).collect();
                 from(live, k).or_else(|| any(k))
             }
             Pick::Stale(k) => {
-                let stale: Vec<Checkout> =
+                let stale: Vec<SlotId> =
                     self.issued.iter().copied().filter(|&t| !self.is_live(t)).collect();
                 from(stale, k).or_else(|| any(k))
             }
             Pick::LastReleased => self.last_released,
             Pick::Forged(k, past_end) => Some(if past_end {
-                Checkout { table: self.table, index: n.saturating_add(k % 1000), generation: k }
+                SlotId { table: self.table, index: n.saturating_add(k % 1000), generation: k }
             } else {
                 let index = k % n;
                 // A generation the slot has not reached yet.
-                Checkout {
+                SlotId {
                     table: self.table,
                     index,
                     generation: self.generation[index as usize].wrapping_add(1),
@@ -313,7 +313,7 @@ impl Model {
     }
 
     /// `table.complete_fence(t)`: 1 if it freed the slot.
-    fn complete_fence(&mut self, t: Checkout) -> usize {
+    fn complete_fence(&mut self, t: SlotId) -> usize {
         if self.is_fenced_checkout(t) {
             self.free_slot(t.index as usize);
             1
@@ -324,7 +324,7 @@ impl Model {
 
     /// Fences failed: one error each, then one device wait (which completes every recorded
     /// fence), then the checkouts are freed.
-    fn give_up(&mut self, checkouts: &[Checkout], failures: u64) -> usize {
+    fn give_up(&mut self, checkouts: &[SlotId], failures: u64) -> usize {
         self.errors += failures;
         self.waits += 1;
         self.waited_for.push(checkouts.to_vec());
@@ -336,7 +336,7 @@ impl Model {
     fn retire(&mut self) -> usize {
         let mut freed = 0;
         // One fence per distinct stream, in order of first appearance in the queue.
-        let mut groups: Vec<(StreamHandle, Vec<Checkout>)> = Vec::new();
+        let mut groups: Vec<(StreamHandle, Vec<SlotId>)> = Vec::new();
         for (t, s) in std::mem::take(&mut self.queued) {
             match groups.iter_mut().find(|g| g.0 == s) {
                 Some(g) => g.1.push(t),
@@ -378,7 +378,7 @@ impl Model {
 
 /// A fenced release the test watches until its slot is free again.
 struct Watched {
-    checkout: Checkout,
+    slot: SlotId,
     stream: StreamHandle,
     /// `manual.recorded().len()` at the release: the fence covering it has an id at least this.
     fences_before: usize,
@@ -416,7 +416,7 @@ impl Harness {
     }
 
     /// Checks a checkout the table just handed out against the model, and records it.
-    fn accept(&mut self, got: Option<Checkout>) -> std::result::Result<(), TestCaseError> {
+    fn accept(&mut self, got: Option<SlotId>) -> std::result::Result<(), TestCaseError> {
         let free = self.model.free_slots();
         let pages = self.model.free_pages();
         match got {
@@ -509,7 +509,7 @@ impl Harness {
                     self.model.slots[t.index as usize] = Slot::Fenced;
                     self.model.queued.push((t, stream));
                     self.model.last_released = Some(t);
-                    self.watched.push(Watched { checkout: t, stream, fences_before, waits_before });
+                    self.watched.push(Watched { slot: t, stream, fences_before, waits_before });
                 } else {
                     prop_assert_eq!(got, Err(Error::SlotReleased { index: t.index as usize }));
                 }
@@ -573,11 +573,11 @@ impl Harness {
         }
         prop_assert_eq!(self.table.state(m.slots.len()), None);
         // The model itself: each fenced slot waits in exactly one place, queue or one fence.
-        let mut waiting: Vec<Checkout> = m.queued.iter().map(|q| q.0).collect();
+        let mut waiting: Vec<SlotId> = m.queued.iter().map(|q| q.0).collect();
         waiting.extend(m.in_flight.iter().flat_map(|f| f.checkouts.iter().copied()));
-        let mut fenced: Vec<Checkout> =
+        let mut fenced: Vec<SlotId> =
             m.issued.iter().copied().filter(|&t| m.is_fenced_checkout(t)).collect();
-        let key = |t: &Checkout| (t.index, t.generation);
+        let key = |t: &SlotId| (t.index, t.generation);
         waiting.sort_unstable_by_key(key);
         fenced.sort_unstable_by_key(key);
         prop_assert_eq!(waiting, fenced, "model: fenced slots vs queue + fences in flight");
@@ -616,8 +616,8 @@ impl Harness {
         let waits = self.manual.waits();
         let mut still = Vec::new();
         for w in std::mem::take(&mut self.watched) {
-            let i = w.checkout.index as usize;
-            if self.table.state(i) == Some((State::Fenced, w.checkout.generation)) {
+            let i = w.slot.index as usize;
+            if self.table.state(i) == Some((State::Fenced, w.slot.generation)) {
                 still.push(w);
                 continue;
             }
@@ -680,7 +680,7 @@ proptest! {
         // Drain: every fence completes and is retired, everything still out is released; the
         // table ends all free.
         h.drain_fences()?;
-        let live: Vec<Checkout> =
+        let live: Vec<SlotId> =
             h.model.issued.iter().copied().filter(|&t| h.model.is_live(t)).collect();
         for t in live {
             prop_assert_eq!(h.table.release(t, false), Ok(()));
@@ -710,7 +710,7 @@ proptest! {
         polls in 0usize..4,
     ) {
         let h = Harness::new(n);
-        let checkouts: Vec<Checkout> = (0..n).map(|_| h.table.try_checkout().unwrap()).collect();
+        let checkouts: Vec<SlotId> = (0..n).map(|_| h.table.try_checkout().unwrap()).collect();
         let stream_of = |k: usize| 10 + streams[k];
         // The early releases get their fences recorded by a first retire; the late ones are
         // released after it, so their fences are not recorded yet.

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use pinpool::allocation::slots::SlotTable;
 use pinpool::system::cuda::StreamHandle;
 use pinpool::transfer::fence::{FenceId, Fences, ManualFences};
-use pinpool::{Checkout, Error, Pool, PoolConfig, Result};
+use pinpool::{Error, Pool, PoolConfig, Result, SlotId};
 
 /// A small xorshift generator: enough randomness for schedules, no dependency.
 struct Rng(u64);
@@ -41,10 +41,10 @@ fn marker(thread: usize, round: usize) -> u64 {
     ((thread as u64 + 1) << 32) | round as u64
 }
 
-/// Fills the slot of `checkout` with `fill`, puts `mark` in its first 8 bytes.
-fn stamp(pool: &Pool, checkout: Checkout, fill: u8, mark: u64) {
-    let p = pool.slot_ptr(checkout).expect("a live checkout has memory");
-    // SAFETY: `p` is the start of the slot that `checkout` holds; the slot is `slot_bytes` long,
+/// Fills the slot `slot` with `fill`, puts `mark` in its first 8 bytes.
+fn stamp(pool: &Pool, slot: SlotId, fill: u8, mark: u64) {
+    let p = pool.slot_ptr(slot).expect("a live checkout has memory");
+    // SAFETY: `p` is the start of the slot `slot`; the slot is `slot_bytes` long,
     // page-aligned (so 8-byte aligned), and ours until we release the checkout.
     unsafe {
         std::ptr::write_bytes(p, fill, pool.slot_bytes());
@@ -52,15 +52,15 @@ fn stamp(pool: &Pool, checkout: Checkout, fill: u8, mark: u64) {
     }
 }
 
-/// Checks that the slot of `checkout` still holds what [`stamp`] wrote.
-fn verify(pool: &Pool, checkout: Checkout, expected: &[u8], mark: u64) {
-    let p = pool.slot_ptr(checkout).expect("a live checkout has memory");
+/// Checks that the slot `slot` still holds what [`stamp`] wrote.
+fn verify(pool: &Pool, slot: SlotId, expected: &[u8], mark: u64) {
+    let p = pool.slot_ptr(slot).expect("a live checkout has memory");
     // SAFETY: as in `stamp`: the whole slot is readable and ours while the checkout is live.
     let (got_mark, body) = unsafe {
         (p.cast::<u64>().read_volatile(), std::slice::from_raw_parts(p.add(8), expected.len()))
     };
-    assert_eq!(got_mark, mark, "slot {} was written by someone else", checkout.index);
-    assert!(body == expected, "slot {} body was overwritten by someone else", checkout.index);
+    assert_eq!(got_mark, mark, "slot {} was written by someone else", slot.index);
+    assert!(body == expected, "slot {} body was overwritten by someone else", slot.index);
 }
 
 /// Records that `me` holds slot `index`; panics if another thread holds it.
@@ -104,11 +104,11 @@ fn many_threads_few_slots_never_share_a_slot() {
                 let mut rng = Rng::new(me as u64 + 1);
                 let fill = me as u8 + 1;
                 let expected = vec![fill; pool.slot_bytes() - 8];
-                let mut last: Option<Checkout> = None;
+                let mut last: Option<SlotId> = None;
                 start.wait();
                 let mut round = 0;
                 while round < ROUNDS {
-                    let checkout = match rng.below(8) {
+                    let slot = match rng.below(8) {
                         // Non-blocking: spin until a slot is free.
                         0 => match pool.try_checkout().unwrap() {
                             Some(t) => t,
@@ -130,11 +130,11 @@ fn many_threads_few_slots_never_share_a_slot() {
                         2 => pool.checkout(None).unwrap(),
                         _ => pool.checkout(Some(Duration::from_secs(30))).unwrap(),
                     };
-                    take_owner(&owners, checkout.index, me);
+                    take_owner(&owners, slot.index, me);
                     let mark = marker(me, round);
-                    stamp(&pool, checkout, fill, mark);
+                    stamp(&pool, slot, fill, mark);
                     if rng.below(4) == 0 {
-                        // Hold the slot a little longer, so others pile up behind it.
+                        // FlushBlocker the slot a little longer, so others pile up behind it.
                         thread::yield_now();
                     }
                     // A stale checkout (our previous checkout, possibly of this very slot, or
@@ -149,10 +149,10 @@ fn many_threads_few_slots_never_share_a_slot() {
                             stale_refused.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    verify(&pool, checkout, &expected, mark);
-                    drop_owner(&owners, checkout.index, me);
-                    pool.release(checkout, None).unwrap();
-                    last = Some(checkout);
+                    verify(&pool, slot, &expected, mark);
+                    drop_owner(&owners, slot.index, me);
+                    pool.release(slot, None).unwrap();
+                    last = Some(slot);
                     round += 1;
                 }
             })
@@ -169,7 +169,7 @@ fn many_threads_few_slots_never_share_a_slot() {
     assert_eq!(stats.releases, stats.checkouts, "{stats:?}");
     assert!(owners.iter().all(|o| o.load(Ordering::Relaxed) == 0));
     // Every slot can still be checked out: nothing was lost from the free list.
-    let all: Vec<Checkout> = (0..SLOTS).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+    let all: Vec<SlotId> = (0..SLOTS).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
     assert_eq!(pool.try_checkout(), Ok(None));
     for t in all {
         pool.release(t, None).unwrap();
@@ -253,7 +253,7 @@ impl Fences for TracedFences {
 /// The last fenced release of a slot, as the releasing worker saw it.
 #[derive(Debug, Clone, Copy)]
 struct FencedRelease {
-    checkout: Checkout,
+    slot: SlotId,
     stream: StreamHandle,
     /// Fences recorded before the release began: the fence covering it has an id at least this.
     from: FenceId,
@@ -378,32 +378,32 @@ fn fenced_stress(threads: usize, rounds: usize, slots: usize, failing: bool) {
                 let fill = 0x40 + me as u8;
                 let expected = vec![fill; pool.slot_bytes() - 8];
                 for round in 0..rounds {
-                    let checkout = pool.checkout(Some(Duration::from_secs(30))).unwrap();
-                    let i = checkout.index;
+                    let slot = pool.checkout(Some(Duration::from_secs(30))).unwrap();
+                    let i = slot.index;
                     take_owner(&owners, i, me);
                     if let Some(r) = last[i as usize].lock().unwrap().take() {
                         assert_release_over(&fences, i, &r);
                         checked.fetch_add(1, Ordering::Relaxed);
                     }
                     let mark = marker(me, round);
-                    stamp(&pool, checkout, fill, mark);
-                    verify(&pool, checkout, &expected, mark);
+                    stamp(&pool, slot, fill, mark);
+                    verify(&pool, slot, &expected, mark);
                     drop_owner(&owners, i, me);
                     if rng.below(4) == 0 {
                         // An unfenced release: back at once.
-                        pool.release(checkout, None).unwrap();
+                        pool.release(slot, None).unwrap();
                         continue;
                     }
                     let stream = worker_stream(me, rng.below(STREAMS_PER_WORKER as u64) as usize);
                     let release = FencedRelease {
-                        checkout,
+                        slot,
                         stream,
                         from: fences.recorded(),
                         to: None,
                         waits: fences.manual.waits(),
                     };
                     *last[i as usize].lock().unwrap() = Some(release);
-                    pool.release(checkout, Some(stream)).unwrap();
+                    pool.release(slot, Some(stream)).unwrap();
                     fenced.fetch_add(1, Ordering::Relaxed);
                     if rng.below(2) == 0 {
                         // A retire that began after the release has recorded its fence, or
@@ -427,9 +427,9 @@ fn fenced_stress(threads: usize, rounds: usize, slots: usize, failing: bool) {
                                 thread::yield_now();
                             }
                         }
-                        let mut slot = last[i as usize].lock().unwrap();
+                        let mut kept = last[i as usize].lock().unwrap();
                         // Unless the slot came back and was checked out again meanwhile.
-                        if let Some(r) = slot.as_mut().filter(|r| r.checkout == checkout) {
+                        if let Some(r) = kept.as_mut().filter(|r| r.slot == slot) {
                             r.to = Some(to);
                             pinned.fetch_add(1, Ordering::Relaxed);
                         }
@@ -437,7 +437,7 @@ fn fenced_stress(threads: usize, rounds: usize, slots: usize, failing: bool) {
                     // A second release of a fenced checkout is refused.
                     if rng.below(16) == 0 {
                         assert_eq!(
-                            pool.release(checkout, Some(stream + 1)),
+                            pool.release(slot, Some(stream + 1)),
                             Err(Error::SlotReleased { index: i as usize })
                         );
                     }
@@ -482,7 +482,7 @@ fn fenced_stress(threads: usize, rounds: usize, slots: usize, failing: bool) {
     }
     eprintln!(
         "fenced stress{}: {} checkouts ({} waits), {} fenced releases ({} pinned), {} fences, \
-         {} checked at checkout, {} failed records, {} stream completions",
+         {} checked at slot, {} failed records, {} stream completions",
         if failing { " with failing records" } else { "" },
         stats.checkouts,
         stats.waits,
@@ -555,7 +555,7 @@ fn checkouts_do_not_wait_for_a_device_wait() {
 fn close_wakes_every_blocked_checkout() {
     const WAITERS: usize = 8;
     let pool = Pool::new(&PoolConfig::host(4096, 2)).unwrap();
-    let held: Vec<Checkout> = (0..2).map(|_| pool.checkout(None).unwrap()).collect();
+    let held: Vec<SlotId> = (0..2).map(|_| pool.checkout(None).unwrap()).collect();
     let entered = Arc::new(AtomicUsize::new(0));
     let waiters: Vec<_> = (0..WAITERS)
         .map(|k| {
@@ -634,7 +634,7 @@ fn slot_table_threads_never_share_a_slot() {
         w.join().unwrap();
     }
     assert_eq!(table.counts().free, SLOTS);
-    let all: Vec<Checkout> = (0..SLOTS).map(|_| table.try_checkout().unwrap()).collect();
+    let all: Vec<SlotId> = (0..SLOTS).map(|_| table.try_checkout().unwrap()).collect();
     assert!(table.try_checkout().is_none());
     assert_eq!(all.len(), SLOTS);
 }

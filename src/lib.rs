@@ -33,7 +33,7 @@ pub mod transport;
 #[cfg(feature = "python")]
 mod python;
 
-pub use allocation::slots::Checkout;
+pub use allocation::slots::SlotId;
 pub use error::{Error, Result};
 pub use pool::{Claim, ClaimRules, Pool, PoolConfig, Stats};
 

@@ -17,7 +17,7 @@
 //!   the entry becomes `Free`: at a release without a fence, or at
 //!   [`SlotTable::complete_fence`], which the pool calls once the slot's fence has completed.
 //!   No byte is handed out again before its fence has completed.
-//! - A checkout moves `Free -> CheckedOut` and bumps the generation; the [`Checkout`] it returns
+//! - A checkout moves `Free -> CheckedOut` and bumps the generation; the [`SlotId`] it returns
 //!   (table id + index + generation) names that one checkout; another table refuses it. Every
 //!   later transition compares the whole word, so a second release, or a release through a
 //!   stale checkout, is refused with [`Error::SlotReleased`] and frees no byte twice.
@@ -43,7 +43,7 @@ use crate::memory::shm::page_size;
 
 /// Names one checkout of one slot of one table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Checkout {
+pub struct SlotId {
     /// The table (pool) that issued it: a checkout is refused by every other table.
     pub table: u32,
     /// The table entry it holds.
@@ -171,6 +171,15 @@ pub struct Layout {
     pub ready: usize,
 }
 
+/// Where [`SlotTable::try_checkout_bytes_preferring`] may put a slot's extent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preference {
+    /// At one of the preferred offsets if it fits there, else wherever first fit puts it.
+    Prefer,
+    /// At one of the preferred offsets or not at all.
+    OnlyThere,
+}
+
 impl SlotTable {
     /// `n` slots of one page each, all ready (n > 0).
     pub fn new(n: usize) -> Result<Self> {
@@ -285,37 +294,36 @@ impl SlotTable {
     }
 
     /// Takes a slot of the default size, if there is room now. Never blocks.
-    pub fn try_checkout(&self) -> Option<Checkout> {
+    pub fn try_checkout(&self) -> Option<SlotId> {
         self.try_checkout_bytes(self.default_bytes, 0)
     }
 
     /// Takes a slot of `bytes` (rounded up to a page), if an entry is free and a free range
     /// holds it with `keep` bytes left in one range afterwards; with `keep`, one free entry
     /// is left too. Never blocks.
-    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Option<Checkout> {
-        self.try_checkout_bytes_preferring(bytes, keep, &[], false)
+    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Option<SlotId> {
+        self.try_checkout_bytes_preferring(bytes, keep, &[], Preference::Prefer)
     }
 
     /// As [`SlotTable::try_checkout_bytes`], but the slot's extent starts at the first arena
     /// offset of `prefer` where it can ([`ExtentMap::alloc_preferring`]: a free, whole-page
-    /// place inside one part, `keep` honoured), else (unless `only`) wherever first fit puts
+    /// place inside one part, `keep` honoured), else (with [`Preference::Prefer`]) wherever first fit puts
     /// it. Never blocks.
     pub fn try_checkout_bytes_preferring(
         &self,
         bytes: usize,
         keep: usize,
         prefer: &[usize],
-        only: bool,
-    ) -> Option<Checkout> {
+        preference: Preference,
+    ) -> Option<SlotId> {
         let mut inner = self.lock();
         if keep > 0 && inner.spare.len() < 2 {
             return None; // the last entry is kept with the bytes
         }
         let index = *inner.spare.last()?;
-        let (offset, len) = if only {
-            inner.map.alloc_at(bytes, keep, prefer)?
-        } else {
-            inner.map.alloc_preferring(bytes, keep, prefer)?
+        let (offset, len) = match preference {
+            Preference::OnlyThere => inner.map.alloc_at(bytes, keep, prefer)?,
+            Preference::Prefer => inner.map.alloc_preferring(bytes, keep, prefer)?,
         };
         inner.spare.pop();
         let cell = &self.words[index as usize];
@@ -328,7 +336,7 @@ impl SlotTable {
         self.offsets[index as usize].store(offset as u64, Ordering::Relaxed);
         self.lens[index as usize].store(len as u64, Ordering::Relaxed);
         cell.store(word(next, OUT), Ordering::Release);
-        Some(Checkout { table: self.id, index, generation: next })
+        Some(SlotId { table: self.id, index, generation: next })
     }
 
     /// The current state and generation of entry `index`.
@@ -339,95 +347,95 @@ impl SlotTable {
         })
     }
 
-    /// Whether `checkout` names the entry's current, unreleased checkout.
-    pub fn is_live(&self, checkout: Checkout) -> bool {
-        checkout.table == self.id
-            && self.state(checkout.index as usize) == Some((State::CheckedOut, checkout.generation))
+    /// Whether `slot` names the entry's current, unreleased checkout.
+    pub fn is_live(&self, slot: SlotId) -> bool {
+        slot.table == self.id
+            && self.state(slot.index as usize) == Some((State::CheckedOut, slot.generation))
     }
 
     /// The extent `(offset, len)` of a live checkout's slot.
-    pub fn extent(&self, checkout: Checkout) -> Option<(usize, usize)> {
-        if !self.is_live(checkout) {
+    pub fn extent(&self, slot: SlotId) -> Option<(usize, usize)> {
+        if !self.is_live(slot) {
             return None;
         }
-        let i = checkout.index as usize;
+        let i = slot.index as usize;
         // (Stored before the word that made the checkout live, which `is_live` acquired.)
         let extent = (
             self.offsets[i].load(Ordering::Relaxed) as usize,
             self.lens[i].load(Ordering::Relaxed) as usize,
         );
         // Still the same checkout: the entry cannot have been reused in between.
-        self.is_live(checkout).then_some(extent)
+        self.is_live(slot).then_some(extent)
     }
 
-    /// Ends the checkout `checkout`. With `fenced`, the slot waits in `Fenced` (its bytes
+    /// Ends the checkout `slot`. With `fenced`, the slot waits in `Fenced` (its bytes
     /// held) until [`SlotTable::complete_fence`]; otherwise its bytes are free at once.
-    pub fn release(&self, checkout: Checkout, fenced: bool) -> Result<()> {
-        let cell = self.cell(checkout)?;
+    pub fn release(&self, slot: SlotId, fenced: bool) -> Result<()> {
+        let cell = self.cell(slot)?;
         let mut inner = self.lock();
-        if cell.load(Ordering::Acquire) != word(checkout.generation, OUT) {
-            return Err(Error::SlotReleased { index: checkout.index as usize });
+        if cell.load(Ordering::Acquire) != word(slot.generation, OUT) {
+            return Err(Error::SlotReleased { index: slot.index as usize });
         }
-        let (_, len) = inner.extents[checkout.index as usize];
+        let (_, len) = inner.extents[slot.index as usize];
         inner.out -= 1;
         inner.out_bytes -= len;
         if fenced {
-            cell.store(word(checkout.generation, FENCED), Ordering::Release);
+            cell.store(word(slot.generation, FENCED), Ordering::Release);
             inner.fenced += 1;
             inner.fenced_bytes += len;
         } else {
-            self.give_back(&mut inner, checkout);
+            self.give_back(&mut inner, slot);
         }
         Ok(())
     }
 
     /// Frees a fenced slot's entry and bytes once its fence has completed. Returns false if
-    /// `checkout` is not the entry's current fenced checkout (already completed, or stale).
-    pub fn complete_fence(&self, checkout: Checkout) -> bool {
-        let Ok(cell) = self.cell(checkout) else { return false };
+    /// `slot` is not the entry's current fenced checkout (already completed, or stale).
+    pub fn complete_fence(&self, slot: SlotId) -> bool {
+        let Ok(cell) = self.cell(slot) else { return false };
         let mut inner = self.lock();
-        if cell.load(Ordering::Acquire) != word(checkout.generation, FENCED) {
+        if cell.load(Ordering::Acquire) != word(slot.generation, FENCED) {
             return false;
         }
-        let (_, len) = inner.extents[checkout.index as usize];
+        let (_, len) = inner.extents[slot.index as usize];
         inner.fenced -= 1;
         inner.fenced_bytes -= len;
-        self.give_back(&mut inner, checkout);
+        self.give_back(&mut inner, slot);
         true
     }
 
     /// Returns an entry and its bytes (it was checked out or fenced; counts already moved).
-    fn give_back(&self, inner: &mut Inner, checkout: Checkout) {
-        let i = checkout.index as usize;
+    fn give_back(&self, inner: &mut Inner, slot: SlotId) {
+        let i = slot.index as usize;
         let (offset, len) = std::mem::take(&mut inner.extents[i]);
-        self.words[i].store(word(checkout.generation, FREE), Ordering::Release);
+        self.words[i].store(word(slot.generation, FREE), Ordering::Release);
         // Cannot fail: the entry owned exactly these bytes (see the invariants).
         let freed = inner.map.free(offset, len);
         debug_assert!(freed.is_ok(), "{freed:?}");
-        inner.spare.push(checkout.index);
+        inner.spare.push(slot.index);
         self.freed(inner);
     }
 
     /// Undoes a fenced [`SlotTable::release`] whose fence could not be recorded: the slot is
     /// checked out again under the same checkout.
-    pub fn unfence(&self, checkout: Checkout) {
-        let Ok(cell) = self.cell(checkout) else { return };
+    pub fn unfence(&self, slot: SlotId) {
+        let Ok(cell) = self.cell(slot) else { return };
         let mut inner = self.lock();
-        if cell.load(Ordering::Acquire) == word(checkout.generation, FENCED) {
-            let (_, len) = inner.extents[checkout.index as usize];
+        if cell.load(Ordering::Acquire) == word(slot.generation, FENCED) {
+            let (_, len) = inner.extents[slot.index as usize];
             inner.fenced -= 1;
             inner.fenced_bytes -= len;
             inner.out += 1;
             inner.out_bytes += len;
-            cell.store(word(checkout.generation, OUT), Ordering::Release);
+            cell.store(word(slot.generation, OUT), Ordering::Release);
         }
     }
 
-    fn cell(&self, checkout: Checkout) -> Result<&AtomicU64> {
+    fn cell(&self, slot: SlotId) -> Result<&AtomicU64> {
         self.words
-            .get(checkout.index as usize)
-            .filter(|_| checkout.table == self.id)
-            .ok_or(Error::SlotReleased { index: checkout.index as usize })
+            .get(slot.index as usize)
+            .filter(|_| slot.table == self.id)
+            .ok_or(Error::SlotReleased { index: slot.index as usize })
     }
 
     /// Something became free: a new epoch, and waiters woken (under the lock they re-check
@@ -502,7 +510,7 @@ impl SlotTable {
     /// have come back, merged with their free neighbours: what waiting for them can bring.
     /// Ranges, not byte counts: free bytes cut into pieces by slots someone keeps hold no
     /// larger slot however long one waits.
-    pub fn room_once_back(&self, bytes: usize, keep: usize, also: &[Checkout]) -> bool {
+    pub fn room_once_back(&self, bytes: usize, keep: usize, also: &[SlotId]) -> bool {
         let inner = self.lock();
         let mut map = inner.map.clone();
         let mut entries = inner.spare.len();
@@ -629,21 +637,26 @@ mod tests {
         t.release(a, false).unwrap();
         t.release(c, false).unwrap();
         // First fit would give a's page back; c's is asked for.
-        let again = t.try_checkout_bytes_preferring(u, 0, &[2 * u], false).unwrap();
+        let again = t.try_checkout_bytes_preferring(u, 0, &[2 * u], Preference::Prefer).unwrap();
         assert_eq!(t.extent(again), Some((2 * u, u)));
         // Held (b), fenced (again), or not a page boundary: first fit.
         t.release(again, true).unwrap();
-        let other = t.try_checkout_bytes_preferring(u, 0, &[u, 2 * u, 3 * u + 1], false).unwrap();
+        let other = t
+            .try_checkout_bytes_preferring(u, 0, &[u, 2 * u, 3 * u + 1], Preference::Prefer)
+            .unwrap();
         assert_eq!(t.extent(other), Some((0, u)));
         assert!(t.complete_fence(again));
-        let back = t.try_checkout_bytes_preferring(u, 0, &[2 * u], false).unwrap();
+        let back = t.try_checkout_bytes_preferring(u, 0, &[2 * u], Preference::Prefer).unwrap();
         assert_eq!(t.extent(back), Some((2 * u, u)));
         // Two pages from a's (held by `other`) would overlap it: first fit, after `back`.
-        let two = t.try_checkout_bytes_preferring(2 * u, 0, &[0], false).unwrap();
+        let two = t.try_checkout_bytes_preferring(2 * u, 0, &[0], Preference::Prefer).unwrap();
         assert_eq!(t.extent(two), Some((3 * u, 2 * u)));
         // `keep` counts: the last free page is not taken if a page must stay free.
-        assert!(t.try_checkout_bytes_preferring(u, u, &[5 * u], false).is_none(), "`keep` ignored");
-        let last = t.try_checkout_bytes_preferring(u, 0, &[5 * u], false).unwrap();
+        assert!(
+            t.try_checkout_bytes_preferring(u, u, &[5 * u], Preference::Prefer).is_none(),
+            "`keep` ignored"
+        );
+        let last = t.try_checkout_bytes_preferring(u, 0, &[5 * u], Preference::Prefer).unwrap();
         assert_eq!(t.extent(last), Some((5 * u, u)));
         let b = t.bytes();
         assert_eq!((b.free, b.checked_out), (0, 6 * u));
@@ -666,7 +679,7 @@ mod tests {
     fn room_once_back_counts_ranges_not_bytes() {
         let u = page_size();
         let t = SlotTable::new(8).unwrap();
-        let held: Vec<Checkout> = (0..8).map(|_| t.try_checkout().unwrap()).collect();
+        let held: Vec<SlotId> = (0..8).map(|_| t.try_checkout().unwrap()).collect();
         // Every other page given back: four free pages, in four holes of one page.
         for c in held.iter().step_by(2) {
             t.release(*c, false).unwrap();
@@ -684,7 +697,7 @@ mod tests {
         // A slot that will be released (a batch the consumer has not reached yet) counts too;
         // a stale checkout of it does not.
         assert!(t.room_once_back(5 * u, 0, &[held[3]]));
-        let stale = Checkout { generation: held[3].generation + 1, ..held[3] };
+        let stale = SlotId { generation: held[3].generation + 1, ..held[3] };
         assert!(!t.room_once_back(5 * u, 0, &[stale]));
         assert!(t.complete_fence(held[1]));
     }
@@ -692,7 +705,7 @@ mod tests {
     #[test]
     fn bad_index_is_refused() {
         let t = SlotTable::new(1).unwrap();
-        let bogus = Checkout { table: t.id(), index: 9, generation: 1 };
+        let bogus = SlotId { table: t.id(), index: 9, generation: 1 };
         assert!(t.release(bogus, false).is_err());
         assert!(!t.complete_fence(bogus));
         let other = SlotTable::new(1).unwrap();

@@ -44,7 +44,7 @@ pub enum DeviceRequest {
 
 /// Why [`choose`] picked the device it picked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Why {
+pub enum ChoiceReason {
     /// The device of the CUDA context current on the calling thread.
     CurrentContext,
     /// `$LOCAL_RANK` (this value) modulo the number of devices.
@@ -53,23 +53,25 @@ pub enum Why {
     FirstDevice,
 }
 
-impl std::fmt::Display for Why {
+impl std::fmt::Display for ChoiceReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Why::CurrentContext => f.write_str("the CUDA context current on this thread"),
-            Why::LocalRank(rank) => write!(f, "LOCAL_RANK={rank} modulo the device count"),
-            Why::FirstDevice => f.write_str("the first device: no current context, no LOCAL_RANK"),
+            ChoiceReason::CurrentContext => f.write_str("the CUDA context current on this thread"),
+            ChoiceReason::LocalRank(rank) => write!(f, "LOCAL_RANK={rank} modulo the device count"),
+            ChoiceReason::FirstDevice => {
+                f.write_str("the first device: no current context, no LOCAL_RANK")
+            }
         }
     }
 }
 
 /// A device picked automatically.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Chosen {
+pub struct ChosenDevice {
     /// The device ordinal.
     pub ordinal: usize,
     /// Why this one.
-    pub why: Why,
+    pub reason: ChoiceReason,
 }
 
 /// The automatic choice: `current` is the device of the context current on the calling thread,
@@ -80,12 +82,12 @@ pub fn choose(
     current: Option<usize>,
     local_rank: Option<&str>,
     count: usize,
-) -> Result<Option<Chosen>> {
+) -> Result<Option<ChosenDevice>> {
     if count == 0 {
         return Ok(None);
     }
     if let Some(ordinal) = current.filter(|&d| d < count) {
-        return Ok(Some(Chosen { ordinal, why: Why::CurrentContext }));
+        return Ok(Some(ChosenDevice { ordinal, reason: ChoiceReason::CurrentContext }));
     }
     match local_rank.map(str::trim).filter(|text| !text.is_empty()) {
         Some(text) => {
@@ -96,35 +98,35 @@ pub fn choose(
                      to PinPool"
                 ))
             })?;
-            Ok(Some(Chosen { ordinal: rank % count, why: Why::LocalRank(rank) }))
+            Ok(Some(ChosenDevice { ordinal: rank % count, reason: ChoiceReason::LocalRank(rank) }))
         }
-        None => Ok(Some(Chosen { ordinal: 0, why: Why::FirstDevice })),
+        None => Ok(Some(ChosenDevice { ordinal: 0, reason: ChoiceReason::FirstDevice })),
     }
 }
 
-/// What a request came to: the device to build the arena on (None: no CUDA), and what to tell
-/// the user about it.
+/// What a request came to: the device to build the pool's arena on (None: no CUDA), and what
+/// to tell the user about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Resolved {
+pub struct PoolDevice {
     /// The device ordinal, or None for no CUDA.
-    pub device: Option<usize>,
+    pub ordinal: Option<usize>,
     /// Why the pool has no CUDA although it could have had (for `pool.notes`).
     pub notes: Vec<String>,
     /// How an automatic choice was made (for the log), if one was.
-    pub why: Option<Why>,
+    pub reason: Option<ChoiceReason>,
 }
 
 impl DeviceRequest {
     /// Turns the request into a device, asking the driver and `$LOCAL_RANK` for an automatic
     /// one (see the module's note). `backend` is the backend asked for (None: `auto`).
-    pub fn resolve(self, backend: Option<Backend>) -> Result<Resolved> {
-        let plain = |device| Resolved { device, notes: Vec::new(), why: None };
-        let host = |note: String| Resolved { device: None, notes: vec![note], why: None };
+    pub fn resolve(self, backend: Option<Backend>) -> Result<PoolDevice> {
+        let as_asked = |ordinal| PoolDevice { ordinal, notes: Vec::new(), reason: None };
+        let host = |note: String| PoolDevice { ordinal: None, notes: vec![note], reason: None };
         // What was asked for by name, if CUDA was, and how to get host memory instead.
         let named = match (self, backend) {
-            (DeviceRequest::Cpu, _) | (_, Some(Backend::Host)) => return Ok(plain(None)),
+            (DeviceRequest::Cpu, _) | (_, Some(Backend::Host)) => return Ok(as_asked(None)),
             // (The arena checks that the device exists: `cuda::require_device`.)
-            (DeviceRequest::Ordinal(n), _) => return Ok(plain(Some(n))),
+            (DeviceRequest::Ordinal(n), _) => return Ok(as_asked(Some(n))),
             (DeviceRequest::Cuda, _) => {
                 Some(("device=\"cuda\"".to_owned(), cuda::HOST_MEMORY_HINT.to_owned()))
             }
@@ -147,9 +149,11 @@ impl DeviceRequest {
         };
         let local_rank = std::env::var("LOCAL_RANK").ok();
         match (choose(cuda::current_context_device(), local_rank.as_deref(), count)?, named) {
-            (Some(c), _) => {
-                Ok(Resolved { device: Some(c.ordinal), notes: Vec::new(), why: Some(c.why) })
-            }
+            (Some(c), _) => Ok(PoolDevice {
+                ordinal: Some(c.ordinal),
+                notes: Vec::new(),
+                reason: Some(c.reason),
+            }),
             (None, Some((what, hint))) => Err(Error::Invalid(format!(
                 "{what} was asked for, but the driver reports no CUDA device: {hint}"
             ))),
@@ -173,15 +177,15 @@ mod tests {
     #[test]
     fn the_current_context_wins() {
         let c = choose(Some(1), Some("0"), 2).unwrap().unwrap();
-        assert_eq!(c, Chosen { ordinal: 1, why: Why::CurrentContext });
+        assert_eq!(c, ChosenDevice { ordinal: 1, reason: ChoiceReason::CurrentContext });
         let c = choose(Some(0), Some("5"), 8).unwrap().unwrap();
-        assert_eq!(c, Chosen { ordinal: 0, why: Why::CurrentContext });
+        assert_eq!(c, ChosenDevice { ordinal: 0, reason: ChoiceReason::CurrentContext });
     }
 
     #[test]
     fn a_current_context_past_the_device_count_is_ignored() {
         let c = choose(Some(4), Some("1"), 2).unwrap().unwrap();
-        assert_eq!(c, Chosen { ordinal: 1, why: Why::LocalRank(1) });
+        assert_eq!(c, ChosenDevice { ordinal: 1, reason: ChoiceReason::LocalRank(1) });
     }
 
     #[test]
@@ -189,7 +193,10 @@ mod tests {
         for (rank, count, expected) in [(0, 1, 0), (3, 4, 3), (5, 4, 1), (7, 2, 1), (6, 8, 6)] {
             let text = rank.to_string();
             let c = choose(None, Some(&text), count).unwrap().unwrap();
-            assert_eq!(c, Chosen { ordinal: expected, why: Why::LocalRank(rank) });
+            assert_eq!(
+                c,
+                ChosenDevice { ordinal: expected, reason: ChoiceReason::LocalRank(rank) }
+            );
         }
         let c = choose(None, Some(" 2\n"), 4).unwrap().unwrap();
         assert_eq!(c.ordinal, 2, "surrounding blanks are fine");
@@ -199,7 +206,7 @@ mod tests {
     fn otherwise_the_first_device() {
         for local_rank in [None, Some(""), Some("  ")] {
             let c = choose(None, local_rank, 3).unwrap().unwrap();
-            assert_eq!(c, Chosen { ordinal: 0, why: Why::FirstDevice });
+            assert_eq!(c, ChosenDevice { ordinal: 0, reason: ChoiceReason::FirstDevice });
         }
     }
 
@@ -218,10 +225,10 @@ mod tests {
     // Miri: loads the CUDA driver with dlopen, a foreign call Miri cannot run.
     #[cfg_attr(miri, ignore)]
     fn explicit_requests_pass_through_without_the_driver() {
-        assert_eq!(DeviceRequest::Cpu.resolve(None).unwrap().device, None);
-        assert_eq!(DeviceRequest::Ordinal(3).resolve(None).unwrap().device, Some(3));
+        assert_eq!(DeviceRequest::Cpu.resolve(None).unwrap().ordinal, None);
+        assert_eq!(DeviceRequest::Ordinal(3).resolve(None).unwrap().ordinal, Some(3));
         let host = DeviceRequest::Automatic.resolve(Some(Backend::Host)).unwrap();
-        assert_eq!(host, Resolved { device: None, notes: Vec::new(), why: None });
+        assert_eq!(host, PoolDevice { ordinal: None, notes: Vec::new(), reason: None });
     }
 
     #[test]
@@ -232,7 +239,7 @@ mod tests {
             return; // checks the machine without CUDA
         }
         let r = DeviceRequest::Automatic.resolve(None).unwrap();
-        assert_eq!(r.device, None);
+        assert_eq!(r.ordinal, None);
         assert!(r.notes.len() == 1 && r.notes[0].contains("CUDA"), "{:?}", r.notes);
         // CUDA asked for by name: refused, naming what was asked and how to get host memory.
         for backend in [Backend::CudaRegister, Backend::CudaHostAlloc] {

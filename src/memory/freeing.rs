@@ -23,8 +23,8 @@
 //!   a stall is better than a leak.
 //! - At most one arena is kept ([`shelve`]), for at most [`SHELVED_FOR`]: a second one frees
 //!   the first, and [`flush`] (hence the exit hook) frees it.
-//! - [`flush`] returns true once every job queued before the call has finished, no [`Hold`] is
-//!   held (background work that may still drop the last reference to a pool, such as making an
+//! - [`flush`] returns true once every job queued before the call has finished, no
+//!   [`FlushBlocker`] lives (background work that may still drop the last reference to a pool, such as making an
 //!   arena ready) and no arena is kept, or false when its timeout passes first.
 //! - At process exit a C `atexit` hook waits (at most [`EXIT_WAIT`]) for the queue to drain.
 //!   It is registered when the thread starts, after the CUDA driver was loaded, so it runs
@@ -74,8 +74,8 @@ struct Queue {
     /// Jobs taken and not finished.
     running: u64,
     started: bool,
-    /// Live [`Hold`]s.
-    held: usize,
+    /// Live [`FlushBlocker`]s.
+    blockers: usize,
     records: VecDeque<Freed>,
 }
 
@@ -86,7 +86,7 @@ static QUEUE: Mutex<Queue> = Mutex::new(Queue {
     done: 0,
     running: 0,
     started: false,
-    held: 0,
+    blockers: 0,
     records: VecDeque::new(),
 });
 /// Signalled when a job is queued (the thread waits on it) and when one finishes (flushers).
@@ -105,7 +105,7 @@ fn queue() -> MutexGuard<'static, Queue> {
         q.done = 0;
         q.running = 0;
         q.started = false;
-        q.held = 0;
+        q.blockers = 0;
     }
     q
 }
@@ -132,24 +132,24 @@ pub fn submit(job: Job) {
 /// Held by background work that may drop the last reference to a pool (and so queue its
 /// freeing): [`flush`] waits for it to end.
 #[derive(Debug)]
-pub struct Hold(());
+pub struct FlushBlocker(());
 
-/// Takes a [`Hold`] until the value is dropped.
-pub fn hold() -> Hold {
-    queue().held += 1;
-    Hold(())
+/// Keeps [`flush`] waiting until the value is dropped.
+pub fn block_flush() -> FlushBlocker {
+    queue().blockers += 1;
+    FlushBlocker(())
 }
 
-impl Drop for Hold {
+impl Drop for FlushBlocker {
     fn drop(&mut self) {
         let mut q = queue();
-        q.held = q.held.saturating_sub(1);
+        q.blockers = q.blockers.saturating_sub(1);
         drop(q);
         CHANGED.notify_all();
     }
 }
 
-/// Frees the arena kept, if any, and waits until no [`Hold`] is held and every job queued by
+/// Frees the arena kept, if any, and waits until no [`FlushBlocker`] lives and every job queued by
 /// then (that free among them, on the freeing thread) has run, at most `timeout` (forever if
 /// `None`). Returns whether that happened.
 pub fn flush(timeout: Option<Duration>) -> bool {
@@ -160,7 +160,7 @@ pub fn flush(timeout: Option<Duration>) -> bool {
             submit(Box::new(evict_shelved));
         }
         let mut q = queue();
-        while q.held > 0 || q.done < q.queued {
+        while q.blockers > 0 || q.done < q.queued {
             q = match deadline {
                 None => CHANGED.wait(q).unwrap_or_else(|e| e.into_inner()),
                 Some(d) => {
@@ -390,9 +390,9 @@ mod tests {
     }
 
     #[test]
-    fn flush_waits_for_every_hold() {
-        let h = hold();
-        assert!(!flush(Some(Duration::from_millis(20))), "flushed past a hold");
+    fn flush_waits_for_every_blocker() {
+        let h = block_flush();
+        assert!(!flush(Some(Duration::from_millis(20))), "flushed past a blocker");
         drop(h);
         assert!(flush(Some(Duration::from_secs(30))));
     }

@@ -19,7 +19,7 @@
 use std::time::{Duration, Instant};
 
 use super::Pool;
-use crate::allocation::slots::Checkout;
+use crate::allocation::slots::SlotId;
 #[cfg(doc)]
 use crate::allocation::slots::SlotTable;
 use crate::error::{Error, Result};
@@ -45,7 +45,7 @@ pub struct ClaimRules {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
     /// A slot, checked out.
-    Slot(Checkout),
+    Slot(SlotId),
     /// Come back later (only with [`ClaimRules::defer`]).
     Later,
     /// Put this batch in ordinary memory (only with [`ClaimRules::overflow`]).
@@ -173,7 +173,7 @@ mod tests {
         let page = crate::memory::shm::page_size();
         let fences = Arc::new(ManualFences::new());
         let pool = Pool::with_fences(&PoolConfig::host(page, 8), Box::new(fences.clone())).unwrap();
-        let held: Vec<Checkout> = (0..8).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+        let held: Vec<SlotId> = (0..8).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
         for t in held.iter().step_by(2) {
             pool.release(*t, None).unwrap();
         }

@@ -21,23 +21,18 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::Pool;
-use crate::allocation::slots::Checkout;
+use crate::allocation::slots::SlotId;
 use crate::error::{Error, Result};
 use crate::memory::shm::{check_range, Mapping};
 use crate::system::cuda::{Event, StreamHandle};
 use crate::transfer::copy::{CopyDone, CopyRange, SetWhenDropped};
 
 impl Pool {
-    /// Copies `ranges` from `src` (offsets relative to the mapping) into the slot of `checkout`
+    /// Copies `ranges` from `src` (offsets relative to the mapping) into the slot `slot`
     /// (offsets relative to the slot). Every range is checked first: a source range outside
     /// the mapping or a destination outside the slot is an error and nothing is copied.
-    pub fn copy_in(
-        &self,
-        checkout: Checkout,
-        src: &Mapping,
-        ranges: &[CopyRange],
-    ) -> Result<usize> {
-        let dst = self.copy_target(checkout, src, ranges)?;
+    pub fn copy_in(&self, slot: SlotId, src: &Mapping, ranges: &[CopyRange]) -> Result<usize> {
+        let dst = self.copy_target(slot, src, ranges)?;
         // SAFETY: every range was checked against the mapping and the slot just above, and
         // destination ranges are disjoint; the slot is ours while the checkout is live (the
         // caller holds it), and `src` stays mapped for this call (borrowed).
@@ -48,15 +43,10 @@ impl Pool {
     }
 
     /// The checks of [`Pool::copy_in`]: the slot's first byte if `ranges` may be copied from
-    /// `src` into the slot of `checkout`.
-    fn copy_target(
-        &self,
-        checkout: Checkout,
-        src: &Mapping,
-        ranges: &[CopyRange],
-    ) -> Result<*mut u8> {
+    /// `src` into the slot `slot`.
+    fn copy_target(&self, slot: SlotId, src: &Mapping, ranges: &[CopyRange]) -> Result<*mut u8> {
         self.check_owner()?;
-        let (offset, len) = self.extent(checkout)?;
+        let (offset, len) = self.extent(slot)?;
         validate_ranges(ranges, src.len(), len)?;
         // SAFETY: as in `slot_ptr`: the extent lies inside the arena.
         Ok(unsafe { self.arena.base().add(offset) })
@@ -72,20 +62,20 @@ impl Pool {
     /// (or on a stream ordered after it), so it is not reused under the queued copy.
     pub unsafe fn copy_in_and_send(
         &self,
-        checkout: Checkout,
+        slot: SlotId,
         src: &Mapping,
         ranges: &[CopyRange],
         dst: u64,
         len: usize,
         stream: StreamHandle,
     ) -> Result<Event> {
-        self.send_checks(checkout, len)?; // before the copy in: an error copies nothing
-        self.copy_in(checkout, src, ranges)?;
+        self.send_checks(slot, len)?; // before the copy in: an error copies nothing
+        self.copy_in(slot, src, ranges)?;
         // SAFETY: forwarded from the caller.
-        unsafe { self.send(checkout, dst, len, stream) }
+        unsafe { self.send(slot, dst, len, stream) }
     }
 
-    /// Queues a copy of the first `len` bytes of the slot of `checkout` to device memory `dst`
+    /// Queues a copy of the first `len` bytes of the slot `slot` to device memory `dst`
     /// on `stream`, and an event after it (a zero-copy batch, already in its slot).
     ///
     /// # Safety
@@ -94,57 +84,53 @@ impl Pool {
     /// out and releases it fenced on `stream` (or later).
     pub unsafe fn send(
         &self,
-        checkout: Checkout,
+        slot: SlotId,
         dst: u64,
         len: usize,
         stream: StreamHandle,
     ) -> Result<Event> {
-        let device = self.send_checks(checkout, len)?;
-        let slot = self.slot_ptr(checkout)?;
+        let device = self.send_checks(slot, len)?;
+        let first_byte = self.slot_ptr(slot)?;
         // SAFETY: the slot is pinned arena memory, live while the caller holds the checkout and
         // not reused before the fence the caller records on `stream`; `len` fits in it
         // (checked above); the caller vouches for `dst`.
-        unsafe { device.send(dst, slot, len, stream) }
+        unsafe { device.send(dst, first_byte, len, stream) }
     }
 
-    /// The device a copy of `len` bytes from the slot of `checkout` goes to: refused on a pool
+    /// The device a copy of `len` bytes from the slot `slot` goes to: refused on a pool
     /// the driver did not pin, or for more bytes than the slot holds.
-    fn send_checks(
-        &self,
-        checkout: Checkout,
-        len: usize,
-    ) -> Result<&Arc<crate::system::cuda::Device>> {
+    fn send_checks(&self, slot: SlotId, len: usize) -> Result<&Arc<crate::system::cuda::Device>> {
         let Some(device) = self.arena.device() else {
             return Err(Error::Invalid(
                 "copies to a device need a pool of pinned memory on that device".into(),
             ));
         };
-        let size = self.slot_len(checkout)?;
+        let size = self.slot_len(slot)?;
         if len > size {
             return Err(Error::OutOfRange { what: "slot", offset: 0, len, size });
         }
         Ok(device)
     }
 
-    /// As [`Pool::copy_in`] into the slot of `checkout`, but on one of the copy threads: checks
+    /// As [`Pool::copy_in`] into the slot `slot`, but on one of the copy threads: checks
     /// everything first (an error queues nothing), then returns at once. On the copy thread,
     /// after the copy, `then(src)` runs with the source (the caller's from then on: to hand
     /// back to its sender, and to unmap if it was retired during the copy), `hold` is dropped
     /// and the returned [`CopyDone`] is set.
     ///
     /// # Safety
-    /// `hold` keeps the slot of `checkout` checked out (out of the pool) until it is dropped: a
-    /// pin of the slot's lease (`crate::pool::lease::OwnedPin`), whose drop carries out a release
+    /// `hold` keeps the slot `slot` checked out (out of the pool) until it is dropped: a
+    /// pin of the slot (`crate::pool::slot::OwnedSlotPin`), whose drop carries out a release
     /// that waited for it.
     pub unsafe fn copy_in_background<H: Send + 'static>(
         self: &Arc<Self>,
-        checkout: Checkout,
+        slot: SlotId,
         hold: H,
         src: Arc<Mapping>,
         ranges: Vec<CopyRange>,
         then: impl FnOnce(Arc<Mapping>) + Send + 'static,
     ) -> Result<Arc<CopyDone>> {
-        let dst = self.copy_target(checkout, &src, &ranges)? as usize;
+        let dst = self.copy_target(slot, &src, &ranges)? as usize;
         let done = Arc::new(CopyDone::default());
         let set = SetWhenDropped(Arc::clone(&done));
         let pool = Arc::clone(self);

@@ -4,7 +4,7 @@
 //! In zero-copy mode a worker writes its batch straight into the main process's arena. It asks
 //! for the room once it knows the batch's size (a collated batch's, or a streamed batch's from
 //! its first sample), so nothing is guessed: the slot is exactly the batch's bytes, rounded up
-//! to a page. The answer is a *grant* ([`Grant`]): the slot's place in shared memory and a
+//! to a page. The answer is a *grant* ([`Grant`]): where the slot lies in shared memory and a
 //! random nonce; the worker's handle names (index, generation, nonce), and the main process
 //! adopts the slot only for that claim ([`Grants::adopt`]). No room: the worker writes the batch
 //! into a segment of its own (copy mode), counted in [`Grants::fallbacks`].
@@ -41,9 +41,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use crate::allocation::slots::Checkout;
+use crate::allocation::slots::{Preference, SlotId};
 use crate::error::{Error, Result};
-use crate::pool::{claim::room_kept, Pool, SlotPlace};
+use crate::pool::{claim::room_kept, Pool, SlotLocation};
 
 /// Words of a grant before its hints.
 pub const GRANT_WORDS: usize = 11;
@@ -55,9 +55,9 @@ pub const HINT_WORDS: usize = 5;
 /// small window costs a fresh worker little to fault in).
 pub const BIG_FROM: usize = 8 << 20;
 /// How many slots a fresh worker with no predecessor is told of ahead as its own (its first
-/// included): its share of the arena's slot places.
+/// included): its share of the arena's slot locations.
 pub const PLANNED_SLOTS: usize = 4;
-/// And how many more, after those: the last places of the next worker's share, where its batch
+/// And how many more, after those: the last locations of the next worker's share, where its batch
 /// goes when all of its own are busy.
 pub const SPARE_SLOTS: usize = 1;
 /// The most hints one grant carries.
@@ -91,23 +91,23 @@ pub enum Answer {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
     /// The slot.
-    pub checkout: Checkout,
+    pub slot: SlotId,
     /// The nonce its batch's handle must name.
     pub nonce: u64,
     /// Where it lies in shared memory.
-    pub place: SlotPlace,
+    pub location: SlotLocation,
     /// Extents the worker may map ahead (its first big grant only).
-    pub ahead: Vec<SlotPlace>,
+    pub ahead: Vec<SlotLocation>,
 }
 
 impl Grant {
     /// The grant as the words a worker reads (see the module's doc).
     pub fn words(&self) -> Vec<u64> {
-        let p = &self.place;
+        let p = &self.location;
         let mut out = vec![
             1,
-            u64::from(self.checkout.index),
-            u64::from(self.checkout.generation),
+            u64::from(self.slot.index),
+            u64::from(self.slot.generation),
             self.nonce,
             p.offset as u64,
             p.nbytes as u64,
@@ -127,15 +127,15 @@ impl Grant {
 #[derive(Debug)]
 struct Issued {
     pool: Arc<Pool>,
-    checkout: Checkout,
+    slot: SlotId,
     nonce: u64,
     owner: u64,
     task: u64,
 }
 
-/// One worker's places in one iterator.
+/// The arena offsets of one worker's slots in one iterator.
 #[derive(Debug, Default)]
-struct WorkerPlaces {
+struct WorkerOffsets {
     /// Arena offsets of its last slots, latest first (those it keeps windows over).
     recent: Vec<usize>,
     /// Offsets it was told of ahead, offered after `recent`.
@@ -147,18 +147,18 @@ struct WorkerPlaces {
 struct Owner {
     /// The task the consumer waits for next.
     head: u64,
-    workers: HashMap<usize, WorkerPlaces>,
+    workers: HashMap<usize, WorkerOffsets>,
 }
 
 #[derive(Debug, Default)]
 struct Table {
     issued: HashMap<(u32, u32), Issued>,
-    /// Adopted slots of batches not yet yielded to the consumer: (owner, task, checkout).
-    unyielded: HashMap<(u32, u32), (u64, u64, Checkout)>,
+    /// Adopted slots of batches not yet yielded to the consumer: (owner, task, slot).
+    unyielded: HashMap<(u32, u32), (u64, u64, SlotId)>,
     owners: HashMap<u64, Owner>,
-    /// Per worker id, across iterators, the places of its last big slots, latest first, in
+    /// Per worker id, across iterators, the locations of its last big slots, latest first, in
     /// the pool whose table id is `last_table`.
-    last: HashMap<usize, Vec<SlotPlace>>,
+    last: HashMap<usize, Vec<SlotLocation>>,
     last_table: u32,
     /// The largest batch asked for, rounded up to a page.
     largest: usize,
@@ -304,7 +304,7 @@ impl Grants {
             t.largest = t.largest.max(size);
             let largest = t.largest;
             if t.last_table != table_id {
-                t.last.clear(); // (another pool's places name other memory)
+                t.last.clear(); // (another pool's locations name other memory)
                 t.last_table = table_id;
             }
             let last = if big { t.last.get(&request.worker).cloned() } else { None };
@@ -314,66 +314,67 @@ impl Grants {
             } else {
                 room_kept(largest, pool.arena().len(), pool.largest_slot())
             };
-            let places = owner.workers.entry(request.worker).or_default();
-            let fresh = places.recent.is_empty() && places.hinted.is_empty();
-            let seeds: Vec<SlotPlace> = match last {
+            let offsets = owner.workers.entry(request.worker).or_default();
+            let fresh = offsets.recent.is_empty() && offsets.hinted.is_empty();
+            let seeds: Vec<SlotLocation> = match last {
                 Some(last) if fresh => last,
                 _ if fresh && big => planned(&pool, request.worker, size, self.kept(size)),
                 _ => Vec::new(),
             };
-            let mut prefer = places.recent.clone();
-            prefer.extend(places.hinted.iter().filter(|o| !places.recent.contains(o)));
+            let mut prefer = offsets.recent.clone();
+            prefer.extend(offsets.hinted.iter().filter(|o| !offsets.recent.contains(o)));
             prefer.extend(seeds.iter().map(|s| s.arena_offset));
             (keep, prefer, seeds)
         };
-        let checkout = match pool.try_checkout_bytes_preferring(size, keep, &prefer, false) {
-            Ok(Some(checkout)) => checkout,
+        let slot = match pool.try_checkout_bytes_preferring(size, keep, &prefer, Preference::Prefer)
+        {
+            Ok(Some(slot)) => slot,
             Ok(None) => return self.wait_or_not(&pool, request, size, keep),
             Err(_) => return Answer::No,
         };
-        let Some(place) = pool.slot_place(checkout) else {
-            let _ = pool.release(checkout, None);
+        let Some(location) = pool.slot_location(slot) else {
+            let _ = pool.release(slot, None);
             return Answer::No;
         };
         let Ok(nonce) = random_u64() else {
-            let _ = pool.release(checkout, None);
+            let _ = pool.release(slot, None);
             return Answer::No;
         };
         let nonce = nonce >> 1;
-        let at = place.arena_offset;
-        let ahead: Vec<SlotPlace> =
+        let at = location.arena_offset;
+        let ahead: Vec<SlotLocation> =
             seeds.into_iter().filter(|s| s.arena_offset != at).take(MAX_HINTS).collect();
         let mut t = self.table();
         let Some(owner) = t.owners.get_mut(&request.owner) else {
             drop(t); // (closed meanwhile: its workers can no longer write)
-            let _ = pool.release(checkout, None);
+            let _ = pool.release(slot, None);
             return Answer::No;
         };
-        let kept = self.kept(place.nbytes);
-        let places = owner.workers.entry(request.worker).or_default();
+        let kept = self.kept(location.nbytes);
+        let offsets = owner.workers.entry(request.worker).or_default();
         if !ahead.is_empty() {
-            places.hinted = ahead.iter().map(|s| s.arena_offset).collect();
+            offsets.hinted = ahead.iter().map(|s| s.arena_offset).collect();
             self.hinted.fetch_add(1, Ordering::Relaxed);
         }
-        places.hinted.retain(|&o| o != at);
-        places.recent.retain(|&o| o != at);
-        places.recent.insert(0, at);
-        places.recent.truncate(kept);
+        offsets.hinted.retain(|&o| o != at);
+        offsets.recent.retain(|&o| o != at);
+        offsets.recent.insert(0, at);
+        offsets.recent.truncate(kept);
         if big {
             let last = t.last.entry(request.worker).or_default();
             last.retain(|p| p.arena_offset != at);
-            last.insert(0, place);
+            last.insert(0, location);
             last.truncate(kept);
         }
         let issued = Issued {
             pool: Arc::clone(&pool),
-            checkout,
+            slot,
             nonce,
             owner: request.owner,
             task: request.task,
         };
-        t.issued.insert((checkout.index, checkout.generation), issued);
-        Answer::Granted(Grant { checkout, nonce, place, ahead })
+        t.issued.insert((slot.index, slot.generation), issued);
+        Answer::Granted(Grant { slot, nonce, location, ahead })
     }
 
     /// Whether a request that found no room now is worth an answer later: the room it needs
@@ -382,13 +383,13 @@ impl Grants {
     /// adopted, or adopted and not yet yielded). Batches the consumer has been handed do not
     /// count: it may keep them.
     fn wait_or_not(&self, pool: &Pool, request: &GrantRequest, size: usize, keep: usize) -> Answer {
-        let before: Vec<Checkout> = {
+        let before: Vec<SlotId> = {
             let t = self.table();
             let first = |owner: u64, task: u64| owner == request.owner && task < request.task;
             t.issued
                 .values()
                 .filter(|i| first(i.owner, i.task))
-                .map(|i| i.checkout)
+                .map(|i| i.slot)
                 .chain(t.unyielded.values().filter(|u| first(u.0, u.1)).map(|u| u.2))
                 .collect()
         };
@@ -416,19 +417,19 @@ impl Grants {
     }
 
     /// The slot granted as (`index`, `generation`) with `nonce`, which leaves the table: its
-    /// pool and checkout. None if no such grant is out (never made, adopted already, given
+    /// pool and slot. None if no such grant is out (never made, adopted already, given
     /// back, or another nonce).
-    pub fn adopt(&self, index: u32, generation: u32, nonce: u64) -> Option<(Arc<Pool>, Checkout)> {
+    pub fn adopt(&self, index: u32, generation: u32, nonce: u64) -> Option<(Arc<Pool>, SlotId)> {
         let issued = self.take(index, generation, nonce)?;
         let mut table = self.table();
         if table.owners.get(&issued.owner).is_some_and(|o| issued.task >= o.head) {
             // (not yielded yet: room the batches behind it may wait for)
-            let entry = (issued.owner, issued.task, issued.checkout);
+            let entry = (issued.owner, issued.task, issued.slot);
             table.unyielded.insert((index, generation), entry);
         }
         drop(table);
         self.changed();
-        Some((issued.pool, issued.checkout))
+        Some((issued.pool, issued.slot))
     }
 
     fn take(&self, index: u32, generation: u32, nonce: u64) -> Option<Issued> {
@@ -445,7 +446,7 @@ impl Grants {
     pub fn give_back(&self, index: u32, generation: u32, nonce: u64) -> bool {
         match self.take(index, generation, nonce) {
             Some(issued) => {
-                self.release(&issued.pool, issued.checkout);
+                self.release(&issued.pool, issued.slot);
                 self.changed();
                 true
             }
@@ -469,14 +470,14 @@ impl Grants {
             keys.iter().filter_map(|k| table.issued.remove(k)).collect()
         };
         for issued in gone {
-            self.release(&issued.pool, issued.checkout);
+            self.release(&issued.pool, issued.slot);
         }
         self.changed();
     }
 
-    fn release(&self, pool: &Pool, checkout: Checkout) {
+    fn release(&self, pool: &Pool, slot: SlotId) {
         if !self.forked() {
-            let _ = pool.release(checkout, None); // (unfenced: see the module's doc)
+            let _ = pool.release(slot, None); // (unfenced: see the module's doc)
         }
     }
 
@@ -510,18 +511,18 @@ impl Drop for Grants {
 }
 
 /// Where a fresh worker's first big slots will be when no worker of its id came before it:
-/// worker `worker`'s share of the arena's places of `size` bytes ([`PLANNED_SLOTS`] of them,
+/// worker `worker`'s share of the arena's slot locations of `size` bytes ([`PLANNED_SLOTS`] of them,
 /// the `worker`-th ones), then [`SPARE_SLOTS`] of the next worker's, its last; at most `kept`
 /// in all (the windows it keeps), none without memfd parts.
-fn planned(pool: &Pool, worker: usize, size: usize, kept: usize) -> Vec<SlotPlace> {
+fn planned(pool: &Pool, worker: usize, size: usize, kept: usize) -> Vec<SlotLocation> {
     let arena = pool.arena();
-    let mut places = Vec::new();
+    let mut locations = Vec::new();
     let mut at = 0;
     while let Some((fd, start, len)) = arena.part_at(at) {
         let inode = arena.part_inode_at(start).unwrap_or(0);
         let mut offset = 0;
         while offset + size <= len {
-            places.push(SlotPlace {
+            locations.push(SlotLocation {
                 arena_offset: start + offset,
                 offset,
                 nbytes: size,
@@ -533,7 +534,7 @@ fn planned(pool: &Pool, worker: usize, size: usize, kept: usize) -> Vec<SlotPlac
         }
         at = start + len;
     }
-    let n = places.len();
+    let n = locations.len();
     if n == 0 {
         return Vec::new();
     }
@@ -546,10 +547,10 @@ fn planned(pool: &Pool, worker: usize, size: usize, kept: usize) -> Vec<SlotPlac
     let mut chosen: Vec<usize> = Vec::new();
     for i in picks {
         if !chosen.contains(&(i % n)) {
-            chosen.push(i % n); // (with few places, the spare may be one of its own)
+            chosen.push(i % n); // (with few locations, the spare may be one of its own)
         }
     }
-    chosen.into_iter().map(|i| places[i]).collect()
+    chosen.into_iter().map(|i| locations[i]).collect()
 }
 
 /// A random `u64` from the kernel.

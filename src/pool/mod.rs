@@ -5,7 +5,7 @@
 //! policy ([`claim`]), copies into slots and sends to the device ([`fill_and_send`]), what
 //! `stats()` reports ([`stats`]), the prepare and fence threads (`threads`), and what dropping
 //! a pool does (`teardown`). Built on the pool: one checked-out slot held by one owner, with
-//! the rules for giving it back ([`lease`]), and the zero-copy grants ([`grants`]). Worker
+//! the rules for giving it back ([`slot`]), and the zero-copy grants ([`grants`]). Worker
 //! segments are mapped, counted and unmapped by [`crate::transport`], which uses the pool;
 //! the pool knows nothing of segments.
 //!
@@ -56,7 +56,7 @@
 //!    why: batches are mostly consumed in order, so the oldest bytes free first and the next
 //!    batch lands there again; a batch kept for long holds only its own bytes, the others flow
 //!    around it; nothing is rounded to a power of two). `Free -> CheckedOut`, with a new
-//!    generation; the [`Checkout`] (table, index, generation) names this one checkout. Copy
+//!    generation; the [`SlotId`] (table, index, generation) names this one checkout. Copy
 //!    mode: the main process checks it out when a worker's batch arrives, of that batch's size
 //!    (Python: `Receiver._claim` in `_main/receiver.py`). Zero-copy: it is checked out as torch
 //!    dispatches a batch's indices, before the batch exists, of a size guessed from the
@@ -94,7 +94,7 @@
 pub mod claim;
 pub mod fill_and_send;
 pub mod grants;
-pub mod lease;
+pub mod slot;
 pub mod stats;
 mod teardown;
 mod threads;
@@ -109,7 +109,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::allocation::slots::{Checkout, Layout, SlotTable};
+use crate::allocation::slots::{Layout, Preference, SlotId, SlotTable};
 use crate::error::{Error, Held, Result};
 use crate::memory::arena::{Arena, Backend, Residency};
 use crate::memory::freeing;
@@ -118,9 +118,9 @@ use crate::system::cuda::StreamHandle;
 use crate::transfer::copy::{Copier, MAX_COPY_THREADS};
 use crate::transfer::fence::{CudaFences, FenceTracker, Fences};
 
-/// Where a slot lies in shared memory ([`Pool::slot_place`]).
+/// Where a slot lies in shared memory ([`Pool::slot_location`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SlotPlace {
+pub struct SlotLocation {
     /// The slot's offset in the arena.
     pub arena_offset: usize,
     /// Its offset in the memfd (arena part) that holds it.
@@ -366,7 +366,7 @@ impl Pool {
     /// Whether a slot of `bytes` leaving `keep` bytes free in one range could be checked out
     /// once the fenced slots, the bytes not ready yet and the slots of `also` are back
     /// ([`SlotTable::room_once_back`]).
-    pub fn room_once_back(&self, bytes: usize, keep: usize, also: &[Checkout]) -> bool {
+    pub fn room_once_back(&self, bytes: usize, keep: usize, also: &[SlotId]) -> bool {
         self.table.room_once_back(bytes, keep, also)
     }
 
@@ -420,21 +420,21 @@ impl Pool {
     }
 
     /// Takes a free slot of `slot_bytes` without waiting.
-    pub fn try_checkout(&self) -> Result<Option<Checkout>> {
+    pub fn try_checkout(&self) -> Result<Option<SlotId>> {
         self.try_checkout_bytes(self.slot_bytes, 0)
     }
 
     /// Takes a slot of `bytes` (rounded up to a page) without waiting, if there is room for
     /// it with `keep` bytes left in one free range afterwards. A size no slot can ever have
     /// is [`Error::BatchTooLarge`].
-    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Result<Option<Checkout>> {
-        self.try_checkout_bytes_preferring(bytes, keep, &[], false)
+    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Result<Option<SlotId>> {
+        self.try_checkout_bytes_preferring(bytes, keep, &[], Preference::Prefer)
     }
 
     /// As [`Pool::try_checkout_bytes`], but the slot starts at the first arena offset of
     /// `prefer` where a slot of `bytes` can start now (free, a whole number of pages, inside
     /// one part, `keep` honoured: [`crate::allocation::extents::ExtentMap::alloc_preferring`]),
-    /// else (unless `only`: then None) wherever first fit puts it. A zero-copy worker that keeps
+    /// else (with [`Preference::Prefer`]; [`Preference::OnlyThere`]: None) wherever first fit puts it. A zero-copy worker that keeps
     /// the extents of its last batches mapped asks for them again. (With `prefer`, a preferred
     /// extent free now is taken as it is; only where none is are the fences that have
     /// completed retired first, since their bytes are free only once retired: this runs on the
@@ -445,17 +445,22 @@ impl Pool {
         bytes: usize,
         keep: usize,
         prefer: &[usize],
-        only: bool,
-    ) -> Result<Option<Checkout>> {
+        preference: Preference,
+    ) -> Result<Option<SlotId>> {
         self.check_owner()?;
         if self.table.is_closed() {
             return Err(Error::Closed);
         }
         self.check_size(bytes)?;
-        let mut checkout = None;
+        let mut slot = None;
         if !prefer.is_empty() {
-            checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, true);
-            if checkout.is_none() {
+            slot = self.table.try_checkout_bytes_preferring(
+                bytes,
+                keep,
+                prefer,
+                Preference::OnlyThere,
+            );
+            if slot.is_none() {
                 // A preferred extent whose fence has completed is free only once retired:
                 // retire what is ready first, or first fit would hand out other bytes.
                 if let Some(f) = self.fences.as_ref() {
@@ -463,17 +468,18 @@ impl Pool {
                 }
             }
         }
-        if checkout.is_none() {
-            checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, only);
+        if slot.is_none() {
+            slot = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, preference);
         }
-        if checkout.is_none() {
+        if slot.is_none() {
             if let Some(f) = self.fences.as_ref() {
                 if f.try_retire_ready(&self.table) > 0 {
-                    checkout = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, only);
+                    slot =
+                        self.table.try_checkout_bytes_preferring(bytes, keep, prefer, preference);
                 }
             }
         }
-        if let Some(t) = checkout {
+        if let Some(t) = slot {
             if self.table.is_closed() {
                 // Closed while we took it: give it back, so no checkout outlives `close()`.
                 let _ = self.table.release(t, false);
@@ -481,7 +487,7 @@ impl Pool {
             }
             self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(checkout)
+        Ok(slot)
     }
 
     /// Fails unless a slot of `bytes` fits in one of the arena's parts.
@@ -504,12 +510,12 @@ impl Pool {
     }
 
     /// Takes a free slot of `slot_bytes`, waiting up to `timeout` (forever with `None`).
-    pub fn checkout(&self, timeout: Option<Duration>) -> Result<Checkout> {
+    pub fn checkout(&self, timeout: Option<Duration>) -> Result<SlotId> {
         self.checkout_bytes(self.slot_bytes, timeout)
     }
 
     /// Takes a slot of `bytes`, waiting up to `timeout` (forever with `None`).
-    pub fn checkout_bytes(&self, bytes: usize, timeout: Option<Duration>) -> Result<Checkout> {
+    pub fn checkout_bytes(&self, bytes: usize, timeout: Option<Duration>) -> Result<SlotId> {
         if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
             return Ok(t);
         }
@@ -526,7 +532,7 @@ impl Pool {
         bytes: usize,
         start: Instant,
         timeout: Option<Duration>,
-    ) -> Result<Checkout> {
+    ) -> Result<SlotId> {
         loop {
             let epoch = self.table.epoch();
             if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
@@ -554,19 +560,19 @@ impl Pool {
         }
     }
 
-    /// Where the slot `checkout` holds lies in the arena, `(offset, len)`, if the checkout is
+    /// Where the slot `slot` lies in the arena, `(offset, len)`, if the checkout is
     /// live.
-    pub fn extent(&self, checkout: Checkout) -> Result<(usize, usize)> {
-        self.table.extent(checkout).ok_or(Error::SlotReleased { index: checkout.index as usize })
+    pub fn extent(&self, slot: SlotId) -> Result<(usize, usize)> {
+        self.table.extent(slot).ok_or(Error::SlotReleased { index: slot.index as usize })
     }
 
-    /// Where the slot `checkout` holds lies in shared memory, for a worker process to write
+    /// Where the slot `slot` lies in shared memory, for a worker process to write
     /// into it; None for a stale checkout or an arena without memfds (`cuda-hostalloc`).
-    pub fn slot_place(&self, checkout: Checkout) -> Option<SlotPlace> {
-        let (at, nbytes) = self.extent(checkout).ok()?;
+    pub fn slot_location(&self, slot: SlotId) -> Option<SlotLocation> {
+        let (at, nbytes) = self.extent(slot).ok()?;
         let (fd, start, part_len) = self.arena.part_at(at)?;
         let inode = self.arena.part_inode_at(at)?; // (read once: no system call per batch)
-        Some(SlotPlace {
+        Some(SlotLocation {
             arena_offset: at,
             offset: at - start,
             nbytes,
@@ -576,21 +582,21 @@ impl Pool {
         })
     }
 
-    /// Whether `checkout`'s slot was released and waits for its fence.
-    pub fn is_fenced(&self, checkout: Checkout) -> bool {
-        checkout.table == self.table.id()
-            && self.table.state(checkout.index as usize)
-                == Some((crate::allocation::slots::State::Fenced, checkout.generation))
+    /// Whether the slot `slot` was released and waits for its fence.
+    pub fn is_fenced(&self, slot: SlotId) -> bool {
+        slot.table == self.table.id()
+            && self.table.state(slot.index as usize)
+                == Some((crate::allocation::slots::State::Fenced, slot.generation))
     }
 
-    /// The length of the slot `checkout` holds, if the checkout is live.
-    pub fn slot_len(&self, checkout: Checkout) -> Result<usize> {
-        self.extent(checkout).map(|e| e.1)
+    /// The length of the slot `slot`, if the checkout is live.
+    pub fn slot_len(&self, slot: SlotId) -> Result<usize> {
+        self.extent(slot).map(|e| e.1)
     }
 
-    /// The first byte of the slot `checkout` holds, if the checkout is live.
-    pub fn slot_ptr(&self, checkout: Checkout) -> Result<*mut u8> {
-        let (offset, _) = self.extent(checkout)?;
+    /// The first byte of the slot `slot`, if the checkout is live.
+    pub fn slot_ptr(&self, slot: SlotId) -> Result<*mut u8> {
+        let (offset, _) = self.extent(slot)?;
         // SAFETY: a live checkout's extent lies inside the arena (the slot table carves
         // extents only from `[0, arena.len())`).
         Ok(unsafe { self.arena.base().add(offset) })
@@ -598,20 +604,20 @@ impl Pool {
 
     /// Ends the checkout. With a stream (on a fenced pool) the slot returns once the work
     /// queued on that stream so far has finished; otherwise at once.
-    pub fn release(&self, checkout: Checkout, stream: Option<StreamHandle>) -> Result<()> {
+    pub fn release(&self, slot: SlotId, stream: Option<StreamHandle>) -> Result<()> {
         match (self.fences.as_ref(), stream) {
             (Some(f), Some(PER_THREAD_DEFAULT_STREAM)) => {
-                f.release_fenced_now(&self.table, checkout, PER_THREAD_DEFAULT_STREAM)?;
+                f.release_fenced_now(&self.table, slot, PER_THREAD_DEFAULT_STREAM)?;
             }
             (Some(f), Some(stream)) => {
-                f.release_fenced(&self.table, checkout, stream)?;
+                f.release_fenced(&self.table, slot, stream)?;
                 if self.retirer_idle.swap(false, Ordering::AcqRel) {
                     if let Some(t) = self.retirer.get() {
                         t.unpark();
                     }
                 }
             }
-            _ => self.table.release(checkout, false)?,
+            _ => self.table.release(slot, false)?,
         }
         self.counters.releases.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -702,14 +708,17 @@ mod tests {
         let slot = 4 * page_size();
         let config = PoolConfig::host(slot, 4);
         let pool = Pool::with_fences(&config, Box::new(Arc::clone(&fences))).unwrap();
-        let held: Vec<Checkout> = (0..4).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+        let held: Vec<SlotId> = (0..4).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
         let at = |t| pool.extent(t).unwrap().0;
         let (first, wanted) = (at(held[0]), at(held[2]));
         assert_ne!(first, wanted);
         pool.release(held[0], None).unwrap();
         pool.release(held[2], Some(7)).unwrap();
         // Fenced: not handed out, even when asked for; first fit instead.
-        let other = pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false).unwrap().unwrap();
+        let other = pool
+            .try_checkout_bytes_preferring(slot, 0, &[wanted], Preference::Prefer)
+            .unwrap()
+            .unwrap();
         assert_eq!(at(other), first);
         pool.release(other, None).unwrap();
         // Once its fence completed and was retired, exactly that extent, though first fit
@@ -717,7 +726,10 @@ mod tests {
         pool.retire_fences(); // (records the queued fence)
         fences.complete_all();
         pool.retire_fences();
-        let again = pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false).unwrap().unwrap();
+        let again = pool
+            .try_checkout_bytes_preferring(slot, 0, &[wanted], Preference::Prefer)
+            .unwrap()
+            .unwrap();
         assert_eq!(pool.extent(again), Ok((wanted, slot)));
         assert_eq!(
             pool.extent(pool.try_checkout_bytes(slot, 0).unwrap().unwrap()).unwrap().0,
@@ -729,14 +741,20 @@ mod tests {
         assert!(pool.is_fenced(again));
         pool.retire_fences();
         fences.complete_all();
-        let back = pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false).unwrap();
+        let back =
+            pool.try_checkout_bytes_preferring(slot, 0, &[wanted], Preference::Prefer).unwrap();
         assert_eq!(back.map(|t| pool.extent(t)), Some(Ok((wanted, slot))));
         // Every check of a checkout applies: too large, closed.
-        let too_large = pool.try_checkout_bytes_preferring(pool.largest_slot() + 1, 0, &[0], false);
+        let too_large = pool.try_checkout_bytes_preferring(
+            pool.largest_slot() + 1,
+            0,
+            &[0],
+            Preference::Prefer,
+        );
         assert!(matches!(too_large, Err(Error::BatchTooLarge { .. })), "{too_large:?}");
         pool.close();
         assert_eq!(
-            pool.try_checkout_bytes_preferring(slot, 0, &[wanted], false),
+            pool.try_checkout_bytes_preferring(slot, 0, &[wanted], Preference::Prefer),
             Err(Error::Closed)
         );
     }
@@ -749,21 +767,24 @@ mod tests {
         let slot = 4 * page_size();
         let pool =
             Pool::with_fences(&PoolConfig::host(slot, 4), Box::new(Arc::clone(&fences))).unwrap();
-        let held: Vec<Checkout> = (0..4).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
+        let held: Vec<SlotId> = (0..4).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
         let at = |t| pool.extent(t).unwrap().0;
         let (fenced, free) = (at(held[2]), at(held[1]));
         pool.release(held[2], Some(7)).unwrap();
         pool.release(held[1], None).unwrap();
         // The fenced one is preferred first, but the free one is taken, and no fence is
         // recorded or queried on the way (the driver is not called on the asker's thread).
-        let got = pool.try_checkout_bytes_preferring(slot, 0, &[fenced, free], true).unwrap();
+        let got = pool
+            .try_checkout_bytes_preferring(slot, 0, &[fenced, free], Preference::OnlyThere)
+            .unwrap();
         assert_eq!(got.map(at), Some(free));
         assert!(fences.recorded().is_empty(), "fences retired: {:?}", fences.recorded());
         assert!(pool.is_fenced(held[2]));
         // None preferred is free: the completed fences are retired, and the fenced one taken.
         pool.retire_fences();
         fences.complete_all();
-        let back = pool.try_checkout_bytes_preferring(slot, 0, &[fenced], true).unwrap();
+        let back =
+            pool.try_checkout_bytes_preferring(slot, 0, &[fenced], Preference::OnlyThere).unwrap();
         assert_eq!(back.map(at), Some(fenced));
         assert_eq!(fences.recorded().len(), 1);
     }

@@ -12,7 +12,7 @@
 //!   (faulted in and, on CUDA, registered). A part that fails ends it, with its error kept
 //!   ([`Pool::prepare_error`]): those bytes are never handed out.
 //! - Where the prepare thread drops the pool's last reference, it holds a
-//!   [`freeing::Hold`] until then, so a flush of the freeing thread waits for the release it
+//!   [`freeing::FlushBlocker`] until then, so a flush of the freeing thread waits for the release it
 //!   queues.
 //! - The fence thread naps at most 1 ms while fences are pending; it sleeps longer only after
 //!   saying it is idle and looking once more, and a fenced release wakes it then
@@ -63,7 +63,7 @@ fn prepare_loop(pool: Weak<Pool>) {
     loop {
         // Declared first, dropped last: if this thread drops the pool's last reference, the
         // release is queued before a flush may stop waiting for it.
-        let _hold = freeing::hold();
+        let _blocker = freeing::block_flush();
         let Some(pool) = pool.upgrade() else { return };
         // Nobody else holds the pool any more: stop, and let it go now.
         if pool.stopping.load(Ordering::Acquire)

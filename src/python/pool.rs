@@ -8,6 +8,7 @@ use pyo3::types::{PyDict, PyList};
 
 use super::slot::PySlot;
 use super::{bool_arg, guarded, size_arg, timeout_arg, to_py, IntoPy};
+use crate::allocation::slots::Preference;
 use crate::error::Error;
 use crate::memory::arena::Backend;
 use crate::memory::device_choice::DeviceRequest;
@@ -166,11 +167,11 @@ fn first_time(note: &str) -> bool {
 }
 
 impl PyPinPool {
-    /// Where `slot` lies in shared memory (`Pool::slot_place`). None for `cuda-hostalloc`
+    /// Where `slot` lies in shared memory (`Pool::slot_location`). None for `cuda-hostalloc`
     /// (no memfd), a released slot, or once closed.
-    fn place_of(&self, slot: &PySlot) -> Option<crate::pool::SlotPlace> {
+    fn location_of(&self, slot: &PySlot) -> Option<crate::pool::SlotLocation> {
         let pool = self.pool.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
-        pool.slot_place(slot.checkout())
+        pool.slot_location(slot.id())
     }
 
     pub(crate) fn get(&self, py: Python<'_>) -> PyResult<Arc<Pool>> {
@@ -186,8 +187,8 @@ impl PyPinPool {
         self.segments.get().py(py)
     }
 
-    fn wrap(&self, pool: Arc<Pool>, checkout: crate::allocation::slots::Checkout) -> PySlot {
-        PySlot::new(pool, checkout, self.device_for_fences())
+    fn wrap(&self, pool: Arc<Pool>, id: crate::allocation::slots::SlotId) -> PySlot {
+        PySlot::new(pool, id, self.device_for_fences())
     }
 
     pub(crate) fn device_for_fences(&self) -> Option<usize> {
@@ -297,18 +298,18 @@ impl PyPinPool {
                 None => default_copy_threads().py(py)?,
             };
             // On this thread (detached, not moved): the automatic choice reads its context.
-            let device = py.detach(|| request.resolve(backend)).py(py)?;
+            let chosen = py.detach(|| request.resolve(backend)).py(py)?;
             let config = PoolConfig {
                 slot_bytes,
                 num_slots,
                 arena_bytes,
-                device: device.device,
+                device: chosen.ordinal,
                 backend,
                 copy_threads,
                 background,
             };
             let pool = py.detach(|| Pool::new(&config)).py(py)?;
-            let mut notes = device.notes;
+            let mut notes = chosen.notes;
             notes.extend_from_slice(pool.arena().notes());
             let placement = pool.arena().placement();
             let logger = py.import("logging")?.call_method1("getLogger", ("pinpool",))?;
@@ -328,8 +329,8 @@ impl PyPinPool {
                     pool.num_slots(),
                     pool.backend().name(),
                     pool.residency().name(),
-                    match (pool.arena().device(), device.why) {
-                        (Some(d), Some(why)) => format!(", device {} ({why})", d.ordinal()),
+                    match (pool.arena().device(), chosen.reason) {
+                        (Some(d), Some(reason)) => format!(", device {} ({reason})", d.ordinal()),
                         (Some(d), None) => format!(", device {}", d.ordinal()),
                         (None, _) => String::new(),
                     },
@@ -378,8 +379,8 @@ impl PyPinPool {
                 return Ok(self.wrap(pool, t));
             }
             let p = Arc::clone(&pool);
-            let checkout = py.detach(move || p.checkout_bytes(bytes, timeout)).py(py)?;
-            Ok(self.wrap(pool, checkout))
+            let slot = py.detach(move || p.checkout_bytes(bytes, timeout)).py(py)?;
+            Ok(self.wrap(pool, slot))
         })
     }
 
@@ -443,7 +444,7 @@ impl PyPinPool {
             };
             let prefer = preferred_offsets(py, prefer)?;
             Ok(pool
-                .try_checkout_bytes_preferring(bytes, reserve, &prefer, prefer_only)
+                .try_checkout_bytes_preferring(bytes, reserve, &prefer, preference(prefer_only))
                 .py(py)?
                 .map(|t| self.wrap(pool, t)))
         })
@@ -554,14 +555,14 @@ impl PyPinPool {
     /// for worker processes that write batches straight into slots. None for
     /// `cuda-hostalloc` (no memfd), a released slot, or once closed.
     fn slot_memfd(&self, slot: &PySlot) -> Option<(i32, usize, usize)> {
-        self.place_of(slot).map(|p| (p.fd, p.offset, p.part_len))
+        self.location_of(slot).map(|l| (l.fd, l.offset, l.part_len))
     }
 
     /// As `slot_memfd`, with the memfd's inode number last: `(fd, slot offset in that memfd,
     /// memfd length, inode)`, what a zero-copy reservation names (the inode lets the worker
     /// check that the descriptor it opens is that file).
-    fn slot_place(&self, slot: &PySlot) -> Option<(i32, usize, usize, u64)> {
-        self.place_of(slot).map(|p| (p.fd, p.offset, p.part_len, p.inode))
+    fn slot_location(&self, slot: &PySlot) -> Option<(i32, usize, usize, u64)> {
+        self.location_of(slot).map(|l| (l.fd, l.offset, l.part_len, l.inode))
     }
 
     /// The arena's memfd parts, in order: `(fd, first byte's arena offset, length)`, for the
@@ -631,5 +632,14 @@ impl PyPinPool {
             self.device.map_or_else(|| "None".to_string(), |d| d.to_string()),
             if self.closed() { ", closed" } else { "" }
         )
+    }
+}
+
+/// The Python flag `prefer_only` as the core's [`Preference`].
+fn preference(prefer_only: bool) -> Preference {
+    if prefer_only {
+        Preference::OnlyThere
+    } else {
+        Preference::Prefer
     }
 }

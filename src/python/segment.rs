@@ -316,12 +316,12 @@ impl PySegmentCache {
             let ranges = copy_ranges(ranges);
             let slot = slot.get();
             let _pin = slot.pin(py, self.cache.pool())?;
-            let checkout = slot.checkout();
+            let id = slot.id();
             let total = ranges.iter().fold(0usize, |n, r| n.saturating_add(r.len));
             if total < crate::transfer::copy::KEEP_GIL_MAX {
-                return self.cache.copy_to_slot(key, checkout, &ranges).py(py);
+                return self.cache.copy_to_slot(key, id, &ranges).py(py);
             }
-            py.detach(|| self.cache.copy_to_slot(key, checkout, &ranges)).py(py)
+            py.detach(|| self.cache.copy_to_slot(key, id, &ranges)).py(py)
         })
     }
 
@@ -351,14 +351,14 @@ impl PySegmentCache {
             let stream = super::stream_arg(py, Some(stream), device)?.unwrap_or(0);
             let slot = slot.get();
             let _pin = slot.pin(py, self.cache.pool())?;
-            let checkout = slot.checkout();
+            let id = slot.id();
             // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
             // at least `nbytes` bytes (checked above), which the caller keeps alive until the
             // copy has run and releases the slot fenced on `stream` after this call (the
             // method's documented contract).
             let event = py
                 .detach(|| unsafe {
-                    self.cache.copy_to_device(key, checkout, &ranges, dst, nbytes, stream)
+                    self.cache.copy_to_device(key, id, &ranges, dst, nbytes, stream)
                 })
                 .py(py)?;
             Ok(PySent::new(event))

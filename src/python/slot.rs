@@ -2,7 +2,7 @@
 //!
 //! Invariants:
 //! - The rules for giving the slot back (pins, deferred release, the device-wait fallback)
-//!   are the core's [`Lease`]; this layer only converts arguments and errors, asks Python for
+//!   are the core's [`Slot`]; this layer only converts arguments and errors, asks Python for
 //!   the current stream, and pins the slot for each buffer export.
 //! - The slot returns to its pool when the object dies, if it was not released before (every
 //!   view of it holds a reference, so that is when the last view dies).
@@ -16,41 +16,42 @@ use pyo3::prelude::*;
 
 use super::sent::{device_target, pool_device, PySent};
 use super::{current_stream, guarded, stream_arg, to_py, IntoPy};
-use crate::allocation::slots::Checkout;
-use crate::pool::lease::{Lease, LeasePin, OwnedPin};
+use crate::allocation::slots::SlotId;
+use crate::pool::slot::{OwnedSlotPin, Slot, SlotPin};
 use crate::pool::Pool;
 
 /// One slot of a `PinPool`, checked out.
 #[pyclass(name = "Slot", module = "pinpool._native", frozen, weakref)]
 pub struct PySlot {
-    /// Shared with copies still running into the slot ([`OwnedPin`]).
-    lease: Arc<Lease>,
+    /// Shared with copies still running into the slot ([`OwnedSlotPin`]).
+    slot: Arc<Slot>,
     fence_device: Option<usize>,
     /// Where the slot lies in the arena, `(offset, len)`: fixed for the checkout's life.
     extent: (usize, usize),
 }
 
 impl PySlot {
-    /// Wraps `checkout`, a live checkout of `pool`.
-    pub(crate) fn new(pool: Arc<Pool>, checkout: Checkout, fence_device: Option<usize>) -> Self {
+    /// Wraps `id`, a live checkout of `pool`.
+    pub(crate) fn new(pool: Arc<Pool>, id: SlotId, fence_device: Option<usize>) -> Self {
         // (A checkout just checked out is live; a stale one gets an empty extent, and every
-        // use of it is refused by the lease anyway.)
-        let extent = pool.extent(checkout).unwrap_or((0, 0));
-        PySlot { lease: Arc::new(Lease::new(pool, checkout)), fence_device, extent }
+        // use of it is refused by the core's `Slot` anyway.)
+        let extent = pool.extent(id).unwrap_or((0, 0));
+        PySlot { slot: Arc::new(Slot::new(pool, id)), fence_device, extent }
     }
 
-    pub(crate) fn checkout(&self) -> Checkout {
-        self.lease.checkout()
+    /// The checkout this object holds.
+    pub(crate) fn id(&self) -> SlotId {
+        self.slot.id()
     }
 
     /// Pins the slot for a copy into it; it must belong to `pool` and be unreleased.
-    pub(crate) fn pin(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<LeasePin<'_>> {
-        self.lease.pin(pool).py(py)
+    pub(crate) fn pin(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<SlotPin<'_>> {
+        self.slot.pin(pool).py(py)
     }
 
     /// As [`PySlot::pin`], for a copy that outlives the call (and perhaps this object).
-    pub(crate) fn pin_owned(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<OwnedPin> {
-        self.lease.pin_owned(pool).py(py)
+    pub(crate) fn pin_owned(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<OwnedSlotPin> {
+        self.slot.pin_owned(pool).py(py)
     }
 
     /// The copy of [`PySlot::copy_to_device`] and [`PySlot::send_then_release`]: queued on
@@ -65,17 +66,17 @@ impl PySlot {
         stream: &Bound<'_, PyAny>,
         keep_gil: bool,
     ) -> PyResult<(crate::system::cuda::Event, usize)> {
-        let pool = Arc::clone(self.lease.pool());
+        let pool = Arc::clone(self.slot.pool());
         let device = pool_device(py, &pool)?;
         let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
         let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
         let _pin = self.pin(py, &pool)?; // refused once released
-        let checkout = self.lease.checkout();
+        let id = self.slot.id();
         // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with at
         // least `nbytes` bytes (checked above), kept alive by the caller until the copy has
         // run; the slot is pinned while the copy is queued, and the caller releases it fenced
         // on `stream`, behind the copy (both methods' documented contract).
-        let send = || unsafe { pool.send(checkout, dst, nbytes, stream) };
+        let send = || unsafe { pool.send(id, dst, nbytes, stream) };
         let event = match keep_gil {
             true => send(),
             false => py.detach(send),
@@ -102,13 +103,13 @@ impl PySlot {
     /// The slot table's entry this checkout holds.
     #[getter]
     fn index(&self) -> u32 {
-        self.lease.checkout().index
+        self.slot.id().index
     }
 
     /// Which checkout of this slot this object is.
     #[getter]
     fn generation(&self) -> u32 {
-        self.lease.checkout().generation
+        self.slot.id().generation
     }
 
     /// The slot's size in bytes (what was asked for, rounded up to a page).
@@ -126,13 +127,13 @@ impl PySlot {
     /// The address of the slot's first byte.
     #[getter]
     fn address(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.lease.address().py(py)? as usize)
+        Ok(self.slot.address().py(py)? as usize)
     }
 
     /// Whether `release()` was called (or the slot is waiting for its views to die).
     #[getter]
     fn released(&self) -> bool {
-        self.lease.is_released()
+        self.slot.is_released()
     }
 
     /// The CUDA device whose streams fence this slot, or None.
@@ -155,7 +156,7 @@ impl PySlot {
         offset: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        slf.get().lease.address().py(py)?; // refused once released
+        slf.get().slot.address().py(py)?; // refused once released
         let offset = match offset {
             Some(offset) => offset.clone(),
             None => 0_usize.into_pyobject(py)?.into_any(),
@@ -196,7 +197,7 @@ impl PySlot {
     ) -> PyResult<()> {
         guarded(|| {
             let (_, stream) = self.send(py, target, nbytes, stream, true)?;
-            self.lease.release(Some(stream)).py(py)
+            self.slot.release(Some(stream)).py(py)
         })
     }
 
@@ -206,9 +207,9 @@ impl PySlot {
     #[pyo3(signature = (stream = None))]
     fn release(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         guarded(|| {
-            self.lease.address().py(py)?; // a released slot is refused before its stream
+            self.slot.address().py(py)?; // a released slot is refused before its stream
             let stream = self.fence_stream(py, stream)?;
-            self.lease.release(stream).py(py)
+            self.slot.release(stream).py(py)
         })
     }
 
@@ -218,7 +219,7 @@ impl PySlot {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        if !self.lease.is_released() {
+        if !self.slot.is_released() {
             self.release(py, None)?;
         }
         Ok(false)
@@ -232,11 +233,11 @@ impl PySlot {
         flags: c_int,
     ) -> PyResult<()> {
         let this = slf.get();
-        let ptr = this.lease.pin_held().map_err(|e| PyBufferError::new_err(e.to_string()))?;
+        let ptr = this.slot.pin_held().map_err(|e| PyBufferError::new_err(e.to_string()))?;
         let len = match isize::try_from(this.extent.1) {
             Ok(len) => len,
             Err(_) => {
-                this.lease.unpin();
+                this.slot.unpin();
                 return Err(PyBufferError::new_err("slot too large for a buffer"));
             }
         };
@@ -254,7 +255,7 @@ impl PySlot {
             )
         };
         if rc != 0 {
-            this.lease.unpin();
+            this.slot.unpin();
             return Err(PyErr::fetch(slf.py()));
         }
         Ok(())
@@ -263,15 +264,15 @@ impl PySlot {
     /// # Safety
     /// Called by CPython once per successful `__getbuffer__`.
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
-        self.lease.unpin();
+        self.slot.unpin();
     }
 
     fn __repr__(&self) -> String {
         format!(
             "Slot(index={}, nbytes={}, {})",
-            self.lease.checkout().index,
+            self.slot.id().index,
             self.extent.1,
-            if self.lease.is_released() { "released" } else { "checked out" }
+            if self.slot.is_released() { "released" } else { "checked out" }
         )
     }
 }
@@ -279,7 +280,7 @@ impl PySlot {
 impl Drop for PySlot {
     fn drop(&mut self) {
         let device = self.fence_device;
-        self.lease.finish(|| match device {
+        self.slot.finish(|| match device {
             // The hook failing (interpreter shutting down?) means a full device wait.
             Some(device) => Python::attach(|py| current_stream(py, device)).map_err(|_| ()),
             None => Ok(None),

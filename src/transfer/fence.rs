@@ -35,7 +35,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::allocation::slots::{Checkout, SlotTable};
+use crate::allocation::slots::{SlotId, SlotTable};
 use crate::error::{Error, Result};
 use crate::system::cuda::{Device, Event, StreamHandle};
 
@@ -229,14 +229,14 @@ impl Fences for ManualFences {
 /// One recorded fence and the slots waiting on it.
 struct InFlight {
     fence: FenceId,
-    checkouts: Vec<Checkout>,
+    checkouts: Vec<SlotId>,
 }
 
 /// The fences of one pool and the checkouts waiting on them.
 pub struct FenceTracker {
     fences: Box<dyn Fences>,
     /// Released, fence not recorded yet. Its own lock, so a release never waits on the driver.
-    queued: Mutex<Vec<(Checkout, StreamHandle)>>,
+    queued: Mutex<Vec<(SlotId, StreamHandle)>>,
     in_flight: Mutex<Vec<InFlight>>,
     /// Held by the one retirer at a time, through its driver calls (the others wait).
     retiring: Mutex<()>,
@@ -258,36 +258,36 @@ impl FenceTracker {
         }
     }
 
-    /// Releases `checkout` behind a fence on `stream` (recorded by the next retire).
+    /// Releases `slot` behind a fence on `stream` (recorded by the next retire).
     pub fn release_fenced(
         &self,
         table: &SlotTable,
-        checkout: Checkout,
+        slot: SlotId,
         stream: StreamHandle,
     ) -> Result<()> {
-        table.release(checkout, true)?;
-        self.queued.lock().unwrap_or_else(|e| e.into_inner()).push((checkout, stream));
+        table.release(slot, true)?;
+        self.queued.lock().unwrap_or_else(|e| e.into_inner()).push((slot, stream));
         Ok(())
     }
 
-    /// Releases `checkout` behind a fence recorded right now, on this thread: for a stream
+    /// Releases `slot` behind a fence recorded right now, on this thread: for a stream
     /// handle that means something different on every thread (the per-thread default
     /// stream). On error the slot stays checked out.
     pub fn release_fenced_now(
         &self,
         table: &SlotTable,
-        checkout: Checkout,
+        slot: SlotId,
         stream: StreamHandle,
     ) -> Result<()> {
-        table.release(checkout, true)?;
+        table.release(slot, true)?;
         match self.fences.record(stream) {
             Ok(fence) => {
                 let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-                in_flight.push(InFlight { fence, checkouts: vec![checkout] });
+                in_flight.push(InFlight { fence, checkouts: vec![slot] });
                 Ok(())
             }
             Err(e) => {
-                table.unfence(checkout);
+                table.unfence(slot);
                 Err(e)
             }
         }
@@ -403,12 +403,12 @@ impl FenceTracker {
     }
 }
 
-fn group_by_stream(queued: Vec<(Checkout, StreamHandle)>) -> Vec<(StreamHandle, Vec<Checkout>)> {
-    let mut groups: Vec<(StreamHandle, Vec<Checkout>)> = Vec::new();
-    for (checkout, stream) in queued {
+fn group_by_stream(queued: Vec<(SlotId, StreamHandle)>) -> Vec<(StreamHandle, Vec<SlotId>)> {
+    let mut groups: Vec<(StreamHandle, Vec<SlotId>)> = Vec::new();
+    for (slot, stream) in queued {
         match groups.iter_mut().find(|g| g.0 == stream) {
-            Some(g) => g.1.push(checkout),
-            None => groups.push((stream, vec![checkout])),
+            Some(g) => g.1.push(slot),
+            None => groups.push((stream, vec![slot])),
         }
     }
     groups

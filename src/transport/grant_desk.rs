@@ -272,7 +272,7 @@ fn answer_parked(
         match grants.answer(&p.request) {
             Answer::Granted(grant) => {
                 if !send_answer(conns, &p, Some(&grant)) {
-                    let c = grant.checkout;
+                    let c = grant.slot;
                     grants.give_back(c.index, c.generation, grant.nonce);
                 }
             }
@@ -356,7 +356,7 @@ fn read_requests(conn: &OwnedFd, tables: &Tables, parked: &mut Vec<Parked>) -> b
                 };
                 if !send_to(conn, w[1], grant.as_ref()) {
                     if let (Some(g), Some(grant)) = (&grants, &grant) {
-                        let c = grant.checkout;
+                        let c = grant.slot;
                         g.give_back(c.index, c.generation, grant.nonce);
                     }
                     return false;

@@ -2,7 +2,7 @@
 //! thread that unmaps and closes the ones retired.
 //!
 //! One pool's segment caches share one reclaimer ([`SharedReclaimer`]), started with the
-//! first of them; its counts ([`Tally`]) outlive it, so that a pool's `stats()` and `flush()`
+//! first of them; its counts ([`ReclaimCounts`]) outlive it, so that a pool's `stats()` and `flush()`
 //! cover every cache it ever had.
 //!
 //! Invariants:
@@ -13,7 +13,7 @@
 //!   [`Reclaimer::reap`] hand it over, and whoever lets go of a borrowed mapping reaps after.
 //! - The thread never calls into Python and never takes a lock a Python thread holds while it
 //!   waits, so it cannot deadlock against the interpreter.
-//! - `pending == 0` after [`Reclaimer::flush`] (or [`Tally::flush`]) for every mapping
+//! - `pending == 0` after [`Reclaimer::flush`] (or [`ReclaimCounts::flush`]) for every mapping
 //!   retired before the call and no longer borrowed; after [`Reclaimer::shutdown`] every
 //!   retired mapping has been dropped and the thread has exited. Retiring after shutdown drops
 //!   the mapping on a fresh short-lived thread, so nothing is leaked and the caller still does
@@ -56,9 +56,9 @@ struct Counts {
 
 /// The counts of one or more reclaimers (those of one pool's caches), which outlive them.
 #[derive(Debug, Clone, Default)]
-pub struct Tally(Arc<Counts>);
+pub struct ReclaimCounts(Arc<Counts>);
 
-impl Tally {
+impl ReclaimCounts {
     fn progress(&self) -> MutexGuard<'_, Progress> {
         self.0.progress.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -88,7 +88,7 @@ impl Tally {
 pub struct Reclaimer {
     tx: Mutex<Option<Sender<Mapping>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    tally: Tally,
+    tally: ReclaimCounts,
     /// Retired mappings still borrowed by a copy; handed to the thread once free.
     lingering: Mutex<Vec<Arc<Mapping>>>,
     /// The process that started the thread (see the fork invariant).
@@ -104,11 +104,11 @@ impl std::fmt::Debug for Reclaimer {
 impl Reclaimer {
     /// Starts the thread, with counts of its own.
     pub fn start() -> Result<Self> {
-        Self::counted_in(Tally::default())
+        Self::counted_in(ReclaimCounts::default())
     }
 
     /// Starts the thread, counting into `tally` (shared with other reclaimers).
-    pub fn counted_in(tally: Tally) -> Result<Self> {
+    pub fn counted_in(tally: ReclaimCounts) -> Result<Self> {
         let (tx, rx) = channel::<Mapping>();
         let worker = tally.clone();
         let thread = std::thread::Builder::new()
@@ -204,7 +204,7 @@ impl Reclaimer {
     }
 
     /// The counts this reclaimer adds to.
-    pub fn tally(&self) -> &Tally {
+    pub fn tally(&self) -> &ReclaimCounts {
         &self.tally
     }
 
@@ -255,11 +255,11 @@ impl Drop for Reclaimer {
 
 /// The reclaimer one pool's segment caches share: started with the first of them, ended
 /// (on the freeing thread) after the last, and started again for a later one, all counting
-/// into one [`Tally`].
+/// into one [`ReclaimCounts`].
 #[derive(Debug, Default)]
 pub struct SharedReclaimer {
     current: Mutex<Weak<Reclaimer>>,
-    tally: Tally,
+    tally: ReclaimCounts,
 }
 
 impl SharedReclaimer {

@@ -35,10 +35,10 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::allocation::slots::Checkout;
+use crate::allocation::slots::SlotId;
 use crate::error::{Error, Result};
 use crate::memory::shm::{check_sealed, page_size, round_up, Mapping};
-use crate::pool::lease::OwnedPin;
+use crate::pool::slot::OwnedSlotPin;
 use crate::pool::Pool;
 use crate::system::cuda::{Event, StreamHandle};
 use crate::transfer::copy::{CopyDone, CopyRange};
@@ -359,16 +359,16 @@ impl SegmentCache {
     }
 
     /// Copies `ranges` (source offsets relative to the segment's data area) into the slot of
-    /// `checkout`. Every range is validated; the segment stays in flight.
+    /// `slot`. Every range is validated; the segment stays in flight.
     pub fn copy_to_slot(
         &self,
         key: SegmentKey,
-        checkout: Checkout,
+        slot: SlotId,
         ranges: &[CopyRange],
     ) -> Result<usize> {
         let map = self.get(key)?;
         let shifted = shift_to_data(&map, ranges)?;
-        let result = self.pool.copy_in(checkout, &map, &shifted);
+        let result = self.pool.copy_in(slot, &map, &shifted);
         drop(map);
         self.reclaimer.reap();
         result
@@ -383,7 +383,7 @@ impl SegmentCache {
     pub unsafe fn copy_to_device(
         &self,
         key: SegmentKey,
-        checkout: Checkout,
+        slot: SlotId,
         ranges: &[CopyRange],
         dst: u64,
         len: usize,
@@ -392,8 +392,7 @@ impl SegmentCache {
         let map = self.get(key)?;
         let shifted = shift_to_data(&map, ranges)?;
         // SAFETY: forwarded from the caller.
-        let result =
-            unsafe { self.pool.copy_in_and_send(checkout, &map, &shifted, dst, len, stream) };
+        let result = unsafe { self.pool.copy_in_and_send(slot, &map, &shifted, dst, len, stream) };
         drop(map);
         self.reclaimer.reap();
         result
@@ -406,20 +405,20 @@ impl SegmentCache {
     pub fn copy_to_slot_then_release(
         &self,
         key: SegmentKey,
-        pin: OwnedPin,
+        pin: OwnedSlotPin,
         ranges: &[CopyRange],
     ) -> Result<Arc<CopyDone>> {
-        if !Arc::ptr_eq(pin.lease().pool(), &self.pool) {
+        if !Arc::ptr_eq(pin.slot().pool(), &self.pool) {
             return Err(Error::Invalid("this slot belongs to another pool".into()));
         }
         let map = self.get(key)?;
         let shifted = shift_to_data(&map, ranges)?;
-        let checkout = pin.lease().checkout();
+        let id = pin.slot().id();
         let reclaimer = Arc::clone(&self.reclaimer);
-        // SAFETY: a pin keeps its lease's slot out of the pool until it is dropped (a release
-        // meanwhile waits for it: `crate::pool::lease`).
+        // SAFETY: a pin keeps its slot out of the pool until it is dropped (a release
+        // meanwhile waits for it: `crate::pool::slot`).
         unsafe {
-            self.pool.copy_in_background(checkout, pin, map, shifted, move |map| {
+            self.pool.copy_in_background(id, pin, map, shifted, move |map| {
                 // Back to its worker; and unmapped now if it was retired during the copy.
                 state_word(&map).store(STATE_FREE, Ordering::Release);
                 drop(map);
@@ -503,7 +502,7 @@ impl Drop for SegmentCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::lease::Lease;
+    use crate::pool::slot::Slot;
     use crate::pool::PoolConfig;
     use proptest::prelude::*;
 
@@ -755,14 +754,14 @@ mod tests {
         }
         cache.insert((3, 0), dup(&seg), seg.total_len(), seg.nonce()).unwrap();
         for round in 0..20 {
-            let lease = Arc::new(Lease::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
-            let pin = lease.pin_owned(&pool).unwrap();
+            let slot = Arc::new(Slot::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
+            let pin = slot.pin_owned(&pool).unwrap();
             let range = [CopyRange { src: 0, dst: 8, len: 600_000 }];
             let done = cache.copy_to_slot_then_release((3, 0), pin, &range).unwrap();
             if round % 2 == 1 {
                 // The owner dies at once (its batch dropped unread): the slot must stay out
                 // of the pool until the copy is over, then come back exactly once.
-                lease.finish(|| Ok(None));
+                slot.finish(|| Ok(None));
                 done.wait();
                 assert_eq!(pool.stats().slots.free, 2, "round {round}");
                 assert!(seg.try_claim(), "the segment was not handed back");
@@ -770,23 +769,23 @@ mod tests {
             }
             done.wait();
             assert!(done.is_done());
-            let ptr = lease.address().unwrap();
+            let ptr = slot.address().unwrap();
             // SAFETY: reading inside the slot the lease holds, after the copy is done.
             let got = unsafe { std::slice::from_raw_parts(ptr.add(8), 600_000) };
             assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "round {round}");
             assert!(seg.try_claim(), "the segment was not handed back");
-            lease.release(None).unwrap();
+            slot.release(None).unwrap();
             assert_eq!(pool.stats().slots.free, 2);
         }
         assert_eq!(pool.stats().releases, 20, "a slot given back twice, or not at all");
         // A bad range is refused before anything runs; the pin goes with the error.
-        let lease = Arc::new(Lease::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
+        let slot = Arc::new(Slot::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
         let past_end = [CopyRange { src: 0, dst: (1 << 20) - 4, len: 8 }];
-        let pin = lease.pin_owned(&pool).unwrap();
+        let pin = slot.pin_owned(&pool).unwrap();
         assert!(cache.copy_to_slot_then_release((3, 0), pin, &past_end).is_err());
-        let pin = lease.pin_owned(&pool).unwrap();
+        let pin = slot.pin_owned(&pool).unwrap();
         assert!(cache.copy_to_slot_then_release((8, 8), pin, &[]).is_err(), "unknown segment");
-        lease.release(None).unwrap();
+        slot.release(None).unwrap();
         assert_eq!(pool.stats().slots.free, 2, "a refused copy kept its pin");
     }
 

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,15 @@ def _wait_gone(path: Path) -> None:
 
 def _pids(folder: Path) -> set[int]:
     return {int(p.name[4:]) for p in folder.glob("pid-*")}
+
+
+def _started(folder: Path, n: int, timeout: float = 30.0) -> set[int]:
+    """The pids of ``n`` workers once each has run its ``worker_init_fn`` (the first batch can
+    come from one worker before the other has started)."""
+    deadline = time.monotonic() + timeout
+    while len(pids := _pids(folder)) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pids
 
 
 def _running(pid: int) -> bool:
@@ -128,7 +138,7 @@ def test_an_epoch_left_early_is_shut_down_before_del_returns(
     )
     it = iter(loader)
     assert next(it)["idx"].tolist() == [0, 1, 2, 3]
-    pids = _pids(tmp_path)
+    pids = _started(tmp_path, 2)
     assert len(pids) == 2
     busy = threading.Event()
 

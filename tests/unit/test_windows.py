@@ -101,10 +101,17 @@ def _kept_at(r: SlotGrant) -> Any:
 
 
 def write_through(window: Any, at: int, nbytes: int, value: int) -> None:
-    view = memoryview(window)
-    view[at] = value
-    view[at + nbytes - 1] = value
-    view.release()
+    """Writes the first and last byte as a worker does: with this thread's access switched on
+    (a range opened under its key, as it is where torch runs on one thread, is out of reach
+    otherwise; elsewhere ``allow`` does nothing)."""
+    window.allow()
+    try:
+        view = memoryview(window)
+        view[at] = value
+        view[at + nbytes - 1] = value
+        view.release()
+    finally:
+        window.deny()
 
 
 @pytest.mark.parametrize("nbytes", [SMALL, BIG])

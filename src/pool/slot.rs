@@ -1,22 +1,22 @@
-//! A lease: one checked-out slot held by one owner (the Python `Slot`), with the rules for
+//! A slot: one checkout ([`SlotId`]) held by one owner (the Python `Slot`), with the rules for
 //! giving it back while views of its memory may still be alive.
 //!
 //! (Step 5 of "the life of a slot" in [`crate::pool`]: how a release is made.)
 //!
 //! Invariants:
-//! - A leased slot returns to its pool exactly once: through [`Lease::release`] or, when the
-//!   owner dies without releasing, [`Lease::finish`].
+//! - A held slot returns to its pool exactly once: through [`Slot::release`] or, when the
+//!   owner dies without releasing, [`Slot::finish`].
 //! - While a pin is held (a buffer export, a copy into the slot, or a copy still running on a
-//!   copy thread: [`OwnedPin`]), a release is deferred until the last pin goes, whether the
+//!   copy thread: [`OwnedSlotPin`]), a release is deferred until the last pin goes, whether the
 //!   owner released the slot or died: the slot never re-enters the pool under a live view or
 //!   copy.
 //! - A release whose fence cannot be recorded waits for the whole device instead, then frees
 //!   the slot unfenced: a slot is never reused under a pending GPU read.
-//! - Every way in refuses a released lease (`SlotReleased`) and a pin for another pool.
+//! - Every way in refuses a released slot (`SlotReleased`) and a pin for another pool.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::allocation::slots::Checkout;
+use crate::allocation::slots::SlotId;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::system::cuda::StreamHandle;
@@ -40,44 +40,44 @@ struct Use {
 
 /// One checked-out slot of a pool.
 #[derive(Debug)]
-pub struct Lease {
+pub struct Slot {
     pool: Arc<Pool>,
-    checkout: Checkout,
+    id: SlotId,
     state: Mutex<Use>,
 }
 
-/// Keeps a lease's slot out of the pool while it lives (see [`Lease::pin`]).
+/// Keeps a slot out of the pool while it lives (see [`Slot::pin`]).
 #[derive(Debug)]
-pub struct LeasePin<'a>(&'a Lease);
+pub struct SlotPin<'a>(&'a Slot);
 
-impl Drop for LeasePin<'_> {
+impl Drop for SlotPin<'_> {
     fn drop(&mut self) {
         self.0.unpin();
     }
 }
 
-/// A pin that owns its lease: it may outlive the lease's owner (a copy into the slot still
-/// running on a copy thread when the last view of the slot dies). See [`Lease::pin_owned`].
+/// A pin that owns its slot: it may outlive the slot's owner (a copy into the slot still
+/// running on a copy thread when the last view of the slot dies). See [`Slot::pin_owned`].
 #[derive(Debug)]
-pub struct OwnedPin(Arc<Lease>);
+pub struct OwnedSlotPin(Arc<Slot>);
 
-impl OwnedPin {
-    /// The pinned lease.
-    pub fn lease(&self) -> &Lease {
+impl OwnedSlotPin {
+    /// The pinned slot.
+    pub fn slot(&self) -> &Slot {
         &self.0
     }
 }
 
-impl Drop for OwnedPin {
+impl Drop for OwnedSlotPin {
     fn drop(&mut self) {
         self.0.unpin();
     }
 }
 
-impl Lease {
-    /// Holds `checkout`, a live checkout of `pool`.
-    pub fn new(pool: Arc<Pool>, checkout: Checkout) -> Self {
-        Lease { pool, checkout, state: Mutex::new(Use::default()) }
+impl Slot {
+    /// Holds `id`, a live checkout of `pool`.
+    pub fn new(pool: Arc<Pool>, id: SlotId) -> Self {
+        Slot { pool, id, state: Mutex::new(Use::default()) }
     }
 
     /// The pool the slot belongs to.
@@ -85,9 +85,9 @@ impl Lease {
         &self.pool
     }
 
-    /// The checkout this lease holds.
-    pub fn checkout(&self) -> Checkout {
-        self.checkout
+    /// The checkout this slot is.
+    pub fn id(&self) -> SlotId {
+        self.id
     }
 
     fn state(&self) -> MutexGuard<'_, Use> {
@@ -95,7 +95,7 @@ impl Lease {
     }
 
     fn released_error(&self) -> Error {
-        Error::SlotReleased { index: self.checkout.index as usize }
+        Error::SlotReleased { index: self.id.index as usize }
     }
 
     /// Whether the slot was released (or waits for its last pin to go).
@@ -103,38 +103,38 @@ impl Lease {
         self.state().released
     }
 
-    /// The slot's first byte; fails once the lease is released.
+    /// The slot's first byte; fails once the slot is released.
     pub fn address(&self) -> Result<*mut u8> {
         if self.is_released() {
             return Err(self.released_error());
         }
-        self.pool.slot_ptr(self.checkout)
+        self.pool.slot_ptr(self.id)
     }
 
     /// Pins the slot for as long as the guard lives (a copy into it). It must belong to
     /// `pool` and not be released.
-    pub fn pin(&self, pool: &Arc<Pool>) -> Result<LeasePin<'_>> {
+    pub fn pin(&self, pool: &Arc<Pool>) -> Result<SlotPin<'_>> {
         if !Arc::ptr_eq(&self.pool, pool) {
             return Err(Error::Invalid("this slot belongs to another pool".into()));
         }
         self.pin_held()?;
-        Ok(LeasePin(self))
+        Ok(SlotPin(self))
     }
 
-    /// As [`Lease::pin`], for as long as the returned pin lives, wherever it goes.
-    pub fn pin_owned(self: &Arc<Self>, pool: &Arc<Pool>) -> Result<OwnedPin> {
-        std::mem::forget(self.pin(pool)?); // the pin now belongs to the OwnedPin
-        Ok(OwnedPin(Arc::clone(self)))
+    /// As [`Slot::pin`], for as long as the returned pin lives, wherever it goes.
+    pub fn pin_owned(self: &Arc<Self>, pool: &Arc<Pool>) -> Result<OwnedSlotPin> {
+        std::mem::forget(self.pin(pool)?); // the pin now belongs to the OwnedSlotPin
+        Ok(OwnedSlotPin(Arc::clone(self)))
     }
 
-    /// Pins the slot until a matching [`Lease::unpin`] (a buffer export, whose end the
+    /// Pins the slot until a matching [`Slot::unpin`] (a buffer export, whose end the
     /// owner is told of separately). Returns the slot's first byte.
     pub fn pin_held(&self) -> Result<*mut u8> {
         let mut s = self.state();
         if s.released {
             return Err(self.released_error());
         }
-        let ptr = self.pool.slot_ptr(self.checkout)?;
+        let ptr = self.pool.slot_ptr(self.id)?;
         s.pins += 1;
         Ok(ptr)
     }
@@ -167,14 +167,14 @@ impl Lease {
             s.deferred = Some(Fence::Stream(stream));
             return Ok(());
         }
-        self.pool.release(self.checkout, stream)?;
+        self.pool.release(self.id, stream)?;
         s.released = true;
         Ok(())
     }
 
     /// The owner is going: carries out a deferred release, or releases the slot fenced on
     /// the stream `stream()` names (`Err`: it could not say, so wait for the whole device).
-    /// Does nothing for a lease already given back.
+    /// Does nothing for a slot already given back.
     /// With an owned pin still held, the return waits for it (its drop gives the slot back).
     pub fn finish(&self, stream: impl FnOnce() -> std::result::Result<Option<StreamHandle>, ()>) {
         if self.state().released {
@@ -203,7 +203,7 @@ impl Lease {
     fn give_back(&self, fence: Fence) {
         match fence {
             Fence::Stream(stream) => {
-                if self.pool.release(self.checkout, stream).is_err() {
+                if self.pool.release(self.id, stream).is_err() {
                     self.give_back_after_device_sync();
                 }
             }
@@ -216,7 +216,7 @@ impl Lease {
         if let Some(device) = self.pool.arena().device() {
             let _ = device.synchronize();
         }
-        let _ = self.pool.release(self.checkout, None);
+        let _ = self.pool.release(self.id, None);
     }
 }
 
@@ -226,17 +226,17 @@ mod tests {
     use crate::pool::PoolConfig;
     use crate::transfer::fence::ManualFences;
 
-    fn lease(n: usize) -> (Arc<Pool>, Lease) {
+    fn held(n: usize) -> (Arc<Pool>, Slot) {
         let pool = Pool::new(&PoolConfig::host(4096, n)).unwrap();
         let t = pool.try_checkout().unwrap().unwrap();
-        (Arc::clone(&pool), Lease::new(pool, t))
+        (Arc::clone(&pool), Slot::new(pool, t))
     }
 
     #[test]
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
     #[cfg_attr(miri, ignore)]
     fn a_release_waits_for_the_last_pin() {
-        let (pool, l) = lease(1);
+        let (pool, l) = held(1);
         let copy = l.pin(&pool).unwrap();
         l.pin_held().unwrap(); // a buffer export
         l.release(None).unwrap();
@@ -248,7 +248,7 @@ mod tests {
         assert_eq!(pool.stats().slots.free, 1);
         assert_eq!(l.release(None), Err(Error::SlotReleased { index: 0 }));
         assert!(l.pin_held().is_err() && l.address().is_err());
-        l.finish(|| panic!("a released lease asked for a stream"));
+        l.finish(|| panic!("a released slot asked for a stream"));
         assert_eq!(pool.stats().releases, 1, "given back twice");
     }
 
@@ -256,11 +256,11 @@ mod tests {
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
     #[cfg_attr(miri, ignore)]
     fn an_owner_that_dies_gives_the_slot_back_once() {
-        let (pool, l) = lease(2);
+        let (pool, l) = held(2);
         assert!(!l.address().unwrap().is_null());
         l.finish(|| Ok(None));
         assert_eq!(pool.stats().slots.free, 2);
-        let (other, l2) = lease(1);
+        let (other, l2) = held(1);
         assert!(l2.pin(&pool).is_err(), "pinned for another pool");
         l2.finish(|| Err(())); // no stream known: a device wait (none here), then unfenced
         assert_eq!(other.stats().slots.free, 1);
@@ -272,14 +272,14 @@ mod tests {
     fn an_owned_pin_keeps_the_slot_after_its_owner_dies() {
         let fences = Arc::new(ManualFences::new());
         let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
-        let l = Arc::new(Lease::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap()));
+        let l = Arc::new(Slot::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap()));
         let pin = l.pin_owned(&pool).unwrap();
         let other = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
         assert!(l.pin_owned(&other).is_err(), "pinned for another pool");
         l.finish(|| Ok(Some(5))); // the owner dies: the return waits for the pin
         assert!(l.is_released());
         assert_eq!(pool.stats().slots.checked_out, 1, "returned under a live copy");
-        l.finish(|| panic!("a lease that is going asked for a stream again"));
+        l.finish(|| panic!("a slot that is going asked for a stream again"));
         drop(pin); // the copy ends: the slot goes back, fenced on the owner's stream
         assert_eq!(pool.stats().slots.fenced, 1);
         pool.retire_fences();
@@ -288,7 +288,7 @@ mod tests {
         assert_eq!(pool.stats().slots.free, 1);
         assert_eq!(pool.stats().releases, 1, "given back twice");
         // An owner whose stream cannot be known: after the pin, a device wait (none here).
-        let l = Arc::new(Lease::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap()));
+        let l = Arc::new(Slot::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap()));
         let pin = l.pin_owned(&pool).unwrap();
         l.finish(|| Err(()));
         assert_eq!(pool.stats().slots.checked_out, 1);
@@ -302,7 +302,7 @@ mod tests {
     fn a_deferred_release_is_fenced_on_its_stream() {
         let fences = Arc::new(ManualFences::new());
         let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
-        let l = Lease::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap());
+        let l = Slot::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap());
         l.pin_held().unwrap();
         l.release(Some(12)).unwrap();
         l.unpin();
