@@ -27,13 +27,18 @@
 //!   CPUs. `placement()` says where it went; a failure to place it is a note, never an error.
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::memory::numa::Placement;
 use crate::memory::shm::Region;
-use crate::system::cuda::{self, Device};
+use crate::system::cuda::Device;
+
+mod headroom;
+mod making;
+
+pub use headroom::available_memory;
 
 /// How the arena's memory is obtained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,76 +137,6 @@ pub struct Arena {
     timings: Vec<(&'static str, f64)>,
 }
 
-/// About how big the parts of an arena made ready in the background are (whole slots).
-const BACKGROUND_PART: usize = 128 << 20;
-
-/// Bytes of memory this process could still fault in: the kernel's `MemAvailable`, and,
-/// inside a cgroup (v2) with a memory limit, no more than that limit minus what the cgroup
-/// already uses. `None` when neither can be read.
-pub fn available_memory() -> Option<usize> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
-        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-        kib.checked_mul(1024)
-    });
-    let cgroup = cgroup_headroom();
-    match (meminfo, cgroup) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
-/// `memory.max` minus the memory in use (`memory.current` less the reclaimable
-/// `inactive_file` page cache) of this process's cgroup (v2), if it has a limit.
-fn cgroup_headroom() -> Option<usize> {
-    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
-    let dir = format!("/sys/fs/cgroup{path}");
-    let read = |name: &str| std::fs::read_to_string(format!("{dir}/{name}")).ok();
-    let max: usize = read("memory.max")?.trim().parse().ok()?; // "max" (no limit) fails here
-    let current: usize = read("memory.current")?.trim().parse().ok()?;
-    let inactive_file: usize = read("memory.stat")
-        .and_then(|stat| {
-            let line = stat.lines().find(|l| l.starts_with("inactive_file "))?;
-            line.split_whitespace().nth(1)?.parse().ok()
-        })
-        .unwrap_or(0);
-    Some(max.saturating_sub(current.saturating_sub(inactive_file)))
-}
-
-/// Runs `f`, appending its duration in seconds to `timings` under `name`.
-fn timed<T>(
-    timings: &mut Vec<(&'static str, f64)>,
-    name: &'static str,
-    f: impl FnOnce() -> Result<T>,
-) -> Result<T> {
-    let start = std::time::Instant::now();
-    let out = f()?;
-    timings.push((name, start.elapsed().as_secs_f64()));
-    Ok(out)
-}
-
-/// A region of `len` bytes in parts of whole `align` units, one part per thread.
-fn region(
-    len: usize,
-    align: usize,
-    threads: usize,
-    first: Option<usize>,
-    timings: &mut Vec<(&'static str, f64)>,
-) -> Result<Region> {
-    // Made ready in the background, part by part: small parts, so that what is ready grows
-    // steadily and the work can stop soon after the pool is no longer wanted.
-    let parts = match first {
-        Some(_) => threads.max(len.div_ceil(BACKGROUND_PART)),
-        None => threads,
-    };
-    let region = timed(timings, "map", || {
-        Region::with_first("pinpool-arena", len, align, first.unwrap_or(0), parts)
-    })?;
-    region.advise_huge_pages();
-    Ok(region)
-}
-
 // SAFETY: the arena is plain memory plus driver handles (thread-safe); access to its bytes is
 // coordinated by the slot table.
 unsafe impl Send for Arena {}
@@ -219,236 +154,6 @@ impl std::fmt::Debug for Arena {
 }
 
 impl Arena {
-    /// Allocates `len` bytes, a multiple of `align` (the slot size: no slot straddles two
-    /// memfds or registrations). `device = None` means no CUDA; `backend = None` means choose:
-    /// the CUDA default when a device is usable, else host memory (with a note saying why).
-    /// `threads` fault the pages in, in parallel.
-    pub fn new(
-        len: usize,
-        align: usize,
-        device: Option<usize>,
-        backend: Option<Backend>,
-        threads: usize,
-    ) -> Result<Self> {
-        Self::build(len, align, device, backend, threads, None)
-    }
-
-    /// As [`Arena::new`], but only the first `first` bytes (a multiple of `align`, rounded up
-    /// to one, and at most the arena's whole `align`s) are made ready before it returns;
-    /// [`Arena::prepare_next`] does the rest.
-    /// `cuda-hostalloc` (one driver call) is always made ready whole.
-    pub fn new_partial(
-        len: usize,
-        align: usize,
-        device: Option<usize>,
-        backend: Option<Backend>,
-        threads: usize,
-        first: usize,
-    ) -> Result<Self> {
-        let align = align.max(1);
-        let first = first.div_ceil(align).max(1).saturating_mul(align).min(len / align * align);
-        Self::build(len, align, device, backend, threads, Some(first))
-    }
-
-    fn build(
-        len: usize,
-        align: usize,
-        device: Option<usize>,
-        backend: Option<Backend>,
-        threads: usize,
-        first: Option<usize>,
-    ) -> Result<Self> {
-        if len == 0 {
-            return Err(Error::Invalid("the arena needs at least one byte".into()));
-        }
-        if let Some(available) = available_memory() {
-            if len > available {
-                return Err(Error::NotEnoughMemory {
-                    what: "the arena (slot_bytes= x num_slots=, or arena_bytes=: ask for less)"
-                        .into(),
-                    wanted: len,
-                    available,
-                });
-            }
-        }
-        let mut timings = Vec::new();
-        let backend = match (backend, device) {
-            (Some(Backend::Host), _) => Backend::Host,
-            (Some(b), None) => {
-                return Err(Error::Invalid(format!(
-                    "backend {:?} needs a CUDA device, but none was asked for (device=\"cpu\")",
-                    b.name()
-                )))
-            }
-            (None, None) => Backend::Host,
-            // A device named is used or refused, never quietly replaced by host memory.
-            (backend, Some(ordinal)) => {
-                cuda::require_device(ordinal)?;
-                backend.unwrap_or(Backend::CUDA_DEFAULT)
-            }
-        };
-        let mut notes = Vec::new();
-        match backend {
-            Backend::CudaHostAlloc => {
-                let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
-                let mut placement = Placement::for_gpu(device.pci_bus_id());
-                // The driver allocates the pages: this thread's policy decides their node.
-                let ptr = timed(&mut timings, "cuMemHostAlloc", || {
-                    placement.allocate(|| device.host_alloc(len).map(|ptr| (ptr, ptr, len)))
-                })?;
-                notes.extend_from_slice(placement.notes());
-                Ok(Arena {
-                    storage: Storage::HostAlloc { ptr, device },
-                    prepared: Mutex::new(0),
-                    ready_len: AtomicUsize::new(len),
-                    lock_parts: false,
-                    len,
-                    backend,
-                    residency: Residency::Pinned,
-                    placement,
-                    notes,
-                    timings,
-                })
-            }
-            Backend::CudaRegister => {
-                let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
-                let mut placement = Placement::for_gpu(device.pci_bus_id());
-                let threads = placement.thread_count(threads);
-                let region = region(len, align, threads, first, &mut timings)?;
-                // Before the first touch, and so before the driver registers (and pins) a page.
-                placement.bind(region.as_ptr(), region.len());
-                notes.extend_from_slice(placement.notes());
-                let mut arena = Arena {
-                    storage: Storage::Registered {
-                        region,
-                        registered: Mutex::new(Vec::new()),
-                        device,
-                    },
-                    prepared: Mutex::new(0),
-                    ready_len: AtomicUsize::new(0),
-                    lock_parts: false,
-                    len,
-                    backend,
-                    residency: Residency::Pinned,
-                    placement,
-                    notes,
-                    timings,
-                };
-                // On failure the arena drops, unregistering what was registered.
-                arena.prepare_start(threads, first.is_some(), "populate+cuMemHostRegister")?;
-                Ok(arena)
-            }
-            Backend::Host => {
-                let region = region(len, align, threads, first, &mut timings)?;
-                let lock_parts = lock_limit_allows(len);
-                if !lock_parts {
-                    notes.push(format!(
-                        "could not lock {len} bytes (over the limit; see `ulimit -l`): \
-                         the arena is ordinary pageable memory"
-                    ));
-                }
-                let mut arena = Arena {
-                    storage: Storage::Host { region },
-                    prepared: Mutex::new(0),
-                    ready_len: AtomicUsize::new(0),
-                    lock_parts,
-                    len,
-                    backend,
-                    residency: if lock_parts { Residency::Locked } else { Residency::Pageable },
-                    placement: Placement::unplaced("host memory, no GPU"),
-                    notes,
-                    timings,
-                };
-                if let Err(e) = arena.prepare_start(threads, first.is_some(), "populate") {
-                    if !matches!(e, Error::Os { call: "mlock", .. }) {
-                        return Err(e);
-                    }
-                    // Locking failed after all (a cgroup, say): plain memory, as before.
-                    arena.lock_parts = false;
-                    arena.residency = Residency::Pageable;
-                    arena.notes.push(format!(
-                        "could not lock {len} bytes ({e}; see `ulimit -l`): \
-                         the arena is ordinary pageable memory"
-                    ));
-                    arena.prepare_start(threads, first.is_some(), "populate")?;
-                }
-                Ok(arena)
-            }
-        }
-    }
-
-    /// Makes the first part (`partial`) or every part ready, timing it as `what`.
-    fn prepare_start(&mut self, threads: usize, partial: bool, what: &'static str) -> Result<()> {
-        let start = std::time::Instant::now();
-        if partial {
-            self.prepare_next(threads)?;
-        } else {
-            self.prepare_all(threads)?;
-        }
-        self.timings.push((what, start.elapsed().as_secs_f64()));
-        Ok(())
-    }
-
-    /// Faults every part in, in parallel, finishing each (registering or locking it) on its
-    /// own thread as soon as it is populated, while the others still are.
-    fn prepare_all(&self, threads: usize) -> Result<()> {
-        let Some(region) = self.region() else { return Ok(()) };
-        let mut prepared = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
-        region.populate_then(
-            self.placement.thread_count(threads),
-            &|| self.placement.pin_calling_thread(),
-            |part| self.finish_part(part.offset, part.len),
-        )?;
-        *prepared = region.parts().len();
-        self.ready_len.store(self.len, Ordering::Release);
-        Ok(())
-    }
-
-    /// Makes the next part that is not ready yet ready (faulted in with `threads` threads,
-    /// then registered or locked); returns its `(offset, len)`, or None when every part is.
-    pub fn prepare_next(&self, threads: usize) -> Result<Option<(usize, usize)>> {
-        let Some(region) = self.region() else { return Ok(None) };
-        let mut next = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
-        if *next >= region.parts().len() {
-            return Ok(None);
-        }
-        let part = region.populate_part_at(*next, self.placement.thread_count(threads), &|| {
-            self.placement.pin_calling_thread()
-        })?;
-        let (offset, len) = (part.offset, part.len);
-        self.finish_part(offset, len)?;
-        *next += 1;
-        self.ready_len.store(offset + len, Ordering::Release);
-        Ok(Some((offset, len)))
-    }
-
-    /// Bytes from the start that are ready for use.
-    pub fn ready_len(&self) -> usize {
-        self.ready_len.load(Ordering::Acquire)
-    }
-
-    /// Registers (`cuda-register`) or locks (host, when asked) a part just faulted in.
-    fn finish_part(&self, offset: usize, len: usize) -> Result<()> {
-        match &self.storage {
-            Storage::Registered { region, registered, device } => {
-                // SAFETY: the part lies inside the region, mapped until the arena drops, where
-                // every registered part is unregistered first.
-                unsafe { device.host_register(region.as_ptr().add(offset), len)? };
-                registered.lock().unwrap_or_else(|e| e.into_inner()).push(offset);
-                Ok(())
-            }
-            Storage::Host { region } if self.lock_parts => lock(region, offset, len),
-            Storage::Host { .. } | Storage::HostAlloc { .. } => Ok(()),
-        }
-    }
-
-    fn region(&self) -> Option<&Region> {
-        match &self.storage {
-            Storage::Registered { region, .. } | Storage::Host { region } => Some(region),
-            Storage::HostAlloc { .. } => None,
-        }
-    }
-
     /// The first byte.
     pub fn base(&self) -> *mut u8 {
         match &self.storage {
@@ -592,26 +297,6 @@ impl Drop for Arena {
             Storage::Host { .. } => {}
         }
     }
-}
-
-/// Whether `mlock` of `len` more bytes may succeed: no limit, or the soft limit is high
-/// enough (a process with `CAP_IPC_LOCK` may lock past it; then `mlock` itself decides).
-fn lock_limit_allows(len: usize) -> bool {
-    // `None`: no limit.
-    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
-    limit.is_none_or(|soft| len as u64 <= soft) || rustix::process::geteuid().is_root()
-}
-
-/// `mlock`s `[offset, offset+len)` of `region`.
-fn lock(region: &Region, offset: usize, len: usize) -> Result<()> {
-    if offset.checked_add(len).is_none_or(|end| end > region.len()) {
-        return Err(Error::Invalid(format!("cannot lock {len} bytes at {offset}")));
-    }
-    // SAFETY: the range lies inside the region (checked above), which is mapped and ours.
-    if unsafe { libc::mlock(region.as_ptr().add(offset).cast(), len) } != 0 {
-        return Err(Error::last_os("mlock"));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

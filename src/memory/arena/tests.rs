@@ -1,6 +1,7 @@
 //! Unit tests of `arena`, kept apart from the code they test.
 
 use super::*;
+use crate::system::cuda;
 
 #[test]
 // Miri: the arena is a memfd mapping, which Miri cannot run.
