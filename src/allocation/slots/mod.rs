@@ -7,6 +7,9 @@
 //!
 //! (See "the life of a slot" in [`crate::pool`] for where each transition is made.)
 //!
+//! This module holds the entries and their transitions; `waiting` is waiting for room and
+//! closing, `figures` what the table reports ([`Counts`], [`Bytes`]).
+//!
 //! Invariants:
 //! - Every entry is in exactly one state: `Free`, `CheckedOut` or `Fenced`, held in one atomic
 //!   word together with the entry's generation. Every transition is made under the table's
@@ -30,7 +33,6 @@
 //!   saw, re-checked under that lock; every wait is bounded by a timeout anyway.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
 
 // parking_lot's lock spins briefly before it sleeps: the table's critical sections are a few
 // dozen instructions, and several threads (the pin thread, the consumer, copy threads that
@@ -40,6 +42,11 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::allocation::extents::ExtentMap;
 use crate::error::{Error, Result};
 use crate::memory::shm::page_size;
+
+mod figures;
+mod waiting;
+
+pub use figures::{Bytes, Counts};
 
 /// Names one checkout of one slot of one table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -78,40 +85,6 @@ fn split(w: u64) -> (u32, State) {
         _ => State::Fenced,
     };
     ((w >> 2) as u32, state)
-}
-
-/// How many slots are in each state, counted in slots of the table's default size.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counts {
-    /// How many more checkouts of the default size would succeed now.
-    pub free: usize,
-    /// Held by users.
-    pub checked_out: usize,
-    /// Waiting for their fence.
-    pub fenced: usize,
-    /// Default-size slots' worth of bytes not ready yet.
-    pub preparing: usize,
-}
-
-/// The arena's bytes by state.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Bytes {
-    /// The whole arena.
-    pub arena: usize,
-    /// In free ranges.
-    pub free: usize,
-    /// The longest free range: the largest slot a checkout could get now.
-    pub largest_free: usize,
-    /// How many free ranges there are.
-    pub holes: usize,
-    /// In checked-out slots.
-    pub checked_out: usize,
-    /// In fenced slots.
-    pub fenced: usize,
-    /// Not ready yet.
-    pub preparing: usize,
-    /// The largest slot the arena can ever hold (its longest part).
-    pub largest_part: usize,
 }
 
 /// What the lock guards.
@@ -436,110 +409,6 @@ impl SlotTable {
             .get(slot.index as usize)
             .filter(|_| slot.table == self.id)
             .ok_or(Error::SlotReleased { index: slot.index as usize })
-    }
-
-    /// Something became free: a new epoch, and waiters woken (under the lock they re-check
-    /// the epoch under).
-    fn freed(&self, _inner: &Inner) {
-        self.epoch.fetch_add(1, Ordering::SeqCst);
-        if self.waiters.load(Ordering::SeqCst) > 0 {
-            self.wake.notify_all();
-        }
-    }
-
-    /// A number that changes whenever bytes or an entry become free: read it before a try,
-    /// and pass it to [`SlotTable::wait`].
-    pub fn epoch(&self) -> u64 {
-        self.epoch.load(Ordering::SeqCst)
-    }
-
-    /// Sleeps until something was freed since `seen` (an [`SlotTable::epoch`]), the table is
-    /// closed, or `timeout` passes.
-    pub fn wait(&self, seen: u64, timeout: Duration) {
-        let mut guard = self.lock();
-        self.waiters.fetch_add(1, Ordering::SeqCst);
-        if self.epoch.load(Ordering::SeqCst) == seen && !self.is_closed() {
-            let _ = self.wake.wait_for(&mut guard, timeout);
-        }
-        drop(guard);
-        self.waiters.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    /// Wakes every waiter; afterwards [`SlotTable::is_closed`] is true.
-    pub fn close(&self) {
-        let inner = self.lock();
-        self.closed.store(true, Ordering::SeqCst);
-        self.freed(&inner);
-    }
-
-    /// Whether [`SlotTable::close`] was called.
-    pub fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::SeqCst)
-    }
-
-    /// How many slots are in each state (exact: taken under the lock).
-    pub fn counts(&self) -> Counts {
-        let inner = self.lock();
-        let unready: usize = inner.unready.iter().map(|r| r.1).sum();
-        Counts {
-            free: inner.spare.len().min(inner.map.fits(self.default_bytes)),
-            checked_out: inner.out,
-            fenced: inner.fenced,
-            preparing: unready / self.default_bytes,
-        }
-    }
-
-    /// The arena's bytes by state (exact: taken under the lock).
-    pub fn bytes(&self) -> Bytes {
-        let inner = self.lock();
-        Bytes {
-            arena: inner.map.len(),
-            free: inner.map.free_bytes(),
-            largest_free: inner.map.largest_free(),
-            holes: inner.map.holes(),
-            checked_out: inner.out_bytes,
-            fenced: inner.fenced_bytes,
-            preparing: inner.unready.iter().map(|r| r.1).sum(),
-            largest_part: inner.map.largest_part(),
-        }
-    }
-
-    /// Whether a slot of `bytes` with `keep` bytes left in one range (and, with `keep`, a
-    /// spare entry) could be checked out once every fenced slot, every byte not ready yet and
-    /// the slots of `also` (checkouts that will be released: those that are still live count)
-    /// have come back, merged with their free neighbours: what waiting for them can bring.
-    /// Ranges, not byte counts: free bytes cut into pieces by slots someone keeps hold no
-    /// larger slot however long one waits.
-    pub fn room_once_back(&self, bytes: usize, keep: usize, also: &[SlotId]) -> bool {
-        let inner = self.lock();
-        let mut map = inner.map.clone();
-        let mut entries = inner.spare.len();
-        for (i, word) in self.words.iter().enumerate() {
-            let (generation, state) = split(word.load(Ordering::Acquire));
-            let coming = state == State::Fenced
-                || (state == State::CheckedOut
-                    && also.iter().any(|c| {
-                        c.table == self.id && c.index as usize == i && c.generation == generation
-                    }));
-            if coming {
-                let (offset, len) = inner.extents[i];
-                if map.free(offset, len).is_ok() {
-                    entries += 1;
-                }
-            }
-        }
-        if entries < if keep > 0 { 2 } else { 1 } {
-            return false;
-        }
-        for &(offset, len) in &inner.unready {
-            let _ = map.free(offset, len);
-        }
-        map.alloc(bytes, keep).is_some()
-    }
-
-    /// Free entries: how many more slots can be out at once.
-    pub fn spare_entries(&self) -> usize {
-        self.lock().spare.len()
     }
 }
 

@@ -1,0 +1,109 @@
+//! What the slot table reports: how many slots, and how many of the arena's bytes, are in
+//! each state, and whether waiting for the slots that will come back can bring room.
+//!
+//! Invariant: every figure is exact, taken under the table's lock; none changes the table.
+
+use std::sync::atomic::Ordering;
+
+use super::{split, SlotId, SlotTable, State};
+
+/// How many slots are in each state, counted in slots of the table's default size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// How many more checkouts of the default size would succeed now.
+    pub free: usize,
+    /// Held by users.
+    pub checked_out: usize,
+    /// Waiting for their fence.
+    pub fenced: usize,
+    /// Default-size slots' worth of bytes not ready yet.
+    pub preparing: usize,
+}
+
+/// The arena's bytes by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bytes {
+    /// The whole arena.
+    pub arena: usize,
+    /// In free ranges.
+    pub free: usize,
+    /// The longest free range: the largest slot a checkout could get now.
+    pub largest_free: usize,
+    /// How many free ranges there are.
+    pub holes: usize,
+    /// In checked-out slots.
+    pub checked_out: usize,
+    /// In fenced slots.
+    pub fenced: usize,
+    /// Not ready yet.
+    pub preparing: usize,
+    /// The largest slot the arena can ever hold (its longest part).
+    pub largest_part: usize,
+}
+
+impl SlotTable {
+    /// How many slots are in each state (exact: taken under the lock).
+    pub fn counts(&self) -> Counts {
+        let inner = self.lock();
+        let unready: usize = inner.unready.iter().map(|r| r.1).sum();
+        Counts {
+            free: inner.spare.len().min(inner.map.fits(self.default_bytes)),
+            checked_out: inner.out,
+            fenced: inner.fenced,
+            preparing: unready / self.default_bytes,
+        }
+    }
+
+    /// The arena's bytes by state (exact: taken under the lock).
+    pub fn bytes(&self) -> Bytes {
+        let inner = self.lock();
+        Bytes {
+            arena: inner.map.len(),
+            free: inner.map.free_bytes(),
+            largest_free: inner.map.largest_free(),
+            holes: inner.map.holes(),
+            checked_out: inner.out_bytes,
+            fenced: inner.fenced_bytes,
+            preparing: inner.unready.iter().map(|r| r.1).sum(),
+            largest_part: inner.map.largest_part(),
+        }
+    }
+
+    /// Whether a slot of `bytes` with `keep` bytes left in one range (and, with `keep`, a
+    /// spare entry) could be checked out once every fenced slot, every byte not ready yet and
+    /// the slots of `also` (checkouts that will be released: those that are still live count)
+    /// have come back, merged with their free neighbours: what waiting for them can bring.
+    /// Ranges, not byte counts: free bytes cut into pieces by slots someone keeps hold no
+    /// larger slot however long one waits.
+    pub fn room_once_back(&self, bytes: usize, keep: usize, also: &[SlotId]) -> bool {
+        let inner = self.lock();
+        let mut map = inner.map.clone();
+        let mut entries = inner.spare.len();
+        for (i, word) in self.words.iter().enumerate() {
+            let (generation, state) = split(word.load(Ordering::Acquire));
+            let coming = state == State::Fenced
+                || (state == State::CheckedOut
+                    && also.iter().any(|c| {
+                        c.table == self.id && c.index as usize == i && c.generation == generation
+                    }));
+            if coming {
+                let (offset, len) = inner.extents[i];
+                if map.free(offset, len).is_ok() {
+                    entries += 1;
+                }
+            }
+        }
+        if entries < if keep > 0 { 2 } else { 1 } {
+            return false;
+        }
+        for &(offset, len) in &inner.unready {
+            let _ = map.free(offset, len);
+        }
+        map.alloc(bytes, keep).is_some()
+    }
+
+    /// Free entries: how many more slots can be out at once.
+    pub fn spare_entries(&self) -> usize {
+        self.lock().spare.len()
+    }
+}
