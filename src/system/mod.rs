@@ -5,6 +5,7 @@
 //! - [`topology`]: the machine's NUMA nodes as sysfs tells them, and the node of a GPU;
 //! - [`pkeys`]: memory protection keys, a thread's own switch for its access to a mapping;
 //! - [`priority`]: pinpool's background threads give way to the training thread;
+//! - [`random`]: random numbers from the kernel, for nonces and names;
 //! - [`forks`]: whether this is still the process that made something, without a system call
 //!   (whether a fork happened; what a child sees of shared memory is
 //!   [`crate::memory::forked_child`]'s);
@@ -19,4 +20,5 @@ pub mod forks;
 pub mod handoff;
 pub mod pkeys;
 pub mod priority;
+pub mod random;
 pub mod topology;

@@ -39,8 +39,9 @@ use rustix::net::{
 
 use crate::error::{Error, Result};
 use crate::pool::grants::{
-    random_u64, Answer, Grant, GrantRequest, Grants, GRANT_WORDS, HINT_WORDS, MAX_HINTS,
+    Answer, Grant, GrantRequest, Grants, GRANT_WORDS, HINT_WORDS, MAX_HINTS,
 };
+use crate::system::random::random_u64;
 
 /// A request's length, in words.
 pub const REQUEST_WORDS: usize = 7;

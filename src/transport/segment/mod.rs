@@ -41,6 +41,7 @@ use crate::memory::shm::{check_sealed, page_size, round_up, Mapping};
 use crate::pool::slot::OwnedSlotPin;
 use crate::pool::Pool;
 use crate::system::cuda::{Event, StreamHandle};
+use crate::system::random::random_u64;
 use crate::transfer::copy::{CopyDone, CopyRange};
 use crate::transport::reclaim::Reclaimer;
 
@@ -172,17 +173,6 @@ pub fn check_segment_fd(
     let got = rustix::io::pread(fd, &mut header, 0).map_err(|e| Error::os("pread", e))?;
     check_header(&header[..got], total_len, nonce)
         .map_err(|bad| bad_header(key, total_len, nonce, bad))
-}
-
-/// A random 64-bit number from the kernel.
-fn random_u64() -> Result<u64> {
-    let mut buf = [0u8; 8];
-    let flags = rustix::rand::GetRandomFlags::empty();
-    match rustix::rand::getrandom(&mut buf, flags) {
-        Ok(8) => Ok(u64::from_ne_bytes(buf)),
-        Ok(_) => Err(Error::Invalid("getrandom returned fewer than 8 bytes".into())),
-        Err(e) => Err(Error::os("getrandom", e)),
-    }
 }
 
 /// Ranges relative to the data area, made relative to the mapping.

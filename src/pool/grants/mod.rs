@@ -24,6 +24,9 @@
 //! length, descriptor, memfd length and inode of an extent the worker's next slots will likely
 //! be in (sent with a worker's first big grant only, for it to map them ahead).
 //!
+//! This module is the table and its answers to requests; `leaving` is how a grant leaves it,
+//! `planned` where a fresh worker's slots will likely be, `words` a grant as a worker reads it.
+//!
 //! Invariants:
 //! - A granted slot is in the table from its checkout until it is adopted (by the batch that
 //!   names its index, generation and nonce: once), given back, or dropped with its owner; it
@@ -42,24 +45,23 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::allocation::slots::{Preference, SlotId};
-use crate::error::{Error, Result};
 use crate::pool::{claim::room_kept, Pool, SlotLocation};
+use crate::system::random::random_u64;
 
-/// Words of a grant before its hints.
-pub const GRANT_WORDS: usize = 11;
-/// Words of one hint.
-pub const HINT_WORDS: usize = 5;
+mod leaving;
+mod planned;
+mod words;
+
+pub use planned::{PLANNED_SLOTS, SPARE_SLOTS};
+pub use words::{GRANT_WORDS, HINT_WORDS};
+
+use planned::planned;
+
 /// By default, batches of at least this many bytes are big ([`Grants::new`]): a fresh worker's
 /// first big grant names where its next slots will likely be, for it to map them ahead, and a
 /// worker's last big slots are offered to the worker of the same id of the next iterator (a
 /// small window costs a fresh worker little to fault in).
 pub const BIG_FROM: usize = 8 << 20;
-/// How many slots a fresh worker with no predecessor is told of ahead as its own (its first
-/// included): its share of the arena's slot locations.
-pub const PLANNED_SLOTS: usize = 4;
-/// And how many more, after those: the last locations of the next worker's share, where its batch
-/// goes when all of its own are busy.
-pub const SPARE_SLOTS: usize = 1;
 /// The most hints one grant carries.
 pub const MAX_HINTS: usize = 8;
 
@@ -98,30 +100,6 @@ pub struct Grant {
     pub location: SlotLocation,
     /// Extents the worker may map ahead (its first big grant only).
     pub ahead: Vec<SlotLocation>,
-}
-
-impl Grant {
-    /// The grant as the words a worker reads (see the module's doc).
-    pub fn words(&self) -> Vec<u64> {
-        let p = &self.location;
-        let mut out = vec![
-            1,
-            u64::from(self.slot.index),
-            u64::from(self.slot.generation),
-            self.nonce,
-            p.offset as u64,
-            p.nbytes as u64,
-            u64::from(std::process::id()),
-            p.fd as u64,
-            p.part_len as u64,
-            p.inode,
-            self.ahead.len() as u64,
-        ];
-        for h in &self.ahead {
-            out.extend([h.offset as u64, h.nbytes as u64, h.fd as u64, h.part_len as u64, h.inode]);
-        }
-        out
-    }
 }
 
 #[derive(Debug)]
@@ -416,71 +394,6 @@ impl Grants {
         self.pool.lock().unwrap_or_else(|e| e.into_inner()).upgrade()
     }
 
-    /// The slot granted as (`index`, `generation`) with `nonce`, which leaves the table: its
-    /// pool and slot. None if no such grant is out (never made, adopted already, given
-    /// back, or another nonce).
-    pub fn adopt(&self, index: u32, generation: u32, nonce: u64) -> Option<(Arc<Pool>, SlotId)> {
-        let issued = self.take(index, generation, nonce)?;
-        let mut table = self.table();
-        if table.owners.get(&issued.owner).is_some_and(|o| issued.task >= o.head) {
-            // (not yielded yet: room the batches behind it may wait for)
-            let entry = (issued.owner, issued.task, issued.slot);
-            table.unyielded.insert((index, generation), entry);
-        }
-        drop(table);
-        self.changed();
-        Some((issued.pool, issued.slot))
-    }
-
-    fn take(&self, index: u32, generation: u32, nonce: u64) -> Option<Issued> {
-        let mut table = self.table();
-        match table.issued.get(&(index, generation)) {
-            Some(issued) if issued.nonce == nonce => {}
-            _ => return None,
-        }
-        table.issued.remove(&(index, generation))
-    }
-
-    /// Releases the slot granted as (`index`, `generation`) with `nonce`, whose batch will not
-    /// arrive in it; returns whether there was one.
-    pub fn give_back(&self, index: u32, generation: u32, nonce: u64) -> bool {
-        match self.take(index, generation, nonce) {
-            Some(issued) => {
-                self.release(&issued.pool, issued.slot);
-                self.changed();
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Closes `owner` (every owner with None): no more grants for it; releases the slots
-    /// granted to it and not adopted, once no worker that got them can write any more.
-    pub fn close(&self, owner: Option<u64>) {
-        let gone: Vec<Issued> = {
-            let mut table = self.table();
-            table.owners.retain(|&o, _| owner.is_some_and(|w| w != o));
-            table.unyielded.retain(|_, u| owner.is_some_and(|w| w != u.0));
-            let keys: Vec<(u32, u32)> = table
-                .issued
-                .iter()
-                .filter(|(_, v)| owner.is_none_or(|w| w == v.owner))
-                .map(|(k, _)| *k)
-                .collect();
-            keys.iter().filter_map(|k| table.issued.remove(k)).collect()
-        };
-        for issued in gone {
-            self.release(&issued.pool, issued.slot);
-        }
-        self.changed();
-    }
-
-    fn release(&self, pool: &Pool, slot: SlotId) {
-        if !self.forked() {
-            let _ = pool.release(slot, None); // (unfenced: see the module's doc)
-        }
-    }
-
     /// Requests that got no grant (their batches went through copy mode).
     pub fn fallbacks(&self) -> u64 {
         self.fallbacks.load(Ordering::Relaxed)
@@ -495,74 +408,4 @@ impl Grants {
     pub fn outstanding(&self) -> usize {
         self.table().issued.len()
     }
-}
-
-impl Drop for Grants {
-    fn drop(&mut self) {
-        if self.forked() {
-            // A forked copy: the slots are the parent's to give back.
-            std::mem::forget(std::mem::take(
-                &mut self.table.get_mut().unwrap_or_else(|e| e.into_inner()).issued,
-            ));
-            return;
-        }
-        self.close(None);
-    }
-}
-
-/// Where a fresh worker's first big slots will be when no worker of its id came before it:
-/// worker `worker`'s share of the arena's slot locations of `size` bytes ([`PLANNED_SLOTS`] of them,
-/// the `worker`-th ones), then [`SPARE_SLOTS`] of the next worker's, its last; at most `kept`
-/// in all (the windows it keeps), none without memfd parts.
-fn planned(pool: &Pool, worker: usize, size: usize, kept: usize) -> Vec<SlotLocation> {
-    let arena = pool.arena();
-    let mut locations = Vec::new();
-    let mut at = 0;
-    while let Some((fd, start, len)) = arena.part_at(at) {
-        let inode = arena.part_inode_at(start).unwrap_or(0);
-        let mut offset = 0;
-        while offset + size <= len {
-            locations.push(SlotLocation {
-                arena_offset: start + offset,
-                offset,
-                nbytes: size,
-                fd: std::os::fd::AsRawFd::as_raw_fd(&fd),
-                part_len: len,
-                inode,
-            });
-            offset += size;
-        }
-        at = start + len;
-    }
-    let n = locations.len();
-    if n == 0 {
-        return Vec::new();
-    }
-    let told = (PLANNED_SLOTS + SPARE_SLOTS).min(kept).min(n);
-    let own = PLANNED_SLOTS.min(told);
-    let first = worker * PLANNED_SLOTS;
-    let picks = (0..own)
-        .map(|i| first + i)
-        .chain((0..told - own).map(|i| first + 2 * PLANNED_SLOTS - 1 - i));
-    let mut chosen: Vec<usize> = Vec::new();
-    for i in picks {
-        if !chosen.contains(&(i % n)) {
-            chosen.push(i % n); // (with few locations, the spare may be one of its own)
-        }
-    }
-    chosen.into_iter().map(|i| locations[i]).collect()
-}
-
-/// A random `u64` from the kernel.
-pub fn random_u64() -> Result<u64> {
-    let mut out = [0u8; 8];
-    let mut filled = 0;
-    while filled < out.len() {
-        match rustix::rand::getrandom(&mut out[filled..], rustix::rand::GetRandomFlags::empty()) {
-            Ok(n) => filled += n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(Error::os("getrandom", e)),
-        }
-    }
-    Ok(u64::from_le_bytes(out))
 }

@@ -1,0 +1,36 @@
+//! A grant as the words a worker reads: [`GRANT_WORDS`] little-endian `u64`s, then
+//! [`HINT_WORDS`] for each hint (the layout: the module doc of [`super`]).
+//!
+//! Invariant: the words of a grant are exactly what `python/pinpool/` decodes; a change here is
+//! a change of the wire between the main process and its workers.
+
+use super::Grant;
+
+/// Words of a grant before its hints.
+pub const GRANT_WORDS: usize = 11;
+/// Words of one hint.
+pub const HINT_WORDS: usize = 5;
+
+impl Grant {
+    /// The grant as the words a worker reads (see the module's doc).
+    pub fn words(&self) -> Vec<u64> {
+        let p = &self.location;
+        let mut out = vec![
+            1,
+            u64::from(self.slot.index),
+            u64::from(self.slot.generation),
+            self.nonce,
+            p.offset as u64,
+            p.nbytes as u64,
+            u64::from(std::process::id()),
+            p.fd as u64,
+            p.part_len as u64,
+            p.inode,
+            self.ahead.len() as u64,
+        ];
+        for h in &self.ahead {
+            out.extend([h.offset as u64, h.nbytes as u64, h.fd as u64, h.part_len as u64, h.inode]);
+        }
+        out
+    }
+}
