@@ -1,7 +1,8 @@
 //! The pool: one fixed arena, handed out as page-aligned slots of any size and taken back.
 //!
-//! This module is the pool itself: the arena, the slot table and the fences, checkout and
-//! release, and the counters. Its other jobs are modules of their own: the loader's claim
+//! This module is the pool itself: the arena, the slot table and the fences, where a slot
+//! lies, release, and the counters. Its other jobs are modules of their own: making a pool
+//! (`making`, [`PoolConfig`]), checking a slot out (`checkout`), the loader's claim
 //! policy ([`claim`]), copies into slots and sends to the device ([`fill_and_send`]), what
 //! `stats()` reports ([`stats`]), the prepare and fence threads (`threads`), and what dropping
 //! a pool does (`teardown`). Built on the pool: one checked-out slot held by one owner, with
@@ -91,9 +92,11 @@
 //! 8. **Freed.** When the last reference to the pool goes, the freeing thread
 //!    ([`crate::memory::freeing`]) waits for the fences still pending, then frees the arena.
 
+mod checkout;
 pub mod claim;
 pub mod fill_and_send;
 pub mod grants;
+mod making;
 pub mod slot;
 pub mod stats;
 mod teardown;
@@ -101,22 +104,20 @@ mod threads;
 
 pub use claim::{Claim, ClaimRules};
 pub use fill_and_send::validate_ranges;
+pub use making::PoolConfig;
 pub use stats::{Counters, Stats};
 
 use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
 
-use crate::allocation::slots::{Layout, Preference, SlotId, SlotTable};
+use crate::allocation::slots::{SlotId, SlotTable};
 use crate::error::{Error, Held, Result};
 use crate::memory::arena::{Arena, Backend, Residency};
-use crate::memory::freeing;
-use crate::memory::shm::{page_size, round_up};
 use crate::system::cuda::StreamHandle;
-use crate::transfer::copy::{Copier, MAX_COPY_THREADS};
-use crate::transfer::fence::{CudaFences, FenceTracker, Fences};
+use crate::transfer::copy::Copier;
+use crate::transfer::fence::FenceTracker;
 
 /// Where a slot lies in shared memory ([`Pool::slot_location`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,45 +134,6 @@ pub struct SlotLocation {
     pub part_len: usize,
     /// That memfd's inode number.
     pub inode: u64,
-}
-
-/// What to build.
-#[derive(Debug, Clone)]
-pub struct PoolConfig {
-    /// The largest slot (rounded up to a page): the arena's parts are whole multiples of it,
-    /// and a checkout that does not say its size gets this many bytes.
-    pub slot_bytes: usize,
-    /// The most slots out or fenced at once.
-    pub num_slots: usize,
-    /// The arena's size, rounded up to a whole page (and at least `slot_bytes`: the last part
-    /// holds the pages past whole slots); `None`: `slot_bytes * num_slots` (equal slots).
-    pub arena_bytes: Option<usize>,
-    /// CUDA device ordinal, or `None` for no CUDA. (The Python layer's automatic choice,
-    /// the rank's own device, is [`crate::memory::device_choice::DeviceRequest::resolve`].)
-    pub device: Option<usize>,
-    /// Backend, or `None` to choose.
-    pub backend: Option<Backend>,
-    /// Threads for copies.
-    pub copy_threads: usize,
-    /// Make only the first slots (at least one, at least 16 MiB) ready before [`Pool::new`]
-    /// returns, and the rest on a background thread (checkouts wait for slots not ready yet).
-    /// The arena then no longer sits on the critical path of the first batch.
-    pub background: bool,
-}
-
-impl PoolConfig {
-    /// A config with `num_slots` slots of `slot_bytes`, no CUDA, host backend.
-    pub fn host(slot_bytes: usize, num_slots: usize) -> Self {
-        PoolConfig {
-            slot_bytes,
-            num_slots,
-            arena_bytes: None,
-            device: None,
-            backend: None,
-            copy_threads: 4,
-            background: false,
-        }
-    }
 }
 
 /// The slot pool.
@@ -209,101 +171,6 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    /// Allocates the arena and starts the background threads.
-    pub fn new(config: &PoolConfig) -> Result<Arc<Self>> {
-        let slot_bytes = Self::checked_slot_bytes(config)?;
-        let arena_len = Self::arena_len(config, slot_bytes)?;
-        SlotTable::check_len(config.num_slots)?; // before any memory is taken
-                                                 // The pools dropped before give their memory
-                                                 // back first (the freeing thread may lag behind
-                                                 // a loop that makes loaders), and one of this
-                                                 // shape gives its arena.
-        freeing::catch_up(CATCH_UP_AT_MOST);
-        let (device, backend) = (config.device, config.backend);
-        let kept =
-            freeing::take_shelved(|a| a.reusable_for(arena_len, slot_bytes, device, backend));
-        let arena = if let Some(arena) = kept {
-            if !config.background {
-                while arena.prepare_next(fault_threads())?.is_some() {} // (whole, as asked)
-            }
-            arena.taken_again()
-        } else if config.background {
-            freeing::evict_shelved();
-            Arena::new_partial(
-                arena_len,
-                slot_bytes,
-                config.device,
-                config.backend,
-                fault_threads(),
-                slot_bytes.max(READY_FIRST),
-            )?
-        } else {
-            freeing::evict_shelved();
-            Arena::new(arena_len, slot_bytes, config.device, config.backend, fault_threads())?
-        };
-        let table = Self::table_over(&arena, config.num_slots, slot_bytes)?;
-        let fences = arena.device().map(|device| Box::new(CudaFences::new(device)) as _);
-        let pool = Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)?;
-        threads::start_preparing(&pool)?;
-        Ok(pool)
-    }
-
-    /// A host pool whose releases with a stream are fenced by `fences` (tests, benchmarks).
-    pub fn with_fences(config: &PoolConfig, fences: Box<dyn Fences>) -> Result<Arc<Self>> {
-        let slot_bytes = Self::checked_slot_bytes(config)?;
-        let arena_len = Self::arena_len(config, slot_bytes)?;
-        SlotTable::check_len(config.num_slots)?;
-        let arena = Arena::new(arena_len, slot_bytes, None, Some(Backend::Host), fault_threads())?;
-        let table = Self::table_over(&arena, config.num_slots, slot_bytes)?;
-        Self::assemble(arena, slot_bytes, table, Some(fences), config.copy_threads)
-    }
-
-    /// The arena's length: `arena_bytes` rounded up to a whole page (at least one slot), else
-    /// `num_slots` slots.
-    fn arena_len(config: &PoolConfig, slot_bytes: usize) -> Result<usize> {
-        let overflows =
-            |what: String| Error::Invalid(format!("{what} overflows the address space"));
-        match config.arena_bytes {
-            Some(0) => Err(Error::Invalid("arena_bytes must be positive".into())),
-            Some(n) => n
-                .checked_next_multiple_of(page_size())
-                .map(|n| n.max(slot_bytes))
-                .ok_or_else(|| overflows(format!("arena_bytes={n}"))),
-            None => slot_bytes.checked_mul(config.num_slots).ok_or_else(|| {
-                overflows(format!("slot_bytes={slot_bytes} x num_slots={}", config.num_slots))
-            }),
-        }
-    }
-
-    /// The slot table over `arena`: `entries` slots at most, of any size up to the longest
-    /// part, `slot_bytes` by default; only the bytes ready now are free.
-    fn table_over(arena: &Arena, entries: usize, slot_bytes: usize) -> Result<SlotTable> {
-        SlotTable::with_layout(Layout {
-            entries,
-            arena: arena.len(),
-            unit: page_size(),
-            default_bytes: slot_bytes,
-            boundaries: arena.part_starts(),
-            ready: arena.ready_len(),
-        })
-    }
-
-    /// Checks everything in `config` that can be checked before memory is taken; returns the
-    /// slot size rounded up to a page.
-    fn checked_slot_bytes(config: &PoolConfig) -> Result<usize> {
-        if config.slot_bytes == 0 {
-            return Err(Error::Invalid("slot_bytes must be positive".into()));
-        }
-        if !(1..=MAX_COPY_THREADS).contains(&config.copy_threads) {
-            return Err(Error::Invalid(format!(
-                "copy_threads must be from 1 to {MAX_COPY_THREADS}, not {}",
-                config.copy_threads
-            )));
-        }
-        round_up(config.slot_bytes, page_size())
-            .ok_or_else(|| Error::Invalid("slot_bytes too large".into()))
-    }
-
     /// Fails unless this is the process that made the pool (see the module's invariants).
     fn check_owner(&self) -> Result<()> {
         // The fork count first: no system call. (A process id check alone would cost one per
@@ -321,41 +188,6 @@ impl Pool {
              one the owner is using",
             self.owner
         )))
-    }
-
-    fn assemble(
-        arena: Arena,
-        slot_bytes: usize,
-        table: SlotTable,
-        fences: Option<Box<dyn Fences>>,
-        copy_threads: usize,
-    ) -> Result<Arc<Self>> {
-        let n = table.len() as u64;
-        let largest_part = table.bytes().largest_part;
-        let arena_len = arena.len();
-        // Copy threads run on the CPUs of the arena's NUMA node, when it was placed on one.
-        let copier = Copier::on_cpus(copy_threads, arena.placement().thread_cpus())?;
-        let pool = Arc::new(Pool {
-            arena: ManuallyDrop::new(arena),
-            slot_bytes,
-            largest_part,
-            table: ManuallyDrop::new(table),
-            fences: ManuallyDrop::new(fences.map(FenceTracker::new)),
-            copier: ManuallyDrop::new(copier),
-            owner: std::process::id(),
-            owner_forks: crate::system::forks::current(),
-            counters: Arc::new(Counters {
-                num_slots: AtomicU64::new(n),
-                arena_bytes: AtomicU64::new(arena_len as u64),
-                ..Counters::default()
-            }),
-            retirer: OnceLock::new(),
-            retirer_idle: AtomicBool::new(false),
-            stopping: AtomicBool::new(false),
-            prepare_error: OnceLock::new(),
-        });
-        threads::start_retiring(&pool)?;
-        Ok(pool)
     }
 
     /// Bytes per slot (a multiple of the page size).
@@ -417,147 +249,6 @@ impl Pool {
     /// Threads used for copies.
     pub fn copy_threads(&self) -> usize {
         self.copier.threads()
-    }
-
-    /// Takes a free slot of `slot_bytes` without waiting.
-    pub fn try_checkout(&self) -> Result<Option<SlotId>> {
-        self.try_checkout_bytes(self.slot_bytes, 0)
-    }
-
-    /// Takes a slot of `bytes` (rounded up to a page) without waiting, if there is room for
-    /// it with `keep` bytes left in one free range afterwards. A size no slot can ever have
-    /// is [`Error::BatchTooLarge`].
-    pub fn try_checkout_bytes(&self, bytes: usize, keep: usize) -> Result<Option<SlotId>> {
-        self.try_checkout_bytes_preferring(bytes, keep, &[], Preference::Prefer)
-    }
-
-    /// As [`Pool::try_checkout_bytes`], but the slot starts at the first arena offset of
-    /// `prefer` where a slot of `bytes` can start now (free, a whole number of pages, inside
-    /// one part, `keep` honoured: [`crate::allocation::extents::ExtentMap::alloc_preferring`]),
-    /// else (with [`Preference::Prefer`]; [`Preference::OnlyThere`]: None) wherever first fit puts it. A zero-copy worker that keeps
-    /// the extents of its last batches mapped asks for them again. (With `prefer`, a preferred
-    /// extent free now is taken as it is; only where none is are the fences that have
-    /// completed retired first, since their bytes are free only once retired: this runs on the
-    /// consumer's thread once a batch, and retiring queries the driver for every fence in
-    /// flight.)
-    pub fn try_checkout_bytes_preferring(
-        &self,
-        bytes: usize,
-        keep: usize,
-        prefer: &[usize],
-        preference: Preference,
-    ) -> Result<Option<SlotId>> {
-        self.check_owner()?;
-        if self.table.is_closed() {
-            return Err(Error::Closed);
-        }
-        self.check_size(bytes)?;
-        let mut slot = None;
-        if !prefer.is_empty() {
-            slot = self.table.try_checkout_bytes_preferring(
-                bytes,
-                keep,
-                prefer,
-                Preference::OnlyThere,
-            );
-            if slot.is_none() {
-                // A preferred extent whose fence has completed is free only once retired:
-                // retire what is ready first, or first fit would hand out other bytes.
-                if let Some(f) = self.fences.as_ref() {
-                    f.try_retire_ready(&self.table);
-                }
-            }
-        }
-        if slot.is_none() {
-            slot = self.table.try_checkout_bytes_preferring(bytes, keep, prefer, preference);
-        }
-        if slot.is_none() {
-            if let Some(f) = self.fences.as_ref() {
-                if f.try_retire_ready(&self.table) > 0 {
-                    slot =
-                        self.table.try_checkout_bytes_preferring(bytes, keep, prefer, preference);
-                }
-            }
-        }
-        if let Some(t) = slot {
-            if self.table.is_closed() {
-                // Closed while we took it: give it back, so no checkout outlives `close()`.
-                let _ = self.table.release(t, false);
-                return Err(Error::Closed);
-            }
-            self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(slot)
-    }
-
-    /// Fails unless a slot of `bytes` fits in one of the arena's parts.
-    fn check_size(&self, bytes: usize) -> Result<()> {
-        let largest = self.largest_slot();
-        if bytes > largest {
-            return Err(Error::BatchTooLarge { needed: bytes, slot_bytes: largest });
-        }
-        Ok(())
-    }
-
-    /// The largest slot the arena can ever hold (its longest part).
-    pub fn largest_slot(&self) -> usize {
-        self.largest_part
-    }
-
-    /// Slots of `slot_bytes` that could be checked out right now (a snapshot).
-    pub fn free_slots(&self) -> usize {
-        self.table.counts().free
-    }
-
-    /// Takes a free slot of `slot_bytes`, waiting up to `timeout` (forever with `None`).
-    pub fn checkout(&self, timeout: Option<Duration>) -> Result<SlotId> {
-        self.checkout_bytes(self.slot_bytes, timeout)
-    }
-
-    /// Takes a slot of `bytes`, waiting up to `timeout` (forever with `None`).
-    pub fn checkout_bytes(&self, bytes: usize, timeout: Option<Duration>) -> Result<SlotId> {
-        if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
-            return Ok(t);
-        }
-        let start = Instant::now();
-        self.counters.waits.fetch_add(1, Ordering::Relaxed);
-        let result = self.wait_for_slot(bytes, start, timeout);
-        let waited = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.counters.wait_ns.fetch_add(waited, Ordering::Relaxed);
-        result
-    }
-
-    fn wait_for_slot(
-        &self,
-        bytes: usize,
-        start: Instant,
-        timeout: Option<Duration>,
-    ) -> Result<SlotId> {
-        loop {
-            let epoch = self.table.epoch();
-            if let Some(t) = self.try_checkout_bytes(bytes, 0)? {
-                return Ok(t);
-            }
-            let nap = match self.fences.as_ref().map(FenceTracker::pending) {
-                Some(n) if n > 0 => Duration::from_micros(100),
-                _ => Duration::from_millis(50),
-            };
-            let nap = match timeout {
-                Some(limit) => {
-                    let elapsed = start.elapsed();
-                    if elapsed >= limit {
-                        return Err(Error::Exhausted {
-                            waited_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
-                            wanted: bytes,
-                            held: self.held(),
-                        });
-                    }
-                    nap.min(limit - elapsed)
-                }
-                None => nap,
-            };
-            self.table.wait(epoch, nap);
-        }
     }
 
     /// Where the slot `slot` lies in the arena, `(offset, len)`, if the checkout is
@@ -647,25 +338,6 @@ impl Pool {
 
 /// `CU_STREAM_PER_THREAD`: the calling thread's default stream, whatever thread that is.
 const PER_THREAD_DEFAULT_STREAM: StreamHandle = 2;
-
-/// Threads that fault a new arena in: half the cores, rounded up. With every core, faulting
-/// the arena in at the first batch takes every CPU the workers do not, and every thread of
-/// the machine, the training thread included, wakes up late then; half leaves it a core and
-/// does not delay the first batch (the figures: "The arena's fault threads" in
-/// `docs/performance.md`).
-fn fault_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| n.get()).div_ceil(2)
-}
-
-/// The longest a pool being made waits for the freeing thread to finish a free it has begun
-/// (a dropped pool's fences, say), before it makes its arena anyway.
-const CATCH_UP_AT_MOST: Duration = Duration::from_secs(1);
-
-/// A background pool makes at least this much of its arena (and at least one part, so the
-/// largest slot) ready before it returns: small arenas are made whole, and a big one has room
-/// for the first batches (torch itself pins each of them as it comes); a pool dropped soon
-/// never faults the rest in.
-const READY_FIRST: usize = 16 << 20;
 
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,10 @@
 //! Unit tests of `pool`, kept apart from the code they test.
 
 use super::*;
+use std::time::{Duration, Instant};
+
+use crate::allocation::slots::Preference;
+use crate::memory::shm::page_size;
 
 #[test]
 // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.

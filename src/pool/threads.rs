@@ -22,7 +22,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::{fault_threads, Pool};
+use super::making::fault_threads;
+use super::Pool;
 use crate::error::{Error, Result};
 use crate::memory::freeing;
 use crate::transfer::fence::FenceTracker;
@@ -123,7 +124,8 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::pool::{PoolConfig, READY_FIRST};
+    use crate::pool::making::READY_FIRST;
+    use crate::pool::PoolConfig;
     use crate::transfer::fence::ManualFences;
 
     #[test]

@@ -1,0 +1,215 @@
+//! Making a pool: the arena sized from its config (or a shelved one of the same shape taken
+//! again), the slot table over it, the fence tracker and copy threads, and the background
+//! thread that makes the rest of a partial arena ready.
+//!
+//! (Step 1 of "the life of a slot" in [`crate::pool`].)
+//!
+//! Invariants:
+//! - Every figure of the config is checked before any memory is taken.
+//! - The pools dropped before give their memory back first ([`freeing::catch_up`], bounded by
+//!   [`CATCH_UP_AT_MOST`]): a loop that makes and drops loaders does not pile up arenas.
+//! - A background pool returns with at least [`READY_FIRST`] bytes (and one part) ready.
+
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use super::{threads, Counters, Pool};
+use crate::allocation::slots::{Layout, SlotTable};
+use crate::error::{Error, Result};
+use crate::memory::arena::{Arena, Backend};
+use crate::memory::freeing;
+use crate::memory::shm::{page_size, round_up};
+use crate::transfer::copy::{Copier, MAX_COPY_THREADS};
+use crate::transfer::fence::{CudaFences, FenceTracker, Fences};
+
+/// What to build.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// The largest slot (rounded up to a page): the arena's parts are whole multiples of it,
+    /// and a checkout that does not say its size gets this many bytes.
+    pub slot_bytes: usize,
+    /// The most slots out or fenced at once.
+    pub num_slots: usize,
+    /// The arena's size, rounded up to a whole page (and at least `slot_bytes`: the last part
+    /// holds the pages past whole slots); `None`: `slot_bytes * num_slots` (equal slots).
+    pub arena_bytes: Option<usize>,
+    /// CUDA device ordinal, or `None` for no CUDA. (The Python layer's automatic choice,
+    /// the rank's own device, is [`crate::memory::device_choice::DeviceRequest::resolve`].)
+    pub device: Option<usize>,
+    /// Backend, or `None` to choose.
+    pub backend: Option<Backend>,
+    /// Threads for copies.
+    pub copy_threads: usize,
+    /// Make only the first slots (at least one, at least 16 MiB) ready before [`Pool::new`]
+    /// returns, and the rest on a background thread (checkouts wait for slots not ready yet).
+    /// The arena then no longer sits on the critical path of the first batch.
+    pub background: bool,
+}
+
+impl PoolConfig {
+    /// A config with `num_slots` slots of `slot_bytes`, no CUDA, host backend.
+    pub fn host(slot_bytes: usize, num_slots: usize) -> Self {
+        PoolConfig {
+            slot_bytes,
+            num_slots,
+            arena_bytes: None,
+            device: None,
+            backend: None,
+            copy_threads: 4,
+            background: false,
+        }
+    }
+}
+
+impl Pool {
+    /// Allocates the arena and starts the background threads.
+    pub fn new(config: &PoolConfig) -> Result<Arc<Self>> {
+        let slot_bytes = Self::checked_slot_bytes(config)?;
+        let arena_len = Self::arena_len(config, slot_bytes)?;
+        SlotTable::check_len(config.num_slots)?; // before any memory is taken
+                                                 // The pools dropped before give their memory
+                                                 // back first (the freeing thread may lag behind
+                                                 // a loop that makes loaders), and one of this
+                                                 // shape gives its arena.
+        freeing::catch_up(CATCH_UP_AT_MOST);
+        let (device, backend) = (config.device, config.backend);
+        let kept =
+            freeing::take_shelved(|a| a.reusable_for(arena_len, slot_bytes, device, backend));
+        let arena = if let Some(arena) = kept {
+            if !config.background {
+                while arena.prepare_next(fault_threads())?.is_some() {} // (whole, as asked)
+            }
+            arena.taken_again()
+        } else if config.background {
+            freeing::evict_shelved();
+            Arena::new_partial(
+                arena_len,
+                slot_bytes,
+                config.device,
+                config.backend,
+                fault_threads(),
+                slot_bytes.max(READY_FIRST),
+            )?
+        } else {
+            freeing::evict_shelved();
+            Arena::new(arena_len, slot_bytes, config.device, config.backend, fault_threads())?
+        };
+        let table = Self::table_over(&arena, config.num_slots, slot_bytes)?;
+        let fences = arena.device().map(|device| Box::new(CudaFences::new(device)) as _);
+        let pool = Self::assemble(arena, slot_bytes, table, fences, config.copy_threads)?;
+        threads::start_preparing(&pool)?;
+        Ok(pool)
+    }
+
+    /// A host pool whose releases with a stream are fenced by `fences` (tests, benchmarks).
+    pub fn with_fences(config: &PoolConfig, fences: Box<dyn Fences>) -> Result<Arc<Self>> {
+        let slot_bytes = Self::checked_slot_bytes(config)?;
+        let arena_len = Self::arena_len(config, slot_bytes)?;
+        SlotTable::check_len(config.num_slots)?;
+        let arena = Arena::new(arena_len, slot_bytes, None, Some(Backend::Host), fault_threads())?;
+        let table = Self::table_over(&arena, config.num_slots, slot_bytes)?;
+        Self::assemble(arena, slot_bytes, table, Some(fences), config.copy_threads)
+    }
+
+    /// The arena's length: `arena_bytes` rounded up to a whole page (at least one slot), else
+    /// `num_slots` slots.
+    fn arena_len(config: &PoolConfig, slot_bytes: usize) -> Result<usize> {
+        let overflows =
+            |what: String| Error::Invalid(format!("{what} overflows the address space"));
+        match config.arena_bytes {
+            Some(0) => Err(Error::Invalid("arena_bytes must be positive".into())),
+            Some(n) => n
+                .checked_next_multiple_of(page_size())
+                .map(|n| n.max(slot_bytes))
+                .ok_or_else(|| overflows(format!("arena_bytes={n}"))),
+            None => slot_bytes.checked_mul(config.num_slots).ok_or_else(|| {
+                overflows(format!("slot_bytes={slot_bytes} x num_slots={}", config.num_slots))
+            }),
+        }
+    }
+
+    /// The slot table over `arena`: `entries` slots at most, of any size up to the longest
+    /// part, `slot_bytes` by default; only the bytes ready now are free.
+    fn table_over(arena: &Arena, entries: usize, slot_bytes: usize) -> Result<SlotTable> {
+        SlotTable::with_layout(Layout {
+            entries,
+            arena: arena.len(),
+            unit: page_size(),
+            default_bytes: slot_bytes,
+            boundaries: arena.part_starts(),
+            ready: arena.ready_len(),
+        })
+    }
+
+    /// Checks everything in `config` that can be checked before memory is taken; returns the
+    /// slot size rounded up to a page.
+    fn checked_slot_bytes(config: &PoolConfig) -> Result<usize> {
+        if config.slot_bytes == 0 {
+            return Err(Error::Invalid("slot_bytes must be positive".into()));
+        }
+        if !(1..=MAX_COPY_THREADS).contains(&config.copy_threads) {
+            return Err(Error::Invalid(format!(
+                "copy_threads must be from 1 to {MAX_COPY_THREADS}, not {}",
+                config.copy_threads
+            )));
+        }
+        round_up(config.slot_bytes, page_size())
+            .ok_or_else(|| Error::Invalid("slot_bytes too large".into()))
+    }
+
+    fn assemble(
+        arena: Arena,
+        slot_bytes: usize,
+        table: SlotTable,
+        fences: Option<Box<dyn Fences>>,
+        copy_threads: usize,
+    ) -> Result<Arc<Self>> {
+        let n = table.len() as u64;
+        let largest_part = table.bytes().largest_part;
+        let arena_len = arena.len();
+        // Copy threads run on the CPUs of the arena's NUMA node, when it was placed on one.
+        let copier = Copier::on_cpus(copy_threads, arena.placement().thread_cpus())?;
+        let pool = Arc::new(Pool {
+            arena: ManuallyDrop::new(arena),
+            slot_bytes,
+            largest_part,
+            table: ManuallyDrop::new(table),
+            fences: ManuallyDrop::new(fences.map(FenceTracker::new)),
+            copier: ManuallyDrop::new(copier),
+            owner: std::process::id(),
+            owner_forks: crate::system::forks::current(),
+            counters: Arc::new(Counters {
+                num_slots: AtomicU64::new(n),
+                arena_bytes: AtomicU64::new(arena_len as u64),
+                ..Counters::default()
+            }),
+            retirer: OnceLock::new(),
+            retirer_idle: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            prepare_error: OnceLock::new(),
+        });
+        threads::start_retiring(&pool)?;
+        Ok(pool)
+    }
+}
+
+/// Threads that fault a new arena in: half the cores, rounded up. With every core, faulting
+/// the arena in at the first batch takes every CPU the workers do not, and every thread of
+/// the machine, the training thread included, wakes up late then; half leaves it a core and
+/// does not delay the first batch (the figures: "The arena's fault threads" in
+/// `docs/performance.md`).
+pub(super) fn fault_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get()).div_ceil(2)
+}
+
+/// The longest a pool being made waits for the freeing thread to finish a free it has begun
+/// (a dropped pool's fences, say), before it makes its arena anyway.
+const CATCH_UP_AT_MOST: Duration = Duration::from_secs(1);
+
+/// A background pool makes at least this much of its arena (and at least one part, so the
+/// largest slot) ready before it returns: small arenas are made whole, and a big one has room
+/// for the first batches (torch itself pins each of them as it comes); a pool dropped soon
+/// never faults the rest in.
+pub(super) const READY_FIRST: usize = 16 << 20;
