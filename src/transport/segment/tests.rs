@@ -1,8 +1,15 @@
 //! Unit tests of `segment`, kept apart from the code they test.
 
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use super::header::{read_header, CAPACITY_AT, MAGIC, NONCE_AT, STATE_AT};
 use super::*;
 use crate::pool::slot::Slot;
+use crate::pool::Pool;
 use crate::pool::PoolConfig;
+use crate::transfer::copy::CopyRange;
+use crate::transport::reclaim::Reclaimer;
 use proptest::prelude::*;
 
 /// A cache over `pool` with a reclaimer of its own.
