@@ -1,4 +1,10 @@
 //! `pinpool.PinPool`: the Python face of [`crate::pool::Pool`].
+//!
+//! Its arguments that need more than a plain conversion are `arguments`' (`device=`,
+//! `prefer=`); what it says back (the stats dict, notes logged once) is `reporting`'s.
+//!
+//! Invariant: only translates types and errors; whatever can block (a checkout that waits,
+//! making the arena, a flush) runs with the GIL released.
 
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, Weak};
@@ -8,13 +14,16 @@ use pyo3::types::{PyDict, PyList};
 
 use super::slot::PySlot;
 use super::{bool_arg, guarded, size_arg, timeout_arg, to_py, IntoPy};
-use crate::allocation::slots::Preference;
 use crate::error::Error;
 use crate::memory::arena::Backend;
-use crate::memory::device_choice::DeviceRequest;
-use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig, Stats};
-use crate::transfer::copy::MAX_COPY_THREADS;
-use crate::transport::reclaim::{Reclaimer, SegmentStats, SharedReclaimer};
+use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig};
+use crate::transport::reclaim::{Reclaimer, SharedReclaimer};
+
+mod arguments;
+mod reporting;
+
+use arguments::{default_copy_threads, device_arg, parse_device, preference, preferred_offsets};
+use reporting::{first_time, stats_dict};
 
 /// A fixed arena of (pinned) host memory, handed out as slots of any size.
 ///
@@ -53,119 +62,6 @@ pub struct PyPinPool {
     startup: Vec<(&'static str, f64)>,
 }
 
-/// A `device=` argument: an ordinal, a name ("cpu", "cuda", "cuda:N"), or a `torch.device`.
-#[derive(FromPyObject)]
-pub(crate) enum DeviceArg<'py> {
-    Index(i64),
-    Name(String),
-    Object(Bound<'py, PyAny>),
-}
-
-/// `device=` as given: an int, a string, or an object whose `str()` names a device (a
-/// `torch.device`); a bool or a float is none of these.
-fn device_arg<'py>(value: &Bound<'py, PyAny>) -> PyResult<DeviceArg<'py>> {
-    let py = value.py();
-    if value.is_instance_of::<pyo3::types::PyBool>()
-        || value.is_instance_of::<pyo3::types::PyFloat>()
-    {
-        return Err(to_py(
-            py,
-            Error::Invalid(format!(
-                "device must be None, 'cpu', 'cuda', 'cuda:N', an int or a torch.device, not {}",
-                value.repr()?
-            )),
-        ));
-    }
-    if let Ok(i) = value.extract::<i64>() {
-        return Ok(DeviceArg::Index(i));
-    }
-    if let Ok(s) = value.extract::<String>() {
-        return Ok(DeviceArg::Name(s));
-    }
-    Ok(DeviceArg::Object(value.clone()))
-}
-
-/// Parses `device=`: "cpu" means no CUDA; `None` and "cuda" (torch's "the current device")
-/// the rank's own device, chosen by [`DeviceRequest::resolve`] (`None` only may come to host
-/// memory where there is no GPU).
-pub(crate) fn parse_device(
-    py: Python<'_>,
-    device: Option<DeviceArg<'_>>,
-) -> PyResult<DeviceRequest> {
-    let text = match device {
-        None => return Ok(DeviceRequest::Automatic),
-        Some(DeviceArg::Index(i)) => {
-            return usize::try_from(i)
-                .map(DeviceRequest::Ordinal)
-                .map_err(|_| to_py(py, Error::Invalid(format!("device must be >= 0, got {i}"))))
-        }
-        Some(DeviceArg::Name(s)) => s,
-        Some(DeviceArg::Object(o)) => o.str()?.to_string(),
-    };
-    let bad = || {
-        to_py(
-            py,
-            Error::Invalid(format!(
-                "device must be None, 'cpu', 'cuda', 'cuda:N', an int or a torch.device, not \
-                 {text:?}"
-            )),
-        )
-    };
-    match text.as_str() {
-        "cpu" => Ok(DeviceRequest::Cpu),
-        "cuda" => Ok(DeviceRequest::Cuda),
-        other => match other.strip_prefix("cuda:") {
-            Some(n) => n.parse::<usize>().map(DeviceRequest::Ordinal).map_err(|_| bad()),
-            None => Err(bad()),
-        },
-    }
-}
-
-/// `copy_threads` when not given: `$PINPOOL_COPY_THREADS`, else the cores up to 8. A value
-/// in the environment that is not a number from 1 to [`MAX_COPY_THREADS`] is an error, not
-/// silently replaced.
-fn default_copy_threads() -> Result<usize, Error> {
-    match std::env::var("PINPOOL_COPY_THREADS") {
-        Ok(text) if !text.trim().is_empty() => text
-            .trim()
-            .parse::<usize>()
-            .ok()
-            .filter(|n| (1..=MAX_COPY_THREADS).contains(n))
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                "PINPOOL_COPY_THREADS must be a number from 1 to {MAX_COPY_THREADS}, not {text:?}"
-            ))
-            }),
-        // Under torchrun (or Lightning, accelerate), LOCAL_WORLD_SIZE ranks share the cores.
-        _ => {
-            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-            let ranks = std::env::var("LOCAL_WORLD_SIZE")
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .filter(|&n| n > 0)
-                .unwrap_or(1);
-            Ok((cores / ranks).clamp(1, 8))
-        }
-    }
-}
-
-/// Whether `note` is logged for the first time in this process: a note that every pool of a
-/// machine gets (no CUDA device, memory not locked) is said once, not once per pool. Every
-/// pool still lists its notes in `pool.notes`.
-fn first_time(note: &str) -> bool {
-    static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    // Notes that name sizes or errors differ only in those: the words before the first number
-    // or parenthesis say which kind a note is.
-    let kind: String =
-        note.split(|c: char| c.is_ascii_digit() || c == '(').next().unwrap_or(note).to_owned();
-    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
-    if seen.contains(&kind) {
-        return false;
-    }
-    seen.push(kind);
-    true
-}
-
 impl PyPinPool {
     /// Where `slot` lies in shared memory (`Pool::slot_location`). None for `cuda-hostalloc`
     /// (no memfd), a released slot, or once closed.
@@ -197,59 +93,6 @@ impl PyPinPool {
             _ => self.device,
         }
     }
-}
-
-/// The most offsets a `prefer=` argument may hold: each costs a look at the free list, under
-/// the slot table's lock.
-pub(crate) const MAX_PREFERRED: usize = 64;
-
-/// Converts a `prefer=` argument: None, or an iterable of at most [`MAX_PREFERRED`]
-/// non-negative ints (arena offsets). A negative or huge int, or too many, is an
-/// `InvalidArgument`; anything that is not an int (or not iterable) keeps Python's
-/// `TypeError`.
-fn preferred_offsets(py: Python<'_>, prefer: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<usize>> {
-    let Some(prefer) = prefer.filter(|p| !p.is_none()) else { return Ok(Vec::new()) };
-    let mut offsets = Vec::new();
-    for item in prefer.try_iter()? {
-        if offsets.len() == MAX_PREFERRED {
-            return Err(to_py(
-                py,
-                Error::Invalid(format!("prefer holds more than {MAX_PREFERRED} offsets")),
-            ));
-        }
-        offsets.push(size_arg(py, &item?, "each offset in prefer")?);
-    }
-    Ok(offsets)
-}
-
-fn stats_dict<'py>(
-    py: Python<'py>,
-    s: &Stats,
-    segments: &SegmentStats,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("slots_free", s.slots.free)?;
-    d.set_item("slots_checked_out", s.slots.checked_out)?;
-    d.set_item("slots_fenced", s.slots.fenced)?;
-    d.set_item("slots_preparing", s.slots.preparing)?;
-    d.set_item("checkouts", s.checkouts)?;
-    d.set_item("waits", s.waits)?;
-    d.set_item("wait_seconds", s.wait_ns as f64 / 1e9)?;
-    d.set_item("releases", s.releases)?;
-    d.set_item("bytes_copied", s.bytes_copied)?;
-    d.set_item("copies", s.copies)?;
-    d.set_item("segments_mapped", segments.mapped)?;
-    d.set_item("segments_unmapped", segments.unmapped)?;
-    d.set_item("pending_unmaps", segments.pending)?;
-    d.set_item("fence_errors", s.fence_errors)?;
-    d.set_item("arena_bytes", s.bytes.arena)?;
-    d.set_item("bytes_free", s.bytes.free)?;
-    d.set_item("bytes_checked_out", s.bytes.checked_out)?;
-    d.set_item("bytes_fenced", s.bytes.fenced)?;
-    d.set_item("bytes_preparing", s.bytes.preparing)?;
-    d.set_item("largest_free", s.bytes.largest_free)?;
-    d.set_item("free_ranges", s.bytes.holes)?;
-    Ok(d)
 }
 
 #[pymethods]
@@ -632,14 +475,5 @@ impl PyPinPool {
             self.device.map_or_else(|| "None".to_string(), |d| d.to_string()),
             if self.closed() { ", closed" } else { "" }
         )
-    }
-}
-
-/// The Python flag `prefer_only` as the core's [`Preference`].
-fn preference(prefer_only: bool) -> Preference {
-    if prefer_only {
-        Preference::OnlyThere
-    } else {
-        Preference::Prefer
     }
 }
