@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use super::{threads, Counters, Pool};
+use super::threads::{self, fault_threads};
+use super::{Counters, Pool};
 use crate::allocation::slots::{Layout, SlotTable};
 use crate::error::{Error, Result};
 use crate::memory::arena::{Arena, Backend};
@@ -193,15 +194,6 @@ impl Pool {
         threads::start_retiring(&pool)?;
         Ok(pool)
     }
-}
-
-/// Threads that fault a new arena in: half the cores, rounded up. With every core, faulting
-/// the arena in at the first batch takes every CPU the workers do not, and every thread of
-/// the machine, the training thread included, wakes up late then; half leaves it a core and
-/// does not delay the first batch (the figures: "The arena's fault threads" in
-/// `docs/performance.md`).
-pub(super) fn fault_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| n.get()).div_ceil(2)
 }
 
 /// The longest a pool being made waits for the freeing thread to finish a free it has begun

@@ -22,7 +22,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::making::fault_threads;
 use super::Pool;
 use crate::error::{Error, Result};
 use crate::memory::freeing;
@@ -117,6 +116,15 @@ fn retire_loop(pool: Weak<Pool>) {
             std::thread::park_timeout(nap);
         }
     }
+}
+
+/// Threads that fault a new arena in: half the cores, rounded up. With every core, faulting
+/// the arena in at the first batch takes every CPU the workers do not, and every thread of
+/// the machine, the training thread included, wakes up late then; half leaves it a core and
+/// does not delay the first batch (the figures: "The arena's fault threads" in
+/// `docs/performance.md`).
+pub(super) fn fault_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get()).div_ceil(2)
 }
 
 #[cfg(test)]

@@ -473,36 +473,6 @@ fn a_keyed_range_closed_on_another_thread_is_disarmed() {
     w.deny();
 }
 
-#[test]
-#[cfg_attr(miri, ignore)]
-fn copy_threads_write_a_keyed_range_with_the_callers_rights_and_keep_none() {
-    let p = page_size();
-    let pages = 1024; // 4 MiB: a copy the copier splits among its threads
-    let m = Mapping::memfd("pinpool-window-copy-test", pages * p).unwrap();
-    let w = Window::new(m.fd().unwrap(), 0, pages * p).unwrap();
-    let copier = crate::transfer::copy::Copier::new(4).unwrap();
-    let src = vec![0x3Cu8; pages * p];
-    let ranges = [crate::transfer::copy::CopyRange { src: 0, dst: 0, len: pages * p }];
-    assert!(w.has_key() || !keys_required(), "no protection key for the window");
-    w.open(0, pages * p, true).unwrap();
-    w.allow().unwrap();
-    // SAFETY: the source is the test's own vector, the destination the open window (this
-    // thread allowed; the copy's threads take its rights), disjoint, nothing else writing.
-    let copied = unsafe { copier.copy(src.as_ptr(), w.as_ptr(), &ranges) };
-    assert_eq!(copied, pages * p);
-    assert!((0..pages * p).step_by(4093).all(|i| byte(&m, i) == 0x3C));
-    // The copy's threads gave the rights up again.
-    let at = w.as_ptr() as usize;
-    let (tx, rx) = std::sync::mpsc::channel();
-    for _ in 0..8 {
-        let tx = tx.clone();
-        copier.spawn(move || tx.send(writes(at as *mut u8)).unwrap());
-    }
-    let seen: Vec<bool> = rx.iter().take(8).collect();
-    assert_eq!(seen, vec![!w.has_key(); 8], "a copy thread kept access to the key");
-    w.close().unwrap();
-}
-
 /// One step of [`the_window_state_machine_holds_against_a_model`].
 #[derive(Debug, Clone)]
 enum Step {
