@@ -5,7 +5,7 @@
 //! (Step 1 of "the life of a slot" in [`crate::pool`].)
 //!
 //! Invariants:
-//! - Every figure of the config is checked before any memory is taken.
+//! - The slot size, the arena size and the slot count are checked before any memory is taken.
 //! - The pools dropped before give their memory back first ([`freeing::catch_up`], bounded by
 //!   [`CATCH_UP_AT_MOST`]): a loop that makes and drops loaders does not pile up arenas.
 //! - A background pool returns with at least [`READY_FIRST`] bytes (and one part) ready.
