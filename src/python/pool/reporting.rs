@@ -1,7 +1,8 @@
 //! What a pool says back: its counters as the dict `PinPool.stats()` returns, and its notes,
 //! each kind logged once per process.
 //!
-//! Invariant: the keys of the stats dict are the ones `python/pinpool/_native.pyi` documents.
+//! Invariant: the stats dict has exactly the keys of `PoolStats` in `python/pinpool/_stats.py`
+//! (`tests/package/test_typing.py` compares them with a real `stats()`).
 
 use std::sync::Mutex;
 
