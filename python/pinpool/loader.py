@@ -6,7 +6,7 @@ set-up, index sampler, shutdown and queues); the private torch names it uses com
 
 1. **Worker** (``_worker``): :class:`~pinpool._worker.collate.PinCollate` collates the
    batch and writes it into its place, the zero-copy slot handed out with its indices or one
-   of the worker's reused segments (``_worker.places``); torch's result queue carries a small
+   of the worker's reused segments (``_worker.destination``); torch's result queue carries a small
    :class:`~pinpool._wire.handle.BatchHandle`.
 2. **Wire** (``_wire``): the handle, the leaf specs and their checks.
 3. **Main process** (``_main``): torch's pin-memory thread (or, on a machine without an
@@ -26,6 +26,7 @@ and a resumed epoch's sampler skips the samples already yielded.
 
 from __future__ import annotations
 
+import textwrap
 import uuid
 import warnings
 import weakref
@@ -40,7 +41,7 @@ from . import _signals, _torch_versions, _trace
 from ._main import settings
 from ._main.grants import TaskTagger
 from ._main.loader_iter import LoaderIter
-from ._main.pool_settings import PoolSettings
+from ._main.pool_settings import POOL_ARGUMENTS, PoolSettings
 from ._main.receiver import Receiver
 from ._main.resume import EpochSampler, LoadWorkerState, Resume, check, unsupported
 from ._main.workers import WorkersIter, close_loader, shut_down
@@ -61,52 +62,20 @@ _T_co = TypeVar("_T_co", covariant=True)
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose batches land in pinned arena slots.
 
-    Takes torch's arguments (``pin_memory`` is implied and ignored), plus:
-
-    - ``device``: None (default) yields pinned CPU batches, views into slots; a CUDA device
-      yields batches already on it, safe to use on the consumer's current stream.
-    - ``arena_bytes``, ``max_batch_bytes``: the size of the fixed arena batches land in, and
-      the largest batch it takes. Batches of any size up to that land in it, each taking its
-      own bytes. Default (see ``pinpool._main.sizing``): room for the batches in flight
-      plus 4 at 1.25 times the first batch's size, at least 64 MiB, at most half the memory
-      available; the largest batch is half the arena (at most 128 MiB, unless the first
-      batch is larger).
-    - ``pool``: an existing :class:`~pinpool.PinPool` to use; ``slot_bytes`` and
-      ``num_slots``: the older sizing, ``num_slots`` batches of up to ``slot_bytes`` each.
-    - ``copy_threads``: threads copying batches into slots (default: up to 8).
-    - ``overflow``: what happens to a batch when the arena is held by batches the consumer
-      keeps alive (``list(loader)`` does that): ``"copy"`` (default) puts it in ordinary,
-      unpinned memory, counted in ``stats()["overflow_batches"]``; ``"wait"`` waits up to
-      ``slot_timeout`` seconds (None: forever) for one to die, then raises
-      :class:`~pinpool.PoolExhausted`. Slots still fenced by GPU work are always waited for.
-    - ``oversize``: a batch larger than the largest the arena takes gets memory of its own,
-      pinned by torch's caching host allocator where there is a CUDA device (``"pin"``,
-      default) or ordinary memory (``"copy"``), counted in ``stats()["oversize_batches"]`` and
-      warned about once, naming the setting that would keep it in the arena; ``"error"``
-      raises :class:`~pinpool.BatchTooLarge` naming that setting.
-    - ``zero_copy``: workers write batches straight into the arena, each into a slot of its
-      own size granted when the worker knows that size (map-style datasets with batching and
-      ``num_workers > 0``; the pool must be a memfd: ``cuda-register`` or ``host``). Batches
-      that find no room (the first ones, before the pool exists, among them) go through copy
-      mode, counted in ``stats()["zero_copy_fallbacks"]``.
-    - ``keep_worker_memory``: workers keep memory their items were made in (up to twice the
-      largest batch, at most 1 GiB each) for the next batch's items, rather than give it
-      back to the kernel and fault fresh pages in for every batch (glibc's trim and mmap
-      thresholds; see ``pinpool._worker.heap``). False leaves the workers' allocator alone.
-    - ``worker_copy_threads``: threads each worker copies a batch's big arrays with (its
-      stacks, into its segment or its zero-copy slot), without the GIL. Default:
-      ``$PINPOOL_WORKER_COPY_THREADS``, else the cores per worker, from 2 to 4.
-    - ``stream_samples``: with torch's default collation, workers copy each sample's big
-      arrays into the batch's shared memory as soon as the sample is made, while they are
-      still in the CPU's cache, instead of making every sample first and stacking them after
-      (see ``pinpool._worker.streaming``; the batch is the same, bit for bit). Map-style
-      datasets with batching and ``num_workers > 0``: None (the default) streams there;
-      False never; True where it cannot apply warns.
+    Takes torch's arguments (``pin_memory`` is implied and ignored), plus pinpool's own,
+    each declared once, with its default, its check and what it does, in
+    ``pinpool._main.settings.ARGUMENTS`` (listed below; the user guide's options table says
+    more). What they resolve to on this machine is the loader's delivery mode
+    (``settings.DeliveryMode``: copy or zero-copy, torch's pin thread or the consumer's,
+    pinned CPU batches or a CUDA device).
 
     A setting given that cannot apply warns once, saying why (``zero_copy=True`` without
     workers, say: ``settings.ignored``), or raises when it contradicts another (sizes given
     with ``pool=``). In the workers, ``get_worker_info().dataset`` is your dataset, as with
     torch's loader.
+
+    pinpool's arguments:
+
     """
 
     # Set in __init__ through __dict__ (see there).
@@ -151,57 +120,45 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         worker_copy_threads: int | None = None,
         stream_samples: bool | None = None,
     ) -> None:
+        # pinpool's own arguments, by name, as given (each declared in settings.ARGUMENTS).
+        given = settings.given(locals())
         if isinstance(collate_fn, PinCollate):  # a rebuilt loader handed pinpool's own back
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
             collate_fn = None  # torch's default: pinpool's own, bit for bit, streamed
-        settings.check_bool("zero_copy", zero_copy)
-        settings.check_bool("keep_worker_memory", keep_worker_memory)
-        settings.check_bool("stream_samples", stream_samples, none_ok=True)
-        settings.check_int("worker_copy_threads", worker_copy_threads, 1, 64, none_ok=True)
+        settings.check_given({k: v for k, v in given.items() if k not in POOL_ARGUMENTS})
         in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
-        pool_settings = PoolSettings.checked(
-            pool=pool,
-            arena_bytes=arena_bytes,
-            max_batch_bytes=max_batch_bytes,
-            slot_bytes=slot_bytes,
-            num_slots=num_slots,
-            copy_threads=copy_threads,
-            slot_timeout=slot_timeout,
-            overflow=overflow,
-            oversize=oversize,
-            device=device,
-            in_flight=in_flight,
-        )
+        pool_settings = PoolSettings.checked(given, in_flight=in_flight)
         token = uuid.uuid4().hex
         # Without sizes the pool is sized from the first batch: a worker tells that size as
         # soon as it knows it (_wire.pool_hint).
         hint = PoolHint() if num_workers > 0 and not pool_settings.known else None
-        auto_collation = batch_size is not None or batch_sampler is not None
-        batched_map_style = (
-            auto_collation
-            and num_workers > 0
-            and not isinstance(dataset, torch.utils.data.IterableDataset)
+        shape = settings.Shape(
+            iterable=isinstance(dataset, torch.utils.data.IterableDataset),
+            num_workers=num_workers,
+            auto_collation=batch_size is not None or batch_sampler is not None,
+            collate_fn=collate_fn,
+            pool=pool,
         )
-        receiver = Receiver(
-            token, pool_settings, pool_hint=hint, zero_copy=bool(zero_copy) and batched_map_style
+        mode = settings.DeliveryMode.resolve(
+            zero_copy=zero_copy, device=pool_settings.device, shape=shape
         )
+        receiver = Receiver(token, pool_settings, mode, pool_hint=hint)
         streams = stream_samples is not False and collate_fn is None
-        iterable = isinstance(dataset, torch.utils.data.IterableDataset)
-        resume = Resume(iterable, num_workers)
+        resume = Resume(shape.iterable, num_workers)
         # Whether the workers hand collate the indices, not the samples (the dataset they get
         # stays the caller's own: _worker.fetcher.StreamingFetcher).
-        worker_streams = batched_map_style and bool(streams or zero_copy)
+        worker_streams = shape.batched_map_style and bool(streams or zero_copy)
         collate = PinCollate(
             token,
             collate_fn,
-            auto_collation=auto_collation,
+            auto_collation=shape.auto_collation,
             ring_size=(prefetch_factor or 2) + 2,
             keep_worker_memory=keep_worker_memory,
             worker_copy_threads=settings.worker_copy_threads(worker_copy_threads, num_workers),
             stream_samples=stream_samples is not False,
             report_state=resume.worker_states
-            and unsupported(dataset, iterable, num_workers, in_order) is None,
+            and unsupported(dataset, shape.iterable, num_workers, in_order) is None,
             pool_hint=hint,
             desk=receiver.grants.desk if receiver.grants is not None else None,
         )
@@ -215,7 +172,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             batch_sampler=batch_sampler,
             num_workers=num_workers,
             collate_fn=collate_fn,
-            pin_memory=torch.accelerator.is_available(),
+            pin_memory=mode.pin_thread,
             drop_last=drop_last,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
@@ -232,24 +189,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # records attributes set after torch's __init__ and sets them again on a rebuilt
         # loader, which must not get this one's internals.
         self.__dict__.update(
-            pool=pool,
-            arena_bytes=arena_bytes,
-            max_batch_bytes=max_batch_bytes,
-            slot_bytes=slot_bytes,
-            num_slots=num_slots,
-            device=device,
-            copy_threads=copy_threads,
-            slot_timeout=slot_timeout,
-            overflow=overflow,
-            oversize=oversize,
-            zero_copy=zero_copy,
-            keep_worker_memory=keep_worker_memory,
-            worker_copy_threads=worker_copy_threads,
-            stream_samples=stream_samples,
+            given,
             _pin_receiver=receiver,
             _pin_collate=collate,
             _pin_streams=worker_streams,
-            _pin_tagging=receiver.grants is not None,
+            _pin_tagging=mode.worker_writes_in_place,
             _pin_resume=resume,
             _pin_wrap=False,
         )
@@ -258,14 +202,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         for why in settings.ignored(
             dataset=dataset,
             num_workers=num_workers,
-            auto_collation=auto_collation,
+            auto_collation=shape.auto_collation,
             collate_fn=collate_fn,
-            pool=pool,
-            zero_copy=zero_copy,
-            stream_samples=stream_samples,
-            worker_copy_threads=worker_copy_threads,
             pin_memory=pin_memory,
             pin_memory_device=pin_memory_device,
+            **given,
         ):
             warnings.warn(f"pinpool.DataLoader: {why}", UserWarning, stacklevel=2)
         registry.register(token, receiver)
@@ -378,23 +319,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return self._pin_receiver.stats()
 
 
-#: pinpool's own __init__ arguments, beside torch's.
-PINPOOL_ARGUMENTS = (
-    "pool",
-    "arena_bytes",
-    "max_batch_bytes",
-    "slot_bytes",
-    "num_slots",
-    "device",
-    "copy_threads",
-    "slot_timeout",
-    "overflow",
-    "oversize",
-    "zero_copy",
-    "keep_worker_memory",
-    "worker_copy_threads",
-    "stream_samples",
-)
+#: pinpool's own __init__ arguments, beside torch's (declared in ``settings.ARGUMENTS``).
+PINPOOL_ARGUMENTS = tuple(a.name for a in settings.ARGUMENTS)
+
+DataLoader.__doc__ = (DataLoader.__doc__ or "") + textwrap.indent(settings.argument_docs(), "    ")
 
 
 def _keep_for_lightning(loader: DataLoader) -> None:

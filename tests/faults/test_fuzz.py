@@ -59,14 +59,14 @@ import pinpool
 import pinpool._main.lazy_pool
 from pinpool import PinPoolError
 from pinpool._main import sizing
-from pinpool._main.delivery import hand_over
+from pinpool._main.delivery import hand_to_consumer
 from pinpool._main.lazy_pool import LazyPool
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
 from pinpool._wire import codec as _codec
 from pinpool._wire.codec import ALIGN, Leaf
 from pinpool._wire.handle import BatchHandle, WorkerProgress, ZeroCopyTask
 from pinpool._wire.tree import KEEP, map_leaves
-from pinpool._worker import desk, places
+from pinpool._worker import desk, destination
 
 PAGE = pinpool.page_size()
 
@@ -348,7 +348,7 @@ class Worker:
         }
     )
     key: int = 0x5EED  # this worker's ring key
-    plan: _codec.Plan = field(init=False)
+    plan: _codec.LayoutPlan = field(init=False)
 
     def __post_init__(self) -> None:
         self.plan = _codec.plan(self.batch)
@@ -402,13 +402,13 @@ def received(state: tuple[Any, ...], cls: type = BatchHandle) -> Any:
 
 
 def decoded(handle: Any, ahead: bool) -> Any:
-    """What torch's loop and ``hand_over`` do with a handle: the pin thread's ``pin_memory()``
-    first when ``ahead`` (it may hand the handle back, for the consumer), then the consumer's
-    ``take()``. None for anything that is not a handle."""
+    """What torch's loop and ``hand_to_consumer`` do with a handle: the pin thread's
+    ``pin_memory()`` first when ``ahead`` (it may hand the handle back, for the consumer),
+    then the consumer's ``take()``. None for anything that is not a handle."""
     if not isinstance(handle, BatchHandle):
         return None
     try:
-        return hand_over(handle.pin_memory() if ahead else handle.take())
+        return hand_to_consumer(handle.pin_memory() if ahead else handle.take())
     except PinPoolError:
         raise
     except BaseException:
@@ -689,7 +689,7 @@ def one_slot_handle(data: Any, worker: Worker) -> None:
         grants = receiver.grants
         grants.open(1)
         task = ZeroCopyTask(1, 0)
-        sent = places.write(receiver.token, 4, worker.plan, task, grants.desk, None)
+        sent = destination.write(receiver.token, 4, worker.plan, task, grants.desk, None)
         assert sent.slot is not None, "the worker's path did not get a slot"
         try:
             state, changed = corrupted(data, sent.__getstate__(), SLOT_FIELDS, corrupt_slot_field)
@@ -711,7 +711,7 @@ def one_slot_handle(data: Any, worker: Worker) -> None:
 def test_slot_handle_fields() -> None:
     """Zero-copy: the state of a handle naming a slot, with up to three fields replaced by
     anything, for a slot really handed out, written through the worker's own path
-    (``places.write``)."""
+    (``destination.write``)."""
     worker = Worker()
 
     @FUZZ

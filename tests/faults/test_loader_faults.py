@@ -594,7 +594,7 @@ def test_closing_the_callers_pool_before_the_loader() -> None:
     assert not unraisable, [str(u.exc_value) for u in unraisable]
 
 
-# After a break, zero-copy reservations of the persistent iterator hold slots until the next
+# After a break, zero-copy grants of the persistent iterator hold slots until the next
 # epoch drains them; this test expects none held between epochs.
 @pytest.mark.copy_mode_only
 def test_persistent_workers_with_a_break(pool: pinpool.PinPool) -> None:

@@ -529,6 +529,6 @@ def test_torchs_error_in_the_shutdown_of_a_failed_iterator(
         gc.collect()
         pool.flush()
         s = pool.stats()
-        assert s["slots_free"] == pool.num_slots, s  # (reservations dropped with the iterator)
+        assert s["slots_free"] == pool.num_slots, s  # (grants dropped with the iterator)
         assert s["segments_mapped"] == s["segments_unmapped"], s
         del loader

@@ -6,7 +6,7 @@ did not go through the pool.
 
 Every loader test runs torch's DataLoader over the same dataset and collate function and
 compares the batches. Without an accelerator torch pins nothing; the tests that need a
-``pin_memory()`` call make pinpool believe torch would pin (``delivery.torch_would_pin``).
+``pin_memory()`` call make pinpool believe torch would pin (``opaque.torch_would_pin``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.utils.data
 from loader_datasets import Indexed, ListDataset, assert_same, in_pool
 
 import pinpool
-from pinpool._main import delivery
+from pinpool._main import opaque
 from pinpool._wire import codec, leaves
 from pinpool._wire.tree import KEEP, map_leaves
 
@@ -109,7 +109,7 @@ def pairs(n: int) -> ListDataset:
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts with no type warned about yet in this process."""
-    monkeypatch.setattr(delivery, "_warned", set())
+    monkeypatch.setattr(opaque, "_warned", set())
 
 
 def same(ref: Any, got: Any, path: str = "batch") -> None:
@@ -209,7 +209,7 @@ def test_ordinary_batches_do_not_warn() -> None:
 def test_custom_batch_is_pinned_by_itself_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, collate_fn: Any, num_workers: int
 ) -> None:
-    monkeypatch.setattr(delivery, "torch_would_pin", lambda: True)
+    monkeypatch.setattr(opaque, "torch_would_pin", lambda: True)
     dataset = Indexed(8)
     kw: dict[str, Any] = {"batch_size": 2, "num_workers": num_workers, "collate_fn": collate_fn}
     ref = torch.utils.data.DataLoader(dataset, **kw)
@@ -239,7 +239,7 @@ def test_custom_batch_is_pinned_by_itself_with_one_warning(
 
 def test_custom_batch_without_accelerator_is_left_alone_with_a_warning() -> None:
     """Where torch would not pin (no accelerator here), neither is pin_memory() called."""
-    if delivery.torch_would_pin():
+    if opaque.torch_would_pin():
         pytest.skip("an accelerator is present: torch would pin")
     pin, _, warned = run_both(Indexed(6), to_custom, 2)
     assert pin.stats()["batches"] == 3
@@ -248,7 +248,7 @@ def test_custom_batch_without_accelerator_is_left_alone_with_a_warning() -> None
 
 
 def test_warned_once_per_type_across_loaders(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(delivery, "torch_would_pin", lambda: True)
+    monkeypatch.setattr(opaque, "torch_would_pin", lambda: True)
     _, _, first = run_both(Indexed(4), to_custom, 0)
     _, _, second = run_both(Indexed(4), to_custom, 0)
     assert len(first) == 1 and second == []
@@ -365,7 +365,7 @@ class NotCallableHook:
 def test_a_dataclass_with_pin_memory_has_it_called(
     monkeypatch: pytest.MonkeyPatch, num_workers: int
 ) -> None:
-    monkeypatch.setattr(delivery, "torch_would_pin", lambda: True)
+    monkeypatch.setattr(opaque, "torch_would_pin", lambda: True)
     dataset = Indexed(6)
     kw: dict[str, Any] = {"batch_size": 2, "num_workers": num_workers, "collate_fn": to_pinning}
     ref = torch.utils.data.DataLoader(dataset, **kw)
@@ -384,8 +384,8 @@ def test_a_dataclass_with_pin_memory_has_it_called(
     warned = ours(caught)
     assert len(warned) == 1 and "PinningBatch" in warned[0], warned
     # Where torch would not pin, the method is not called and the dataclass is not walked.
-    monkeypatch.setattr(delivery, "_warned", set())
-    monkeypatch.setattr(delivery, "torch_would_pin", lambda: False)
+    monkeypatch.setattr(opaque, "_warned", set())
+    monkeypatch.setattr(opaque, "torch_would_pin", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for p in pinpool.DataLoader(dataset, **kw):
@@ -408,15 +408,15 @@ def test_a_pin_memory_that_is_not_callable_raises_type_error(
     monkeypatch: pytest.MonkeyPatch, collate_fn: Any, num_workers: int
 ) -> None:
     # torch's pin_memory calls it: 'bool' object is not callable.
-    monkeypatch.setattr(delivery, "torch_would_pin", lambda: True)
+    monkeypatch.setattr(opaque, "torch_would_pin", lambda: True)
     loader = pinpool.DataLoader(
         Indexed(4), batch_size=2, num_workers=num_workers, collate_fn=collate_fn
     )
     with pytest.raises(TypeError, match="pin_memory"):
         next(iter(loader))
     # Where torch would not pin, it does not call it: the batch comes through as it is.
-    monkeypatch.setattr(delivery, "torch_would_pin", lambda: False)
-    monkeypatch.setattr(delivery, "_warned", set())
+    monkeypatch.setattr(opaque, "torch_would_pin", lambda: False)
+    monkeypatch.setattr(opaque, "_warned", set())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = next(iter(pinpool.DataLoader(Indexed(4), batch_size=2, collate_fn=collate_fn)))
@@ -430,7 +430,7 @@ def test_an_error_kept_from_a_take_ahead_keeps_nothing_alive(
     queue (``_main.read_ahead``): here both batches, whose take fails. The first one's error is
     raised; the second's is kept for its turn. Dropping the iterator must free it at once
     (with the collector off): a kept error's frames would hold the iterator in a cycle."""
-    monkeypatch.setattr(delivery, "torch_would_pin", lambda: True)
+    monkeypatch.setattr(opaque, "torch_would_pin", lambda: True)
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=2, collate_fn=NotCallableHook)
     gc.disable()
     try:

@@ -620,7 +620,7 @@ def test_numpy_leaf_keeps_the_slot() -> None:
     assert pin.stats()["slots_checked_out"] == 0
 
 
-# With fewer slots than batches in flight, zero-copy reservations hold slots for batches not yet
+# With fewer slots than batches in flight, zero-copy grants hold slots for batches not yet
 # back: exhaustion comes one batch sooner than this test counts.
 @pytest.mark.copy_mode_only
 @pytest.mark.parametrize("num_workers", [0, 2])

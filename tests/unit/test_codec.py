@@ -33,7 +33,7 @@ from torch.utils.data import default_collate
 
 import pinpool
 from pinpool import OutOfBounds, PinPoolError
-from pinpool._main.delivery import hand_over
+from pinpool._main.delivery import hand_to_consumer
 from pinpool._wire import codec as _codec
 from pinpool._wire import leaves as _leaves
 from pinpool._wire.codec import ALIGN, Leaf, LeafSpec
@@ -249,7 +249,7 @@ def test_deferred_stack_equals_default_collate(
     assert_same(default_collate(samples), decode(tree, specs, buf))
 
 
-def written(p: _codec.Plan, threads: int) -> bytes:
+def written(p: _codec.LayoutPlan, threads: int) -> bytes:
     buf = bytearray(b"\xab" * (p.nbytes + ALIGN))
     _codec.write(p, buf, threads)
     return bytes(buf)
@@ -509,12 +509,12 @@ def assert_all_free(loader: pinpool.DataLoader) -> None:
 def test_a_good_hand_made_handle_decodes(live_loader: Any) -> None:
     make = HandleFactory(live_loader)
     h = make.make(worker=7)
-    # (hand_over: what the consumer's thread does with what the pin thread made.)
-    assert_same(make.batch, hand_over(h.pin_memory()))
+    # (hand_to_consumer: what the consumer's thread does with what the pin thread made.)
+    assert_same(make.batch, hand_to_consumer(h.pin_memory()))
     assert_all_free(live_loader)
     # The segment was handed back: the same key can carry the next batch.
     make.write()
-    assert_same(make.batch, hand_over(make.make(worker=7, announce=False).pin_memory()))
+    assert_same(make.batch, hand_to_consumer(make.make(worker=7, announce=False).pin_memory()))
     assert_all_free(live_loader)
 
 
@@ -550,7 +550,7 @@ def corrupt_handles(make: HandleFactory) -> dict[str, Any]:
 
 def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
     make = HandleFactory(live_loader)
-    hand_over(make.make(worker=7).pin_memory())  # segment key 7 known, for the cases below
+    hand_to_consumer(make.make(worker=7).pin_memory())  # segment key 7 known, for the cases below
     for name, build in corrupt_handles(make).items():
         fds = open_fd_count()
         make.segment.unclaim()

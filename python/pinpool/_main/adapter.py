@@ -4,8 +4,8 @@ One idea: wrap any iterable of batches (torch's DataLoader, torchdata's Stateful
 accelerate's DataLoaderShard, a subclass of your own, made with ``pin_memory=False``) and give
 each batch it yields one more copy, into a slot of a :class:`~pinpool.PinPool`, through a
 loader's own :class:`~pinpool._main.receiver.Receiver` (``encode_local``, then
-``delivery.hand_over``): the same slots, overflow and oversize rules, CPU views and device copies
-as :class:`pinpool.DataLoader`, with none of its worker-side machinery.
+``delivery.hand_to_consumer``): the same slots, overflow and oversize rules, CPU views and
+device copies as :class:`pinpool.DataLoader`, with none of its worker-side machinery.
 
 Invariants:
 
@@ -38,9 +38,10 @@ from .. import _signals
 from .._errors import InvalidArgument
 from .._native import PinPool
 from .._stats import LoaderStats
-from .delivery import hand_over
+from .delivery import hand_to_consumer
 from .pool_settings import PoolSettings
 from .receiver import Receiver
+from .settings import ARGUMENTS, copy_mode
 
 __all__ = ["Pinned", "pinned"]
 
@@ -49,6 +50,9 @@ _T = TypeVar("_T")
 #: Slots of a pool made here: the batch being copied in, plus 4 (what ``pinpool.DataLoader``
 #: gives a loader without workers: batches in flight plus 4).
 DEFAULT_NUM_SLOTS = 5
+#: The arguments :func:`pinned` takes, beside the loader (declared in ``settings.ARGUMENTS``,
+#: with the same meanings and defaults as ``pinpool.DataLoader``'s).
+PINNED_ARGUMENTS = tuple(a.name for a in ARGUMENTS if a.pinned)
 
 
 def pinned(
@@ -142,17 +146,8 @@ class Pinned(Generic[_T]):
                 "this loader's batches are in pinpool slots already (pinpool.DataLoader "
                 "takes device=, pool=, slot_bytes= itself)"
             )
-        pool_settings = PoolSettings.checked(
-            pool=pool,
-            slot_bytes=slot_bytes,
-            num_slots=num_slots,
-            copy_threads=copy_threads,
-            slot_timeout=slot_timeout,
-            overflow=overflow,
-            oversize=oversize,
-            device=device,
-            default_num_slots=DEFAULT_NUM_SLOTS,
-        )
+        given = {name: value for name, value in locals().items() if name in PINNED_ARGUMENTS}
+        pool_settings = PoolSettings.checked(given, default_num_slots=DEFAULT_NUM_SLOTS)
         if getattr(loader, "pin_memory", False) is True:
             warnings.warn(
                 "the loader given to pinpool.pinned() has pin_memory=True: every batch is "
@@ -161,7 +156,7 @@ class Pinned(Generic[_T]):
                 stacklevel=3,
             )
         self._inner = loader
-        receiver = Receiver(uuid.uuid4().hex, pool_settings)
+        receiver = Receiver(uuid.uuid4().hex, pool_settings, copy_mode(pool_settings.device))
         self._receiver = receiver
         if pool_settings.known:
             receiver.pools.pool_for(0)  # sizes known: make the pool now
@@ -222,4 +217,4 @@ class _PinnedIter(Iterator[Any]):
         pool = self._receiver.pool
         # The pool's copy threads (one for the batch that makes the pool).
         threads = pool.copy_threads if pool is not None else 1
-        return hand_over(self._receiver.encode_local(batch, None, threads))
+        return hand_to_consumer(self._receiver.encode_local(batch, None, threads))

@@ -11,36 +11,24 @@ allocation per batch: in its leaves' dtype where they share one, so that they co
 with no torch call per leaf (``leaves.DeviceLayout``), else bytes viewed leaf by leaf.
 
 Every batch delivered comes out as one type, :class:`Pending`, with one ``wait()``, called on
-the consumer's thread by :func:`hand_over` as the batch is yielded: it waits for a copy into
+the consumer's thread by :func:`hand_to_consumer` as the batch is yielded: it waits for a copy into
 the slot still running on a copy thread (the pin thread took the batch ahead), and makes the
 consumer's current stream wait for a copy to the device. Nothing here calls back into the
 receiver: where a batch's bytes still are (a worker's segment) is passed in as data.
 
-Objects the tree walk cannot look into (``_wire.tree``: anything but mappings, sequences,
-tuples, namedtuples and dataclasses without a ``pin_memory`` attribute) travel whole, their
-tensors through torch's own pickling, outside the pool. Those that have a ``pin_memory``
-attribute (torch's hook for custom batch types) are treated as torch's DataLoader treats them:
-their ``pin_memory()`` is called, where torch would call it (an accelerator is present), a
-``TypeError`` raised if it is not callable, and a warning names their type, once per type and
-process (:func:`pinned_by_itself`).
+Objects the tree walk cannot look into travel whole (``opaque``: pinned by their own
+``pin_memory()`` where torch would call it, warned about once).
 
 Invariants: a slot is referenced only by the views made here (CPU) or by nothing once released
 behind the copy (device); numpy leaves cannot live on a GPU, so they are host copies there;
 every batch delivered leaves here as a :class:`Pending`, and is yielded only through its
-``wait()`` (:func:`hand_over`).
+``wait()`` (:func:`hand_to_consumer`).
 """
 
 from __future__ import annotations
 
-import enum
-import os
-import sys
-import threading
-import types
-import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import _trace
@@ -49,6 +37,9 @@ from .._native import Copying, SegmentCache, Sent, Slot
 from .._torch_contract import cuda_raw_stream
 from .._wire import codec, leaves
 from .._wire.handle import BatchHandle
+from . import opaque
+from .opaque import OpaqueObjects
+from .settings import DeliveryMode
 
 #: Where a slot's bytes still are, when a batch is sent to the device: in a worker's segment
 #: (the segment cache and the segment's key), or None: in the slot already.
@@ -146,89 +137,16 @@ class Pending:
 
     def pin_memory(self) -> Pending:
         """torch's pin-memory step (a batch made in the main process, ``num_workers=0``)
-        leaves it as it is: :func:`hand_over` waits for it in its turn."""
+        leaves it as it is: :func:`hand_to_consumer` waits for it in its turn."""
         return self
 
 
-#: Where frames of pinpool and of torch come from (a warning names the first frame outside).
-_INSIDE = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-)
-#: Types whose ``pin_memory()`` was warned about in this process.
-_warned: set[type] = set()
-#: Their warnings, not yet given.
-_warnings_due: list[str] = []
-_warned_lock = threading.Lock()
-
-
-def torch_would_pin() -> bool:
-    """Whether torch's DataLoader, given ``pin_memory=True``, pins batches in this process (it
-    does where an accelerator is present)."""
-    return bool(torch.accelerator.is_available())
-
-
-def pinned_by_itself(kind: type, called: bool) -> None:
-    """Warns, once per type and process, that objects of ``kind`` did not go through the
-    pool (and whether their ``pin_memory()`` was ``called``)."""
-    with _warned_lock:
-        if kind in _warned:
-            return
-        _warned.add(kind)
-    what = (
-        "it was pinned by its own pin_memory(), as torch's DataLoader would do"
-        if called
-        else "its pin_memory() was not called, as torch's DataLoader does not call it where "
-        "no accelerator is present"
-    )
-    message = (
-        f"pinpool: a batch holds a {kind.__module__}.{kind.__qualname__} object, which "
-        "pinpool cannot look into: its tensors did not go through the loader's pool of "
-        f"pinned slots; {what}. To have them pinned through the pool, make it a dataclass (without "
-        "a pin_memory attribute), a namedtuple, or a dict, list or tuple of tensors (warned "
-        "once per type)."
-    )
-    with _warned_lock:
-        # Warned by hand_over(), on the consumer's thread: this may be torch's pin thread.
-        _warnings_due.append(message)
-
-
-#: What a batch may hold that has no arrays: kept whole, without a word.
-_PLAIN = (np.generic, torch.dtype, torch.device, torch.Size, enum.Enum, range, slice)
-
-
-def looked_past(kind: type) -> None:
-    """Warns (once per loader and type: the caller keeps count) that objects of ``kind``, which
-    pinpool cannot look into, went past the loader's pool with whatever arrays they hold."""
-    message = (
-        f"pinpool: a batch holds a {kind.__module__}.{kind.__qualname__} object, which pinpool "
-        "cannot look into: tensors it holds did not go through the loader's arena of pinned "
-        "memory (torch's DataLoader leaves them unpinned too). To have them in the arena, make "
-        "it a dataclass, a namedtuple, or a dict, list or tuple of tensors (warned once per "
-        "loader and type)."
-    )
-    with _warned_lock:
-        _warnings_due.append(message)
-
-
-def _give_warnings_due() -> None:
-    with _warned_lock:
-        messages = _warnings_due[:]
-        _warnings_due.clear()
-    for message in messages:
-        # Name the first frame outside pinpool and torch (the loop taking batches), if any.
-        level = 1
-        outside: types.FrameType | None = sys._getframe(0)
-        while outside is not None and outside.f_code.co_filename.startswith(_INSIDE):
-            level, outside = level + 1, outside.f_back
-        warnings.warn(message, UserWarning, stacklevel=level if outside is not None else 1)
-
-
 class Delivery:
-    """Rebuilds batches over their memory, on the CPU or on ``device``; counts them."""
+    """Rebuilds batches over their memory, on the CPU or on the mode's device; counts them."""
 
-    def __init__(self, device: torch.device | None) -> None:
-        self.device = device
+    def __init__(self, mode: DeliveryMode) -> None:
+        self.mode = mode
+        self.device = device = mode.device
         self.copy_stream = torch.cuda.Stream(device) if device is not None else None
         # The consumer's stream as last seen by Pending.wait (first: the default stream) and
         # its raw handle: batches are recorded on it ahead, on the pin thread.
@@ -243,39 +161,9 @@ class Delivery:
         #: Batches handed over to the consumer (``Pending.wait``), and their bytes.
         self.handed = 0
         self.handed_bytes = 0
-        # Whether objects that pin themselves are pinned (as torch would): known with a
-        # device, else asked at the first such object.
-        self._pin_others: bool | None = True if device is not None else None
-        #: The types of objects the batches held that pinpool cannot look into (warned about
-        #: once per loader).
-        self._looked_past: set[type] = set()
-
-    def pin_opaque(self, obj: Any) -> Any:
-        """What torch's ``pin_memory`` would make of ``obj``, an object the tree walk kept
-        whole: itself, or (an object with a ``pin_memory`` attribute, not a tensor) what
-        calling it returns, where torch would call it (a ``TypeError`` if it is not
-        callable, as torch's call raises)."""
-        if isinstance(obj, (torch.Tensor, type)):
-            return obj
-        if not hasattr(obj, "pin_memory"):
-            if not isinstance(obj, _PLAIN) and type(obj) not in self._looked_past:
-                self._looked_past.add(type(obj))
-                looked_past(type(obj))
-            return obj
-        if self._pin_others is None:
-            self._pin_others = torch_would_pin()
-        if not self._pin_others:
-            pinned_by_itself(type(obj), False)
-            return obj
-        pin = obj.pin_memory
-        if not callable(pin):
-            raise TypeError(
-                f"the batch holds a {type(obj).__module__}.{type(obj).__qualname__} object "
-                f"whose pin_memory attribute is not callable ({type(pin).__name__!r} object): "
-                "torch's DataLoader calls it to pin the object"
-            )
-        pinned_by_itself(type(obj), True)
-        return pin()
+        #: What becomes of objects the tree walk cannot look into (``opaque``).
+        self.opaque = OpaqueObjects(device is not None)
+        self.pin_opaque = self.opaque.pin
 
     def __call__(
         self,
@@ -288,7 +176,7 @@ class Delivery:
         """The batch of ``tree`` over the first ``need`` bytes of ``memory`` (None when every
         leaf is empty); ``copying``: the copy into ``memory`` still running, which the
         consumer waits for."""
-        if self.device is not None and isinstance(memory, Slot) and memory.device is not None:
+        if self.mode.on_device and isinstance(memory, Slot) and memory.device is not None:
             # A zero-copy batch in a slot the driver pinned: on to the device in one call.
             return self.send(tree, specs, memory, need, None)
         self.batches += 1
@@ -299,7 +187,7 @@ class Delivery:
         # The leaves' buffer: a slot, or the numpy array of an ordinary buffer (no torch op:
         # see leaves.host_leaf).
         host = memory if isinstance(memory, Slot) else memory.numpy()
-        if self.device is None:
+        if not self.mode.on_device:
             # The views hold the slot; it returns to the pool when the last of them dies.
             arrays = leaves.host_leaves(specs, host, need)
             del host, memory
@@ -428,7 +316,7 @@ def _device_leaves(
 
 class RaisedAhead:
     """What a batch's take ahead of its turn raised on the consumer's thread
-    (``read_ahead``): :func:`hand_over` raises it in the batch's turn."""
+    (``read_ahead``): :func:`hand_to_consumer` raises it in the batch's turn."""
 
     __slots__ = ("error",)
 
@@ -436,7 +324,7 @@ class RaisedAhead:
         self.error: Exception | None = error
 
 
-def hand_over(item: Any) -> Any:
+def hand_to_consumer(item: Any) -> Any:
     """What the iterator yields for ``item``, which torch's machinery produced: a handle is
     taken in its turn, a pending batch waited for (its copy into its slot, or its hand-over
     to the consumer's stream), what a take ahead raised raised."""
@@ -453,8 +341,8 @@ def hand_over(item: Any) -> Any:
             error = None  # (this frame, in its traceback, must not keep it: no cycle)
     if isinstance(item, Pending):
         item = item.wait()
-    if _warnings_due:
-        _give_warnings_due()
+    if opaque.warnings_due:
+        opaque.give_warnings_due()
     if t0:
         _trace.span("batch.finish", t0)
     return item

@@ -30,18 +30,18 @@ from .._native import PinPool, SegmentCache, cuda_available, room_kept
 from .._wire.pool_hint import PoolHint
 from .grants import LoaderGrants
 from .pool_settings import PoolSettings
-from .sizing import Plan
+from .sizing import ArenaPlan
 
 _log = logging.getLogger("pinpool")
 
 
-class _InTurn:
-    """What a claim made ahead of the consumer gets instead of a slot: the batch is taken in
-    its turn, on the consumer's thread."""
+class _TakeInTurn:
+    """What a claim made ahead of the consumer gets instead of a slot: the batch is to be
+    taken in its turn, on the consumer's thread."""
 
 
-#: See :class:`_InTurn`.
-IN_TURN = _InTurn()
+#: See :class:`_TakeInTurn`.
+TAKE_IN_TURN = _TakeInTurn()
 
 
 class LazyPool:
@@ -65,7 +65,7 @@ class LazyPool:
         self.pool = settings.pool
         self.cache: SegmentCache | None = None
         #: The pool's plan once it is made (None for a pool given by the caller).
-        self.plan: Plan | None = None
+        self.plan: ArenaPlan | None = None
         #: The pool was made from a worker's hint, and no real batch has arrived since.
         self._provisional = False
         #: The largest batch seen so far, in bytes (the room claims ahead leave is sized from
@@ -193,13 +193,13 @@ class LazyPool:
         With ``ahead`` (torch's pin thread, taking a batch the consumer may not want yet),
         the slot must leave room for another batch as large as the largest seen (that room
         is kept for the batch the consumer waits for, which may still be on its way), and
-        nothing waits for the consumer: it returns :data:`IN_TURN` instead of waiting,
+        nothing waits for the consumer: it returns :data:`TAKE_IN_TURN` instead of waiting,
         overflowing or raising."""
         largest = self.max_batch or pool.largest_slot
         timeout = self.settings.slot_timeout
         if need > largest:
             if ahead:
-                return IN_TURN  # the error or the buffer of its own belongs to its turn
+                return TAKE_IN_TURN  # the error or the buffer of its own belongs to its turn
             if self.settings.oversize != "error":
                 return self.oversize_buffer(need, largest)
             raise BatchTooLarge(
@@ -229,7 +229,7 @@ class LazyPool:
         if t0:
             _trace.span("slot.claim", t0, nbytes=need, ahead=ahead, got=_claimed(got))
         if got == "later":
-            return IN_TURN  # (seen in its turn)
+            return TAKE_IN_TURN  # (seen in its turn)
         self.seen(need)
         if got == "overflow":
             # Every byte is held by batches the consumer keeps alive: waiting could wait

@@ -1,6 +1,6 @@
 """One epoch of a ``pinpool.DataLoader``: torch's iterator, wrapped (:class:`LoaderIter`).
 
-Each item torch's machinery produces is handed over to the consumer (``delivery.hand_over``),
+Each item torch's machinery produces is handed over to the consumer (``delivery.hand_to_consumer``),
 counted for ``state_dict()`` (``resume.Epoch``), and the epoch's end shuts the workers down
 (unless they persist) and takes back what they held.
 
@@ -21,7 +21,7 @@ from .. import _signals, _trace
 from .._errors import PinPoolError
 from .._torch_contract import ITERATOR_READABLE, RERAISE_CODE
 from .._wire.handle import WorkerProgress
-from .delivery import hand_over
+from .delivery import hand_to_consumer
 from .grants import TaskTagger
 from .resume import Epoch
 from .workers import WorkersIter, shut_down
@@ -68,7 +68,7 @@ class LoaderIter:
                 workers = self._loader.num_workers
                 item, worker, state = item.fields(workers)
                 self._epoch.delivered(worker, state, workers)
-            batch = hand_over(item)
+            batch = hand_to_consumer(item)
         finally:
             self._epoch.took(_taken(self._inner), raised=False)
         if t0:

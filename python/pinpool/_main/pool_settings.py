@@ -1,24 +1,44 @@
-"""One loader's pool settings, as one object: built once from the keywords of
+"""One loader's pool settings, as one object: built once from the pool's arguments of
 ``pinpool.DataLoader`` or ``pinpool.pinned`` and passed down whole (to the receiver, the lazy
 pool, the delivery), instead of the same keyword list in every signature.
 
+Boundary: ``settings`` declares and checks each argument alone, and resolves the delivery
+mode; this module checks the pool's arguments together (the sizes against each other and
+against a pool of the caller's) and keeps what they make.
+
 Invariants: a :class:`PoolSettings` exists only checked (:meth:`PoolSettings.checked` checks
-the keywords before it is made: a setting out of range, or sizes given with a pool of the
-caller's, raise ``InvalidArgument`` there), and never changes afterwards
-(frozen); the public keywords it is built from stay the loaders' own.
+the arguments before it is made: a setting out of range, or sizes given with a pool of the
+caller's, raise ``InvalidArgument`` there), and never changes afterwards (frozen); the
+public keywords it is built from stay the loaders' own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .._errors import ArgumentTypeError, InvalidArgument
+from .._errors import InvalidArgument
 from .._native import PinPool
-from .settings import MAX_COPY_THREADS, check_choice, check_int, check_timeout, cuda_device
+from .settings import BY_NAME, check_given, cuda_device
 from .sizing import Sizing
+
+#: The arguments a pool is made with (``settings.ARGUMENTS``); ``pinpool.pinned`` takes them
+#: too, but for ``arena_bytes`` and ``max_batch_bytes``.
+POOL_ARGUMENTS = (
+    "pool",
+    "arena_bytes",
+    "max_batch_bytes",
+    "slot_bytes",
+    "num_slots",
+    "device",
+    "copy_threads",
+    "slot_timeout",
+    "overflow",
+    "oversize",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,36 +65,24 @@ class PoolSettings:
     @classmethod
     def checked(
         cls,
+        given: Mapping[str, Any],
         *,
-        pool: PinPool | None,
-        arena_bytes: Any = None,
-        max_batch_bytes: Any = None,
-        slot_bytes: Any,
-        num_slots: Any,
-        copy_threads: Any,
-        slot_timeout: Any,
-        overflow: Any,
-        oversize: Any,
-        device: Any,
         in_flight: int = 1,
         default_num_slots: int | None = None,
     ) -> PoolSettings:
-        """The settings of these keywords (``pinpool.DataLoader``'s and ``pinpool.pinned``'s),
-        checked: ``InvalidArgument`` for one out of range, or sizes given with a pool of the
-        caller's. ``in_flight``: batches in flight at once; ``default_num_slots``: the slots
-        when ``num_slots`` is not given (None: sized from the batches in flight). The pool's
-        device is a given pool's, else the delivery device's, else torch's current CUDA
-        device, else None."""
-        if pool is not None and not isinstance(pool, PinPool):
-            raise ArgumentTypeError(
-                f"pool must be a pinpool.PinPool or None, not {pool!r} ({type(pool).__name__})"
-            )
-        check_choice("overflow", overflow, ("copy", "wait"))
-        check_choice("oversize", oversize, ("pin", "copy", "error"))
-        check_int("num_slots", num_slots, 1, 1 << 20, none_ok=True)
-        check_int("slot_bytes", slot_bytes, 1, 1 << 50, none_ok=True)
-        check_int("arena_bytes", arena_bytes, 1, 1 << 50, none_ok=True)
-        check_int("max_batch_bytes", max_batch_bytes, 1, 1 << 50, none_ok=True)
+        """The settings of ``given``, the pool's arguments of ``pinpool.DataLoader`` or
+        ``pinpool.pinned`` by name (those not given: their defaults), checked, each by its
+        declaration (``settings.ARGUMENTS``), then together: ``InvalidArgument`` for sizes
+        given with a pool of the caller's. ``in_flight``: batches in flight at once;
+        ``default_num_slots``: the slots when ``num_slots`` is not given (None: sized from the
+        batches in flight). The pool's device is a given pool's, else the delivery device's,
+        else torch's current CUDA device, else None."""
+        values = {name: given.get(name, BY_NAME[name].default) for name in POOL_ARGUMENTS}
+        check_given(values)
+        pool = values["pool"]
+        arena_bytes, max_batch_bytes = values["arena_bytes"], values["max_batch_bytes"]
+        slot_bytes, num_slots = values["slot_bytes"], values["num_slots"]
+        copy_threads, device = values["copy_threads"], values["device"]
         if slot_bytes is not None and (arena_bytes is not None or max_batch_bytes is not None):
             raise InvalidArgument(
                 "slot_bytes= (with num_slots=) sizes the arena in equal slots; pass either it or "
@@ -84,18 +92,10 @@ class PoolSettings:
             raise InvalidArgument(
                 f"max_batch_bytes ({max_batch_bytes}) is larger than arena_bytes ({arena_bytes})"
             )
-        check_int("copy_threads", copy_threads, 1, MAX_COPY_THREADS, none_ok=True)
-        check_timeout("slot_timeout", slot_timeout)
         if pool is not None:
             # The pool was made with its own sizes and copy threads: these would change nothing.
-            given = {
-                "arena_bytes": arena_bytes,
-                "max_batch_bytes": max_batch_bytes,
-                "slot_bytes": slot_bytes,
-                "num_slots": num_slots,
-                "copy_threads": copy_threads,
-            }
-            named = [f"{name}=" for name, value in given.items() if value is not None]
+            sizes = ("arena_bytes", "max_batch_bytes", "slot_bytes", "num_slots", "copy_threads")
+            named = [f"{name}=" for name in sizes if values[name] is not None]
             if named:
                 raise InvalidArgument(
                     f"{', '.join(named)} cannot apply with pool=: a pool of your own keeps the "
@@ -124,9 +124,9 @@ class PoolSettings:
             device=out_device,
             pool_device=pool_device,
             copy_threads=copy_threads,
-            slot_timeout=slot_timeout,
-            overflow=overflow,
-            oversize=oversize,
+            slot_timeout=values["slot_timeout"],
+            overflow=values["overflow"],
+            oversize=values["oversize"],
         )
 
     @property

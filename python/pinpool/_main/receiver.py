@@ -41,8 +41,9 @@ from .._wire.pool_hint import PoolHint
 from .delivery import Delivery, Pending
 from .grants import LoaderGrants
 from .intake import Intake
-from .lazy_pool import IN_TURN, LazyPool
+from .lazy_pool import TAKE_IN_TURN, LazyPool
 from .pool_settings import PoolSettings
+from .settings import DeliveryMode
 
 #: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
 #: in its turn, on its current stream (torch's pin thread only has them copied into their slot
@@ -58,16 +59,18 @@ class Receiver:
         self,
         token: str,
         settings: PoolSettings,
+        mode: DeliveryMode,
         pool_hint: PoolHint | None = None,
-        zero_copy: bool = False,
     ) -> None:
         self.token = token
         self.pid = os.getpid()  # finalizers run in a forked child do nothing
+        #: How the loader's batches reach the consumer (``settings.DeliveryMode``).
+        self.mode = mode
         #: Zero-copy: the loader's grants (None in copy mode).
-        self.grants = LoaderGrants() if zero_copy else None
+        self.grants = LoaderGrants() if mode.worker_writes_in_place else None
         self.pools = LazyPool(settings, pool_hint, self.grants)
         self.intake = Intake(self.pools, self.grants)
-        self.deliver = Delivery(settings.device)
+        self.deliver = Delivery(mode)
         #: The loader's current torch iterator (a weak reference), set and used by the loader.
         self.iterator: Any = None
         #: Set once an iterator has met a batch bigger than :data:`CONSUMER_SENDS_UP_TO` where
@@ -103,9 +106,8 @@ class Receiver:
         in order (the same rules as on a machine without an accelerator). Nor does it wait
         for a copy into a slot whose batch stays on the CPU or is a small one for the device
         (:data:`CONSUMER_SENDS_UP_TO`): the consumer's thread waits for it, and sends the
-        latter on its current stream (``Pending.wait``). A small zero-copy batch for the
-        device it does not touch at all: the handle itself is returned, and the consumer's
-        thread adopts and sends it in its turn.
+        latter on its current stream (``Pending.wait``), a small zero-copy batch too (adopted
+        here).
 
         A bigger batch for the device whose slot the driver pinned is copied into the slot
         and on to the device in one call without the GIL (``SegmentCache.copy_to_device``),
@@ -122,22 +124,18 @@ class Receiver:
             return self.deliver(handle.tree, [], None, 0)
         copying = None
         try:
-            small = self.deliver.device is not None and self._small(handle)
+            consumer_sends = self.mode.on_device and self._consumer_sends(handle)
             if handle.slot is not None:
-                if small and ahead:
-                    # Adopted and sent by the consumer's thread in its turn: the pin thread,
-                    # doing nothing for it, leaves the GIL to the consumer.
-                    return handle
                 t0 = _trace.on and _trace.now()
                 memory, specs, need = self.intake.adopt(handle)
                 if t0:
                     _trace.span("batch.adopt", t0, nbytes=need)
             else:
-                got = self._copy_in(handle, ahead, small)
-                if got is IN_TURN:
+                got = self._copy_in(handle, ahead, consumer_sends)
+                if got is TAKE_IN_TURN:
                     return handle
                 memory, specs, need, copying = got
-                if not small and copying is None and self._send_from_segment(memory):
+                if not consumer_sends and copying is None and self._pinned_slot_to_device(memory):
                     # Into the slot and on to the device in one call, as it is delivered.
                     try:
                         cache = self.pools.cache
@@ -152,7 +150,7 @@ class Receiver:
             self.intake.drop(handle)
             raise
         self.intake.drop(handle, handed_back=copying is not None)
-        if small and self._send_from_segment(memory):
+        if consumer_sends and self._pinned_slot_to_device(memory):
             # Sent on the consumer's thread as it is yielded (Pending.wait).
             later = (handle.tree, specs, memory, need)
             return Pending(
@@ -169,7 +167,7 @@ class Receiver:
             _trace.span("batch.deliver", t0, nbytes=need)
         return pending
 
-    def _small(self, handle: BatchHandle) -> bool:
+    def _consumer_sends(self, handle: BatchHandle) -> bool:
         """Whether a batch bound for the device is small enough for the consumer's thread to
         send it (:data:`CONSUMER_SENDS_UP_TO`); a segment's batch has its segment opened
         first, here on the pin thread, while its worker surely lives."""
@@ -195,38 +193,34 @@ class Receiver:
         pending: Pending = self.take(handle, ahead=False)
         return pending.wait()
 
-    def _send_from_segment(self, memory: Any) -> bool:
+    def _pinned_slot_to_device(self, memory: Any) -> bool:
         """Whether a segment's batch in ``memory`` goes to the device straight from the
         segment (a slot the driver pinned, a device to deliver on): then nothing copies it
         into the slot first."""
-        return (
-            isinstance(memory, Slot)
-            and self.deliver.device is not None
-            and memory.device is not None
-        )
+        return isinstance(memory, Slot) and self.mode.on_device and memory.device is not None
 
-    def _copy_in(self, handle: BatchHandle, ahead: bool, small: bool) -> Any:
+    def _copy_in(self, handle: BatchHandle, ahead: bool, consumer_sends: bool) -> Any:
         """Copy mode: a slot (or an ordinary buffer) with the segment's batch copied in; or
         still being copied in (then also its :class:`~pinpool._native.Copying`, and the
         segment goes back to its worker from the copy thread); or, for a big batch sent to
         the device from a slot the driver pinned, nothing copied yet (see :meth:`take`); or
-        :data:`~pinpool._main.lazy_pool.IN_TURN`. ``small``: a batch for the device the
-        consumer's thread sends (:data:`CONSUMER_SENDS_UP_TO`)."""
+        :data:`~pinpool._main.lazy_pool.TAKE_IN_TURN`. ``consumer_sends``: a batch for the
+        device the consumer's thread sends (:data:`CONSUMER_SENDS_UP_TO`)."""
         if handle._state == ARRIVED:
             self.intake.receive(handle)
         pool, cache = self.pools.pool_for(int(handle.nbytes))
         specs, need = self.intake.segment_specs(handle)
         memory = self.pools.claim(pool, need, ahead) if need else None
-        if memory is IN_TURN:
-            return IN_TURN
+        if memory is TAKE_IN_TURN:
+            return TAKE_IN_TURN
         key = (handle.worker, handle.segment)
         copying: Any = None
         t0 = _trace.on and _trace.now()
         if isinstance(memory, Slot):
-            pinned = self._send_from_segment(memory)
-            if pinned and not small:
+            pinned = self._pinned_slot_to_device(memory)
+            if pinned and not consumer_sends:
                 pass  # (Delivery.send copies it)
-            elif ahead and (self.deliver.device is None or pinned):
+            elif ahead and (not self.mode.on_device or pinned):
                 # The pin thread goes on to the next batch; the consumer waits (Pending.wait),
                 # and sends a small batch for the device from the slot.
                 copying = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
@@ -235,14 +229,16 @@ class Receiver:
         elif memory is not None:
             cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
         if t0 and memory is not None:
-            _trace.span("batch.copy", t0, nbytes=need, how=self._copy_how(memory, copying, small))
+            _trace.span(
+                "batch.copy", t0, nbytes=need, how=self._copy_how(memory, copying, consumer_sends)
+            )
         return memory, specs, need, copying
 
-    def _copy_how(self, memory: Any, copying: Any, small: bool) -> str:
+    def _copy_how(self, memory: Any, copying: Any, consumer_sends: bool) -> str:
         """The ``batch.copy`` event's ``how`` (see ``pinpool._trace.EVENTS``)."""
         if copying is not None:
             return "background"
-        if not small and self._send_from_segment(memory):
+        if not consumer_sends and self._pinned_slot_to_device(memory):
             return "device"
         return "slot" if isinstance(memory, Slot) else "buffer"
 

@@ -1,24 +1,38 @@
-"""A loader's settings: checked when the loader is made (not at the first batch, where an
-error would come out of the middle of an epoch), and their defaults.
+"""A loader's arguments and its delivery mode: each of pinpool's ``DataLoader`` arguments
+declared once (:data:`ARGUMENTS`: its default, its check, its one-line doc, where it applies),
+checked when the loader is made (not at the first batch, where an error would come out of the
+middle of an epoch), and the :class:`DeliveryMode` they resolve to on this machine.
 
-Invariants: a setting out of range raises ``InvalidArgument`` here; a setting given that
-cannot apply to the loader it was given to never does nothing silently: one that contradicts
-another (sizes given with a pool of the caller's) raises, one that only has nothing to act on
-in this loader (``zero_copy=True`` without workers) is named by :func:`ignored`, whose
-reasons the loader warns about once.
+Boundary: this module is about the arguments as given (each one's check, whether it applies,
+the mode); ``pool_settings`` is the one object the pool's arguments become, checked together
+(the sizes against each other and against a pool of the caller's), passed down whole.
+
+Invariants: a setting out of range raises ``InvalidArgument`` here, and one of the wrong type
+``ArgumentTypeError`` (an ``InvalidArgument`` and a ``TypeError``), naming it; a setting given
+that cannot apply to the loader it was given to never does nothing silently: one that
+contradicts another (sizes given with a pool of the caller's) raises, one that only has nothing
+to act on in this loader (``zero_copy=True`` without workers) is named by :func:`ignored`, whose
+reasons the loader warns about once; ``DataLoader.__init__``'s pinpool keywords, their
+defaults and the user guide's options table are these declarations (``tests/package``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .._errors import ArgumentTypeError, InvalidArgument
+from .._native import PinPool
+from .._torch_contract import cuda_pin_thread_deferrable
 
 #: The most copy threads a pool or a worker may have (the Rust core's limit).
 MAX_COPY_THREADS = 64
+#: The largest size in bytes an argument may give.
+MAX_BYTES = 1 << 50
 
 
 def check_int(name: str, value: Any, low: int, high: int, none_ok: bool = False) -> None:
@@ -44,13 +58,16 @@ def check_bool(name: str, value: Any, none_ok: bool = False) -> None:
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raises InvalidArgument unless ``value`` is one of ``choices`` (``ArgumentTypeError``
+    for one that is not a string)."""
     if value not in choices:
-        raise InvalidArgument(
-            f"{name} must be {' or '.join(repr(c) for c in choices)}, not {value!r}"
-        )
+        wanted = f"{name} must be {' or '.join(repr(c) for c in choices)}, not {value!r}"
+        raise (InvalidArgument if isinstance(value, str) else ArgumentTypeError)(wanted)
 
 
 def check_timeout(name: str, value: Any) -> None:
+    """Raises InvalidArgument unless ``value`` is None or a finite number of seconds, at
+    least 0."""
     wanted = f"{name} must be None or a non-negative number, not {value!r}"
     if value is None:
         return
@@ -117,61 +134,287 @@ def local_world_size() -> int:
         return 1
 
 
+def check_pool(name: str, value: Any) -> None:
+    """Raises ``ArgumentTypeError`` unless ``value`` is a :class:`~pinpool.PinPool` or None."""
+    if value is not None and not isinstance(value, PinPool):
+        raise ArgumentTypeError(
+            f"{name} must be a pinpool.PinPool or None, not {value!r} ({type(value).__name__})"
+        )
+
+
+# -- the declarations -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What about a loader decides whether a setting given to it can apply."""
+
+    #: The dataset is an ``IterableDataset`` (its batches' indices are not drawn here).
+    iterable: bool
+    num_workers: int
+    #: Batches are collated (``batch_size`` or ``batch_sampler`` given).
+    auto_collation: bool
+    #: The caller's own collate function (None: torch's default).
+    collate_fn: Any
+    #: A pool of the caller's (None: the loader makes its own).
+    pool: Any
+
+    @property
+    def batched_map_style(self) -> bool:
+        """Map-style batches made by workers: what zero-copy and streamed collation need."""
+        return self.auto_collation and self.num_workers > 0 and not self.iterable
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """One of pinpool's ``DataLoader`` arguments (beside torch's), declared once."""
+
+    name: str
+    #: Its default (``DataLoader.__init__``'s; ``pinpool.pinned``'s too where it takes it).
+    default: Any
+    #: Raises ``InvalidArgument`` (``ArgumentTypeError`` for a wrong type) naming the argument
+    #: for a value it does not take; called with the name and the value.
+    check: Callable[[str, Any], Any]
+    #: What it does, in one line.
+    doc: str
+    #: The default as the user guide's options table shows it (None: the value, in code).
+    shown: str | None = None
+    #: ``pinpool.pinned`` takes it too (with the same meaning and default).
+    pinned: bool = False
+    #: Why a value given does nothing in a loader of this shape (None: it applies, or it is
+    #: a value that never warns, such as the default).
+    unused: Callable[[Any, Shape], str | None] | None = None
+
+    @property
+    def shown_default(self) -> str:
+        """The default as the user guide's options table shows it."""
+        if self.shown is not None:
+            return self.shown
+        value = f'"{self.default}"' if isinstance(self.default, str) else repr(self.default)
+        return f"`{value}`"
+
+
+def _int_from(low: int, high: int) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        check_int(name, value, low, high, none_ok=True)
+
+    return check
+
+
+def _bool(name: str, value: Any) -> None:
+    check_bool(name, value)
+
+
+def _bool_or_none(name: str, value: Any) -> None:
+    check_bool(name, value, none_ok=True)
+
+
+def _choice(*choices: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        check_choice(name, value, choices)
+
+    return check
+
+
+def _zero_copy_unused(value: Any, shape: Shape) -> str | None:
+    if not value:
+        return None
+    if shape.num_workers == 0:
+        why = "num_workers=0 (the batches are made in this process)"
+    elif shape.iterable:
+        why = "an IterableDataset (its batches' indices are not drawn here)"
+    elif not shape.auto_collation:
+        why = "batch_size=None (no batches to grant slots to)"
+    elif shape.pool is not None and shape.pool.backend == "cuda-hostalloc":
+        why = "a pool with backend='cuda-hostalloc' (workers cannot map it)"
+    else:
+        return None
+    return (
+        f"zero_copy=True does nothing with {why}: every batch is copied into the arena as "
+        "with zero_copy=False; zero-copy needs a map-style dataset with batching, "
+        "num_workers > 0 and a memfd arena"
+    )
+
+
+def _stream_samples_unused(value: Any, shape: Shape) -> str | None:
+    if not value:
+        return None  # (None, the default, means "where it applies")
+    if shape.num_workers == 0:
+        why = "num_workers=0"
+    elif shape.iterable:
+        why = "an IterableDataset"
+    elif shape.collate_fn is not None:
+        why = "a collate_fn of your own (streaming collates as torch's default_collate)"
+    elif not shape.auto_collation:
+        why = "batch_size=None"
+    else:
+        return None
+    return f"stream_samples=True does nothing with {why}: samples are made first and collated after"
+
+
+def _worker_copy_threads_unused(value: Any, shape: Shape) -> str | None:
+    if value is None or shape.num_workers > 0:
+        return None
+    return (
+        f"worker_copy_threads={value} does nothing with num_workers=0: there are no workers "
+        "(copy_threads= sets this process's copy threads)"
+    )
+
+
+#: pinpool's own ``DataLoader`` arguments, beside torch's, in the signature's order.
+ARGUMENTS: tuple[Argument, ...] = (
+    Argument(
+        "pool",
+        None,
+        check_pool,
+        "a PinPool of the caller's to load into (it stays theirs: the loader does not close it)",
+        pinned=True,
+    ),
+    Argument(
+        "arena_bytes",
+        None,
+        _int_from(1, MAX_BYTES),
+        "the arena's total size, made as given (rounded up to a page)",
+        shown="sized for you",
+    ),
+    Argument(
+        "max_batch_bytes",
+        None,
+        _int_from(1, MAX_BYTES),
+        "the largest batch the arena takes, to the byte (larger ones go where oversize= says)",
+        shown="half the arena, at most 128 MiB (or the first batch, if larger)",
+    ),
+    Argument(
+        "slot_bytes",
+        None,
+        _int_from(1, MAX_BYTES),
+        "the older sizing: the largest batch of an arena of num_slots batches",
+        pinned=True,
+    ),
+    Argument(
+        "num_slots",
+        None,
+        _int_from(1, 1 << 20),
+        "the older sizing: the arena's batches (alone: the most batches out at once)",
+        pinned=True,
+    ),
+    Argument(
+        "device",
+        None,
+        lambda name, value: cuda_device(value),
+        "None or 'cpu': pinned CPU batches; a CUDA device: batches already on it",
+        pinned=True,
+    ),
+    Argument(
+        "copy_threads",
+        None,
+        _int_from(1, MAX_COPY_THREADS),
+        "threads copying batches into the arena in the main process",
+        shown="cores, up to 8",
+        pinned=True,
+    ),
+    Argument(
+        "slot_timeout",
+        60.0,
+        check_timeout,
+        'seconds overflow="wait" waits for room (None: forever)',
+        pinned=True,
+    ),
+    Argument(
+        "overflow",
+        "copy",
+        _choice("copy", "wait"),
+        "a batch that finds the arena held by live batches: ordinary memory, or wait",
+        pinned=True,
+    ),
+    Argument(
+        "oversize",
+        "pin",
+        _choice("pin", "copy", "error"),
+        "a batch larger than the largest the arena takes: memory of its own, or an error",
+        pinned=True,
+    ),
+    Argument(
+        "zero_copy",
+        False,
+        _bool,
+        "workers write each batch straight into an arena slot granted to them",
+        unused=_zero_copy_unused,
+    ),
+    Argument(
+        "keep_worker_memory",
+        True,
+        _bool,
+        "workers keep the memory their items were made in for the next batch's items",
+    ),
+    Argument(
+        "worker_copy_threads",
+        None,
+        _int_from(1, MAX_COPY_THREADS),
+        "threads each worker copies a batch's big arrays with, without the GIL",
+        shown="2 to 4",
+        unused=_worker_copy_threads_unused,
+    ),
+    Argument(
+        "stream_samples",
+        None,
+        _bool_or_none,
+        "workers copy each sample's arrays into the batch as soon as it is made",
+        shown="where it applies",
+        unused=_stream_samples_unused,
+    ),
+)
+
+#: The declarations by name.
+BY_NAME: dict[str, Argument] = {a.name: a for a in ARGUMENTS}
+
+
+def given(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The declared arguments' values out of ``values`` (``DataLoader.__init__``'s locals),
+    in the declarations' order."""
+    return {a.name: values[a.name] for a in ARGUMENTS}
+
+
+def check_given(values: Mapping[str, Any]) -> None:
+    """Checks each of ``values`` (declared arguments, by name) by its declaration."""
+    for name, value in values.items():
+        BY_NAME[name].check(name, value)
+
+
+def argument_docs() -> str:
+    """The declarations as lines of a docstring: name, default and what each does."""
+    lines = [f"- ``{a.name}`` (default ``{a.default!r}``): {a.doc}." for a in ARGUMENTS]
+    return "\n".join(lines)
+
+
 def ignored(
     *,
     dataset: Any,
     num_workers: int,
     auto_collation: bool,
     collate_fn: Any,
-    pool: Any,
-    zero_copy: bool,
-    stream_samples: bool | None,
-    worker_copy_threads: int | None,
     pin_memory: bool,
     pin_memory_device: str,
+    **values: Any,
 ) -> list[str]:
     """What the settings given to ``pinpool.DataLoader`` would not do in this loader, each
-    with why (empty: every setting given applies). Defaults are never named: only a value the
-    caller chose (``stream_samples=True``, not the default None, which means "where it
-    applies")."""
+    with why (empty: every setting given applies): ``values``, pinpool's arguments by name (as
+    their declarations' ``unused`` say), and torch's ``pin_memory`` and ``pin_memory_device``.
+    Defaults are never named: only a value the caller chose (``stream_samples=True``, not the
+    default None, which means "where it applies")."""
+    shape = Shape(
+        iterable=isinstance(dataset, torch.utils.data.IterableDataset),
+        num_workers=num_workers,
+        auto_collation=auto_collation,
+        collate_fn=collate_fn,
+        pool=values.get("pool"),
+    )
     out = []
-    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
-    if zero_copy:
-        why = None
-        if num_workers == 0:
-            why = "num_workers=0 (the batches are made in this process)"
-        elif iterable:
-            why = "an IterableDataset (its batches' indices are not drawn here)"
-        elif not auto_collation:
-            why = "batch_size=None (no batches to hand places out with)"
-        elif pool is not None and pool.backend == "cuda-hostalloc":
-            why = "a pool with backend='cuda-hostalloc' (workers cannot map it)"
+    for name, value in values.items():
+        unused = BY_NAME[name].unused
+        why = unused(value, shape) if unused is not None else None
         if why is not None:
-            out.append(
-                f"zero_copy=True does nothing with {why}: every batch is copied into the "
-                "arena as with zero_copy=False; zero-copy needs a map-style dataset with "
-                "batching, num_workers > 0 and a memfd arena"
-            )
-    if stream_samples:
-        why = None
-        if num_workers == 0:
-            why = "num_workers=0"
-        elif iterable:
-            why = "an IterableDataset"
-        elif collate_fn is not None:
-            why = "a collate_fn of your own (streaming collates as torch's default_collate)"
-        elif not auto_collation:
-            why = "batch_size=None"
-        if why is not None:
-            out.append(
-                f"stream_samples=True does nothing with {why}: samples are made first and "
-                "collated after"
-            )
-    if worker_copy_threads is not None and num_workers == 0:
-        out.append(
-            f"worker_copy_threads={worker_copy_threads} does nothing with num_workers=0: "
-            "there are no workers (copy_threads= sets this process's copy threads)"
-        )
+            out.append(why)
     if not pin_memory and torch.accelerator.is_available():
         out.append(
             "pin_memory=False is not followed: pinpool.DataLoader's batches are always in its "
@@ -183,3 +426,73 @@ def ignored(
             "batches are pinned for the pool's device, device= or torch's current device"
         )
     return out
+
+
+# -- the delivery mode -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliveryMode:
+    """How a loader's batches reach the consumer: resolved once, from the arguments and the
+    machine (:meth:`resolve`), and passed down to the receiver, the delivery and the workers'
+    iterator, which dispatch on it (a new mode is a new case here, and where it differs).
+
+    Two choices, each of two ways: who writes a batch into the arena (its worker, straight
+    into a slot granted to it: zero-copy; or the main process's copy threads, from the
+    worker's segment: copy), and where the consumer gets it (pinned CPU views into the arena,
+    or on a CUDA device). Beside them, whether torch's pin step runs ahead of the consumer
+    (its pin thread, with workers; where an accelerator is present), or the consumer's thread
+    takes the batches itself (its read-ahead, ``read_ahead``)."""
+
+    #: Workers write batches straight into arena slots granted to them (``zero_copy=True``,
+    #: where it applies: a map-style dataset with batching and workers).
+    zero_copy: bool
+    #: The CUDA device batches are delivered on (None: pinned CPU batches).
+    device: torch.device | None
+    #: torch's pin step runs ahead of the consumer (an accelerator is present).
+    pin_thread: bool
+
+    @classmethod
+    def resolve(cls, *, zero_copy: bool, device: torch.device | None, shape: Shape) -> DeliveryMode:
+        """The mode of a loader of ``shape`` given ``zero_copy`` (checked) and ``device``
+        (checked: ``cuda_device``), on this machine."""
+        return cls(
+            zero_copy=bool(zero_copy) and shape.batched_map_style,
+            device=device,
+            pin_thread=bool(torch.accelerator.is_available()),
+        )
+
+    @property
+    def worker_writes_in_place(self) -> bool:
+        """Whether a worker writes its batch into the arena itself (a slot granted to it), so
+        that the main process copies nothing (batches that get no grant excepted)."""
+        return self.zero_copy
+
+    @property
+    def main_process_copies(self) -> bool:
+        """Whether the main process copies each batch into the arena, out of its worker's
+        segment (copy mode; in zero-copy mode, only batches that got no grant)."""
+        return not self.zero_copy
+
+    @property
+    def on_device(self) -> bool:
+        """Whether batches are delivered on a CUDA device (else as pinned CPU views)."""
+        return self.device is not None
+
+    @property
+    def pin_thread_starts_late(self) -> bool:
+        """Whether torch's pin thread, where it is to run, is started by pinpool's iterator
+        at the first big batch rather than by torch's at once (CUDA: until then the
+        consumer's read-ahead takes the batches; ``workers.WorkersIter``; what torch needs for
+        that: ``_torch_contract.cuda_pin_thread_deferrable``)."""
+        return self.pin_thread and cuda_pin_thread_deferrable()
+
+    def __str__(self) -> str:
+        who = "zero-copy" if self.zero_copy else "copy"
+        thread = "+pin-thread" if self.pin_thread else ""
+        return f"{who}{thread} to {self.device if self.device is not None else 'cpu'}"
+
+
+def copy_mode(device: torch.device | None) -> DeliveryMode:
+    """The mode of batches copied in on the iterating thread (``pinpool.pinned``)."""
+    return DeliveryMode(zero_copy=False, device=device, pin_thread=False)

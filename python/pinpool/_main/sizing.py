@@ -5,9 +5,9 @@ sizes were given).
 The arena is fixed: allocated once, never grown. Batches of any size up to the largest land
 in it, each taking exactly its own bytes (rounded up to a page; ``src/extents.rs``). Without
 settings the arena holds the batches in flight (``prefetch_factor x num_workers``, plus 4)
-at 1.25 times the first batch's size, and at least :data:`MIN_ARENA`, so that a first batch
-of a few kilobytes does not leave room only for batches like it (token rows padded to a
-short first batch, say); the largest batch is half the arena, at most
+at ``codec.HEADROOM`` (1.25) times the first batch's size, and at least :data:`MIN_ARENA`, so
+that a first batch of a few kilobytes does not leave room only for batches like it (token
+rows padded to a short first batch, say); the largest batch is half the arena, at most
 :data:`LARGEST_DEFAULT` unless the first batch is larger. An arena sized automatically
 takes at most :data:`MEMORY_SHARE` of the memory available, divided among the ranks on this
 host; past that it is made smaller (down to two of the first batch) rather than refused.
@@ -22,7 +22,7 @@ largest batch, to the byte). ``slot_bytes=`` with ``num_slots=`` is the older fo
 
 Invariants: an arena given is made as given, rounded up to a page; one sized automatically is
 a whole multiple of its largest batch, which is a whole number of pages; the largest batch a
-loader takes (``Plan.limit``) is the bytes given, not rounded; nothing here scales what a batch
+loader takes (``ArenaPlan.limit``) is the bytes given, not rounded; nothing here scales what a batch
 or a worker claims (a batch's sample count, a hint) beyond the bytes that arrived.
 """
 
@@ -33,14 +33,15 @@ import mmap
 
 from .._errors import NotEnoughMemory
 from .._native import available_memory
+from .._wire.codec import HEADROOM
 from . import settings
+
+__all__ = ["HEADROOM", "ArenaPlan", "Sizing"]
 
 #: The smallest arena sized automatically.
 MIN_ARENA = 64 << 20
 #: An arena sized automatically may take at most this share of the memory available.
 MEMORY_SHARE = 0.5
-#: A batch's room: its size times this (the next batches may be a little larger).
-HEADROOM = 1.25
 #: Batches in flight beyond ``prefetch_factor x num_workers``: those the consumer holds.
 EXTRA_BATCHES = 4
 #: The default largest batch is half the arena, but at most this much (or the first batch
@@ -57,8 +58,8 @@ def _pages(n: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """What a pool is made with."""
+class ArenaPlan:
+    """What a loader's pool is made with: its arena, its largest slot, its entries."""
 
     #: The largest slot (a whole number of pages): the arena's parts hold whole ones.
     largest: int
@@ -115,11 +116,11 @@ class Sizing:
             setting = f"max_batch_bytes={need} (or more)"
         return f"{setting} passed to pinpool.DataLoader"
 
-    def plan(self, first: int) -> Plan:
+    def plan(self, first: int) -> ArenaPlan:
         """The pool for a loader whose first batch has ``first`` bytes."""
         if self.slot_bytes is not None:
             largest = _pages(self.slot_bytes)
-            plan = Plan(largest, largest * self.batches, self.batches, self.slot_bytes)
+            plan = ArenaPlan(largest, largest * self.batches, self.batches, self.slot_bytes)
             self._within_memory(plan.arena, "slot_bytes= x num_slots=")
             return plan
         # Entries are cheap: room for many small batches held at once.
@@ -150,7 +151,7 @@ class Sizing:
             # if not, it and those like it take memory of their own, by oversize=).
             largest = max(_PAGE, cap // 2 // _PAGE * _PAGE)
             arena = 2 * largest
-        return Plan(largest, arena, entries, self.max_batch_bytes or 0)
+        return ArenaPlan(largest, arena, entries, self.max_batch_bytes or 0)
 
     def check(self) -> None:
         """Raises ``NotEnoughMemory`` now, naming the setting, if the sizes given make an arena

@@ -50,9 +50,11 @@ def _numpy_to_torch() -> dict[np.dtype[Any], str]:
 #: dtypes.
 NUMPY_TO_TORCH = _numpy_to_torch()
 
-#: Buffers for a batch (a worker's segment, an automatically sized slot) get this much room
-#: over it, rounded up to this granule, so slowly growing batches still fit.
+#: A batch's room: buffers made for a batch (a worker's segment, an automatically sized
+#: arena's slots: ``_main.sizing``) are its size times this, so that the next batches, a
+#: little larger, still fit.
 HEADROOM = 1.25
+#: A worker's segment is a whole number of these.
 GRANULE = 2 << 20
 
 
@@ -217,8 +219,9 @@ def align(n: int) -> int:
 
 
 @dataclass
-class Plan:
-    """A batch split into a tree of markers and a list of arrays with their places."""
+class LayoutPlan:
+    """Where a batch's arrays go in one flat buffer: a tree of markers, and the arrays with
+    their places."""
 
     tree: Any
     sources: list[Any]  # None for a leaf already in place
@@ -226,7 +229,7 @@ class Plan:
     nbytes: int  # bytes from 0 to the end of the last leaf
 
 
-def plan(batch: Any, start: int = 0, keep_strides: bool = False) -> Plan:
+def plan(batch: Any, start: int = 0, keep_strides: bool = False) -> LayoutPlan:
     """Finds the array leaves of ``batch`` and lays them out one after another from
     ``start``; :class:`Placed` leaves keep the place they were written at (below ``start``).
     With ``keep_strides``, a tensor that is not contiguous keeps its sizes and strides, as
@@ -260,7 +263,7 @@ def plan(batch: Any, start: int = 0, keep_strides: bool = False) -> Plan:
         return Leaf(len(specs) - 1)
 
     tree = map_leaves(batch, leaf)
-    return Plan(tree, sources, specs, max(end, extent(specs)))
+    return LayoutPlan(tree, sources, specs, max(end, extent(specs)))
 
 
 #: Below this many bytes an array is copied by torch or numpy on the calling thread.
@@ -289,7 +292,7 @@ def _gather_items(src: Any, spec: LeafSpec) -> list[tuple[int, int, int]] | None
     return None
 
 
-def write(p: Plan, buffer: Any, threads: int = 1) -> None:
+def write(p: LayoutPlan, buffer: Any, threads: int = 1) -> None:
     """Writes every array of plan ``p`` into ``buffer`` (a writable buffer object, or a flat
     CPU uint8 tensor). With ``threads > 1``, contiguous arrays and stacks of at least
     :data:`GATHER_MIN` bytes are copied by that many of this process's copy threads, without

@@ -1,6 +1,6 @@
 """What travels from a worker to the main process for one batch, and what tags its indices.
 
-A batch has one destination, chosen in the worker (``pinpool._worker.places``): a zero-copy
+A batch has one destination, chosen in the worker (``pinpool._worker.destination``): a zero-copy
 slot the main process granted the worker for it (a :class:`SlotGrant`), or one of the worker's
 own shared-memory segments. Either way the worker sends one :class:`BatchHandle`:
 the marked batch tree, the leaf specs (``codec.LeafSpec``) and that destination; the arrays
@@ -223,7 +223,7 @@ class BatchHandle:
     def __init__(
         self,
         token: str,
-        p: codec.Plan,
+        p: codec.LayoutPlan,
         count: int | None = None,
         *,
         slot: tuple[int, int, int] | None = None,

@@ -4,7 +4,7 @@ torch calls :class:`PinCollate` in each worker (and in the main process with
 ``num_workers=0``). In a worker the batch is collated the way torch would (the user's
 ``collate_fn``, or ``default_collate`` with its stacks deferred so that they are made straight
 in shared memory, or sample by sample with streaming collation, see ``streaming``) and written
-where ``places`` chooses; torch's result queue then carries a
+where ``destination`` chooses; torch's result queue then carries a
 :class:`~pinpool._wire.handle.BatchHandle` instead of the batch. In the main process the batch
 goes straight into a slot of the loader's pool (``receiver.Receiver.encode_local``).
 """
@@ -21,7 +21,7 @@ from .._torch_contract import default_convert
 from .._wire import codec, registry
 from .._wire.handle import BatchHandle, TaskedItems, WorkerProgress
 from .._wire.pool_hint import PoolHint
-from . import places, streaming
+from . import destination, streaming
 from .heap import keep_freed_memory
 
 
@@ -104,7 +104,7 @@ class PinCollate:
         if self.keep_worker_memory:
             keep_freed_memory(p.nbytes)
         threads = self.worker_copy_threads
-        handle = places.write(self.token, self.ring_size, p, task, self.desk, count, threads)
+        handle = destination.write(self.token, self.ring_size, p, task, self.desk, count, threads)
         if self.report_state:
             # The samples are drawn (torch's fetcher draws them all, then collates): the
             # dataset's state is now the state after this batch.
@@ -136,7 +136,7 @@ class PinCollate:
             self.pool_hint.send(layout.batch_bytes() + _STREAM_SPARE, count)
         # A granted slot holds the batch as the first sample foretells it (the rest outgrowing
         # it moves to a segment); a segment has room to spare for the rest.
-        place = places.Place(
+        place = destination.Destination(
             self.token,
             self.ring_size,
             layout.batch_bytes(),

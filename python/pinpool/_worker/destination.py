@@ -1,4 +1,5 @@
-"""Where a worker writes a batch: the one choice between a zero-copy slot and a segment.
+"""Where a worker writes a batch (its :class:`Destination`): the one choice between a slot
+granted to it (zero-copy) and one of its segments.
 
 A batch whose indices came with a zero-copy task asks the main process for a slot of exactly
 its size once that is known (``desk``) and goes into the slot granted; otherwise (no task, or
@@ -26,9 +27,9 @@ the end of the epoch, has little left to tear down.
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
 handle made) or unclaimed; a window is inaccessible again before the handle of the batch written
-in it is made (``windows``); a slot opened keyed is touched only between :meth:`Place.allow` and
-:meth:`Place.deny` (or the handle's making) on the writing thread, and no code of the user's
-runs in between.
+in it is made (``windows``); a slot opened keyed is touched only between
+:meth:`Destination.allow` and :meth:`Destination.deny` (or the handle's making) on the writing
+thread, and no code of the user's runs in between.
 """
 
 from __future__ import annotations
@@ -111,12 +112,12 @@ def _release(view: memoryview) -> None:
         pass
 
 
-class Place:
+class Destination:
     """The memory one batch is written into, and the handle that names it.
 
     ``memory`` is a writable byte view of a granted slot (``nbytes``, for ``task``'s batch, from
     the grant desk ``desk_at``) or of a claimed segment (``segment_bytes``, if given, else
-    ``nbytes``). Exactly one of :meth:`send` and :meth:`abandon` ends a place's life."""
+    ``nbytes``). Exactly one of :meth:`send` and :meth:`abandon` ends a destination's life."""
 
     def __init__(
         self,
@@ -186,7 +187,7 @@ class Place:
         self._let_go()
         self.sid, self.segment, self.memory = sid, seg, memory
 
-    def send(self, p: codec.Plan, count: int | None) -> BatchHandle:
+    def send(self, p: codec.LayoutPlan, count: int | None) -> BatchHandle:
         """The handle of the batch planned as ``p``, now written here."""
         segment, sid, ring, window = self.segment, self.sid, self.ring, self._window
         claim = None if self.grant is None else self.grant.claim
@@ -258,7 +259,7 @@ def _drop_page_tables(segments: list[Any]) -> None:
 def write(
     token: str,
     ring_size: int,
-    p: codec.Plan,
+    p: codec.LayoutPlan,
     task: ZeroCopyTask | None,
     desk_at: tuple[bytes, int] | None,
     count: int | None,
@@ -270,7 +271,7 @@ def write(
     pool for it)."""
     if not p.specs:
         return BatchHandle(token, p, count)
-    place = Place(token, ring_size, p.nbytes, task, desk_at)
+    place = Destination(token, ring_size, p.nbytes, task, desk_at)
     try:
         place.allow()
         t0 = _trace.on and _trace.now()

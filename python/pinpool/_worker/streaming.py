@@ -304,7 +304,8 @@ def owned(box: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
 
 
 class Access(Protocol):
-    """The writing thread's switch for its access to the batch's memory (``places.Place``)."""
+    """The writing thread's switch for its access to the batch's memory
+    (``destination.Destination``)."""
 
     def allow(self) -> None: ...
     def deny(self) -> None: ...

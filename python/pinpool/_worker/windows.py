@@ -29,8 +29,8 @@ Where the machine has memory protection keys (``src/pkeys.rs``), a window has a 
 own, and a slot is opened *keyed* when only this thread (and pinpool's copy threads, which take
 its rights for a copy) writes it: torch runs one thread per operation here
 (``torch.get_num_threads() == 1``, as torch sets in its workers). Its pages then stay writable
-under the key between batches, and no thread may touch them but between ``Place.allow`` and
-``Place.deny`` (or the close) on the thread that writes: reopening the same slot changes no
+under the key between batches, and no thread may touch them but between ``Destination.allow`` and
+``Destination.deny`` (or the close) on the thread that writes: reopening the same slot changes no
 page-table entry, where ``mprotect`` rewrites every page's entry twice a batch. Elsewhere a slot
 is opened as before, writable by every thread until the close.
 
@@ -40,7 +40,7 @@ Invariants:
   (hints: opened only for a grant that lies in them), is checked against the file it
   maps (inode and range) each time it is reused, and is writable only between
   :func:`open_for` and :func:`close` (one range at a time: ``src/window.rs``); opened keyed,
-  only by the thread that opened it, while its access is switched on (``Place.allow``); and,
+  only by the thread that opened it, while its access is switched on (``Destination.allow``); and,
   for a hint's, while the map-ahead thread faults it in, by that thread alone, under its key.
 - No descriptor of the arena stays open past :func:`open_for`; ``_WINDOWS`` changes only on
   the thread that calls it (the map-ahead thread is handed its windows). The map-ahead thread
