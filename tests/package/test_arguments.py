@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,29 @@ def test_the_guides_errors_table_names_every_error() -> None:
     errors.discard("PinPoolError")  # (the base, named above the table)
     table = {re.findall(r"`(\w+)`", row[0])[0] for row in _table("## Errors")}
     assert table == errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "zero_copy"),
+    [
+        ({}, False),
+        ({"num_workers": 2, "zero_copy": True}, True),
+        ({"zero_copy": True}, False),  # (no workers: warned, see tests/unit/test_settings.py)
+        ({"num_workers": 2, "zero_copy": True, "batch_size": None}, False),
+    ],
+)
+def test_the_delivery_mode_is_resolved_once_from_the_arguments_and_the_machine(
+    kwargs: dict[str, Any], zero_copy: bool
+) -> None:
+    kwargs.setdefault("batch_size", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loader = pinpool.DataLoader(torch.arange(4), **kwargs)
+    receiver = loader._pin_receiver
+    mode = receiver.mode
+    assert mode.worker_writes_in_place is zero_copy
+    assert mode.main_process_copies is not zero_copy
+    assert (receiver.grants is not None) is zero_copy
+    assert not mode.on_device and mode.device is None
+    assert mode.pin_thread is bool(torch.accelerator.is_available())
+    assert receiver.deliver.mode is mode

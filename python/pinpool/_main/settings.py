@@ -487,11 +487,6 @@ class DeliveryMode:
         that: ``_torch_contract.cuda_pin_thread_deferrable``)."""
         return self.pin_thread and cuda_pin_thread_deferrable()
 
-    def __str__(self) -> str:
-        who = "zero-copy" if self.zero_copy else "copy"
-        thread = "+pin-thread" if self.pin_thread else ""
-        return f"{who}{thread} to {self.device if self.device is not None else 'cpu'}"
-
 
 def copy_mode(device: torch.device | None) -> DeliveryMode:
     """The mode of batches copied in on the iterating thread (``pinpool.pinned``)."""
