@@ -5,7 +5,7 @@
 //! are layers; each uses only the layers listed before it (and [`error`]):
 //!
 //! - [`system`]: the machine and the process: the CUDA driver, NUMA topology, memory
-//!   protection keys, thread priorities, forks, and jobs handed between threads;
+//!   protection keys, thread priorities, forks, random numbers, and jobs handed between threads;
 //! - [`memory`]: shared memory and what is built from it: sealed memfds and their mappings,
 //!   what a forked child sees of them, NUMA placement, the arena, a worker's window onto it,
 //!   the device an arena binds to, and the thread that frees it;
