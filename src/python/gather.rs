@@ -10,7 +10,7 @@
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use super::{guarded, to_py, IntoPy};
+use super::convert::{guarded, to_py, IntoPy};
 use crate::error::Error;
 use crate::pool::validate_ranges;
 use crate::transfer::copy::{process_copier, CopyRange};

@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use super::convert::{guarded, IntoPy};
 use super::pool::PyPinPool;
 use super::slot::PySlot;
-use super::{guarded, IntoPy};
 use crate::pool::grants::{GrantRequest, Grants};
 use crate::transport::grant_desk::{self, Registration};
 

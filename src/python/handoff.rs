@@ -3,7 +3,7 @@
 
 use pyo3::prelude::*;
 
-use super::{guarded, timeout_arg};
+use super::convert::{guarded, timeout_arg};
 use crate::system::handoff::{Handoff, Stage, Waited};
 
 /// A job handed from one thread to another. Its wait releases the GIL and only the job's end

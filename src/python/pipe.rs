@@ -3,7 +3,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::{guarded, timeout_arg, IntoPy, FOREVER};
+use super::convert::{guarded, timeout_arg, IntoPy, FOREVER};
 use crate::transport::pipe_writer::PipeWriter;
 
 /// Writes messages to a pipe on a thread of its own, framed as

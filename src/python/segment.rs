@@ -19,10 +19,10 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use super::convert::{guarded, to_py, IntoPy};
 use super::pool::PyPinPool;
 use super::sent::{device_target, pool_device, PySent};
 use super::slot::PySlot;
-use super::{guarded, to_py, IntoPy};
 use crate::error::Error;
 use crate::transfer::copy::{CopyDone, CopyRange};
 use crate::transport::segment::{SegmentCache, WorkerSegment};
@@ -348,7 +348,7 @@ impl PySegmentCache {
             let ranges = copy_ranges(ranges);
             let device = pool_device(py, self.cache.pool())?;
             let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
-            let stream = super::stream_arg(py, Some(stream), device)?.unwrap_or(0);
+            let stream = super::stream::stream_arg(py, Some(stream), device)?.unwrap_or(0);
             let slot = slot.get();
             let _pin = slot.pin(py, self.cache.pool())?;
             let id = slot.id();

@@ -6,7 +6,7 @@
 
 use pyo3::prelude::*;
 
-use super::{guarded, to_py, IntoPy};
+use super::convert::{guarded, to_py, IntoPy};
 use crate::error::Error;
 use crate::pool::Pool;
 use crate::system::cuda::Event;
@@ -77,7 +77,7 @@ impl PySent {
     fn make_wait(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         guarded(|| {
             let device = self.event.device().ordinal();
-            let stream = super::stream_arg(py, stream, device)?.unwrap_or(0);
+            let stream = super::stream::stream_arg(py, stream, device)?.unwrap_or(0);
             self.event.make_wait(stream).py(py)
         })
     }

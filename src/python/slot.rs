@@ -14,8 +14,9 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use super::convert::{guarded, to_py, IntoPy};
 use super::sent::{device_target, pool_device, PySent};
-use super::{current_stream, guarded, stream_arg, to_py, IntoPy};
+use super::stream::{current_stream, stream_arg};
 use crate::allocation::slots::SlotId;
 use crate::pool::slot::{OwnedSlotPin, Slot, SlotPin};
 use crate::pool::Pool;

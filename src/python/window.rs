@@ -14,7 +14,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::{guarded, size_arg, to_py, IntoPy};
+use super::convert::{guarded, size_arg, to_py, IntoPy};
 use crate::error::Error;
 use crate::memory::window::Window;
 

@@ -6,7 +6,7 @@
 
 use pyo3::prelude::*;
 
-use super::super::{size_arg, to_py};
+use super::super::convert::{size_arg, to_py};
 use crate::allocation::slots::Preference;
 use crate::error::Error;
 use crate::memory::device_choice::DeviceRequest;

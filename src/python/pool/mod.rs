@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, Weak};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use super::convert::{bool_arg, guarded, size_arg, timeout_arg, to_py, IntoPy};
 use super::slot::PySlot;
-use super::{bool_arg, guarded, size_arg, timeout_arg, to_py, IntoPy};
 use crate::error::Error;
 use crate::memory::arena::Backend;
 use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig};
