@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::threads::{self, fault_threads};
-use super::{Counters, Pool};
+use super::{Counters, Pool, PoolConfig};
 use crate::allocation::slots::{Layout, SlotTable};
 use crate::error::{Error, Result};
 use crate::memory::arena::{Arena, Backend};
@@ -24,45 +24,6 @@ use crate::memory::freeing;
 use crate::memory::shm::{page_size, round_up};
 use crate::transfer::copy::{Copier, MAX_COPY_THREADS};
 use crate::transfer::fence::{CudaFences, FenceTracker, Fences};
-
-/// What to build.
-#[derive(Debug, Clone)]
-pub struct PoolConfig {
-    /// The largest slot (rounded up to a page): the arena's parts are whole multiples of it,
-    /// and a checkout that does not say its size gets this many bytes.
-    pub slot_bytes: usize,
-    /// The most slots out or fenced at once.
-    pub num_slots: usize,
-    /// The arena's size, rounded up to a whole page (and at least `slot_bytes`: the last part
-    /// holds the pages past whole slots); `None`: `slot_bytes * num_slots` (equal slots).
-    pub arena_bytes: Option<usize>,
-    /// CUDA device ordinal, or `None` for no CUDA. (The Python layer's automatic choice,
-    /// the rank's own device, is [`crate::memory::device_choice::DeviceRequest::resolve`].)
-    pub device: Option<usize>,
-    /// Backend, or `None` to choose.
-    pub backend: Option<Backend>,
-    /// Threads for copies.
-    pub copy_threads: usize,
-    /// Make only the first slots (at least one, at least 16 MiB) ready before [`Pool::new`]
-    /// returns, and the rest on a background thread (checkouts wait for slots not ready yet).
-    /// The arena then no longer sits on the critical path of the first batch.
-    pub background: bool,
-}
-
-impl PoolConfig {
-    /// A config with `num_slots` slots of `slot_bytes`, no CUDA, host backend.
-    pub fn host(slot_bytes: usize, num_slots: usize) -> Self {
-        PoolConfig {
-            slot_bytes,
-            num_slots,
-            arena_bytes: None,
-            device: None,
-            backend: None,
-            copy_threads: 4,
-            background: false,
-        }
-    }
-}
 
 impl Pool {
     /// Allocates the arena and starts the background threads.

@@ -2,7 +2,7 @@
 //!
 //! This module is the pool itself: the arena, the slot table and the fences, where a slot
 //! lies, release, and the counters. Its other jobs are modules of their own: making a pool
-//! (`making`, [`PoolConfig`]), checking a slot out (`checkout`), the loader's claim
+//! (`making`, from a [`PoolConfig`]), checking a slot out (`checkout`), the loader's claim
 //! policy ([`claim`]), copies into slots and sends to the device ([`fill_and_send`]), what
 //! `stats()` reports ([`stats`]), the prepare and fence threads (`threads`), and what dropping
 //! a pool does (`teardown`). Built on the pool: one checked-out slot held by one owner, with
@@ -104,7 +104,6 @@ mod threads;
 
 pub use claim::{Claim, ClaimRules};
 pub use fill_and_send::validate_ranges;
-pub use making::PoolConfig;
 pub use stats::{Counters, Stats};
 
 use std::mem::ManuallyDrop;
@@ -134,6 +133,45 @@ pub struct SlotLocation {
     pub part_len: usize,
     /// That memfd's inode number.
     pub inode: u64,
+}
+
+/// What to build.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// The largest slot (rounded up to a page): the arena's parts are whole multiples of it,
+    /// and a checkout that does not say its size gets this many bytes.
+    pub slot_bytes: usize,
+    /// The most slots out or fenced at once.
+    pub num_slots: usize,
+    /// The arena's size, rounded up to a whole page (and at least `slot_bytes`: the last part
+    /// holds the pages past whole slots); `None`: `slot_bytes * num_slots` (equal slots).
+    pub arena_bytes: Option<usize>,
+    /// CUDA device ordinal, or `None` for no CUDA. (The Python layer's automatic choice,
+    /// the rank's own device, is [`crate::memory::device_choice::DeviceRequest::resolve`].)
+    pub device: Option<usize>,
+    /// Backend, or `None` to choose.
+    pub backend: Option<Backend>,
+    /// Threads for copies.
+    pub copy_threads: usize,
+    /// Make only the first slots (at least one, at least 16 MiB) ready before [`Pool::new`]
+    /// returns, and the rest on a background thread (checkouts wait for slots not ready yet).
+    /// The arena then no longer sits on the critical path of the first batch.
+    pub background: bool,
+}
+
+impl PoolConfig {
+    /// A config with `num_slots` slots of `slot_bytes`, no CUDA, host backend.
+    pub fn host(slot_bytes: usize, num_slots: usize) -> Self {
+        PoolConfig {
+            slot_bytes,
+            num_slots,
+            arena_bytes: None,
+            device: None,
+            backend: None,
+            copy_threads: 4,
+            background: false,
+        }
+    }
 }
 
 /// The slot pool.

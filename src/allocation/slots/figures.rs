@@ -5,41 +5,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{split, SlotId, SlotTable, State};
-
-/// How many slots are in each state, counted in slots of the table's default size.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counts {
-    /// How many more checkouts of the default size would succeed now.
-    pub free: usize,
-    /// Held by users.
-    pub checked_out: usize,
-    /// Waiting for their fence.
-    pub fenced: usize,
-    /// Default-size slots' worth of bytes not ready yet.
-    pub preparing: usize,
-}
-
-/// The arena's bytes by state.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Bytes {
-    /// The whole arena.
-    pub arena: usize,
-    /// In free ranges.
-    pub free: usize,
-    /// The longest free range: the largest slot a checkout could get now.
-    pub largest_free: usize,
-    /// How many free ranges there are.
-    pub holes: usize,
-    /// In checked-out slots.
-    pub checked_out: usize,
-    /// In fenced slots.
-    pub fenced: usize,
-    /// Not ready yet.
-    pub preparing: usize,
-    /// The largest slot the arena can ever hold (its longest part).
-    pub largest_part: usize,
-}
+use super::{split, Bytes, Counts, SlotId, SlotTable, State};
 
 impl SlotTable {
     /// How many slots are in each state (exact: taken under the lock).

@@ -8,7 +8,7 @@
 //! (See "the life of a slot" in [`crate::pool`] for where each transition is made.)
 //!
 //! This module holds the entries and their transitions; `waiting` is waiting for room and
-//! closing, `figures` what the table reports ([`Counts`], [`Bytes`]).
+//! closing, `figures` what the table reports ([`Counts`], [`Bytes`], defined here).
 //!
 //! Invariants:
 //! - Every entry is in exactly one state: `Free`, `CheckedOut` or `Fenced`, held in one atomic
@@ -45,8 +45,6 @@ use crate::memory::shm::page_size;
 
 mod figures;
 mod waiting;
-
-pub use figures::{Bytes, Counts};
 
 /// Names one checkout of one slot of one table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -85,6 +83,40 @@ fn split(w: u64) -> (u32, State) {
         _ => State::Fenced,
     };
     ((w >> 2) as u32, state)
+}
+
+/// How many slots are in each state, counted in slots of the table's default size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// How many more checkouts of the default size would succeed now.
+    pub free: usize,
+    /// Held by users.
+    pub checked_out: usize,
+    /// Waiting for their fence.
+    pub fenced: usize,
+    /// Default-size slots' worth of bytes not ready yet.
+    pub preparing: usize,
+}
+
+/// The arena's bytes by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bytes {
+    /// The whole arena.
+    pub arena: usize,
+    /// In free ranges.
+    pub free: usize,
+    /// The longest free range: the largest slot a checkout could get now.
+    pub largest_free: usize,
+    /// How many free ranges there are.
+    pub holes: usize,
+    /// In checked-out slots.
+    pub checked_out: usize,
+    /// In fenced slots.
+    pub fenced: usize,
+    /// Not ready yet.
+    pub preparing: usize,
+    /// The largest slot the arena can ever hold (its longest part).
+    pub largest_part: usize,
 }
 
 /// What the lock guards.

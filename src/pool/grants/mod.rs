@@ -25,7 +25,7 @@
 //! be in (sent with a worker's first big grant only, for it to map them ahead).
 //!
 //! This module is the table and its answers to requests; `leaving` is how a grant leaves it,
-//! `planned` where a fresh worker's slots will likely be, `words` a grant as a worker reads it.
+//! `planned` where a fresh worker's slots will likely be, `grant` one grant and the words it travels as.
 //!
 //! Invariants:
 //! - A granted slot is in the table from its checkout until it is adopted (by the batch that
@@ -48,12 +48,12 @@ use crate::allocation::slots::{Preference, SlotId};
 use crate::pool::{claim::room_kept, Pool, SlotLocation};
 use crate::system::random::random_u64;
 
+mod grant;
 mod leaving;
 mod planned;
-mod words;
 
+pub use grant::{Grant, GRANT_WORDS, HINT_WORDS};
 pub use planned::{PLANNED_SLOTS, SPARE_SLOTS};
-pub use words::{GRANT_WORDS, HINT_WORDS};
 
 use planned::planned;
 
@@ -87,19 +87,6 @@ pub enum Answer {
     Wait,
     /// No room, and none is coming that this batch may take.
     No,
-}
-
-/// A slot granted to a worker, and where its next slots will likely be.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Grant {
-    /// The slot.
-    pub slot: SlotId,
-    /// The nonce its batch's handle must name.
-    pub nonce: u64,
-    /// Where it lies in shared memory.
-    pub location: SlotLocation,
-    /// Extents the worker may map ahead (its first big grant only).
-    pub ahead: Vec<SlotLocation>,
 }
 
 #[derive(Debug)]

@@ -15,8 +15,9 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use super::header::{bad_header, read_header, state_word, STATE_FREE};
-use super::{check_header, SegmentKey, DATA_OFFSET};
+use super::header::{
+    bad_header, check_header, read_header, state_word, SegmentKey, DATA_OFFSET, STATE_FREE,
+};
 use crate::allocation::slots::SlotId;
 use crate::error::{Error, Result};
 use crate::memory::shm::Mapping;

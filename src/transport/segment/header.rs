@@ -11,9 +11,11 @@
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::AtomicU32;
 
-use super::SegmentKey;
 use crate::error::{Error, Result};
 use crate::memory::shm::{check_sealed, Mapping};
+
+/// Identifies a segment: the worker that made it (a random per-process key) and its number.
+pub type SegmentKey = (u64, u32);
 
 /// Where batch data starts in a segment.
 pub const DATA_OFFSET: usize = 4096;

@@ -44,7 +44,7 @@ mod header;
 
 pub use cache::SegmentCache;
 pub use header::{
-    check_header, check_segment_fd, encode_header, BadHeader, DATA_OFFSET, HEADER_LEN,
+    check_header, check_segment_fd, encode_header, BadHeader, SegmentKey, DATA_OFFSET, HEADER_LEN,
 };
 
 use header::{state_word, STATE_BUSY, STATE_FREE};
@@ -127,9 +127,6 @@ impl WorkerSegment {
         self.map.drop_page_tables()
     }
 }
-
-/// Identifies a segment: the worker that made it (a random per-process key) and its number.
-pub type SegmentKey = (u64, u32);
 
 #[cfg(test)]
 mod tests;

@@ -1,15 +1,31 @@
-//! A grant as the words a worker reads: [`GRANT_WORDS`] little-endian `u64`s, then
-//! [`HINT_WORDS`] for each hint (the layout: the module doc of [`super`]).
+//! One grant: the slot granted, the nonce its batch must name, where it lies and where the
+//! worker's next slots will likely be; and the words it travels as: [`GRANT_WORDS`]
+//! little-endian `u64`s, then [`HINT_WORDS`] for each hint (the layout: the module doc of
+//! [`super`]).
 //!
 //! Invariant: the words of a grant are exactly what `python/pinpool/` decodes; a change here is
 //! a change of the wire between the main process and its workers.
 
-use super::Grant;
+use crate::allocation::slots::SlotId;
+use crate::pool::SlotLocation;
 
 /// Words of a grant before its hints.
 pub const GRANT_WORDS: usize = 11;
 /// Words of one hint.
 pub const HINT_WORDS: usize = 5;
+
+/// A slot granted to a worker, and where its next slots will likely be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// The slot.
+    pub slot: SlotId,
+    /// The nonce its batch's handle must name.
+    pub nonce: u64,
+    /// Where it lies in shared memory.
+    pub location: SlotLocation,
+    /// Extents the worker may map ahead (its first big grant only).
+    pub ahead: Vec<SlotLocation>,
+}
 
 impl Grant {
     /// The grant as the words a worker reads (see the module's doc).
