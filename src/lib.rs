@@ -35,7 +35,8 @@ mod python;
 
 pub use allocation::slots::SlotId;
 pub use error::{Error, Result};
-pub use pool::{Claim, ClaimRules, Pool, PoolConfig, Stats};
+pub use pool::claim::{Claim, ClaimRules};
+pub use pool::{Pool, PoolConfig, Stats};
 
 /// Proptest settings for the unit tests: `cases` cases; under Miri, which interprets every
 /// step, a handful, and no regression files (file access is refused under Miri's isolation).

@@ -102,8 +102,6 @@ pub mod stats;
 mod teardown;
 mod threads;
 
-pub use claim::{Claim, ClaimRules};
-pub use fill_and_send::validate_ranges;
 pub use stats::{Counters, Stats};
 
 use std::mem::ManuallyDrop;
@@ -111,7 +109,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::allocation::slots::{SlotId, SlotTable};
+use crate::allocation::slots::{Bytes, Counts, SlotId, SlotTable};
 use crate::error::{Error, Held, Result};
 use crate::memory::arena::{Arena, Backend, Residency};
 use crate::system::cuda::StreamHandle;
@@ -376,6 +374,54 @@ impl Pool {
 
 /// `CU_STREAM_PER_THREAD`: the calling thread's default stream, whatever thread that is.
 const PER_THREAD_DEFAULT_STREAM: StreamHandle = 2;
+
+impl Pool {
+    /// The counters, which outlive the pool (see [`Counters::final_stats`]).
+    pub fn counters(&self) -> Arc<Counters> {
+        Arc::clone(&self.counters)
+    }
+
+    /// Slots by state.
+    pub fn slot_counts(&self) -> Counts {
+        let mut slots = self.table.counts();
+        self.settle_preparing(&mut slots.free, &mut slots.preparing);
+        slots
+    }
+
+    /// Counters and slot states.
+    pub fn stats(&self) -> Stats {
+        let c = &self.counters;
+        Stats {
+            slots: self.slot_counts(),
+            checkouts: c.checkouts.load(Ordering::Relaxed),
+            waits: c.waits.load(Ordering::Relaxed),
+            wait_ns: c.wait_ns.load(Ordering::Relaxed),
+            releases: c.releases.load(Ordering::Relaxed),
+            bytes_copied: c.bytes_copied.load(Ordering::Relaxed),
+            copies: c.copies.load(Ordering::Relaxed),
+            fence_errors: self.fences.as_ref().map_or(0, FenceTracker::errors),
+            bytes: self.bytes(),
+        }
+    }
+
+    /// The arena's bytes by state.
+    pub fn bytes(&self) -> Bytes {
+        let mut bytes = self.table.bytes();
+        self.settle_preparing(&mut bytes.free, &mut bytes.preparing);
+        bytes
+    }
+
+    /// What is still being made ready (slots or bytes) as the stats report it: free once the
+    /// pool is closed, as when it is gone; nothing once making it ready has failed, as it
+    /// never will be.
+    fn settle_preparing(&self, free: &mut usize, preparing: &mut usize) {
+        if self.table.is_closed() {
+            *free += std::mem::take(preparing);
+        } else if self.prepare_error.get().is_some() {
+            *preparing = 0;
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests;

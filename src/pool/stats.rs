@@ -16,13 +16,10 @@
 //!   does ([`Counters::final_stats`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
-use super::Pool;
 use crate::allocation::slots::{Bytes, Counts};
-use crate::transfer::fence::FenceTracker;
 
-/// Counters reported by `pool.stats()`. Shared ([`Pool::counters`]) so that the last figures
+/// Counters reported by `pool.stats()`. Shared ([`super::Pool::counters`]) so that the last figures
 /// can still be read once the pool itself is gone.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -80,52 +77,4 @@ pub struct Stats {
     pub fence_errors: u64,
     /// The arena's bytes by state.
     pub bytes: Bytes,
-}
-
-impl Pool {
-    /// The counters, which outlive the pool (see [`Counters::final_stats`]).
-    pub fn counters(&self) -> Arc<Counters> {
-        Arc::clone(&self.counters)
-    }
-
-    /// Slots by state.
-    pub fn slot_counts(&self) -> Counts {
-        let mut slots = self.table.counts();
-        self.settle_preparing(&mut slots.free, &mut slots.preparing);
-        slots
-    }
-
-    /// Counters and slot states.
-    pub fn stats(&self) -> Stats {
-        let c = &self.counters;
-        Stats {
-            slots: self.slot_counts(),
-            checkouts: c.checkouts.load(Ordering::Relaxed),
-            waits: c.waits.load(Ordering::Relaxed),
-            wait_ns: c.wait_ns.load(Ordering::Relaxed),
-            releases: c.releases.load(Ordering::Relaxed),
-            bytes_copied: c.bytes_copied.load(Ordering::Relaxed),
-            copies: c.copies.load(Ordering::Relaxed),
-            fence_errors: self.fences.as_ref().map_or(0, FenceTracker::errors),
-            bytes: self.bytes(),
-        }
-    }
-
-    /// The arena's bytes by state.
-    pub fn bytes(&self) -> Bytes {
-        let mut bytes = self.table.bytes();
-        self.settle_preparing(&mut bytes.free, &mut bytes.preparing);
-        bytes
-    }
-
-    /// What is still being made ready (slots or bytes) as the stats report it: free once the
-    /// pool is closed, as when it is gone; nothing once making it ready has failed, as it
-    /// never will be.
-    fn settle_preparing(&self, free: &mut usize, preparing: &mut usize) {
-        if self.table.is_closed() {
-            *free += std::mem::take(preparing);
-        } else if self.prepare_error.get().is_some() {
-            *preparing = 0;
-        }
-    }
 }

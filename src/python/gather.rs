@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 
 use super::convert::{guarded, to_py, IntoPy};
 use crate::error::Error;
-use crate::pool::validate_ranges;
+use crate::pool::fill_and_send::validate_ranges;
 use crate::transfer::copy::{process_copier, CopyRange};
 
 /// Copies `(source address, nbytes, destination offset)` items into `target` (a writable,

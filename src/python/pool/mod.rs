@@ -16,7 +16,8 @@ use super::convert::{bool_arg, guarded, size_arg, timeout_arg, to_py, IntoPy};
 use super::slot::PySlot;
 use crate::error::Error;
 use crate::memory::arena::Backend;
-use crate::pool::{Claim, ClaimRules, Counters, Pool, PoolConfig};
+use crate::pool::claim::{Claim, ClaimRules};
+use crate::pool::{Counters, Pool, PoolConfig};
 use crate::transport::reclaim::{Reclaimer, SharedReclaimer};
 
 mod arguments;
