@@ -9,7 +9,7 @@
 //! - Nothing here owns a mapping: the caller's contract (each `unsafe fn`'s `# Safety`) says
 //!   which ranges may be touched.
 
-use super::page_size;
+use super::memfd::page_size;
 use crate::error::{Error, Result};
 
 const MADV_POPULATE_WRITE: libc::c_int = 23;

@@ -12,8 +12,8 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 
-use super::in_pieces::populate_range;
-use super::{page_size, sealed_memfd, unmap_in_chunks};
+use super::in_pieces::{populate_range, unmap_in_chunks};
+use super::memfd::{page_size, sealed_memfd};
 use crate::error::{Error, Result};
 use crate::memory::forked_child;
 

@@ -1,6 +1,9 @@
 //! Unit tests of `shm`, kept apart from the code they test.
 
+use rustix::fs::MemfdFlags;
+
 use super::*;
+use crate::error::Error;
 
 #[test]
 // Miri: memfd_create, fcntl seals and MAP_SHARED mappings are foreign calls Miri cannot run.
