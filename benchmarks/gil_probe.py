@@ -8,9 +8,8 @@ below 1 are releases too short to be lost every time (more cores, more of them l
 
     python benchmarks/gil_probe.py [--calls 20]
 
-What it found on the H200 (``benchmarks/results/h200-gil-free-views/``): ``view`` gives the
-GIL up once or more per call, ``.to(device)`` and ``Event.record`` twice, while
-``torch.from_numpy`` of a numpy view, slicing and ``torch.cuda.stream`` do not.
+It reports, per call, how often each one gives the GIL up (``view``, ``.to(device)``,
+``Event.record``, ``torch.from_numpy`` of a numpy view, slicing, ``torch.cuda.stream``).
 """
 
 from __future__ import annotations

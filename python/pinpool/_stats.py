@@ -2,7 +2,7 @@
 so that a type checker knows each key and its type (at run time they are plain dicts).
 
 Invariants: :class:`PoolStats` has exactly the keys the Rust pool's ``stats()`` sets
-(``src/python/pool.rs``, ``stats_dict``) and :class:`LoaderStats` the loader's own keys plus
+(``src/python/pool/reporting.rs``, ``stats_dict``) and :class:`LoaderStats` the loader's own keys plus
 those; ``tests/package/test_typing.py`` compares both with real ``stats()`` results.
 """
 

@@ -103,8 +103,8 @@ def cuda_device(device: Any) -> torch.device | None:
 def worker_copy_threads(asked: int | None, num_workers: int) -> int:
     """Copy threads per worker: as asked, else ``$PINPOOL_WORKER_COPY_THREADS``, else the
     cores this process may use per worker, from 2 to 4 (a worker copies for only part of
-    its time: on the H200, 2 per worker with 8 and with 14 workers on 16 cores was the best
-    or near the best of 1 to 4, see ``benchmarks/results/h200-worker-threads``)."""
+    its time; the figures behind the range: ``docs/performance.md``, "Measurements behind the
+    code")."""
     if asked is None:
         env = os.environ.get("PINPOOL_WORKER_COPY_THREADS")
         if env:

@@ -7,7 +7,7 @@ no grant) into one of this worker's segments. A streamed batch whose rest outgro
 moves to a segment, and its handle tells the main process to take the unused slot back.
 
 Each worker keeps, per loader, a small ring of segments (sealed memfds, see
-``src/transport/segment.rs``). A batch goes into a segment the main process has finished
+``src/transport/segment/``). A batch goes into a segment the main process has finished
 with. The first time a segment is used, its handle says where the main process can open it
 (``/proc/<worker pid>/fd/<fd>``, checked against a random nonce in its header). Segments too
 small for a batch are retired: the worker drops its mapping and the next handle tells the

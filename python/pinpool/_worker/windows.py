@@ -9,8 +9,7 @@ the descriptor is closed at once. A window is writable only while a batch is wri
 so a stray write in a worker cannot reach a batch the consumer holds (the trust model in
 ``docs/design.md``). It is kept, page tables and all, for the worker's next batches: the main
 process grants a worker, first, the slots it had before (``pinpool._native.Grants``), and reopening
-a kept window costs one ``mprotect`` where mapping the slot afresh faults in every page (about
-54 ms per 256 MB). A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
+a kept window costs one ``mprotect`` where mapping the slot afresh faults in every page. A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
 ``handle.WINDOW_BYTES_KEPT`` bytes of them, the latest used first.
 
 A fresh worker (each epoch's, unless workers persist) would fault in each of its first slots'
