@@ -2,8 +2,8 @@
 so that a type checker knows each key and its type (at run time they are plain dicts).
 
 Invariants: :class:`PoolStats` has exactly the keys the Rust pool's ``stats()`` sets
-(``src/python/pool/reporting.rs``, ``stats_dict``) and :class:`LoaderStats` the loader's own keys plus
-those; ``tests/package/test_typing.py`` compares both with real ``stats()`` results.
+(``src/python/pool/reporting.rs``, ``stats_dict``) and :class:`LoaderStats` the loader's own
+keys plus those; ``tests/package/test_typing.py`` compares both with real ``stats()`` results.
 """
 
 from __future__ import annotations

@@ -857,8 +857,8 @@ LIES = ["header", "magic", "capacity", "nonce", "size", "seals", "length", "clai
 
 
 def header_for(data: Any, capacity: int, nonce: int, lies: set[str]) -> bytes:
-    """64 header bytes laid out as ``src/transport/segment/header.rs`` says, right but for ``lies``; the
-    state word, the padding and the rest are arbitrary."""
+    """64 header bytes laid out as ``src/transport/segment/header.rs`` says, right but for
+    ``lies``; the state word, the padding and the rest are arbitrary."""
     if "header" in lies:
         return data.draw(st.binary(min_size=64, max_size=64), label="header")
     magic = MAGIC

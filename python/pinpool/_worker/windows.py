@@ -4,12 +4,13 @@ while a batch is written.
 A granted slot is reached through ``/proc/<main pid>/fd/<fd>``, checked before anything is
 mapped: the file is the one the grant names (its inode), sealed against shrinking
 (nothing can truncate it under the mapping) and of the announced length, and the slot lies
-inside it. Only the slot's own pages are mapped (an ``ArenaWindow``, ``src/window.rs``), and
-the descriptor is closed at once. A window is writable only while a batch is written into it,
-so a stray write in a worker cannot reach a batch the consumer holds (the trust model in
+inside it. Only the slot's own pages are mapped (an ``ArenaWindow``, ``src/memory/window/``),
+and the descriptor is closed at once. A window is writable only while a batch is written into
+it, so a stray write in a worker cannot reach a batch the consumer holds (the trust model in
 ``docs/design.md``). It is kept, page tables and all, for the worker's next batches: the main
-process grants a worker, first, the slots it had before (``pinpool._native.Grants``), and reopening
-a kept window costs one ``mprotect`` where mapping the slot afresh faults in every page. A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
+process grants a worker, first, the slots it had before (``pinpool._native.Grants``), and
+reopening a kept window costs one ``mprotect`` where mapping the slot afresh faults in every
+page. A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
 ``handle.WINDOW_BYTES_KEPT`` bytes of them, the latest used first.
 
 A fresh worker (each epoch's, unless workers persist) would fault in each of its first slots'
