@@ -85,7 +85,7 @@ test-oldest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -m pytest -q -n 2 -m "not faults"
 	$(OLD_VENV)/bin/python -m pytest -q -m faults
 
-# The memory-protection-key paths (src/pkeys.rs, zero-copy windows opened keyed) in a virtual
+# The memory-protection-key paths (src/system/pkeys.rs, zero-copy windows opened keyed) in a virtual
 # machine under QEMU's emulation of `pku`, for machines whose CPU has none; slow (the emulated
 # CPU runs some 20 times slower), not part of `make test`: tests/pkeys_vm.sh says what it needs.
 test-pkeys: build

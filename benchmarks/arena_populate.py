@@ -1,6 +1,6 @@
 """How fast can fresh shared memory be faulted in: one memfd or several, by thread count.
 
-Informs how the arena is populated at start-up (`src/arena.rs`). Prints GB/s.
+Informs how the arena is populated at start-up (`src/memory/arena/`). Prints GB/s.
 
     python benchmarks/arena_populate.py [--gib 4] [--threads 16] [--files 1 4 16]
 """

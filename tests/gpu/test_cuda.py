@@ -285,7 +285,7 @@ def test_host_backend_on_a_gpu_machine_is_not_pinned(cuda_pool) -> None:
 def test_a_forked_child_reads_a_registered_arena_and_writes_only_its_own_copy(cuda_pool) -> None:
     """A child forked after a pinned (driver-registered) arena exists reads the batches it
     inherited, and what it writes there stays its own: the parent's bytes, and their copy to
-    the GPU, are unchanged (``src/fork_private.rs``)."""
+    the GPU, are unchanged (``src/memory/forked_child.rs``)."""
     import ctypes
 
     pool = cuda_pool(2 * MiB, 2)

@@ -1,6 +1,6 @@
 """Where the arena goes on a machine with several NUMA nodes: on its GPU's node, with the copy
 threads on that node's CPUs (issue #13). The placement logic itself is tested in Rust on fake
-sysfs trees (``src/topology.rs``, ``src/numa.rs``); here, the pool as Python sees it.
+sysfs trees (``src/system/topology.rs``, ``src/memory/numa.rs``); here, the pool as Python sees it.
 
 Without a GPU there is nothing to place (host memory belongs to no GPU): those tests are marked
 ``cuda``. One of them runs on any GPU machine, with a fake sysfs tree

@@ -3,14 +3,15 @@ is made (at the first batch, or when a worker tells that batch's size, or at onc
 sizes were given).
 
 The arena is fixed: allocated once, never grown. Batches of any size up to the largest land
-in it, each taking exactly its own bytes (rounded up to a page; ``src/extents.rs``). Without
-settings the arena holds the batches in flight (``prefetch_factor x num_workers``, plus 4)
-at ``codec.HEADROOM`` (1.25) times the first batch's size, and at least :data:`MIN_ARENA`, so
-that a first batch of a few kilobytes does not leave room only for batches like it (token
-rows padded to a short first batch, say); the largest batch is half the arena, at most
-:data:`LARGEST_DEFAULT` unless the first batch is larger. An arena sized automatically
-takes at most :data:`MEMORY_SHARE` of the memory available, divided among the ranks on this
-host; past that it is made smaller (down to two of the first batch) rather than refused.
+in it, each taking exactly its own bytes (rounded up to a page;
+``src/allocation/extents.rs``). Without settings the arena holds the batches in flight
+(``prefetch_factor x num_workers``, plus 4) at ``codec.HEADROOM`` (1.25) times the first
+batch's size, and at least :data:`MIN_ARENA`, so that a first batch of a few kilobytes does
+not leave room only for batches like it (token rows padded to a short first batch, say); the
+largest batch is half the arena, at most :data:`LARGEST_DEFAULT` unless the first batch is
+larger. An arena sized automatically takes at most :data:`MEMORY_SHARE` of the memory
+available, divided among the ranks on this host; past that it is made smaller (down to two
+of the first batch) rather than refused.
 
 The batches in flight are counted in whole parts: no batch crosses one of the arena's parts,
 and a part may be as short as the largest batch, so an arena holds ``batches`` of the first

@@ -25,7 +25,7 @@ key, which only that thread switches on, so no other thread of the worker can re
 it holds no descriptor. Without keys nothing is mapped ahead: faulting pages in needs them
 writable, and every thread could write them then.
 
-Where the machine has memory protection keys (``src/pkeys.rs``), a window has a key of its
+Where the machine has memory protection keys (``src/system/pkeys.rs``), a window has a key of its
 own, and a slot is opened *keyed* when only this thread (and pinpool's copy threads, which take
 its rights for a copy) writes it: torch runs one thread per operation here
 (``torch.get_num_threads() == 1``, as torch sets in its workers). Its pages then stay writable
@@ -39,7 +39,7 @@ Invariants:
 - A window covers only slots the main process handed this worker or named as its next ones
   (hints: opened only for a grant that lies in them), is checked against the file it
   maps (inode and range) each time it is reused, and is writable only between
-  :func:`open_for` and :func:`close` (one range at a time: ``src/window.rs``); opened keyed,
+  :func:`open_for` and :func:`close` (one range at a time: ``src/memory/window/``); opened keyed,
   only by the thread that opened it, while its access is switched on (``Destination.allow``); and,
   for a hint's, while the map-ahead thread faults it in, by that thread alone, under its key.
 - No descriptor of the arena stays open past :func:`open_for`; ``_WINDOWS`` changes only on
