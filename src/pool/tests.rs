@@ -6,6 +6,21 @@ use std::time::{Duration, Instant};
 use crate::allocation::slots::Preference;
 use crate::memory::shm::page_size;
 
+/// Stops `pool`'s fence thread and waits until it has ended (its weak reference gone), so
+/// that only the test retires fences: otherwise that thread may record or retire a fence
+/// between the test's steps.
+fn without_fence_thread(pool: &Arc<Pool>) {
+    pool.stopping.store(true, Ordering::Release);
+    if let Some(t) = pool.retirer.get() {
+        t.unpark();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Arc::weak_count(pool) > 0 {
+        assert!(Instant::now() < deadline, "the fence thread did not end");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
 #[cfg_attr(miri, ignore)]
@@ -43,6 +58,7 @@ fn a_released_extent_is_handed_out_again_once_its_fence_is_retired() {
     let slot = 4 * page_size();
     let config = PoolConfig::host(slot, 4);
     let pool = Pool::with_fences(&config, Box::new(Arc::clone(&fences))).unwrap();
+    without_fence_thread(&pool);
     let held: Vec<SlotId> = (0..4).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
     let at = |t| pool.extent(t).unwrap().0;
     let (first, wanted) = (at(held[0]), at(held[2]));
@@ -94,6 +110,7 @@ fn a_free_preferred_extent_is_taken_without_retiring_fences() {
     let slot = 4 * page_size();
     let pool =
         Pool::with_fences(&PoolConfig::host(slot, 4), Box::new(Arc::clone(&fences))).unwrap();
+    without_fence_thread(&pool);
     let held: Vec<SlotId> = (0..4).map(|_| pool.try_checkout().unwrap().unwrap()).collect();
     let at = |t| pool.extent(t).unwrap().0;
     let (fenced, free) = (at(held[2]), at(held[1]));
