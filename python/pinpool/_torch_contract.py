@@ -21,17 +21,17 @@ Invariants:
 - Every entry was checked on torch 2.6.0 and 2.15.0, the ends of the tested range
   (``_torch_versions``), with Python 3.11's multiprocessing (3.12's and 3.13's set the same
   queue attributes); an entry that differs between them says so (only ``_pin_memory``, in
-  how torch sets it). :func:`check` tells what is missing or changed on the torch installed:
-  the test suite runs it on both ends.
+  how torch sets it). ``_torch_contract_check.check_installed_torch`` tells what is missing
+  or changed on the torch installed: the test suite runs it on both ends.
 - Importing this module costs little: it imports torch (whose import loads its DataLoader
   modules already) and ``multiprocessing.queues``, nothing of pinpool's, and makes nothing (no
-  iterator, queue or process); only :func:`check` reads sources (and opens one pipe).
+  iterator, queue or process); only the check, a module of its own, reads sources (and opens
+  one pipe).
 """
 
 from __future__ import annotations
 
 import atexit
-import inspect
 import multiprocessing.context
 import multiprocessing.queues
 import threading
@@ -50,14 +50,14 @@ __all__ = [
     "COLLATE_ATTRIBUTES",
     "ITERATOR_ATTRIBUTES",
     "ITERATOR_READABLE",
+    "LEADING_PARAMETERS",
     "LOADER_ATTRIBUTES",
     "MAP_DATASET",
+    "METHOD_SIGNATURES",
     "QUEUE_ATTRIBUTES",
     "RERAISE_CODE",
     "MultiProcessingIter",
     "MultiprocessingQueue",
-    "assigned_attributes",
-    "check",
     "cuda_pin_thread_deferrable",
     "cuda_raw_stream",
     "dataset_kind",
@@ -142,22 +142,23 @@ COLLATE_ATTRIBUTES: dict[str, str] = {
 
 def mp_status_check_interval() -> float:
     """``_utils.MP_STATUS_CHECK_INTERVAL``: how long torch waits for a worker to exit before
-    it gives up (5 s); pinpool waits as long before it kills one (``_main.workers._reap_workers``).
-    Read at each call."""
+    it gives up (5 s); pinpool waits as long before it kills one
+    (``_main.worker_shutdown.reap_workers``). Read at each call."""
     return float(_utils.MP_STATUS_CHECK_INTERVAL)
 
 
 def python_exit_status() -> Any:
     """``_utils.python_exit_status``: True once the interpreter is exiting, when torch's
-    shutdown does nothing and neither does pinpool's (``_main.workers._shutting_down_python``);
-    None if torch no longer has it (or its module is gone at exit)."""
+    shutdown does nothing and neither does pinpool's
+    (``_main.worker_shutdown.shutting_down_python``); None if torch no longer has it (or its
+    module is gone at exit)."""
     return getattr(_utils, "python_exit_status", None)
 
 
 def remove_worker_pids(iterator_id: int) -> None:
     """``_utils.signal_handling._remove_worker_pids(id(iterator))``: unregisters an iterator's
     workers from torch's SIGCHLD handler, which then no longer raises for them (pinpool reaps
-    the workers torch's shutdown left, ``_main.workers._reap_workers``)."""
+    the workers torch's shutdown left, ``_main.worker_shutdown.reap_workers``)."""
     _utils.signal_handling._remove_worker_pids(iterator_id)
 
 
@@ -223,7 +224,7 @@ LOADER_ATTRIBUTES: dict[str, str] = {
 
 #: The torch methods whose parameters pinpool's overrides and calls rely on: (class, name,
 #: parameter names).
-_SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+METHOD_SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (MultiProcessingIter, "_reset", ("self", "loader", "first_iter")),
     (MultiProcessingIter, "_try_get_data", ("self", "timeout")),
     (MultiProcessingIter, "_shutdown_workers", ("self",)),
@@ -234,7 +235,7 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 )
 
 #: Those whose leading parameters are all pinpool relies on (the rest is passed on as it comes).
-_LEADING: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+LEADING_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (MultiProcessingIter, "_process_data", ("self", "data")),
 )
 
@@ -354,192 +355,3 @@ QUEUE_ATTRIBUTES: dict[str, str] = {
 #: is being started by spawn or a forkserver, the only time a pool hint pickles its pipe
 #: (``_wire.pool_hint``).
 get_spawning_popen: Callable[[], Any] = multiprocessing.context.get_spawning_popen
-
-# -- the check ------------------------------------------------------------------------------
-
-
-def check() -> list[str]:
-    """What is missing or changed on the installed torch (and multiprocessing), one line each;
-    empty when everything above is as pinpool expects. Reads torch's sources (no iterator is
-    made); never raises."""
-    problems: list[str] = []
-    for part in (_check_utils, _check_collate, _check_classes, _check_queue, _check_others):
-        try:
-            problems.extend(part())
-        except Exception as exc:  # (a check that cannot run is a finding too)
-            problems.append(f"{part.__name__[1:]} could not run: {exc!r}")
-    return problems
-
-
-def _check_utils() -> list[str]:
-    out = []
-    interval = getattr(_utils, "MP_STATUS_CHECK_INTERVAL", None)
-    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
-        out.append(f"torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL is {interval!r}")
-    if not isinstance(getattr(_utils, "python_exit_status", None), bool):
-        out.append("torch.utils.data._utils.python_exit_status is missing or not a bool")
-    if not callable(getattr(_utils.signal_handling, "_remove_worker_pids", None)):
-        out.append("torch.utils.data._utils.signal_handling._remove_worker_pids is missing")
-    if MAP_DATASET is None:
-        out.append("torch.utils.data.dataloader._DatasetKind.Map is missing")
-    return out
-
-
-def _check_collate() -> list[str]:
-    out = []
-    for name in COLLATE_ATTRIBUTES:
-        if not hasattr(torch_collate, name):
-            out.append(f"torch.utils.data._utils.collate.{name} is missing")
-    for name in ("collate", "collate_tensor_fn"):
-        function = getattr(torch_collate, name, None)
-        if function is None:
-            continue
-        parameter = inspect.signature(function).parameters.get("collate_fn_map")
-        if parameter is None or parameter.kind is not inspect.Parameter.KEYWORD_ONLY:
-            out.append(f"torch.utils.data._utils.collate.{name} takes no keyword collate_fn_map")
-    table = getattr(torch_collate, "default_collate_fn_map", None)
-    if not isinstance(table, dict) or torch.Tensor not in table:
-        out.append("torch.utils.data._utils.collate.default_collate_fn_map has no torch.Tensor")
-    if getattr(torch_collate, "default_convert", None) is not torch.utils.data.default_convert:
-        out.append("torch.utils.data._utils.collate.default_convert is not torch's public one")
-    return out
-
-
-def _check_classes() -> list[str]:
-    import inspect
-
-    out = []
-    iterator, loader = MultiProcessingIter, torch.utils.data.DataLoader
-    for cls, name, expected in _SIGNATURES:
-        function = inspect.getattr_static(cls, name, None)
-        if not callable(function):
-            out.append(f"{cls.__name__}.{name} is missing")
-            continue
-        found = tuple(inspect.signature(function).parameters)
-        if found != expected:
-            out.append(f"{cls.__name__}.{name} takes {found}, not {expected}")
-    for cls, name, leading in _LEADING:
-        function = inspect.getattr_static(cls, name, None)
-        if not callable(function):
-            out.append(f"{cls.__name__}.{name} is missing")
-            continue
-        found = tuple(inspect.signature(function).parameters)
-        if found[: len(leading)] != leading:
-            out.append(f"{cls.__name__}.{name} takes {found}, not {leading} first")
-    methods = {name for cls, name, _ in (*_SIGNATURES, *_LEADING) if cls is iterator}
-    assigned = assigned_attributes(iterator)
-    for name in ITERATOR_ATTRIBUTES:
-        if name not in methods and name not in assigned:
-            out.append(f"{iterator.__name__} no longer sets self.{name}")
-    if "_worker_queue_idx_cycle" not in assigned_attributes(iterator, "_reset"):
-        out.append(f"{iterator.__name__}._reset no longer sets self._worker_queue_idx_cycle")
-    for name in ("_index_sampler", "_auto_collation"):
-        if not isinstance(inspect.getattr_static(loader, name, None), property):
-            out.append(f"DataLoader.{name} is not a property")
-    if "_iterator" not in assigned_attributes(loader, "__init__"):
-        out.append("DataLoader.__init__ no longer sets self._iterator")
-    return out
-
-
-def _check_queue() -> list[str]:
-    import os
-    import struct
-
-    out = []
-    queue = MultiprocessingQueue
-    assigned = assigned_attributes(queue)
-    for name in QUEUE_ATTRIBUTES:
-        if name not in assigned:
-            out.append(f"multiprocessing.queues.Queue no longer sets self.{name}")
-    if "__slots__" in vars(queue):
-        out.append("multiprocessing.queues.Queue has __slots__ (its __class__ is swapped)")
-    if not callable(get_spawning_popen):
-        out.append("multiprocessing.context.get_spawning_popen is missing")
-    # The Rust writer frames a message as Connection.send_bytes does: the reader must take it.
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    try:
-        os.write(writer.fileno(), struct.pack("!i", 3) + b"abc")
-        if not reader.poll(1.0) or reader.recv_bytes() != b"abc":
-            out.append("multiprocessing.connection.Connection reads another framing")
-    finally:
-        reader.close()
-        writer.close()
-    return out
-
-
-def _check_others() -> list[str]:
-    import inspect
-
-    out = []
-    kind = getattr(torch.utils.data, "_DatasetKind", None)
-    fetcher = getattr(kind, "create_fetcher", None)
-    if fetcher is None or tuple(inspect.signature(fetcher).parameters) != (
-        "kind",
-        "dataset",
-        "auto_collation",
-        "collate_fn",
-        "drop_last",
-    ):
-        out.append("torch.utils.data._DatasetKind.create_fetcher is missing or changed")
-    loop = tuple(inspect.signature(pin_memory_loop).parameters)
-    if loop != ("in_queue", "out_queue", "device_id", "done_event", "device"):
-        out.append(f"torch.utils.data._utils.pin_memory._pin_memory_loop takes {loop}")
-    if not hasattr(MultiProcessingIter, "_register_persistent_workers_atexit") and not hasattr(
-        MultiProcessingIter, "_clean_up_worker"
-    ):
-        out.append(f"{MultiProcessingIter.__name__} registers no clean-up of persistent workers")
-    if RERAISE_CODE is None:
-        out.append("torch._utils.ExceptionWrapper.reraise is missing")
-    if not callable(getattr(torch._C._autograd, "_profiler_enabled", None)):
-        out.append("torch._C._autograd._profiler_enabled is missing")
-    if cuda_raw_stream is None and torch.backends.cuda.is_built():
-        out.append("torch._C._cuda_getCurrentRawStream is missing (a build with CUDA)")
-    if unflatten_dense_tensors is None:
-        out.append("torch._C._nn.unflatten_dense_tensors is missing")
-    else:
-        flat = torch.arange(6)
-        like = [torch.empty(2, device="meta"), torch.empty((2, 2), device="meta")]
-        views = unflatten_dense_tensors(flat, like)
-        if [v.shape for v in views] != [(2,), (2, 2)] or views[1].storage_offset() != 2:
-            out.append("torch._C._nn.unflatten_dense_tensors gives other views")
-    return out
-
-
-def assigned_attributes(cls: type, method: str | None = None) -> set[str]:
-    """The attribute names ``self.NAME = ...`` assigns (in a plain, annotated, augmented or
-    tuple assignment) in the methods of ``cls`` and of its bases with Python source, or only
-    in ``method`` of the class that defines it."""
-    import ast
-    import inspect
-    import textwrap
-
-    if method is not None:
-        owner = next(c for c in cls.__mro__ if method in vars(c))
-        sources = [inspect.getsource(vars(owner)[method])]
-    else:
-        sources = []
-        for c in cls.__mro__:
-            try:
-                sources.append(inspect.getsource(c))
-            except (OSError, TypeError):  # (object, and any class written in C)
-                pass
-    found: set[str] = set()
-    for source in sources:
-        for node in ast.walk(ast.parse(textwrap.dedent(source))):
-            if isinstance(node, ast.Assign):
-                targets = list(node.targets)
-            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-                targets = [node.target]
-            else:
-                continue
-            while targets:
-                target = targets.pop()
-                if isinstance(target, (ast.Tuple, ast.List)):
-                    targets.extend(target.elts)
-                elif (
-                    isinstance(target, ast.Attribute)
-                    and isinstance(target.value, ast.Name)
-                    and target.value.id == "self"
-                ):
-                    found.add(target.attr)
-    return found

@@ -16,9 +16,13 @@ import pytest
 import torch.utils.data
 
 from pinpool import _torch_contract as contract
-from pinpool._torch_contract import MultiProcessingIter, check
+from pinpool._torch_contract import MultiProcessingIter
+from pinpool._torch_contract_check import assigned_attributes, check_installed_torch
 
 PACKAGE = Path(__file__).resolve().parent.parent.parent / "python" / "pinpool"
+
+#: The contract (what pinpool relies on) and its check against the installed torch.
+CONTRACT_MODULES = ("_torch_contract.py", "_torch_contract_check.py")
 
 #: Private torch and multiprocessing paths, as a module could spell them.
 PRIVATE_PATHS = {
@@ -63,14 +67,14 @@ def code_of(path: Path) -> str:
 
 
 def test_the_installed_torch_keeps_the_contract() -> None:
-    assert check() == [], f"torch {torch.__version__}"
+    assert check_installed_torch() == [], f"torch {torch.__version__}"
 
 
 def test_private_paths_are_spelled_only_in_the_contract() -> None:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
-        if name == "_torch_contract.py" or name.startswith("bench/"):
+        if name in CONTRACT_MODULES or name.startswith("bench/"):
             continue
         code = code_of(path)
         for label, pattern in PRIVATE_PATHS.items():
@@ -113,7 +117,7 @@ def private_names_used(path: Path) -> set[str]:
 def test_private_attributes_used_on_torch_objects_are_in_the_tables() -> None:
     torch_side: set[str] = set()
     for cls in (MultiProcessingIter, torch.utils.data.DataLoader, multiprocessing.queues.Queue):
-        torch_side |= set(dir(cls)) | contract.assigned_attributes(cls)
+        torch_side |= set(dir(cls)) | assigned_attributes(cls)
     listed = (
         set(contract.ITERATOR_ATTRIBUTES)
         | set(contract.LOADER_ATTRIBUTES)
@@ -144,7 +148,8 @@ def test_the_tables_say_what_each_name_is_for() -> None:
 
 def test_check_reports_a_missing_method(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(MultiProcessingIter, "_try_get_data")
-    assert any("_try_get_data is missing" in p for p in check()), check()
+    problems = check_installed_torch()
+    assert any("_try_get_data is missing" in p for p in problems), problems
 
 
 def test_check_reports_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,13 +157,14 @@ def test_check_reports_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> N
         pass
 
     monkeypatch.setattr(MultiProcessingIter, "_try_get_data", _try_get_data)
-    assert any("_try_get_data takes ('self', 'wait')" in p for p in check()), check()
+    problems = check_installed_torch()
+    assert any("_try_get_data takes ('self', 'wait')" in p for p in problems), problems
 
 
 def test_check_reports_an_attribute_torch_no_longer_sets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(contract.ITERATOR_ATTRIBUTES, "_not_set_by_torch", "a test's")
     monkeypatch.setitem(contract.QUEUE_ATTRIBUTES, "_not_set_either", "a test's")
-    problems = check()
+    problems = check_installed_torch()
     assert any("no longer sets self._not_set_by_torch" in p for p in problems), problems
     assert any("Queue no longer sets self._not_set_either" in p for p in problems), problems
 
@@ -168,6 +174,6 @@ def test_check_reports_missing_module_names(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.delattr(signal_handling, "_remove_worker_pids")
     monkeypatch.delattr(contract.torch_collate, "collate_tensor_fn")
-    problems = check()
+    problems = check_installed_torch()
     assert any("_remove_worker_pids is missing" in p for p in problems), problems
     assert any("collate.collate_tensor_fn is missing" in p for p in problems), problems
