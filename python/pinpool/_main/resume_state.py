@@ -1,4 +1,7 @@
-"""A checkpoint state's format: what it records (the random states, the order its samples
+"""resume_state: the saved state's format and validation (``resume``: building a loader's
+state and applying a loaded one).
+
+A checkpoint state's format: what it records (the random states, the order its samples
 come in) and the checks a loaded state passes before anything reads it.
 
 Invariants: a state is plain data (see ``resume``); every field that ``resume.Resume.start``
