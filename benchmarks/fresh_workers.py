@@ -26,7 +26,7 @@ import torch
 
 import pinpool
 import pinpool.trace
-from pinpool.bench.measure import ComputeWork
+from pinpool.bench.gpu_work import ComputeWork
 from pinpool.bench.workloads import SyntheticImages
 
 BATCH, SHAPE, WORKERS, BATCHES = 8, (3, 3344, 3344), 2, 23

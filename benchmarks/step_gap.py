@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 import pinpool
+from pinpool.bench.gpu_work import ComputeWork
 from pinpool.bench.loaders import build, spec_named, transfer
-from pinpool.bench.measure import ComputeWork
 from pinpool.bench.workloads import make_dataset
 
 COLUMNS = ["gpu_gap", "next", "next_cpu", "transfer", "launch", "loop", "busy"]
