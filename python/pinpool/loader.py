@@ -43,7 +43,7 @@ from ._main.grants import TaskTagger
 from ._main.loader_iter import LoaderIter
 from ._main.pool_settings import POOL_ARGUMENTS, PoolSettings
 from ._main.receiver import Receiver
-from ._main.resume import EpochSampler, LoadWorkerState, Resume, check, unsupported
+from ._main.resume import EpochSampler, LoadWorkerState, Resume, raise_if_not_resumable, unsupported
 from ._main.workers import WorkersIter, close_loader, shut_down
 from ._native import PinPool
 from ._stats import LoaderStats
@@ -247,7 +247,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         workers); one without ``state_dict()``/``load_state_dict()`` cannot resume: both
         attributes raise ``NotResumable``, a NotImplementedError and an AttributeError
         (``hasattr`` is False)."""
-        check(self._pin_why_not())
+        raise_if_not_resumable(self._pin_why_not())
         return self._pin_state_dict
 
     @property
@@ -255,7 +255,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """``load_state_dict(state)``: the next iteration resumes where ``state`` (from
         :meth:`state_dict`) was taken; once it has drawn its order, torch's global RNG is as it
         was then."""
-        check(self._pin_why_not())
+        raise_if_not_resumable(self._pin_why_not())
         return self._pin_load_state_dict
 
     def _pin_load_state_dict(self, state: dict[str, Any]) -> None:

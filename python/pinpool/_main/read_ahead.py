@@ -11,7 +11,7 @@ the pin thread's cost: two threads handing the GIL to each other for every batch
 (docs/performance.md, "Without torch's pin thread").
 
 Invariants: every item got from the result queue is returned, once, in the order it came, or
-dropped with the iterator's held batches at shutdown (``workers._drop_held``) or when a
+dropped with the iterator's held batches at shutdown (``worker_shutdown.drop_held``) or when a
 persistent iterator starts its next epoch (torch drops the last one's leftovers then); what
 getting one raised (other than the queue's being empty) is raised after them; an item is kept
 before anything is done with it, so that an exception raised while it is taken ahead (a signal

@@ -98,7 +98,6 @@ __all__ = [
     "NotResumable",
     "Resume",
     "WorkerStart",
-    "check",
     "raise_if_not_resumable",
     "unsupported",
 ]
@@ -295,10 +294,6 @@ def unsupported(dataset: Any, iterable: bool, num_workers: int, in_order: bool) 
             "batches yielded are not the first ones drawn, and no count says which were"
         )
     return None
-
-
-#: The name the loader imports (``pinpool.loader``) until it takes the one above.
-check = raise_if_not_resumable
 
 
 class LoadWorkerState:

@@ -38,7 +38,6 @@ from .. import _signals, _trace
 from .._torch_contract import (
     MAP_DATASET,
     MultiProcessingIter,
-    cuda_pin_thread_deferrable,
     mp_status_check_interval,
     profiler_enabled,
     register_persistent_atexit,
@@ -209,7 +208,8 @@ class WorkersIter(MultiProcessingIter):
         # torch's __init__ sets it to whether it is to start a pin thread: on CUDA, a loader
         # that has not met a big batch starts without one (see the class's doc).
         wish = bool(wish)
-        defer = wish and not self._pin_receiver.big_batches and cuda_pin_thread_deferrable()
+        mode = self._pin_receiver.mode
+        defer = wish and mode.pin_thread_starts_late and not self._pin_receiver.big_batches
         self.__dict__["_pin_wanted"] = defer
         self.__dict__["_pin_thread_on"] = wish and not defer
 
