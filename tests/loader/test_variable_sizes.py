@@ -274,3 +274,22 @@ def test_larger_batches_after_kept_ones_with_holes_never_wait_for_the_consumer(
     assert max(took) < 2.0, took
     assert loader.stats()["overflow_batches"] == 6
     del it, got, held
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_consumer_that_keeps_many_small_batches_keeps_them_all_in_the_arena(
+    num_workers: int,
+) -> None:
+    # 300 batches of 4 KiB kept at once: far more than the batches in flight, far less than
+    # the arena's bytes; each one stays in the arena (the arena's bytes bound a consumer that
+    # keeps batches, not a count of slots).
+    dataset = TokenRows([512] * 600)
+    pin = pinpool.DataLoader(dataset, batch_size=2, num_workers=num_workers, collate_fn=pad_collate)
+    kept = list(pin)
+    assert len(kept) == 300
+    assert all(in_pool(pin.pool, x) for b in kept for x in array_leaves(b) if x.nbytes)
+    stats = pin.stats()
+    assert stats["overflow_batches"] == 0, stats
+    assert stats["slots_checked_out"] == 300, stats
+    del kept
+    gc.collect()

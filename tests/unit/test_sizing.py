@@ -54,3 +54,28 @@ def test_an_automatic_arena_holds_its_batches_in_parts_one_batch_long(
     assert plan.arena % plan.largest == 0
     assert plan.largest >= room
     assert units * (plan.largest // room) >= sized.batches, (plan, room)
+
+
+@given(
+    first=st.integers(1, 1 << 28),
+    in_flight=st.integers(1, 64),
+    arena_bytes=st.one_of(st.none(), st.integers(1, 1 << 34)),
+)
+def test_an_arena_runs_out_of_bytes_before_entries(
+    first: int, in_flight: int, arena_bytes: int | None
+) -> None:
+    # A consumer that keeps many small batches is bounded by the arena's bytes: a sized
+    # arena has an entry for each ENTRY_BYTES of it (up to MAX_ENTRIES), and at least two
+    # for each batch out at once.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sizing, "available_memory", lambda: None)
+        sized = Sizing(in_flight=in_flight, arena_bytes=arena_bytes)
+        plan = sized.plan(first)
+    assert plan.entries >= 2 * sized.batches
+    assert plan.entries >= min(sizing.MAX_ENTRIES, plan.arena // sizing.ENTRY_BYTES)
+    assert plan.entries <= max(sizing.MAX_ENTRIES, 2 * sized.batches)
+
+
+def test_num_slots_is_the_number_of_entries() -> None:
+    plan = Sizing(in_flight=4, slot_bytes=1 << 20, num_slots=7).plan(100)
+    assert plan.entries == 7

@@ -45,6 +45,11 @@ MIN_ARENA = 64 << 20
 MEMORY_SHARE = 0.5
 #: Batches in flight beyond ``prefetch_factor x num_workers``: those the consumer holds.
 EXTRA_BATCHES = 4
+#: A sized arena has an entry (a slot out or fenced at once) for each this many bytes of it,
+#: and at least 64 (but ``num_slots=``, which is exact).
+ENTRY_BYTES = 64 << 10
+#: The most entries a sized arena has.
+MAX_ENTRIES = 1 << 16
 #: The default largest batch is half the arena, but at most this much (or the first batch
 #: with headroom, if that is larger): the arena's parts are whole multiples of the largest
 #: batch, and a big arena in many parts is faulted in and registered with the driver by as
@@ -124,8 +129,6 @@ class Sizing:
             plan = ArenaPlan(largest, largest * self.batches, self.batches, self.slot_bytes)
             self._within_memory(plan.arena, "slot_bytes= x num_slots=")
             return plan
-        # Entries are cheap: room for many small batches held at once.
-        entries = max(2 * self.batches, 64) if self.num_slots is None else self.num_slots
         room = _pages(max(1, first) * HEADROOM)
         explicit = self.arena_bytes is not None or self.max_batch_bytes is not None
         arena = self.arena_bytes or max(MIN_ARENA, room * self.batches)
@@ -152,6 +155,12 @@ class Sizing:
             # if not, it and those like it take memory of their own, by oversize=).
             largest = max(_PAGE, cap // 2 // _PAGE * _PAGE)
             arena = 2 * largest
+        # Entries are cheap (a few words each): enough that the arena fills with batches of
+        # ENTRY_BYTES before its entries run out, so a consumer that keeps many small batches
+        # is bounded by the arena's bytes, as the user was told, not by a count of slots.
+        entries = self.num_slots
+        if entries is None:
+            entries = min(MAX_ENTRIES, max(2 * self.batches, 64, arena // ENTRY_BYTES))
         return ArenaPlan(largest, arena, entries, self.max_batch_bytes or 0)
 
     def check(self) -> None:
