@@ -39,6 +39,7 @@ from torch.utils.data import default_collate, default_convert
 
 from . import _signals, _torch_versions, _trace
 from ._main import settings
+from ._main.delivery_mode import DeliveryMode
 from ._main.grants import TaskTagger
 from ._main.loader_iter import LoaderIter
 from ._main.pool_settings import POOL_ARGUMENTS, PoolSettings
@@ -66,7 +67,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     each declared once, with its default, its check and what it does, in
     ``pinpool._main.settings.ARGUMENTS`` (listed below; the user guide's options table says
     more). What they resolve to on this machine is the loader's delivery mode
-    (``settings.DeliveryMode``: copy or zero-copy, torch's pin thread or the consumer's,
+    (``delivery_mode.DeliveryMode``: copy or zero-copy, torch's pin thread or the consumer's,
     pinned CPU batches or a CUDA device).
 
     A setting given that cannot apply warns once, saying why (``zero_copy=True`` without
@@ -140,9 +141,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             collate_fn=collate_fn,
             pool=pool,
         )
-        mode = settings.DeliveryMode.resolve(
-            zero_copy=zero_copy, device=pool_settings.device, shape=shape
-        )
+        mode = DeliveryMode.resolve(zero_copy=zero_copy, device=pool_settings.device, shape=shape)
         receiver = Receiver(token, pool_settings, mode, pool_hint=hint)
         streams = stream_samples is not False and collate_fn is None
         resume = Resume(shape.iterable, num_workers)

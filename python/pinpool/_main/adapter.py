@@ -39,9 +39,10 @@ from .._errors import InvalidArgument
 from .._native import PinPool
 from .._stats import LoaderStats
 from .delivery import hand_to_consumer
+from .delivery_mode import copy_mode
 from .pool_settings import PoolSettings
 from .receiver import Receiver
-from .settings import ARGUMENTS, copy_mode
+from .settings import ARGUMENTS
 
 __all__ = ["Pinned", "pinned"]
 

@@ -38,8 +38,8 @@ from .._torch_contract import cuda_raw_stream
 from .._wire import codec, leaves
 from .._wire.handle import BatchHandle
 from . import opaque
+from .delivery_mode import DeliveryMode
 from .opaque import OpaqueObjects
-from .settings import DeliveryMode
 
 #: Where a slot's bytes still are, when a batch is sent to the device: in a worker's segment
 #: (the segment cache and the segment's key), or None: in the slot already.

@@ -39,11 +39,11 @@ from .._wire import codec
 from .._wire.handle import ARRIVED, BatchHandle
 from .._wire.pool_hint import PoolHint
 from .delivery import Delivery, Pending
+from .delivery_mode import DeliveryMode
 from .grants import LoaderGrants
 from .intake import Intake
 from .lazy_pool import TAKE_IN_TURN, LazyPool
 from .pool_settings import PoolSettings
-from .settings import DeliveryMode
 
 #: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
 #: in its turn, on its current stream (torch's pin thread only has them copied into their slot
@@ -64,7 +64,7 @@ class Receiver:
     ) -> None:
         self.token = token
         self.pid = os.getpid()  # finalizers run in a forked child do nothing
-        #: How the loader's batches reach the consumer (``settings.DeliveryMode``).
+        #: How the loader's batches reach the consumer (``delivery_mode.DeliveryMode``).
         self.mode = mode
         #: Zero-copy: the loader's grants (None in copy mode).
         self.grants = LoaderGrants() if mode.worker_writes_in_place else None
