@@ -282,10 +282,6 @@ class ArenaWindow:
         without the GIL: the open range's pages, or, for a range opened keyed, the calling
         thread's access (the pages stay so under the key for the next batch). Raises
         ``BufferError``, changing nothing, while a view of the window is alive."""
-    def drop_page_tables(self) -> None:
-        """Drops this process's page tables for the whole window (``MADV_DONTNEED``), without
-        the GIL, open or not: the bytes stay in the file, and the next access of an open page
-        faults it back in."""
 
 @final
 class WorkerSegment:
@@ -327,9 +323,6 @@ class WorkerSegment:
     @property
     def in_flight(self) -> bool:
         """Whether the segment is claimed: being written, or sent and not yet released."""
-    def drop_page_tables(self) -> None:
-        """Drops this process's page tables for the segment (``MADV_DONTNEED``), without the
-        GIL; the data and every view stay valid (a later access faults the pages back in)."""
     def try_claim(self) -> bool:
         """Claims the segment for a new batch (atomically); False while the consumer still
         holds the last one, when the data must not be written. Never blocks."""

@@ -52,7 +52,6 @@ __all__ = [
     "ITERATOR_READABLE",
     "LEADING_PARAMETERS",
     "LOADER_ATTRIBUTES",
-    "MAP_DATASET",
     "METHOD_SIGNATURES",
     "QUEUE_ATTRIBUTES",
     "RERAISE_CODE",
@@ -80,10 +79,6 @@ __all__ = [
 #: torch's multi-process iterator (``dataloader._MultiProcessingDataLoaderIter``):
 #: ``_main.workers.WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what it uses).
 MultiProcessingIter = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
-
-#: ``dataloader._DatasetKind.Map`` (None if missing): an iterator's ``_dataset_kind`` for a
-#: map-style dataset, whose epoch has a length (``_main.workers``: the workers' last tasks).
-MAP_DATASET: Any = getattr(getattr(torch.utils.data.dataloader, "_DatasetKind", None), "Map", None)
 
 
 def dataset_kind() -> Any:
@@ -205,11 +200,10 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "__next__ then)",
     "_num_yielded": "counted by the profiler-free __next__, as torch's does",
     "_send_idx": "the number of the next index list, sent to a worker as (number, indices): "
-    "the epoch's last num_workers are each a worker's last task (_wire.last_tasks); every "
-    "task sent is answered once _rcvd_idx reaches it",
-    "_num_workers": "the workers: each gets one of the epoch's last tasks",
-    "_persistent_workers": "persistent workers do not exit at the epoch's end: no last tasks",
-    "_dataset_kind": "an iterable dataset's epoch has no length: no last tasks",
+    "every task sent is answered once _rcvd_idx reaches it",
+    "_persistent_workers": "persistent workers do not exit at the epoch's end: their shutdown "
+    "is not handed to the ending thread, and the pin thread pinpool starts registers torch's "
+    "atexit for them",
 }
 
 #: The names pinpool reads or overrides on ``torch.utils.data.DataLoader``, and what for.

@@ -25,7 +25,6 @@ from ._torch_contract import (
     COLLATE_ATTRIBUTES,
     ITERATOR_ATTRIBUTES,
     LEADING_PARAMETERS,
-    MAP_DATASET,
     METHOD_SIGNATURES,
     QUEUE_ATTRIBUTES,
     RERAISE_CODE,
@@ -63,8 +62,6 @@ def _check_utils() -> list[str]:
         out.append("torch.utils.data._utils.python_exit_status is missing or not a bool")
     if not callable(getattr(_utils.signal_handling, "_remove_worker_pids", None)):
         out.append("torch.utils.data._utils.signal_handling._remove_worker_pids is missing")
-    if MAP_DATASET is None:
-        out.append("torch.utils.data.dataloader._DatasetKind.Map is missing")
     return out
 
 
@@ -159,6 +156,8 @@ def _check_others() -> list[str]:
         "drop_last",
     ):
         out.append("torch.utils.data._DatasetKind.create_fetcher is missing or changed")
+    if getattr(kind, "Map", None) is None:
+        out.append("torch.utils.data._DatasetKind.Map is missing")
     loop = tuple(inspect.signature(pin_memory_loop).parameters)
     if loop != ("in_queue", "out_queue", "device_id", "done_event", "device"):
         out.append(f"torch.utils.data._utils.pin_memory._pin_memory_loop takes {loop}")

@@ -107,8 +107,6 @@ EVENTS: dict[str, str] = {
     "(span; count)",
     "worker.write": "a planned batch (or its rest, after streaming) written into its memory "
     "(span; nbytes)",
-    "worker.last_task": "the worker's last task of the epoch begun: its ring's page tables "
-    "are dropped on threads of their own (segments)",
 }
 
 #: The hook, or None. Set it with :func:`set_hook`.

@@ -193,14 +193,6 @@ impl PyWorkerSegment {
         self.seg.in_flight()
     }
 
-    /// Drops this process's page tables for the segment (`MADV_DONTNEED`), without the GIL.
-    /// The data stays (the memfd holds it; a consumer's mapping is its own) and views stay
-    /// valid: the next access faults the pages back in. A worker calls it once its last batch
-    /// of an epoch is sent, so that its exit, which the main process waits for, is quick.
-    fn drop_page_tables(&self, py: Python<'_>) -> PyResult<()> {
-        guarded(|| py.detach(|| self.seg.drop_page_tables()).py(py))
-    }
-
     /// # Safety
     /// Called by CPython with a valid `view` to fill.
     unsafe fn __getbuffer__(

@@ -208,13 +208,6 @@ impl PyArenaWindow {
         })
     }
 
-    /// Drops this process's page tables for the whole window (`MADV_DONTNEED`), without the
-    /// GIL, open or not: the bytes stay in the file, and the next access of an open page
-    /// faults it back in.
-    fn drop_page_tables(&self, py: Python<'_>) -> PyResult<()> {
-        guarded(|| py.detach(|| self.window.drop_page_tables()).py(py))
-    }
-
     /// # Safety
     /// Called by CPython with a valid `view` to fill.
     unsafe fn __getbuffer__(

@@ -712,8 +712,7 @@ def test_a_workers_window_is_kept_for_its_next_slot_there(make_pool: Any) -> Non
 def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> None:
     """A window kept in this process (writing a batch here keeps one) is not mapped in a child
     forked from it (``MADV_DONTFORK``), where its addresses may be reused: there it opens
-    nothing, exports nothing, drops no page tables and unmaps nothing; a worker's last task
-    lets no inherited window go; and forked workers run whole epochs."""
+    nothing, exports nothing and unmaps nothing; and forked workers run whole epochs."""
     from pinpool._wire.handle import SlotGrant
     from pinpool._worker import windows
 
@@ -741,8 +740,6 @@ def test_windows_kept_here_are_left_alone_by_forked_children(make_pool: Any) -> 
                     code = code or 4
                 except BufferError:
                     pass
-                window.drop_page_tables()
-                code = code or (5 if windows.let_go() else 0)
             except BaseException:
                 code = 6
             os._exit(code)

@@ -23,7 +23,6 @@ import pinpool
 from pinpool._main import delivery
 from pinpool._main.index_queue import DirectQueue, write_directly
 from pinpool._native import PipeWriter
-from pinpool._wire import last_tasks
 
 # --------------------------------------------------------------------------- index queues
 
@@ -57,31 +56,6 @@ def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     del q
     gc.collect()
     assert open_fd_count() == before
-
-
-def test_a_direct_queue_sends_the_last_tasks_so_the_reader_notes_them() -> None:
-    """Tasks numbered ``last_from`` on arrive as the same messages, and each is noted once by
-    the process that unpickles it (``_wire.last_tasks``); other messages are not."""
-    q = multiprocessing.get_context("fork").Queue()
-    assert write_directly(q)
-    last_tasks.take()
-    try:
-        sent: list[Any] = [(0, [1, 2]), (1, [3]), (2, [4, 5]), None, "x", (3, [6])]
-        q.last_from = 2
-        for item in sent:
-            q.put(item)
-        noted = []
-        for item in sent:
-            assert q.get(timeout=5) == item
-            noted.append(last_tasks.take())
-        assert noted == [False, False, True, False, False, True]
-        q.last_from = None
-        q.put((7, [8]))
-        assert q.get(timeout=5) == (7, [8])
-        assert not last_tasks.take()
-    finally:
-        q.close()
-        q.join_thread()
 
 
 def test_a_direct_queue_closes_every_descriptor_on_close() -> None:

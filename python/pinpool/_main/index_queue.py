@@ -22,8 +22,6 @@ Invariants:
   up on a pipe that stays full with nobody reading, then closes the pipe's ends: no
   descriptor outlives the queue's use. Each end is closed exactly once, by ``close()`` or
   as the queue goes (in a reference cycle too), never by the ``Connection``'s own finalizer.
-- A task numbered ``last_from`` or later (set each epoch by the workers' iterator) goes out
-  as a ``_wire.last_tasks.LastTask``, which the worker unpickles into the same message.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ from typing import Any
 from .. import _trace
 from .._native import PipeWriter
 from .._torch_contract import MultiprocessingQueue
-from .._wire.last_tasks import LastTask
 
 
 class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
@@ -49,18 +46,11 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
     #: Closes the pipe's ends, once (see :func:`write_directly`).
     _pin_ends: weakref.finalize
     _pin_pickler: tuple[io.BytesIO, ForkingPickler, threading.Lock]
-    #: Tasks ``(number, indices)`` numbered from here on are each a worker's last of the
-    #: epoch (None: none is known to be).
-    last_from: int | None
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         t0 = _trace.on and _trace.now()
         if self._closed:  # type: ignore[attr-defined]
             raise ValueError(f"Queue {self!r} is closed")
-        if type(obj) is tuple and len(obj) == 2:
-            last = self.last_from
-            if last is not None and type(obj[0]) is int and obj[0] >= last:
-                obj = LastTask(obj)
         data = self._dumps(obj)  # (an object that cannot be pickled raises here, not later)
         # The worker's get() releases this semaphore for every message it reads.
         if not self._sem.acquire(block, timeout):  # type: ignore[attr-defined]
@@ -121,6 +111,5 @@ def write_directly(queue: Any) -> bool:
     queue._pin_ends = weakref.finalize(queue, _close_ends, queue._reader, queue._writer)
     buf = io.BytesIO()
     queue._pin_pickler = (buf, ForkingPickler(buf), threading.Lock())
-    queue.last_from = None
     queue.__class__ = DirectQueue
     return True

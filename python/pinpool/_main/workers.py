@@ -36,7 +36,6 @@ from typing import Any
 
 from .. import _signals, _trace
 from .._torch_contract import (
-    MAP_DATASET,
     MultiProcessingIter,
     mp_status_check_interval,
     profiler_enabled,
@@ -47,7 +46,7 @@ from .._torch_contract import (
 )
 from . import ending
 from .grants import TaskTagger
-from .index_queue import DirectQueue, write_directly
+from .index_queue import write_directly
 from .read_ahead import ReadAhead, handle_of
 from .worker_shutdown import (
     HandedShutdown,
@@ -124,26 +123,10 @@ class WorkersIter(MultiProcessingIter):
             # nothing more is taken ahead until the workers have all said they are ready.
             self._pin_read_ahead.drop()
             self.__dict__["_pin_draining"] = True
-        last_from = self._last_tasks_from()
-        for q in self._index_queues:
-            if isinstance(q, DirectQueue):
-                q.last_from = last_from
         try:
             super()._reset(loader, first_iter)
         finally:
             self.__dict__["_pin_draining"] = False
-
-    def _last_tasks_from(self) -> int | None:
-        """The number of the epoch's first task that is some worker's last (see
-        ``_wire.last_tasks``): the last ``num_workers`` of a sized epoch whose workers exit
-        at its end; None when there are no such tasks or their number is not known."""
-        if self._persistent_workers or MAP_DATASET is None or self._dataset_kind != MAP_DATASET:
-            return None
-        try:
-            tasks = len(self._index_sampler)
-        except Exception:  # (none, or a sampler's own that raises: torch never asks for it)
-            return None
-        return max(tasks - self._num_workers, 0)
 
     def __next__(self) -> Any:
         # torch's __next__ opens a profiler range (``record_function``) around each batch,

@@ -17,13 +17,6 @@ A granted slot is written through a window onto the main process's arena, which 
 keeps for its next batches (``windows``): open while the batch is written, made
 inaccessible again before its handle is made (or the batch abandoned).
 
-On a worker's last task of an epoch (``_wire.last_tasks``) the page tables of its ring's
-segments and of its kept windows are dropped on short-lived threads: the others' as the
-batch's place is chosen, the one written once its handle is made. The segments stay (the
-main process may still be reading the last batches, through its own mappings) and a later
-write faults their pages back in, but the worker's exit, which the main process waits for at
-the end of the epoch, has little left to tear down.
-
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
 signals); a segment is written only while claimed, and a claimed segment is either sent (its
 handle made) or unclaimed; a window is inaccessible again before the handle of the batch written
@@ -38,14 +31,12 @@ import os
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch.utils.data
 
 from .. import _trace
-from .._errors import PinPoolError
 from .._native import ArenaWindow, WorkerSegment
-from .._wire import codec, last_tasks
+from .._wire import codec
 from .._wire.handle import BatchHandle, SlotGrant, ZeroCopyTask
 from . import desk, windows
 
@@ -154,13 +145,6 @@ class Destination:
         else:
             self.sid, self.segment = self.ring.acquire(segment_bytes or nbytes)
             self.memory = memoryview(self.segment).cast("B")
-        self.last = last_tasks.take()
-        if self.last:
-            others: list[Any] = [s for s in self.ring.segments.values() if s is not self.segment]
-            others += [w for w in windows.let_go() if w is not self._window]
-            if _trace.on:
-                _trace.event("worker.last_task", segments=len(others) + 1)
-            _drop_page_tables(others)
         if t0:
             _trace.span("worker.place", t0, nbytes=nbytes, slot=self.segment is None, mapped=mapped)
 
@@ -182,27 +166,21 @@ class Destination:
         sid, seg = self.ring.acquire(nbytes)
         memory = memoryview(seg).cast("B")
         memory[:keep] = self.memory[:keep]
-        if self.last and self.segment is not None:
-            _drop_page_tables([self.segment])
         self._let_go()
         self.sid, self.segment, self.memory = sid, seg, memory
 
     def send(self, p: codec.LayoutPlan, count: int | None) -> BatchHandle:
         """The handle of the batch planned as ``p``, now written here."""
-        segment, sid, ring, window = self.segment, self.sid, self.ring, self._window
+        segment, sid, ring = self.segment, self.sid, self.ring
         claim = None if self.grant is None else self.grant.claim
         self._drop_views()
         if segment is None:
             assert claim is not None
-            if self.last and window is not None:
-                _drop_page_tables([window])
             return BatchHandle(self.token, p, count, slot=claim)
         origin = None
         if sid not in ring.announced:
             origin = (os.getpid(), segment.fd)
             ring.announced.add(sid)
-        if self.last:
-            _drop_page_tables([segment])
         return BatchHandle(
             self.token,
             p,
@@ -238,22 +216,6 @@ class Destination:
         if self._window is not None:
             window, self._window = self._window, None
             windows.close(window)
-
-
-def _drop_page_tables(segments: list[Any]) -> None:
-    """Drops the page tables of ``segments`` (and windows), on a thread of their own (the
-    native call runs without the GIL): the batch is written and its handle sent meanwhile."""
-    if not segments:
-        return
-
-    def drop() -> None:
-        for seg in segments:
-            try:
-                seg.drop_page_tables()
-            except (OSError, PinPoolError):
-                pass  # (only what the worker's exit costs is at stake)
-
-    threading.Thread(target=drop, name="pinpool-drop-pages", daemon=True).start()
 
 
 def write(

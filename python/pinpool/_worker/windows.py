@@ -266,15 +266,6 @@ def close(window: ArenaWindow) -> None:
         _WINDOWS[:] = [(k, w) for k, w in _WINDOWS if w is not window]
 
 
-def let_go() -> list[ArenaWindow]:
-    """The kept windows, no longer kept (a worker's last task: their page tables are dropped);
-    none in a process forked from the one that kept them (the windows are not mapped there)."""
-    _here()
-    windows = [w for _, w in _WINDOWS]
-    _WINDOWS.clear()
-    return windows
-
-
 def kept() -> list[ArenaWindow]:
     """The windows this process keeps, the latest used first."""
     _here()

@@ -1,5 +1,4 @@
-//! Address-space calls made in pieces: unmapping, populating and dropping page tables
-//! [`MM_CALL_BYTES`] at a time, so no call holds the process's address-space lock (which every
+//! Address-space calls made in pieces: unmapping and populating [`MM_CALL_BYTES`] at a time, so no call holds the process's address-space lock (which every
 //! `mmap` and `munmap` elsewhere, one under the GIL too, waits for) for long.
 //!
 //! Invariants:
@@ -13,20 +12,6 @@ use super::memfd::page_size;
 use crate::error::{Error, Result};
 
 const MADV_POPULATE_WRITE: libc::c_int = 23;
-
-/// Drops this process's page-table entries for `[ptr, ptr + len)` (`MADV_DONTNEED`), in
-/// pieces of [`MM_CALL_BYTES`]: see [`super::Mapping::drop_page_tables`].
-///
-/// # Safety
-/// `ptr` must be page-aligned and `[ptr, ptr + len)` lie inside `MAP_SHARED` file mappings
-/// of the caller's (on a private or anonymous mapping, `MADV_DONTNEED` would discard data).
-pub unsafe fn drop_page_tables_of(ptr: *mut u8, len: usize) -> Result<()> {
-    // SAFETY: the caller's shared file mappings; `MADV_DONTNEED` on a shared mapping discards
-    // no data (the file keeps the pages), and any pointer into the range stays valid: a later
-    // access refaults.
-    unsafe { advise_in_pieces(ptr as usize, len, libc::MADV_DONTNEED) }
-        .map_err(|(_, errno)| Error::Os { call: "madvise(MADV_DONTNEED)", errno })
-}
 
 /// Faults `[ptr, ptr + len)` in for writing without changing a byte of it: `MADV_POPULATE_WRITE`
 /// in pieces of [`MM_CALL_BYTES`] (the page-table entries made writable and dirty, so that a

@@ -12,7 +12,7 @@
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 
-use super::in_pieces::{drop_page_tables_of, populate_range, unmap_in_chunks};
+use super::in_pieces::{populate_range, unmap_in_chunks};
 use super::memfd::{check_sealed, page_size, sealed_memfd};
 use crate::error::{Error, Result};
 use crate::memory::forked_child;
@@ -127,16 +127,6 @@ impl Mapping {
     /// Closes the fd; the mapping stays valid.
     pub fn close_fd(&mut self) {
         self.fd = None;
-    }
-
-    /// Drops this process's page-table entries for the whole mapping (`MADV_DONTNEED`), in
-    /// pieces of [`super::MM_CALL_BYTES`]. The bytes stay where they are, in the shared file (every
-    /// `Mapping` is `MAP_SHARED` over a file), and the next access faults them back in: what
-    /// changes is what tearing the mapping down costs later, at `munmap` or at this process's
-    /// exit, when the kernel walks every page still mapped.
-    pub fn drop_page_tables(&self) -> Result<()> {
-        // SAFETY: `[ptr, ptr+len)` is this value's own shared file mapping, page-aligned.
-        unsafe { drop_page_tables_of(self.ptr.as_ptr(), self.len) }
     }
 
     /// Faults every page in, writing (so pages are allocated, not just mapped to the zero

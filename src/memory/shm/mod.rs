@@ -26,9 +26,7 @@ mod mapping;
 mod memfd;
 mod region;
 
-pub use in_pieces::{
-    drop_page_tables_of, prefault_shared, unmap_in_chunks, MM_CALL_BYTES, MM_PAUSE,
-};
+pub use in_pieces::{prefault_shared, unmap_in_chunks, MM_CALL_BYTES, MM_PAUSE};
 pub use mapping::Mapping;
 pub use memfd::{check_range, check_sealed, page_size, round_up};
 pub use region::{Part, Region};

@@ -61,7 +61,7 @@
 //! - Only the process that mapped the window acts on its addresses. A copy of the value in a
 //!   forked child (a Python object inherited with its parent's memory) names addresses the
 //!   child does not have mapped as the window, or has since used for something else: there
-//!   it opens nothing, exports no view, drops no page tables, and unmaps nothing when dropped.
+//!   it opens nothing, exports no view and unmaps nothing when dropped.
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
@@ -71,8 +71,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::memory::forked_child;
 use crate::memory::shm::{
-    check_range, check_sealed, drop_page_tables_of, page_size, prefault_shared, unmap_in_chunks,
-    MM_CALL_BYTES,
+    check_range, check_sealed, page_size, prefault_shared, unmap_in_chunks, MM_CALL_BYTES,
 };
 use crate::system::pkeys::{self, Key};
 
@@ -359,19 +358,6 @@ impl Window {
     /// the range's pages writable between batches and access is switched per thread).
     pub fn has_key(&self) -> bool {
         self.key.is_some()
-    }
-
-    /// Drops this process's page-table entries for the whole window (`MADV_DONTNEED`, in
-    /// pieces of [`MM_CALL_BYTES`]), open or not: the bytes stay in the file, and the next
-    /// access of an open page faults it back in. What it saves is the teardown of the entries
-    /// at `munmap` or at the process's exit.
-    pub fn drop_page_tables(&self) -> Result<()> {
-        if !self.is_ours() {
-            return Ok(()); // (nothing of it is mapped here)
-        }
-        // SAFETY: the window's own page-aligned `MAP_SHARED` file mapping (in the process
-        // that mapped it: checked above).
-        unsafe { drop_page_tables_of(self.ptr.as_ptr(), self.len) }
     }
 
     /// Whether this is the process that mapped the window (not a child forked from it).

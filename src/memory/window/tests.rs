@@ -326,33 +326,6 @@ fn close_leaves_a_range_open_while_a_view_is_alive() {
 
 #[test]
 #[cfg_attr(miri, ignore)]
-fn dropping_the_page_tables_keeps_the_bytes() {
-    let p = page_size();
-    let m = arena(8);
-    let w = Window::new(m.fd().unwrap(), 4 * p, 4 * p).unwrap();
-    let rss = |w: &Window| vmas(w.as_ptr() as usize, w.len()).iter().map(|v| v.rss).sum::<usize>();
-    w.open(5 * p, 2 * p, false).unwrap();
-    // SAFETY: window pages 1 and 2 are open; the test alone touches them.
-    unsafe { std::ptr::write_bytes(w.as_ptr().add(p), 0x5A, 2 * p) };
-    w.drop_page_tables().unwrap(); // open
-    assert_eq!(rss(&w), 0, "page tables left");
-    // SAFETY: still open; the pages fault back in with the bytes written.
-    assert_eq!(unsafe { w.as_ptr().add(2 * p + 3).read_volatile() }, 0x5A);
-    w.close().unwrap();
-    w.drop_page_tables().unwrap(); // closed
-    assert_eq!(rss(&w), 0, "page tables left");
-    assert_eq!(page_perms(&w), ["---s"; 4]);
-    assert!((5 * p..7 * p).all(|i| byte(&m, i) == 0x5A));
-    assert_eq!((byte(&m, 5 * p - 1), byte(&m, 7 * p)), (5, 8));
-    w.open(4 * p, 4 * p, false).unwrap();
-    // SAFETY: the whole window is open.
-    let seen = unsafe { std::slice::from_raw_parts(w.as_ptr(), 4 * p) };
-    assert!(seen[..p].iter().all(|&b| b == 5) && seen[3 * p..].iter().all(|&b| b == 8));
-    assert!(seen[p..3 * p].iter().all(|&b| b == 0x5A));
-}
-
-#[test]
-#[cfg_attr(miri, ignore)]
 fn dropping_a_window_unmaps_it() {
     let p = page_size();
     // (A name of its own: other tests may map their files where this window was.)

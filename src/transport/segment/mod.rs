@@ -117,15 +117,6 @@ impl WorkerSegment {
     pub fn in_flight(&self) -> bool {
         state_word(&self.map).load(Ordering::Acquire) == STATE_BUSY
     }
-
-    /// Drops this process's page tables for the segment (see [`Mapping::drop_page_tables`]):
-    /// a worker that has written its last batch of an epoch pays for them now rather than
-    /// when it exits, inside the main process's join. Its batches are untouched (the memfd
-    /// holds them; the main process reads through its own mapping) and a later write just
-    /// faults the pages back in.
-    pub fn drop_page_tables(&self) -> Result<()> {
-        self.map.drop_page_tables()
-    }
 }
 
 #[cfg(test)]

@@ -198,47 +198,6 @@ fn worker_to_slot_round_trip() {
     assert_eq!(cache.reclaimer().stats().unmapped, 1);
 }
 
-/// Resident pages of this process's mapping that starts at `addr` (`/proc/self/smaps`).
-fn resident_kib(addr: usize) -> usize {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let start = format!("{addr:x}-");
-    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
-    assert!(lines.next().is_some(), "no mapping at {addr:#x}");
-    let rss = lines.find(|l| l.starts_with("Rss:")).unwrap();
-    rss.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-#[test]
-// Miri: madvise and /proc are outside what Miri runs.
-#[cfg_attr(miri, ignore)]
-fn dropped_page_tables_keep_the_batch_for_the_reader_and_the_writer() {
-    let pool = Pool::new(&PoolConfig::host(1 << 20, 1)).unwrap();
-    let cache = cache_over(&pool);
-    let seg = WorkerSegment::create(1 << 20).unwrap();
-    assert!(seg.try_claim());
-    // SAFETY: test writes inside the segment's data area.
-    unsafe { std::ptr::write_bytes(seg.data_ptr(), 0x5A, 1 << 20) };
-    cache.insert((3, 0), dup(&seg), seg.total_len(), seg.nonce()).unwrap();
-    let before = resident_kib(seg.map.as_ptr() as usize);
-    seg.drop_page_tables().unwrap();
-    let after = resident_kib(seg.map.as_ptr() as usize);
-    assert!(before >= 1024 && after < before / 8, "{before} KiB -> {after} KiB mapped");
-    assert!(seg.in_flight(), "the state word is kept");
-    // The reader's copy sees the batch.
-    let t = pool.checkout(None).unwrap();
-    let n = cache.copy_to_slot((3, 0), t, &[CopyRange { src: 0, dst: 0, len: 1 << 20 }]).unwrap();
-    assert_eq!(n, 1 << 20);
-    // SAFETY: reading inside the slot we hold.
-    let slot = unsafe { std::slice::from_raw_parts(pool.slot_ptr(t).unwrap(), 1 << 20) };
-    assert!(slot.iter().all(|&b| b == 0x5A));
-    // And so does the writer, through its own pointer, faulting the pages back in.
-    // SAFETY: reading inside the segment's data area.
-    let own = unsafe { std::slice::from_raw_parts(seg.data_ptr(), 1 << 20) };
-    assert!(own.iter().all(|&b| b == 0x5A));
-    cache.release((3, 0)).unwrap();
-    assert!(seg.try_claim());
-}
-
 #[test]
 // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
 #[cfg_attr(miri, ignore)]
