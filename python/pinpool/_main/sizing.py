@@ -49,7 +49,7 @@ EXTRA_BATCHES = 4
 #: and at least 64 (but ``num_slots=``, which is exact).
 ENTRY_BYTES = 64 << 10
 #: The most entries a sized arena has.
-MAX_ENTRIES = 1 << 16
+MAX_ENTRIES = 1 << 14
 #: The default largest batch is half the arena, but at most this much (or the first batch
 #: with headroom, if that is larger): the arena's parts are whole multiples of the largest
 #: batch, and a big arena in many parts is faulted in and registered with the driver by as

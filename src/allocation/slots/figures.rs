@@ -45,18 +45,19 @@ impl SlotTable {
         let inner = self.lock();
         let mut map = inner.map.clone();
         let mut entries = inner.spare.len();
-        for (i, word) in self.words.iter().enumerate() {
-            let (generation, state) = split(word.load(Ordering::Acquire));
-            let coming = state == State::Fenced
-                || (state == State::CheckedOut
-                    && also.iter().any(|c| {
-                        c.table == self.id && c.index as usize == i && c.generation == generation
-                    }));
-            if coming {
-                let (offset, len) = inner.extents[i];
-                if map.free(offset, len).is_ok() {
-                    entries += 1;
-                }
+        // The fenced entries (a walk of the table only while there are any: a sized arena has
+        // an entry for each 64 KiB of it), then the live checkouts of `also`, each once.
+        let walked = if inner.fenced > 0 { self.words.len() } else { 0 };
+        let fenced = (0..walked)
+            .filter(|&i| split(self.words[i].load(Ordering::Acquire)).1 == State::Fenced);
+        let live = also.iter().filter(|c| c.table == self.id).filter_map(|c| {
+            let word = self.words.get(c.index as usize)?.load(Ordering::Acquire);
+            (split(word) == (c.generation, State::CheckedOut)).then_some(c.index as usize)
+        });
+        for i in fenced.chain(live) {
+            let (offset, len) = inner.extents[i];
+            if map.free(offset, len).is_ok() {
+                entries += 1;
             }
         }
         if entries < if keep > 0 { 2 } else { 1 } {

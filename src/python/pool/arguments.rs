@@ -6,9 +6,10 @@
 
 use pyo3::prelude::*;
 
-use super::super::convert::{size_arg, to_py};
+use super::super::convert::{size_arg, to_py, IntoPy};
 use crate::allocation::slots::Preference;
 use crate::error::Error;
+use crate::memory::arena::Backend;
 use crate::memory::device_choice::DeviceRequest;
 use crate::transfer::copy::MAX_COPY_THREADS;
 
@@ -83,6 +84,27 @@ pub(super) fn parse_device(
 /// `copy_threads` when not given: `$PINPOOL_COPY_THREADS`, else the cores up to 8. A value
 /// in the environment that is not a number from 1 to [`MAX_COPY_THREADS`] is an error, not
 /// silently replaced.
+/// Converts `backend=`: None is `"auto"`; a string names a backend (`Backend::parse` says
+/// which); anything else is an `InvalidArgument` naming what was given.
+pub(super) fn backend_arg(
+    py: Python<'_>,
+    backend: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<Backend>> {
+    let name = match backend {
+        None => "auto".to_owned(),
+        Some(b) => b.extract::<String>().map_err(|_| {
+            to_py(
+                py,
+                Error::Invalid(format!(
+                    "backend must be 'auto', 'cuda-register', 'cuda-hostalloc' or 'host', not {}",
+                    b.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
+                )),
+            )
+        })?,
+    };
+    Backend::parse(&name).py(py)
+}
+
 pub(super) fn default_copy_threads() -> Result<usize, Error> {
     match std::env::var("PINPOOL_COPY_THREADS") {
         Ok(text) if !text.trim().is_empty() => text

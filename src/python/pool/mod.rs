@@ -1,7 +1,8 @@
 //! `pinpool.PinPool`: the Python face of [`crate::pool::Pool`].
 //!
 //! Its arguments that need more than a plain conversion are `arguments`' (`device=`,
-//! `prefer=`); what it says back (the stats dict, notes logged once) is `reporting`'s.
+//! `backend=`, `prefer=`); what it says back (what a new pool is, its notes logged once, the
+//! stats dict) is `reporting`'s.
 //!
 //! Invariant: only translates types and errors; whatever can block (a checkout that waits,
 //! making the arena, a flush) runs with the GIL released.
@@ -15,7 +16,6 @@ use pyo3::types::{PyDict, PyList};
 use super::convert::{bool_arg, guarded, size_arg, timeout_arg, to_py, IntoPy};
 use super::slot::PySlot;
 use crate::error::Error;
-use crate::memory::arena::Backend;
 use crate::pool::claim::{Claim, ClaimRules};
 use crate::pool::{Counters, Pool, PoolConfig};
 use crate::transport::reclaim::{Reclaimer, SharedReclaimer};
@@ -23,8 +23,10 @@ use crate::transport::reclaim::{Reclaimer, SharedReclaimer};
 mod arguments;
 mod reporting;
 
-use arguments::{default_copy_threads, device_arg, parse_device, preference, preferred_offsets};
-use reporting::{first_time, stats_dict};
+use arguments::{
+    backend_arg, default_copy_threads, device_arg, parse_device, preference, preferred_offsets,
+};
+use reporting::{log_made, stats_dict};
 
 /// A fixed arena of (pinned) host memory, handed out as slots of any size.
 ///
@@ -119,20 +121,7 @@ impl PyPinPool {
             let arena_bytes = arena_bytes.map(|n| size_arg(py, n, "arena_bytes")).transpose()?;
             let num_slots = size_arg(py, num_slots, "num_slots")?;
             let request = parse_device(py, device.map(device_arg).transpose()?)?;
-            let backend = match backend {
-                None => "auto".to_owned(),
-                Some(b) => b.extract::<String>().map_err(|_| {
-                    to_py(
-                        py,
-                        Error::Invalid(format!(
-                            "backend must be 'auto', 'cuda-register', 'cuda-hostalloc' or \
-                             'host', not {}",
-                            b.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
-                        )),
-                    )
-                })?,
-            };
-            let backend = Backend::parse(&backend).py(py)?;
+            let backend = backend_arg(py, backend)?;
             let background = match background {
                 None => false,
                 Some(b) => bool_arg(b, "background")?,
@@ -153,35 +142,8 @@ impl PyPinPool {
                 background,
             };
             let pool = py.detach(|| Pool::new(&config)).py(py)?;
-            let mut notes = chosen.notes;
-            notes.extend_from_slice(pool.arena().notes());
+            let notes = log_made(py, &pool, chosen)?;
             let placement = pool.arena().placement();
-            let logger = py.import("logging")?.call_method1("getLogger", ("pinpool",))?;
-            for note in notes.iter().filter(|n| first_time(n)) {
-                logger.call_method1("warning", (note.as_str(),))?;
-            }
-            if placement.node().is_some() {
-                logger.call_method1("info", (placement.summary(),))?;
-            }
-            logger.call_method1(
-                "debug",
-                (format!(
-                    "pool of {} bytes, slots of up to {} bytes, {} at once: {} ({}){}; {}; \
-                     ready in {:.3} s",
-                    pool.arena().len(),
-                    pool.largest_slot(),
-                    pool.num_slots(),
-                    pool.backend().name(),
-                    pool.residency().name(),
-                    match (pool.arena().device(), chosen.reason) {
-                        (Some(d), Some(reason)) => format!(", device {} ({reason})", d.ordinal()),
-                        (Some(d), None) => format!(", device {}", d.ordinal()),
-                        (None, _) => String::new(),
-                    },
-                    placement.summary(),
-                    pool.arena().timings().iter().map(|t| t.1).sum::<f64>()
-                ),),
-            )?;
             Ok(PyPinPool {
                 device: pool.arena().device().map(|d| d.ordinal()),
                 backend: pool.backend().name(),

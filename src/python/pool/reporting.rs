@@ -1,5 +1,5 @@
-//! What a pool says back: its counters as the dict `PinPool.stats()` returns, and its notes,
-//! each kind logged once per process.
+//! What a pool says back: what it is when made (logged), its counters as the dict
+//! `PinPool.stats()` returns, and its notes, each kind logged once per process.
 //!
 //! Invariant: the stats dict has exactly the keys of `PoolStats` in `python/pinpool/_stats.py`
 //! (`tests/package/test_typing.py` compares them with a real `stats()`).
@@ -9,7 +9,8 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::pool::Stats;
+use crate::memory::device_choice::PoolDevice;
+use crate::pool::{Pool, Stats};
 use crate::transport::reclaim::SegmentStats;
 
 /// Whether `note` is logged for the first time in this process: a note that every pool of a
@@ -57,4 +58,39 @@ pub(super) fn stats_dict<'py>(
     d.set_item("largest_free", s.bytes.largest_free)?;
     d.set_item("free_ranges", s.bytes.holes)?;
     Ok(d)
+}
+
+/// Logs what a new pool is (on the `pinpool` logger): its notes and the device's, each kind
+/// once per process (warnings); where its memory went, on a NUMA machine (info); its sizes,
+/// backend and start-up time (debug). Returns every note, for `pool.notes`.
+pub(super) fn log_made(py: Python<'_>, pool: &Pool, chosen: PoolDevice) -> PyResult<Vec<String>> {
+    let mut notes = chosen.notes;
+    notes.extend_from_slice(pool.arena().notes());
+    let placement = pool.arena().placement();
+    let logger = py.import("logging")?.call_method1("getLogger", ("pinpool",))?;
+    for note in notes.iter().filter(|n| first_time(n)) {
+        logger.call_method1("warning", (note.as_str(),))?;
+    }
+    if placement.node().is_some() {
+        logger.call_method1("info", (placement.summary(),))?;
+    }
+    logger.call_method1(
+        "debug",
+        (format!(
+            "pool of {} bytes, slots of up to {} bytes, {} at once: {} ({}){}; {}; ready in {:.3} s",
+            pool.arena().len(),
+            pool.largest_slot(),
+            pool.num_slots(),
+            pool.backend().name(),
+            pool.residency().name(),
+            match (pool.arena().device(), chosen.reason) {
+                (Some(d), Some(reason)) => format!(", device {} ({reason})", d.ordinal()),
+                (Some(d), None) => format!(", device {}", d.ordinal()),
+                (None, _) => String::new(),
+            },
+            placement.summary(),
+            pool.arena().timings().iter().map(|t| t.1).sum::<f64>()
+        ),),
+    )?;
+    Ok(notes)
 }
