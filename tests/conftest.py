@@ -36,6 +36,21 @@ def open_fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def open_fds() -> frozenset[tuple[int, str]]:
+    """This process's open file descriptors with what each names, settled as for
+    :func:`open_fd_count`. Set against an earlier one, what is new is what a step left open,
+    whatever background threads closed meanwhile (the ending thread, a grant desk dropping a
+    gone worker's connection)."""
+    open_fd_count()
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
+        except FileNotFoundError:
+            pass  # (closed meanwhile, the listing's own descriptor among them)
+    return frozenset(out)
+
+
 def shm_entries() -> frozenset[str]:
     """The names of the entries ``/dev/shm`` holds right now (none if it does not exist)."""
     try:

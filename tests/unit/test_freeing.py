@@ -20,6 +20,7 @@ from loader_datasets import Sized
 
 import pinpool
 from pinpool import _native
+from pinpool._main import ending
 
 MiB = 1 << 20
 
@@ -89,12 +90,9 @@ def test_wait_for_freed_pools_refuses_a_bad_timeout() -> None:
         pinpool.wait_for_freed_pools(timeout=float("nan"))
 
 
-@pytest.mark.slow
-def test_deleting_a_loader_with_a_1_gib_arena_does_not_stall_other_threads() -> None:
-    """The whole life of a loader with a 1 GiB arena: made at construction (slot_bytes given),
-    one epoch with two workers, then deleted while a thread sleeps 1 ms at a time. Freeing
-    1 GiB where the loader dies (holding the GIL) stalled that thread for about 650 ms on a
-    2-core machine."""
+def _delete_a_loader_with_a_1_gib_arena() -> tuple[float, float]:
+    """One loader's whole life with a 1 GiB arena, deleted while a thread sleeps 1 ms at a
+    time: that thread's worst lateness during the ``del`` and how long the ``del`` took."""
     slot_bytes, num_slots = 128 * MiB, 8
     loader = pinpool.DataLoader(
         Sized([MiB] * 16), batch_size=2, num_workers=2, slot_bytes=slot_bytes, num_slots=num_slots
@@ -110,10 +108,25 @@ def test_deleting_a_loader_with_a_1_gib_arena_does_not_stall_other_threads() -> 
         t0 = time.perf_counter()
         del it, loader
         dropped_in = time.perf_counter() - t0
-    worst = max(lateness)
+    return max(lateness), dropped_in
+
+
+@pytest.mark.slow
+def test_deleting_a_loader_with_a_1_gib_arena_does_not_stall_other_threads() -> None:
+    """The whole life of a loader with a 1 GiB arena: made at construction (slot_bytes given),
+    one epoch with two workers, then deleted while a thread sleeps 1 ms at a time. Freeing
+    1 GiB where the loader dies (holding the GIL) stalled that thread for about 650 ms on a
+    2-core machine, every time. A busy machine (the rest of the suite on both cores) can make
+    one such thread late too, so a late run is tried once more: a stall of the loader's own
+    comes back every time."""
+    worst, dropped_in = _delete_a_loader_with_a_1_gib_arena()
+    if worst >= 0.050:
+        ending.wait_all(timeout=30)
+        pinpool.wait_for_freed_pools(timeout=60)
+        worst, dropped_in = _delete_a_loader_with_a_1_gib_arena()
     assert worst < 0.050, (
         f"a thread's 1 ms sleep woke {worst * 1e3:.1f} ms late while the loader was deleted "
-        f"(del took {dropped_in * 1e3:.0f} ms)"
+        f"(del took {dropped_in * 1e3:.0f} ms), in two tries"
     )
     # (The last reference may go on the pool's prepare thread, if it was still making the
     # arena ready in the background: host memory here.)
