@@ -23,8 +23,8 @@
 //!   a stall is better than a leak.
 //! - At most one arena is kept ([`shelve`]), for at most [`SHELVED_FOR`]: a second one frees
 //!   the first, and [`flush`] (hence the exit hook) frees it.
-//! - [`flush`] returns true once every job queued before the call has finished, no
-//!   [`FlushBlocker`] lives (background work that may still drop the last reference to a pool, such as making an
+//! - [`flush`] returns true once every job queued before the call has finished, no [`FlushBlocker`]
+//!   lives (background work that may still drop the last reference to a pool, such as making an
 //!   arena ready) and no arena is kept, or false when its timeout passes first.
 //! - At process exit a C `atexit` hook waits (at most [`EXIT_WAIT`]) for the queue to drain.
 //!   It is registered when the thread starts, after the CUDA driver was loaded, so it runs

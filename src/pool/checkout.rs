@@ -6,8 +6,9 @@
 //! Invariants:
 //! - Only the process that made the pool checks out ([`Pool::check_owner`] first), and never
 //!   after [`Pool::close`].
-//! - A size larger than the largest part is refused at once ([`crate::error::Error::BatchTooLarge`]),
-//!   never waited for; a wait is bounded by its timeout, and by the table's close.
+//! - A size larger than the largest part is refused at once
+//!   ([`crate::error::Error::BatchTooLarge`]), never waited for; a wait is bounded by its timeout,
+//!   and by the table's close.
 //! - A checkout that finds no free slot first retires the fences that have completed.
 
 use std::sync::atomic::Ordering;
@@ -31,15 +32,15 @@ impl Pool {
         self.try_checkout_bytes_preferring(bytes, keep, &[], Preference::Prefer)
     }
 
-    /// As [`Pool::try_checkout_bytes`], but the slot starts at the first arena offset of
-    /// `prefer` where a slot of `bytes` can start now (free, a whole number of pages, inside
-    /// one part, `keep` honoured: [`crate::allocation::extents::ExtentMap::alloc_preferring`]),
-    /// else (with [`Preference::Prefer`]; [`Preference::OnlyThere`]: None) wherever first fit puts it. A zero-copy worker that keeps
-    /// the extents of its last batches mapped asks for them again. (With `prefer`, a preferred
-    /// extent free now is taken as it is; only where none is are the fences that have
-    /// completed retired first, since their bytes are free only once retired: this runs on the
-    /// consumer's thread once a batch, and retiring queries the driver for every fence in
-    /// flight.)
+    /// As [`Pool::try_checkout_bytes`], but the slot starts at the first arena offset of `prefer`
+    /// where a slot of `bytes` can start now (free, a whole number of pages, inside one part,
+    /// `keep` honoured: [`crate::allocation::extents::ExtentMap::alloc_preferring`]), else (with
+    /// [`Preference::Prefer`]; [`Preference::OnlyThere`]: None) wherever first fit puts it. A
+    /// zero-copy worker that keeps the extents of its last batches mapped asks for them again.
+    /// (With `prefer`, a preferred extent free now is taken as it is; only where none is are the
+    /// fences that have completed retired first, since their bytes are free only once retired: this
+    /// runs on the consumer's thread once a batch, and retiring queries the driver for every fence
+    /// in flight.)
     pub fn try_checkout_bytes_preferring(
         &self,
         bytes: usize,

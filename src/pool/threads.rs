@@ -11,9 +11,8 @@
 //! - The prepare thread admits a part's bytes to the slot table only once that part is ready
 //!   (faulted in and, on CUDA, registered). A part that fails ends it, with its error kept
 //!   ([`Pool::prepare_error`]): those bytes are never handed out.
-//! - Where the prepare thread drops the pool's last reference, it holds a
-//!   [`freeing::FlushBlocker`] until then, so a flush of the freeing thread waits for the release it
-//!   queues.
+//! - Where the prepare thread drops the pool's last reference, it holds a [`freeing::FlushBlocker`]
+//!   until then, so a flush of the freeing thread waits for the release it queues.
 //! - The fence thread naps at most 1 ms while fences are pending; it sleeps longer only after
 //!   saying it is idle and looking once more, and a fenced release wakes it then
 //!   ([`Pool::release`]). Neither thread calls into Python.

@@ -1,8 +1,8 @@
 //! Copying lists of byte ranges with a fixed set of threads of our own.
 //!
 //! Invariants:
-//! - The copier never decides what is safe to copy: callers validate every range against the
-//!   memory it names first ([`crate::pool::fill_and_send::validate_ranges`]), then call the `unsafe`
+//! - The copier never decides what is safe to copy: callers validate every range against the memory
+//!   it names first ([`crate::pool::fill_and_send::validate_ranges`]), then call the `unsafe`
 //!   [`Copier::copy`].
 //! - Work runs on the copier's own threads, never on a Python thread's intra-op pool, so
 //!   torch's `set_num_threads(1)` in its pin thread does not throttle us.

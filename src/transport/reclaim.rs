@@ -1,9 +1,9 @@
 //! The reclaimer: the segments a process maps from its workers, counted, and one background
 //! thread that unmaps and closes the ones retired.
 //!
-//! One pool's segment caches share one reclaimer ([`SharedReclaimer`]), started with the
-//! first of them; its counts ([`ReclaimCounts`]) outlive it, so that a pool's `stats()` and `flush()`
-//! cover every cache it ever had.
+//! One pool's segment caches share one reclaimer ([`SharedReclaimer`]), started with the first of
+//! them; its counts ([`ReclaimCounts`]) outlive it, so that a pool's `stats()` and `flush()` cover
+//! every cache it ever had.
 //!
 //! Invariants:
 //! - A mapping handed to [`Reclaimer::retire`] is dropped (`munmap` + `close`) on the

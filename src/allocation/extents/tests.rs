@@ -227,12 +227,12 @@ fn expected(m: &ExtentMap, n: usize, keep: usize, prefer: &[usize]) -> Option<(u
 proptest! {
     #![proptest_config(crate::proptest_config(512))]
 
-    /// Random sizes, random free orders, random parts, first fit and preferred offsets
-    /// (freed before, random, misaligned) with random `keep`s: a preference is taken
-    /// exactly when its extent is free and `keep` allows it, first fit otherwise; live
-    /// extents never overlap and never cross a part; the free list stays sorted, disjoint, coalesced within parts;
-    /// the byte count adds up; an allocation fails only when no free range could hold it;
-    /// and once everything is freed, the whole arena is one range per part again.
+    /// Random sizes, random free orders, random parts, first fit and preferred offsets (freed
+    /// before, random, misaligned) with random `keep`s: a preference is taken exactly when its
+    /// extent is free and `keep` allows it, first fit otherwise; live extents never overlap and
+    /// never cross a part; the free list stays sorted, disjoint, coalesced within parts; the byte
+    /// count adds up; an allocation fails only when no free range could hold it; and once
+    /// everything is freed, the whole arena is one range per part again.
     #[test]
     fn extents_stay_disjoint_and_every_byte_comes_back(
         parts in proptest::collection::vec(1usize..=24, 1..4),

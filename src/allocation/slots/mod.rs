@@ -310,10 +310,10 @@ impl SlotTable {
         self.try_checkout_bytes_preferring(bytes, keep, &[], Preference::Prefer)
     }
 
-    /// As [`SlotTable::try_checkout_bytes`], but the slot's extent starts at the first arena
-    /// offset of `prefer` where it can ([`ExtentMap::alloc_preferring`]: a free, whole-page
-    /// place inside one part, `keep` honoured), else (with [`Preference::Prefer`]) wherever first fit puts
-    /// it. Never blocks.
+    /// As [`SlotTable::try_checkout_bytes`], but the slot's extent starts at the first arena offset
+    /// of `prefer` where it can ([`ExtentMap::alloc_preferring`]: a free, whole-page place inside
+    /// one part, `keep` honoured), else (with [`Preference::Prefer`]) wherever first fit puts it.
+    /// Never blocks.
     pub fn try_checkout_bytes_preferring(
         &self,
         bytes: usize,

@@ -1,5 +1,6 @@
-//! Address-space calls made in pieces: unmapping and populating [`MM_CALL_BYTES`] at a time, so no call holds the process's address-space lock (which every
-//! `mmap` and `munmap` elsewhere, one under the GIL too, waits for) for long.
+//! Address-space calls made in pieces: unmapping and populating [`MM_CALL_BYTES`] at a time,
+//! so no call holds the process's address-space lock (which every `mmap` and `munmap`
+//! elsewhere, one under the GIL too, waits for) for long.
 //!
 //! Invariants:
 //! - No `munmap` or populating `madvise` call covers more than [`MM_CALL_BYTES`].

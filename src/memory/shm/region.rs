@@ -19,10 +19,10 @@ use crate::memory::forked_child;
 
 /// Several sealed memfds ("parts") mapped back to back as one contiguous range.
 ///
-/// Faulting fresh pages into one shared-memory file does not scale with threads (they contend
-/// on the file); faulting several files does (`benchmarks/arena_populate.py` measures it). Each part holds a whole number of `part_align` bytes (the
-/// last one the rest, a whole number of pages, besides), so a slot of up to `part_align`
-/// never straddles two parts and none is wasted.
+/// Faulting fresh pages into one shared-memory file does not scale with threads (they contend on
+/// the file); faulting several files does (`benchmarks/arena_populate.py` measures it). Each part
+/// holds a whole number of `part_align` bytes (the last one the rest, a whole number of pages,
+/// besides), so a slot of up to `part_align` never straddles two parts and none is wasted.
 pub struct Region {
     base: NonNull<u8>,
     len: usize,

@@ -25,7 +25,8 @@
 //! be in (sent with a worker's first big grant only, for it to map them ahead).
 //!
 //! This module is the table and its answers to requests; `leaving` is how a grant leaves it,
-//! `planned` where a fresh worker's slots will likely be, `grant` one grant and the words it travels as.
+//! `planned` where a fresh worker's slots will likely be, `grant` one grant and the words it
+//! travels as.
 //!
 //! Invariants:
 //! - A granted slot is in the table from its checkout until it is adopted (by the batch that

@@ -14,10 +14,10 @@ pub const PLANNED_SLOTS: usize = 4;
 /// goes when all of its own are busy.
 pub const SPARE_SLOTS: usize = 1;
 
-/// Where a fresh worker's first big slots will be when no worker of its id came before it:
-/// worker `worker`'s share of the arena's slot locations of `size` bytes ([`PLANNED_SLOTS`] of them,
-/// the `worker`-th ones), then [`SPARE_SLOTS`] of the next worker's, its last; at most `kept`
-/// in all (the windows it keeps), none without memfd parts.
+/// Where a fresh worker's first big slots will be when no worker of its id came before it: worker
+/// `worker`'s share of the arena's slot locations of `size` bytes ([`PLANNED_SLOTS`] of them, the
+/// `worker`-th ones), then [`SPARE_SLOTS`] of the next worker's, its last; at most `kept` in all
+/// (the windows it keeps), none without memfd parts.
 pub(super) fn planned(pool: &Pool, worker: usize, size: usize, kept: usize) -> Vec<SlotLocation> {
     let arena = pool.arena();
     let mut locations = Vec::new();
