@@ -317,6 +317,32 @@ def test_a_forked_child_reads_a_registered_arena_and_writes_only_its_own_copy(cu
     slot.release()
 
 
+def test_the_stream_hook_follows_torchs_current_stream_and_says_none_in_a_forked_child(
+    gpu: torch.device,
+) -> None:
+    """What a slot released without a stream is fenced on (``pinpool._cuda_stream``): torch's
+    current stream, each time it is asked (its getter kept after the first ask); in a child
+    forked after CUDA started, no stream (torch's CUDA cannot be used there)."""
+    from pinpool import _cuda_stream
+
+    side = torch.cuda.Stream()
+    default = torch.cuda.current_stream().cuda_stream
+    assert _cuda_stream.current_stream(0) == default
+    with torch.cuda.stream(side):
+        assert _cuda_stream.current_stream(0) == side.cuda_stream
+    assert _cuda_stream.current_stream(0) == default
+    assert _cuda_stream._getter is not None
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if _cuda_stream.current_stream(0) is None else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
 # --------------------------------------------------------------------------- asynchronous copies
 
 
