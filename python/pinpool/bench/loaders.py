@@ -42,15 +42,6 @@ LOADERS: tuple[LoaderSpec, ...] = (
     LoaderSpec("pinpool", "pinpool", {"device": None}, "to_async"),
     LoaderSpec("pinpool-device", "pinpool", {"device": DEVICE}, "none", needs_cuda=True),
     LoaderSpec("pinpool-zerocopy", "pinpool", {"device": DEVICE, "zero_copy": True}, "none"),
-    # Zero-copy with pinned CPU batches, moved by the step as "pinpool"'s are: zero-copy
-    # against copy mode with the same delivery (by name only).
-    LoaderSpec(
-        "pinpool-zerocopy-cpu",
-        "pinpool",
-        {"device": None, "zero_copy": True},
-        "to_async",
-        in_default=False,
-    ),
     # The same two without streaming collation, to measure what it brings (by name only).
     LoaderSpec(
         "pinpool-device-unstreamed",
@@ -65,6 +56,15 @@ LOADERS: tuple[LoaderSpec, ...] = (
         "pinpool",
         {"device": DEVICE, "zero_copy": True, "stream_samples": False},
         "none",
+        in_default=False,
+    ),
+    # Zero-copy with pinned CPU batches, moved by the step as "pinpool"'s are: zero-copy
+    # against copy mode with the same delivery (by name only).
+    LoaderSpec(
+        "pinpool-zerocopy-cpu",
+        "pinpool",
+        {"device": None, "zero_copy": True},
+        "to_async",
         in_default=False,
     ),
 )
