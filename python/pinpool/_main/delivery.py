@@ -274,9 +274,12 @@ class Delivery:
             storage = layout.allocate(self.device)  # type: ignore[arg-type]
         views = layout.views(storage)
         cache, key = source
+        t0 = _trace.on and _trace.now()
         sending = cache.copy_to_device_then_release(
             key, slot, [(0, 0, need)], storage, need, self.copy_stream
         )
+        if t0:
+            _trace.span("batch.send", t0, nbytes=need, background=True)
         return sending, storage, views
 
     def finish_sending(self, tree: Any, slot: Slot, need: int, started: Started) -> Pending:
