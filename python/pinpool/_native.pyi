@@ -338,6 +338,10 @@ class Copying:
         """Whether the copy has finished."""
     def wait(self) -> None:
         """Returns once the copy has finished (waiting without the GIL)."""
+    def sent(self) -> Sent:
+        """Waits for the copy, then returns the copy to the device queued after it
+        (``SegmentCache.copy_to_device_then_release``), or raises what queuing it raised.
+        Once."""
 
 @final
 class Sent:
@@ -500,6 +504,20 @@ class SegmentCache:
         ``nbytes`` bytes into ``target`` (a contiguous CUDA tensor on the pool's device with at
         least ``nbytes`` bytes, kept alive until the copy has run) on ``stream``. Release the
         slot fenced on ``stream`` after the call. Pools the driver pinned only."""
+    def copy_to_device_then_release(
+        self,
+        key: tuple[int, int],
+        slot: Slot,
+        ranges: Sequence[tuple[int, int, int]],
+        target: Any,
+        nbytes: int,
+        stream: Any,
+    ) -> Copying:
+        """As ``copy_to_slot_then_release``, and then, on that copy thread, as
+        ``copy_to_device``: returns at once; ``Copying.sent()`` gives the ``Sent``. Release
+        the slot fenced on ``stream`` after the call (the release waits for the copy thread,
+        so its fence comes after the send); keep ``target`` alive until the ``Sent`` is
+        waited for. Pools the driver pinned only."""
     def release(self, key: tuple[int, int]) -> None:
         """Marks segment ``key`` free for its producer's next ``try_claim()``; only once the
         last copy of the batch has returned. It stays mapped. Unknown keys raise."""

@@ -91,7 +91,8 @@ EVENTS: dict[str, str] = {
     "batch.deliver": "the batch rebuilt over its memory: CPU views, or started on its way to "
     "the device (span; nbytes)",
     "batch.send": "a slot's bytes (a segment's, copied in on the way) sent to the device in "
-    "one call without the GIL (span; nbytes)",
+    "one call without the GIL, or that copy and send started on a copy thread (span; nbytes, "
+    "background: True then)",
     "batch.wait": "the consumer waits for its batch: a background copy into the slot, the "
     "copy to the device handed to its stream, or a small batch sent to the device on its "
     "stream (span; what: 'landing', 'device' or 'send')",

@@ -18,7 +18,7 @@
 //!   more bytes than the slot holds, before anything is copied in.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::Pool;
 use crate::allocation::slots::SlotId;
@@ -150,6 +150,44 @@ impl Pool {
         Ok(done)
     }
 
+    /// [`Pool::copy_in_background`], then, on the same copy thread and before `hold` is
+    /// dropped, a copy of the slot's first `len` bytes to device memory at `dst` queued on
+    /// `stream`, as [`Pool::copy_in_and_send`] does: its event (or its error) lands in the
+    /// returned [`Sending`] before the [`CopyDone`] is set. A release of the slot fenced on
+    /// `stream` that waits for `hold` is recorded after that copy is queued. Only on a pool
+    /// whose arena the driver pinned, for at most the slot's bytes (checked first: an error
+    /// queues nothing).
+    ///
+    /// # Safety
+    /// As [`Pool::copy_in_background`] for `hold`, and as [`Pool::send`] for `dst`, which
+    /// stays allocated until the copy to it has run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_in_and_send_in_background<H: Send + 'static>(
+        self: &Arc<Self>,
+        slot: SlotId,
+        hold: H,
+        src: Arc<Mapping>,
+        ranges: Vec<CopyRange>,
+        dst: u64,
+        len: usize,
+        stream: StreamHandle,
+        then: impl FnOnce(Arc<Mapping>) + Send + 'static,
+    ) -> Result<(Arc<CopyDone>, Arc<Sending>)> {
+        self.send_checks(slot, len)?;
+        let sending = Arc::new(Sending::default());
+        let result = Arc::clone(&sending);
+        let pool = Arc::clone(self);
+        let then_send = move |src| {
+            then(src);
+            // SAFETY: the slot is held until this closure has returned (`hold` is dropped
+            // after it), its bytes are copied in; the caller vouches for `dst`.
+            result.set(unsafe { pool.send(slot, dst, len, stream) });
+        };
+        // SAFETY: forwarded from the caller.
+        let done = unsafe { self.copy_in_background(slot, hold, src, ranges, then_send) }?;
+        Ok((done, sending))
+    }
+
     /// Copies `ranges` from `src` into caller-owned memory `[dst, dst + dst_len)` (the
     /// overflow path: a batch that gets no slot). Ranges are validated as in `copy_in`.
     ///
@@ -273,5 +311,22 @@ mod tests {
         assert!(pool.copy_in(t, &src, &huge).is_err());
         pool.release(t, None).unwrap();
         assert!(matches!(pool.copy_in(t, &src, &ok), Err(Error::SlotReleased { .. })));
+    }
+}
+
+/// The outcome of a copy to the device queued on a copy thread
+/// ([`Pool::copy_in_and_send_in_background`]): set once, before that copy's [`CopyDone`] is
+/// set, and taken once.
+#[derive(Default)]
+pub struct Sending(Mutex<Option<Result<Event>>>);
+
+impl Sending {
+    fn set(&self, sent: Result<Event>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(sent);
+    }
+
+    /// The copy's event, or the error queuing it met; None before it is set (or once taken).
+    pub fn take(&self) -> Option<Result<Event>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }

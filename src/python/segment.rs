@@ -24,6 +24,7 @@ use super::pool::PyPinPool;
 use super::sent::{device_target, pool_device, PySent};
 use super::slot::PySlot;
 use crate::error::Error;
+use crate::pool::fill_and_send::Sending;
 use crate::transfer::copy::{CopyDone, CopyRange};
 use crate::transport::segment::{SegmentCache, WorkerSegment};
 
@@ -31,6 +32,8 @@ use crate::transport::segment::{SegmentCache, WorkerSegment};
 #[pyclass(name = "Copying", module = "pinpool._native", frozen)]
 pub struct PyCopying {
     done: Arc<CopyDone>,
+    /// Where the copy to the device queued after it lands (`copy_to_device_then_release`).
+    sending: Option<Arc<Sending>>,
 }
 
 #[pymethods]
@@ -45,6 +48,21 @@ impl PyCopying {
     fn wait(&self, py: Python<'_>) {
         if !self.done.is_done() {
             py.detach(|| self.done.wait());
+        }
+    }
+
+    /// Waits for the copy (without the GIL), then returns the copy to the device queued
+    /// after it (`copy_to_device_then_release`), or raises what queuing it raised. Once.
+    fn sent(&self, py: Python<'_>) -> PyResult<PySent> {
+        self.wait(py);
+        let outcome = self.sending.as_ref().and_then(|s| s.take());
+        match outcome {
+            Some(Ok(event)) => Ok(PySent::new(event)),
+            Some(Err(e)) => Err(to_py(py, e)),
+            None => Err(to_py(
+                py,
+                Error::Invalid("no copy to the device follows this copy, or it was taken".into()),
+            )),
         }
     }
 
@@ -374,7 +392,47 @@ impl PySegmentCache {
             let ranges = copy_ranges(ranges);
             let pin = slot.get().pin_owned(py, self.cache.pool())?;
             let done = self.cache.copy_to_slot_then_release(key, pin, &ranges).py(py)?;
-            Ok(PyCopying { done })
+            Ok(PyCopying { done, sending: None })
+        })
+    }
+
+    /// As `copy_to_slot_then_release`, and then, on that copy thread, as `copy_to_device`
+    /// does: a copy of the slot's first `nbytes` bytes into `target` queued on `stream`, and
+    /// an event after it. Returns a `Copying` at once; its `sent()` gives the `Sent` (or
+    /// raises what queuing the copy raised). Release the slot fenced on `stream` after this
+    /// call: the release waits for the copy thread, so its fence comes after the send. Keep
+    /// `target` alive until the `Sent` is waited for.
+    #[pyo3(signature = (key, slot, ranges, target, nbytes, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn copy_to_device_then_release(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        slot: &Bound<'_, PySlot>,
+        ranges: Vec<(usize, usize, usize)>,
+        target: &Bound<'_, PyAny>,
+        nbytes: usize,
+        stream: &Bound<'_, PyAny>,
+    ) -> PyResult<PyCopying> {
+        guarded(|| {
+            let ranges = copy_ranges(ranges);
+            let device = pool_device(py, self.cache.pool())?;
+            let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
+            let stream = super::stream::stream_arg(py, Some(stream), device)?.unwrap_or(0);
+            let pin = slot.get().pin_owned(py, self.cache.pool())?;
+            // The target stays alive until the copy to it is queued, whatever the caller
+            // drops meanwhile (a reference dropped on the copy thread: Python lets go of it
+            // the next time a thread attaches).
+            let keep = target.clone().unbind();
+            // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
+            // at least `nbytes` bytes (checked above), kept alive by `keep` until the copy is
+            // queued and by the caller until it has run; the caller releases the slot fenced
+            // on `stream` after this call (the method's documented contract).
+            let (done, sending) = unsafe {
+                self.cache.copy_to_device_then_release(key, pin, &ranges, dst, nbytes, stream, keep)
+            }
+            .py(py)?;
+            Ok(PyCopying { done, sending: Some(sending) })
         })
     }
 

@@ -47,6 +47,9 @@ Source = tuple[SegmentCache, tuple[int, int]] | None
 #: A small batch in a slot the driver pinned, left to be sent in its turn
 #: (:meth:`Delivery.send_in_turn`): its tree, leaf specs, slot and size in bytes.
 SendLater = tuple[Any, list[codec.LeafSpec], Slot, int]
+#: A batch a copy thread is sending (:meth:`Delivery.start_sending`): the copy under way, the
+#: device memory it goes to, and the leaves' views of that memory.
+Started = tuple[Copying, torch.Tensor, list[Any]]
 
 
 class Pending:
@@ -55,7 +58,8 @@ class Pending:
 
     What may be left: a copy into the batch's slot still running on a copy thread
     (``copying``: torch's pin thread took the batch and went on to the next), or, for a batch
-    copied to the device on the loader's copy stream (``sent``: that copy, or its CUDA event),
+    copied to the device on the loader's copy stream (``sent``: that copy, or its CUDA event;
+    ``sending``: a copy thread still copying it into its slot, which queues that copy next),
     handing it over to the consumer's current stream. The device memory was allocated on the
     copy stream, so the caching allocator must be told it is used on the consumer's stream
     too (``record_stream``), or it could reuse it before that work is done. The pin thread
@@ -70,6 +74,7 @@ class Pending:
         "later",
         "nbytes",
         "recorded",
+        "sending",
         "sent",
         "storage",
     )
@@ -84,6 +89,7 @@ class Pending:
         delivery: Delivery | None = None,
         recorded: int | None = None,
         later: SendLater | None = None,
+        sending: Copying | None = None,
         counts: Delivery | None = None,
         nbytes: int = 0,
     ) -> None:
@@ -97,12 +103,16 @@ class Pending:
         self.delivery = delivery
         self.recorded = recorded
         self.later = later
+        self.sending = sending
 
     def wait(self) -> Any:
         t0 = _trace.on and _trace.now()
-        what = "device" if self.sent is not None else "landing"
+        what = "device" if self.sent is not None or self.sending is not None else "landing"
         if self.copying is not None:
             self.copying.wait()
+        if self.sending is not None:
+            sending, self.sending = self.sending, None
+            self.sent = sending.sent()  # (waits for the copy thread; raises what it met)
         if self.later is not None:
             what = "send"
             later, self.later = self.later, None
@@ -241,6 +251,53 @@ class Delivery:
             batch,
             storage=storage,
             sent=sent,
+            delivery=self,
+            recorded=raw,
+            counts=self,
+            nbytes=need,
+        )
+
+    def start_sending(
+        self, specs: list[codec.LeafSpec], slot: Slot, need: int, source: Source
+    ) -> Started | None:
+        """Starts a segment's batch on its way to the device on a copy thread: into ``slot``,
+        then onto the device on the loader's copy stream, its segment handed back to its
+        worker there (torch's pin thread goes on to the next batch meanwhile). None, with
+        nothing started, for a batch whose leaves are not views of one allocation (numpy
+        leaves, mixed dtypes: ``leaves.DeviceLayout``; :meth:`send` takes it). Once this
+        returns, the segment is the copy thread's: :meth:`finish_sending` makes the batch."""
+        layout = leaves.device_layout(specs, need)
+        if layout is None or source is None:
+            return None
+        assert self.copy_stream is not None
+        with torch.cuda.stream(self.copy_stream):
+            storage = layout.allocate(self.device)  # type: ignore[arg-type]
+        views = layout.views(storage)
+        cache, key = source
+        t0 = _trace.on and _trace.now()
+        sending = cache.copy_to_device_then_release(
+            key, slot, [(0, 0, need)], storage, need, self.copy_stream
+        )
+        if t0:
+            _trace.span("batch.send", t0, nbytes=need, background=True)
+        return sending, storage, views
+
+    def finish_sending(self, tree: Any, slot: Slot, need: int, started: Started) -> Pending:
+        """The batch :meth:`start_sending` started: its slot released fenced on the copy
+        stream (carried out by the copy thread after the send), its storage recorded on the
+        consumer's stream; the consumer's ``wait()`` takes the send's event."""
+        sending, storage, views = started
+        self.batches += 1
+        self.bytes += need
+        assert self.copy_stream is not None and self.consumer is not None
+        slot.release(self.copy_stream)  # (once the copy thread lets go: after the send)
+        consumer, raw = self.consumer
+        storage.record_stream(consumer)
+        batch = leaves.rebuild(tree, views, self.pin_opaque)
+        return Pending(
+            batch,
+            storage=storage,
+            sending=sending,
             delivery=self,
             recorded=raw,
             counts=self,

@@ -136,14 +136,7 @@ class Receiver:
                     return handle
                 memory, specs, need, copying = got
                 if not consumer_sends and copying is None and self._pinned_slot_to_device(memory):
-                    # Into the slot and on to the device in one call, as it is delivered.
-                    try:
-                        cache = self.pools.cache
-                        assert cache is not None  # (made by _copy_in)
-                        source = (cache, (handle.worker, handle.segment))
-                        return self.deliver.send(handle.tree, specs, memory, need, source)
-                    finally:
-                        self.intake.drop(handle)
+                    return self._send(handle, specs, memory, need, ahead)
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 handle._cut = type(exc)
@@ -166,6 +159,28 @@ class Receiver:
         if t0:
             _trace.span("batch.deliver", t0, nbytes=need)
         return pending
+
+    def _send(
+        self, handle: BatchHandle, specs: list[codec.LeafSpec], slot: Slot, need: int, ahead: bool
+    ) -> Pending:
+        """A big segment's batch, for the device, in a slot the driver pinned: into the slot
+        and on to the device. Ahead of the consumer (torch's pin thread), on a copy thread,
+        so that the pin thread goes on to the next batch (``Delivery.start_sending``; the copy
+        thread hands the segment back); else, or for a batch whose leaves are not views of one
+        allocation, in one call here, as it is delivered."""
+        cache = self.pools.cache
+        assert cache is not None  # (made by _copy_in)
+        source = (cache, (handle.worker, handle.segment))
+        started = None
+        try:
+            if ahead:
+                started = self.deliver.start_sending(specs, slot, need, source)
+            if started is None:
+                return self.deliver.send(handle.tree, specs, slot, need, source)
+        finally:
+            # Handed back by the copy thread once started (never twice).
+            self.intake.drop(handle, handed_back=started is not None)
+        return self.deliver.finish_sending(handle.tree, slot, need, started)
 
     def _consumer_sends(self, handle: BatchHandle) -> bool:
         """Whether a batch bound for the device is small enough for the consumer's thread to

@@ -21,6 +21,7 @@ use super::header::{
 use crate::allocation::slots::SlotId;
 use crate::error::{Error, Result};
 use crate::memory::shm::Mapping;
+use crate::pool::fill_and_send::Sending;
 use crate::pool::slot::OwnedSlotPin;
 use crate::pool::Pool;
 use crate::system::cuda::{Event, StreamHandle};
@@ -184,6 +185,55 @@ impl SegmentCache {
                 drop(map);
                 reclaimer.reap();
             })
+        }
+    }
+
+    /// As [`SegmentCache::copy_to_slot_then_release`], and then, on that copy thread, a copy of
+    /// the slot's first `len` bytes to device memory at `dst` on `stream`
+    /// ([`Pool::copy_in_and_send_in_background`]): returns at once, once every range and the
+    /// send are checked, with the copy's [`CopyDone`] and where the send's event lands.
+    ///
+    /// # Safety
+    /// As [`SegmentCache::copy_to_device`]: `[dst, dst+len)` is device memory of the pool's
+    /// device that stays allocated until the copy to it is queued (`keep`, dropped on the
+    /// copy thread after that, may be what keeps it) and then until it has run; the caller
+    /// releases the slot fenced on `stream` (the release waits for `pin`: it is recorded
+    /// after the send).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_to_device_then_release<K: Send + 'static>(
+        &self,
+        key: SegmentKey,
+        pin: OwnedSlotPin,
+        ranges: &[CopyRange],
+        dst: u64,
+        len: usize,
+        stream: StreamHandle,
+        keep: K,
+    ) -> Result<(Arc<CopyDone>, Arc<Sending>)> {
+        if !Arc::ptr_eq(pin.slot().pool(), &self.pool) {
+            return Err(Error::Invalid("this slot belongs to another pool".into()));
+        }
+        let map = self.get(key)?;
+        let shifted = shift_to_data(&map, ranges)?;
+        let id = pin.slot().id();
+        let reclaimer = Arc::clone(&self.reclaimer);
+        // SAFETY: the pin keeps its slot out of the pool until it is dropped, after the send;
+        // the caller vouches for `dst`.
+        unsafe {
+            self.pool.copy_in_and_send_in_background(
+                id,
+                (pin, keep),
+                map,
+                shifted,
+                dst,
+                len,
+                stream,
+                move |map| {
+                    state_word(&map).store(STATE_FREE, Ordering::Release);
+                    drop(map);
+                    reclaimer.reap();
+                },
+            )
         }
     }
 
