@@ -321,8 +321,8 @@ def test_the_stream_hook_follows_torchs_current_stream_and_says_none_in_a_forked
     gpu: torch.device,
 ) -> None:
     """What a slot released without a stream is fenced on (``pinpool._cuda_stream``): torch's
-    current stream, each time it is asked; in a child forked after CUDA started, no stream
-    (torch's CUDA cannot be used there)."""
+    current stream, each time it is asked (its getter kept after the first ask); in a child
+    forked after CUDA started, no stream (torch's CUDA cannot be used there)."""
     from pinpool import _cuda_stream
 
     side = torch.cuda.Stream()
@@ -331,6 +331,7 @@ def test_the_stream_hook_follows_torchs_current_stream_and_says_none_in_a_forked
     with torch.cuda.stream(side):
         assert _cuda_stream.current_stream(0) == side.cuda_stream
     assert _cuda_stream.current_stream(0) == default
+    assert _cuda_stream._getter is not None
     pid = os.fork()
     if pid == 0:
         code = 1
