@@ -10,6 +10,7 @@
 use std::sync::OnceLock;
 
 use pyo3::prelude::*;
+use pyo3::types::PyInt;
 
 use super::convert::to_py;
 use crate::error::Error;
@@ -53,7 +54,13 @@ pub(crate) fn stream_arg(
         None => current_stream(py, device),
         Some(s) if s.is_none() => current_stream(py, device),
         Some(s) => {
-            let raw = if s.hasattr("cuda_stream")? { s.getattr("cuda_stream")? } else { s.clone() };
+            // An int is taken as it is: asking it for `cuda_stream` first would raise and
+            // catch an AttributeError on every release (about half a microsecond).
+            let raw = if s.is_instance_of::<PyInt>() || !s.hasattr("cuda_stream")? {
+                s.clone()
+            } else {
+                s.getattr("cuda_stream")?
+            };
             raw.extract::<usize>().map(Some).map_err(|_| {
                 to_py(
                     py,

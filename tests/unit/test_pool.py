@@ -85,6 +85,29 @@ def test_host_pool_with_device_cpu(make_pool) -> None:
     assert "PinPool(" in repr(pool) and "host" in repr(pool)
 
 
+class _HasStream:
+    cuda_stream = 0
+
+
+@pytest.mark.parametrize("bad", ["not a stream", -1, 1.5, 1 << 64, object()])
+def test_a_host_pools_release_checks_its_stream_argument(make_pool, bad) -> None:
+    """A host pool fences nothing, but ``stream=`` is checked as on a CUDA pool: an int (the
+    raw stream, taken as it is), anything with ``cuda_stream``, or None; anything else is
+    refused and the slot stays out."""
+    pool = make_pool(1 << 16, 1, device="cpu")
+    slot = pool.checkout()
+    with pytest.raises(InvalidArgument, match="stream"):
+        slot.release(stream=bad)
+    assert not slot.released and pool.stats()["slots_checked_out"] == 1
+    slot.release(stream=0)
+    assert slot.released
+    for good in (_HasStream(), None):
+        again = pool.checkout(timeout=1)
+        again.release(stream=good)
+        assert again.released
+    assert pool.stats()["slots_free"] == 1
+
+
 #: How an error says why CUDA cannot be used: the dynamic loader's message when libcuda cannot
 #: be loaded (no driver call was made, so no driver code), else the driver's own name and code.
 WHY_NO_CUDA = r"libcuda\.so\.1 could not be loaded: \S|failed: CUDA_ERROR_[A-Z_]+ \([1-9]\d*\)"
