@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 
 use super::convert::{guarded, to_py, IntoPy};
 use super::pool::PyPinPool;
-use super::sent::{device_target, pool_device, PySent};
+use super::sent::{send_target, PySent};
 use super::slot::PySlot;
 use crate::error::Error;
 use crate::pool::fill_and_send::Sending;
@@ -356,9 +356,7 @@ impl PySegmentCache {
     ) -> PyResult<PySent> {
         guarded(|| {
             let ranges = copy_ranges(ranges);
-            let device = pool_device(py, self.cache.pool())?;
-            let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
-            let stream = super::stream::stream_arg(py, Some(stream), device)?.unwrap_or(0);
+            let (dst, stream) = send_target(py, self.cache.pool(), target, nbytes, stream)?;
             let slot = slot.get();
             let _pin = slot.pin(py, self.cache.pool())?;
             let id = slot.id();
@@ -416,9 +414,7 @@ impl PySegmentCache {
     ) -> PyResult<PyCopying> {
         guarded(|| {
             let ranges = copy_ranges(ranges);
-            let device = pool_device(py, self.cache.pool())?;
-            let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
-            let stream = super::stream::stream_arg(py, Some(stream), device)?.unwrap_or(0);
+            let (dst, stream) = send_target(py, self.cache.pool(), target, nbytes, stream)?;
             let pin = slot.get().pin_owned(py, self.cache.pool())?;
             // The target stays alive until the copy to it is queued, whatever the caller
             // drops meanwhile (a reference dropped on the copy thread: Python lets go of it

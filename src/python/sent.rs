@@ -7,9 +7,26 @@
 use pyo3::prelude::*;
 
 use super::convert::{guarded, to_py, IntoPy};
+use super::stream::stream_arg;
 use crate::error::Error;
 use crate::pool::Pool;
 use crate::system::cuda::Event;
+
+/// Where a copy of `nbytes` bytes to the device goes: the device address of `target` (checked
+/// by [`device_target`] against the device `pool`'s arena was pinned for) and the raw stream
+/// `stream` names (a `torch.cuda.Stream` or a raw `CUstream` int).
+pub(crate) fn send_target(
+    py: Python<'_>,
+    pool: &Pool,
+    target: &Bound<'_, PyAny>,
+    nbytes: usize,
+    stream: &Bound<'_, PyAny>,
+) -> PyResult<(u64, usize)> {
+    let device = pool_device(py, pool)?;
+    let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
+    let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
+    Ok((dst, stream))
+}
 
 /// The ordinal of the device `pool`'s arena was pinned for, which copies to a device need.
 pub(crate) fn pool_device(py: Python<'_>, pool: &Pool) -> PyResult<usize> {
@@ -20,11 +37,7 @@ pub(crate) fn pool_device(py: Python<'_>, pool: &Pool) -> PyResult<usize> {
 
 /// Checks that `target` is a contiguous CUDA tensor on `device` with at least `nbytes`
 /// bytes; returns its data's device address.
-pub(crate) fn device_target(
-    target: &Bound<'_, PyAny>,
-    device: usize,
-    nbytes: usize,
-) -> Result<u64, Error> {
+fn device_target(target: &Bound<'_, PyAny>, device: usize, nbytes: usize) -> Result<u64, Error> {
     let bad = |why: &str| Error::Invalid(format!("copy_to_device: the target {why}"));
     let attr = |name: &str| target.getattr(name).map_err(|_| bad("is not a torch tensor"));
     if !attr("is_cuda")?.is_truthy().unwrap_or(false) {

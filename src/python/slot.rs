@@ -15,7 +15,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::convert::{guarded, to_py, IntoPy};
-use super::sent::{device_target, pool_device, PySent};
+use super::sent::{send_target, PySent};
 use super::stream::{current_stream, stream_arg};
 use crate::allocation::slots::SlotId;
 use crate::pool::slot::{OwnedSlotPin, Slot, SlotPin};
@@ -68,9 +68,7 @@ impl PySlot {
         keep_gil: bool,
     ) -> PyResult<(crate::system::cuda::Event, usize)> {
         let pool = Arc::clone(self.slot.pool());
-        let device = pool_device(py, &pool)?;
-        let dst = device_target(target, device, nbytes).map_err(|e| to_py(py, e))?;
-        let stream = stream_arg(py, Some(stream), device)?.unwrap_or(0);
+        let (dst, stream) = send_target(py, &pool, target, nbytes, stream)?;
         let _pin = self.pin(py, &pool)?; // refused once released
         let id = self.slot.id();
         // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with at

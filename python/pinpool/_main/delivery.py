@@ -243,19 +243,7 @@ class Delivery:
         if t0:
             _trace.span("batch.send", t0, nbytes=need)
         views = self._views(layout, specs, slot, storage, need)
-        slot.release(self.copy_stream)  # reused only after the copy to the device
-        consumer, raw = self.consumer
-        storage.record_stream(consumer)
-        batch = leaves.rebuild(tree, views, self.pin_opaque)
-        return Pending(
-            batch,
-            storage=storage,
-            sent=sent,
-            delivery=self,
-            recorded=raw,
-            counts=self,
-            nbytes=need,
-        )
+        return self._sent_batch(tree, views, slot, storage, need, sent, None)
 
     def start_sending(
         self, specs: list[codec.LeafSpec], slot: Slot, need: int, source: Source
@@ -289,14 +277,32 @@ class Delivery:
         sending, storage, views = started
         self.batches += 1
         self.bytes += need
+        # (The release is carried out once the copy thread lets go: after the send.)
+        return self._sent_batch(tree, views, slot, storage, need, None, sending)
+
+    def _sent_batch(
+        self,
+        tree: Any,
+        views: list[Any],
+        slot: Slot,
+        storage: torch.Tensor,
+        need: int,
+        sent: Sent | None,
+        sending: Copying | None,
+    ) -> Pending:
+        """The batch whose copy to the device is queued (``sent``) or on its way from a copy
+        thread (``sending``): its slot released fenced on the copy stream (reused only after
+        the copy to the device), its storage recorded on the consumer's stream, whose
+        ``wait()`` takes the copy's event."""
         assert self.copy_stream is not None and self.consumer is not None
-        slot.release(self.copy_stream)  # (once the copy thread lets go: after the send)
+        slot.release(self.copy_stream)
         consumer, raw = self.consumer
         storage.record_stream(consumer)
         batch = leaves.rebuild(tree, views, self.pin_opaque)
         return Pending(
             batch,
             storage=storage,
+            sent=sent,
             sending=sending,
             delivery=self,
             recorded=raw,

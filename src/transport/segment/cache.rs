@@ -169,23 +169,11 @@ impl SegmentCache {
         pin: OwnedSlotPin,
         ranges: &[CopyRange],
     ) -> Result<Arc<CopyDone>> {
-        if !Arc::ptr_eq(pin.slot().pool(), &self.pool) {
-            return Err(Error::Invalid("this slot belongs to another pool".into()));
-        }
-        let map = self.get(key)?;
-        let shifted = shift_to_data(&map, ranges)?;
+        let (map, shifted) = self.for_copy_thread(key, &pin, ranges)?;
         let id = pin.slot().id();
-        let reclaimer = Arc::clone(&self.reclaimer);
         // SAFETY: a pin keeps its slot out of the pool until it is dropped (a release
         // meanwhile waits for it: `crate::pool::slot`).
-        unsafe {
-            self.pool.copy_in_background(id, pin, map, shifted, move |map| {
-                // Back to its worker; and unmapped now if it was retired during the copy.
-                state_word(&map).store(STATE_FREE, Ordering::Release);
-                drop(map);
-                reclaimer.reap();
-            })
-        }
+        unsafe { self.pool.copy_in_background(id, pin, map, shifted, self.hand_back()) }
     }
 
     /// As [`SegmentCache::copy_to_slot_then_release`], and then, on that copy thread, a copy of
@@ -210,13 +198,8 @@ impl SegmentCache {
         stream: StreamHandle,
         keep: K,
     ) -> Result<(Arc<CopyDone>, Arc<Sending>)> {
-        if !Arc::ptr_eq(pin.slot().pool(), &self.pool) {
-            return Err(Error::Invalid("this slot belongs to another pool".into()));
-        }
-        let map = self.get(key)?;
-        let shifted = shift_to_data(&map, ranges)?;
+        let (map, shifted) = self.for_copy_thread(key, &pin, ranges)?;
         let id = pin.slot().id();
-        let reclaimer = Arc::clone(&self.reclaimer);
         // SAFETY: the pin keeps its slot out of the pool until it is dropped, after the send;
         // the caller vouches for `dst`.
         unsafe {
@@ -228,11 +211,7 @@ impl SegmentCache {
                 dst,
                 len,
                 stream,
-                move |map| {
-                    state_word(&map).store(STATE_FREE, Ordering::Release);
-                    drop(map);
-                    reclaimer.reap();
-                },
+                self.hand_back(),
             )
         }
     }
@@ -289,6 +268,34 @@ impl SegmentCache {
             self.retire_arc(map);
         }
         n
+    }
+
+    /// The segment's mapping and `ranges` shifted into its data area, for a copy on a copy
+    /// thread into the slot `pin` holds, checked first (the slot is this pool's, the segment
+    /// is known, every range lies in its data area).
+    fn for_copy_thread(
+        &self,
+        key: SegmentKey,
+        pin: &OwnedSlotPin,
+        ranges: &[CopyRange],
+    ) -> Result<(Arc<Mapping>, Vec<CopyRange>)> {
+        if !Arc::ptr_eq(pin.slot().pool(), &self.pool) {
+            return Err(Error::Invalid("this slot belongs to another pool".into()));
+        }
+        let map = self.get(key)?;
+        let shifted = shift_to_data(&map, ranges)?;
+        Ok((map, shifted))
+    }
+
+    /// What a copy thread does with a segment's mapping after the copy: hands the segment back
+    /// to its worker, and unmaps it then if it was retired meanwhile.
+    fn hand_back(&self) -> impl FnOnce(Arc<Mapping>) + Send + 'static {
+        let reclaimer = Arc::clone(&self.reclaimer);
+        move |map: Arc<Mapping>| {
+            state_word(&map).store(STATE_FREE, Ordering::Release);
+            drop(map);
+            reclaimer.reap();
+        }
     }
 
     fn get(&self, key: SegmentKey) -> Result<Arc<Mapping>> {
