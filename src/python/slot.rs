@@ -14,7 +14,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::convert::{guarded, to_py, IntoPy};
+use super::convert::{guarded, IntoPy};
 use super::sent::{send_target, PySent};
 use super::stream::{current_stream, stream_arg};
 use crate::allocation::slots::SlotId;
