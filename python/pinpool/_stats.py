@@ -43,6 +43,7 @@ class _LoaderCounters(TypedDict):
     bytes: int
     batches_ahead: int
     overflow_batches: int
+    split_batches: int
     oversize_batches: int
     zero_copy_batches: int
     zero_copy_fallbacks: int

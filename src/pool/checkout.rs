@@ -1,5 +1,5 @@
 //! Checking a slot out: of any size up to the largest part, preferring a given extent, with
-//! room kept for the head batch, waiting for room or not.
+//! room kept for the head batch, waiting for room or not; or a batch as several slots.
 //!
 //! (Step 2 of "the life of a slot" in [`crate::pool`].)
 //!
@@ -89,6 +89,32 @@ impl Pool {
             self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
         }
         Ok(slot)
+    }
+
+    /// Takes the bytes `[0, cuts.last())` as consecutive slots cut only at `cuts` (strictly
+    /// increasing from 0), without waiting: `(start, slot)` for each piece, or None (nothing
+    /// taken) when the free ranges cannot hold them
+    /// ([`crate::allocation::slots::SlotTable::try_checkout_pieces`]). For the batch the
+    /// consumer waits for when no one range holds it; the fences that have completed are
+    /// retired first.
+    pub fn try_checkout_pieces(&self, cuts: &[usize]) -> Result<Option<Vec<(usize, SlotId)>>> {
+        self.check_owner()?;
+        if self.table.is_closed() {
+            return Err(Error::Closed);
+        }
+        if let Some(f) = self.fences.as_ref() {
+            f.try_retire_ready(&self.table);
+        }
+        let Some(pieces) = self.table.try_checkout_pieces(cuts)? else { return Ok(None) };
+        if self.table.is_closed() {
+            // Closed while we took them: give them back, so no checkout outlives `close()`.
+            for (_, slot) in pieces {
+                let _ = self.table.release(slot, false);
+            }
+            return Err(Error::Closed);
+        }
+        self.counters.checkouts.fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        Ok(Some(pieces))
     }
 
     /// Fails unless a slot of `bytes` fits in one of the arena's parts.

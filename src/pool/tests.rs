@@ -148,3 +148,26 @@ fn close_wakes_waiters_and_refuses_checkouts() {
     pool.release(held, None).unwrap();
     assert_eq!(pool.try_checkout(), Err(Error::Closed));
 }
+
+#[test]
+// Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+#[cfg_attr(miri, ignore)]
+fn a_batch_in_pieces_is_counted_and_refused_once_closed() {
+    let u = page_size();
+    let pool = Pool::new(&PoolConfig::host(u, 4)).unwrap();
+    let held: Vec<SlotId> = (0..4).map(|_| pool.checkout(None).unwrap()).collect();
+    pool.release(held[0], None).unwrap();
+    pool.release(held[2], None).unwrap();
+    let before = pool.stats().checkouts;
+    assert!(pool.try_checkout_bytes(2 * u, 0).unwrap().is_none());
+    let pieces = pool.try_checkout_pieces(&[0, u, 2 * u]).unwrap().unwrap();
+    assert_eq!(pieces.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, u]);
+    assert_eq!(pool.stats().checkouts, before + 2);
+    for (_, slot) in pieces {
+        pool.slot_ptr(slot).unwrap();
+        pool.release(slot, None).unwrap();
+    }
+    assert!(pool.try_checkout_pieces(&[0, 2 * u, u]).is_err(), "cuts that go back");
+    pool.close();
+    assert!(matches!(pool.try_checkout_pieces(&[0, u]), Err(Error::Closed)));
+}

@@ -276,6 +276,53 @@ def test_larger_batches_after_kept_ones_with_holes_never_wait_for_the_consumer(
     del it, got, held
 
 
+@pytest.mark.every_mode
+def test_a_batch_no_hole_holds_goes_into_the_holes_between_its_arrays(loader_mode: Any) -> None:
+    """As above, with two arrays a batch (ids and mask, padded): eight batches of 1,024,000
+    bytes kept, every other one dropped, leave four holes of that size; each batch of 1.5 times
+    that which follows goes into two holes, an array in each (``split_batches``), in the arena
+    rather than ordinary memory, bit-exact, at once; its pieces come back as it dies."""
+    import time
+
+    from soak_cases import BatchRows, pad_collate
+
+    rows = 4
+    lengths = [16000] * 8 + [24000] * 6
+    dataset = BatchRows(lengths, rows, ragged=False)
+    reference = list(torch.utils.data.DataLoader(dataset, batch_size=rows, collate_fn=pad_collate))
+    loader = pinpool.DataLoader(
+        dataset,
+        batch_size=rows,
+        num_workers=1,
+        collate_fn=pad_collate,
+        arena_bytes=8 << 20,
+        max_batch_bytes=2 << 20,
+        slot_timeout=60,
+    )
+    it = iter(loader)
+    held = [next(it) for _ in range(8)]
+    for got, ref in zip(held, reference, strict=False):
+        assert_same(ref, got)
+    assert all(in_pool(loader.pool, x) for b in held for x in array_leaves(b))
+    del held[::2]
+    gc.collect()
+    assert loader.stats()["largest_free"] < 1_536_000
+    took = []
+    for ref in reference[8:]:
+        t0 = time.perf_counter()
+        got = next(it)
+        took.append(time.perf_counter() - t0)
+        assert_same(ref, got)
+        leaves = array_leaves(got)
+        assert all(in_pool(loader.pool, x) for x in leaves if x.device.type == "cpu")
+    assert max(took) < 2.0, took
+    stats = loader.stats()
+    assert stats["overflow_batches"] == 0 and stats["split_batches"] == 6, stats
+    del it, got, held, leaves
+    gc.collect()
+    assert loader.stats()["slots_checked_out"] == 0
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_consumer_that_keeps_many_small_batches_keeps_them_all_in_the_arena(
     num_workers: int,

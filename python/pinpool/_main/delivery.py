@@ -40,6 +40,7 @@ from .._wire.handle import BatchHandle
 from . import opaque
 from .delivery_mode import DeliveryMode
 from .opaque import OpaqueObjects
+from .pieces import Pieces
 
 #: Where a slot's bytes still are, when a batch is sent to the device: in a worker's segment
 #: (the segment cache and the segment's key), or None: in the slot already.
@@ -179,13 +180,15 @@ class Delivery:
         self,
         tree: Any,
         specs: list[codec.LeafSpec],
-        memory: Slot | torch.Tensor | None,
+        memory: Slot | Pieces | torch.Tensor | None,
         need: int,
         copying: Copying | None = None,
     ) -> Pending:
         """The batch of ``tree`` over the first ``need`` bytes of ``memory`` (None when every
         leaf is empty); ``copying``: the copy into ``memory`` still running, which the
         consumer waits for."""
+        if isinstance(memory, Pieces):
+            return self._in_pieces(tree, specs, memory, need)
         if self.mode.on_device and isinstance(memory, Slot) and memory.device is not None:
             # A zero-copy batch in a slot the driver pinned: on to the device in one call.
             return self.send(tree, specs, memory, need, None)
@@ -214,6 +217,36 @@ class Delivery:
         del host
         if isinstance(memory, Slot):
             memory.release(self.copy_stream)
+        batch = leaves.rebuild(tree, views, self.pin_opaque)
+        return Pending(batch, storage=storage, sent=event, delivery=self, counts=self, nbytes=need)
+
+    def _in_pieces(
+        self, tree: Any, specs: list[codec.LeafSpec], pieces: Pieces, need: int
+    ) -> Pending:
+        """A batch copied into several slots: on the CPU, its leaves view the pieces they lie
+        in; for the device, the pieces are copied into one allocation on the copy stream
+        and released fenced there."""
+        self.batches += 1
+        self.bytes += need
+        if not self.mode.on_device:
+            arrays = [pieces.host_leaf(s) for s in specs]
+            del pieces
+            batch = leaves.rebuild(tree, arrays, self.pin_opaque)
+            return Pending(batch, counts=self, nbytes=need)
+        assert self.copy_stream is not None
+        with torch.cuda.stream(self.copy_stream):
+            storage = torch.empty(need, dtype=torch.uint8, device=self.device)
+            for start, end, slot in pieces.parts:
+                piece = torch.frombuffer(slot, dtype=torch.uint8, count=end - start)
+                storage[start:end].copy_(piece, non_blocking=True)
+                del piece
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        views = [
+            pieces.host_leaf(s).copy() if s.kind == "numpy" else leaves.device_leaf(storage, s)
+            for s in specs
+        ]
+        pieces.release(self.copy_stream)
         batch = leaves.rebuild(tree, views, self.pin_opaque)
         return Pending(batch, storage=storage, sent=event, delivery=self, counts=self, nbytes=need)
 

@@ -27,8 +27,10 @@ import torch
 from .. import _trace
 from .._errors import BatchTooLarge, PoolExhausted
 from .._native import PinPool, SegmentCache, cuda_available, room_kept
+from .._wire.codec import LeafSpec
 from .._wire.pool_hint import PoolHint
 from .grants import LoaderGrants
+from .pieces import Pieces
 from .pool_settings import PoolSettings
 from .sizing import ArenaPlan
 
@@ -72,6 +74,8 @@ class LazyPool:
         #: it).
         self.largest_seen = 0
         self.overflow_batches = 0
+        #: Batches the consumer waited for that no one free range held, in pieces instead.
+        self.split_batches = 0
         #: Batches larger than the arena takes, given memory of their own.
         self.oversize_batches = 0
 
@@ -186,9 +190,13 @@ class LazyPool:
 
     # -- claims on it -------------------------------------------------------------------------
 
-    def claim(self, pool: PinPool, need: int, ahead: bool = False) -> Any:
+    def claim(
+        self, pool: PinPool, need: int, ahead: bool = False, specs: list[LeafSpec] | None = None
+    ) -> Any:
         """A slot of ``need`` bytes, or (by the overflow rules) an ordinary buffer. The rules
-        are applied in Rust (``PinPool.claim``), which waits without the GIL.
+        are applied in Rust (``PinPool.claim``), which waits without the GIL. Where the
+        rules would overflow and the batch's leaves (``specs``) are given, the batch goes to
+        several slots if the free ranges hold its leaves (:class:`~pinpool._main.pieces.Pieces`).
 
         With ``ahead`` (torch's pin thread, taking a batch the consumer may not want yet),
         the slot must leave room for another batch as large as the largest seen (that room
@@ -232,8 +240,13 @@ class LazyPool:
             return TAKE_IN_TURN  # (seen in its turn)
         self.seen(need)
         if got == "overflow":
-            # Every byte is held by batches the consumer keeps alive: waiting could wait
-            # forever (list(loader) does this). Use ordinary memory for this one.
+            # No free range holds it, and none will before the consumer takes it: batches it
+            # keeps alive (list(loader) does this), or batches taken for later turns, hold
+            # the rest. Waiting could wait forever: the free ranges, else ordinary memory.
+            pieces = Pieces.claimed(pool, specs, need) if specs else None
+            if pieces is not None:
+                self.split_batches += 1
+                return pieces
             return self.overflow_buffer(need)
         return got
 

@@ -43,6 +43,7 @@ from .delivery_mode import DeliveryMode
 from .grants import LoaderGrants
 from .intake import Intake
 from .lazy_pool import TAKE_IN_TURN, LazyPool
+from .pieces import Pieces
 from .pool_settings import PoolSettings
 
 #: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
@@ -225,7 +226,7 @@ class Receiver:
             self.intake.receive(handle)
         pool, cache = self.pools.pool_for(int(handle.nbytes))
         specs, need = self.intake.segment_specs(handle)
-        memory = self.pools.claim(pool, need, ahead) if need else None
+        memory = self.pools.claim(pool, need, ahead, specs) if need else None
         if memory is TAKE_IN_TURN:
             return TAKE_IN_TURN
         key = (handle.worker, handle.segment)
@@ -241,6 +242,8 @@ class Receiver:
                 copying = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
             else:
                 cache.copy_to_slot(key, memory, [(0, 0, need)])
+        elif isinstance(memory, Pieces):
+            memory.copy_in(cache, key)
         elif memory is not None:
             cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
         if t0 and memory is not None:
@@ -255,6 +258,8 @@ class Receiver:
             return "background"
         if not consumer_sends and self._pinned_slot_to_device(memory):
             return "device"
+        if isinstance(memory, Pieces):
+            return "pieces"
         return "slot" if isinstance(memory, Slot) else "buffer"
 
     def receive_now(self, handle: BatchHandle) -> None:
@@ -318,6 +323,7 @@ class Receiver:
         out["bytes"] = deliver.handed_bytes
         out["batches_ahead"] = deliver.batches - deliver.handed
         out["overflow_batches"] = self.pools.overflow_batches
+        out["split_batches"] = self.pools.split_batches
         out["oversize_batches"] = self.pools.oversize_batches
         out["zero_copy_batches"] = self.intake.zero_copy_batches
         grants = self.grants

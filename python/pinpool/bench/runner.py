@@ -211,8 +211,11 @@ def loader_notes(result: dict[str, Any]) -> list[str]:
         overflow = sum(s.get("overflow_batches", 0) for s in stats)
         fell = sum(s.get("zero_copy_fallbacks", 0) for s in stats)
         zero = sum(s.get("zero_copy_batches", 0) for s in stats)
+        split = sum(s.get("split_batches", 0) for s in stats)
         if overflow:
             notes.append(f"{name}: {overflow} batches went to unpinned memory (overflow)")
+        if split:
+            notes.append(f"{name}: {split} batches went into the arena in pieces (split)")
         if zero or (fell and spec_named(name).kwargs.get("zero_copy")):
             notes.append(f"{name}: {fell} of {fell + zero} batches went through copy mode")
     return notes

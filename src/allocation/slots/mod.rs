@@ -8,7 +8,8 @@
 //! (See "the life of a slot" in [`crate::pool`] for where each transition is made.)
 //!
 //! This module holds the entries and their transitions; `waiting` is waiting for room and
-//! closing, `figures` what the table reports ([`Counts`], [`Bytes`], defined here).
+//! closing, `figures` what the table reports ([`Counts`], [`Bytes`], defined here), `pieces`
+//! a batch checked out as several slots where no free range holds it whole.
 //!
 //! Invariants:
 //! - Every entry is in exactly one state: `Free`, `CheckedOut` or `Fenced`, held in one atomic
@@ -44,6 +45,7 @@ use crate::error::{Error, Result};
 use crate::memory::shm::page_size;
 
 mod figures;
+mod pieces;
 mod waiting;
 
 /// Names one checkout of one slot of one table.
@@ -325,12 +327,18 @@ impl SlotTable {
         if keep > 0 && inner.spare.len() < 2 {
             return None; // the last entry is kept with the bytes
         }
-        let index = *inner.spare.last()?;
+        inner.spare.last()?;
         let (offset, len) = match preference {
             Preference::OnlyThere => inner.map.alloc_at(bytes, keep, prefer)?,
             Preference::Prefer => inner.map.alloc_preferring(bytes, keep, prefer)?,
         };
-        inner.spare.pop();
+        Some(self.check_out(&mut inner, offset, len))
+    }
+
+    /// Makes the last spare entry the checkout of the extent `(offset, len)`, which the caller
+    /// has just taken from the map (under the same lock) and for which an entry is spare.
+    fn check_out(&self, inner: &mut Inner, offset: usize, len: usize) -> SlotId {
+        let index = inner.spare.pop().expect("an entry is spare (checked by the caller)");
         let cell = &self.words[index as usize];
         let (generation, state) = split(cell.load(Ordering::Acquire));
         debug_assert_eq!(state, State::Free, "entry {index} spare while {state:?}");
@@ -341,7 +349,7 @@ impl SlotTable {
         self.offsets[index as usize].store(offset as u64, Ordering::Relaxed);
         self.lens[index as usize].store(len as u64, Ordering::Relaxed);
         cell.store(word(next, OUT), Ordering::Release);
-        Some(SlotId { table: self.id, index, generation: next })
+        SlotId { table: self.id, index, generation: next }
     }
 
     /// The current state and generation of entry `index`.

@@ -169,3 +169,148 @@ fn bad_index_is_refused() {
     assert!(other.is_live(foreign));
     assert!(SlotTable::new(0).is_err());
 }
+
+/// Eight one-page slots checked out, every other one given back: four one-page holes.
+fn holes_of_one_page() -> (SlotTable, Vec<SlotId>) {
+    let t = SlotTable::new(8).unwrap();
+    let held: Vec<SlotId> = (0..8).map(|_| t.try_checkout().unwrap()).collect();
+    for c in held.iter().step_by(2) {
+        t.release(*c, false).unwrap();
+    }
+    (t, held)
+}
+
+#[test]
+fn a_batch_no_range_holds_is_checked_out_in_pieces_between_its_leaves() {
+    let u = page_size();
+    let (t, _held) = holes_of_one_page();
+    assert!(t.try_checkout_bytes(3 * u, 0).is_none(), "three pages in one-page holes");
+    // Three leaves of a page: one slot each, in the holes, in the batch's order.
+    let pieces = t.try_checkout_pieces(&[0, u, 2 * u, 3 * u]).unwrap().unwrap();
+    let starts: Vec<usize> = pieces.iter().map(|p| p.0).collect();
+    assert_eq!(starts, vec![0, u, 2 * u]);
+    for (_, slot) in &pieces {
+        assert_eq!(t.extent(*slot).unwrap().1, u);
+    }
+    assert_eq!(t.bytes().free, u);
+    for (_, slot) in pieces {
+        t.release(slot, false).unwrap();
+    }
+    assert_eq!(t.bytes().free, 4 * u);
+}
+
+#[test]
+fn pieces_are_placed_so_that_a_later_leaf_finds_room_too() {
+    let u = page_size();
+    let t = SlotTable::new(8).unwrap();
+    let one = t.try_checkout_bytes(u, 0).unwrap();
+    let _two = t.try_checkout_bytes(u, 0).unwrap();
+    t.release(one, false).unwrap(); // free: one page at 0, six pages at 2u
+                                    // Leaves of 1, 1, 1 and 4 pages: the first three together in the six pages would leave
+                                    // the last no room; the search backs up and places every leaf.
+    let pieces = t.try_checkout_pieces(&[0, u, 2 * u, 3 * u, 7 * u]).unwrap().unwrap();
+    let mut end = 0;
+    for (start, slot) in &pieces {
+        assert_eq!(*start, end, "{pieces:?}");
+        end += t.extent(*slot).unwrap().1;
+        assert!([u, 2 * u, 3 * u, 7 * u].contains(&end), "a leaf cut: {pieces:?}");
+    }
+    assert_eq!(end, 7 * u);
+    assert_eq!(t.bytes().free, 0);
+}
+
+#[test]
+fn a_batch_checked_out_in_pieces_takes_all_or_nothing() {
+    let u = page_size();
+    let (t, _held) = holes_of_one_page();
+    let before = t.bytes();
+    // A leaf of two pages fits no hole: nothing is taken, not even the first piece.
+    assert!(t.try_checkout_pieces(&[0, u, 3 * u]).unwrap().is_none());
+    // More bytes than are free.
+    assert!(t.try_checkout_pieces(&[0, u, 2 * u, 3 * u, 4 * u, 5 * u]).unwrap().is_none());
+    assert_eq!(t.bytes(), before);
+    assert_eq!(t.counts().checked_out, 4);
+    // Too few entries: two ranges but one spare entry.
+    let t = SlotTable::with_layout(Layout {
+        entries: 3,
+        arena: 8 * u,
+        unit: u,
+        default_bytes: u,
+        boundaries: Vec::new(),
+        ready: 8 * u,
+    })
+    .unwrap();
+    let held: Vec<SlotId> = (0..3).map(|_| t.try_checkout().unwrap()).collect();
+    t.release(held[1], false).unwrap(); // free: [u, 2u) and [3u, 8u); one entry spare
+    let before = t.bytes();
+    assert!(t.try_checkout_pieces(&[0, 5 * u, 6 * u]).unwrap().is_none());
+    assert_eq!(t.bytes(), before);
+    assert_eq!(t.try_checkout_pieces(&[0, 5 * u]).unwrap().map(|p| p.len()), Some(1));
+}
+
+#[test]
+fn cuts_that_do_not_start_at_0_and_increase_are_refused() {
+    let u = page_size();
+    let t = SlotTable::new(4).unwrap();
+    for cuts in [&[][..], &[0], &[u, 2 * u], &[0, u, u], &[0, 2 * u, u]] {
+        assert!(t.try_checkout_pieces(cuts).is_err(), "{cuts:?}");
+    }
+    assert_eq!(t.counts().checked_out, 0);
+}
+
+proptest::proptest! {
+    #![proptest_config(crate::proptest_config(256))]
+
+    /// Random checkouts and releases cut the arena into holes; then a batch of random leaves is
+    /// checked out in pieces. Taken: the pieces start at 0 and at cuts, in order, each one
+    /// checkout of its bytes rounded to pages, overlapping no other live extent. Not taken:
+    /// nothing changed; and never while one free range holds the whole batch (with an entry
+    /// spare), nor taken while the batch's bytes exceed the free bytes or one leaf exceeds the
+    /// longest free range.
+    #[test]
+    fn pieces_cover_the_batch_or_take_nothing(
+        sizes in proptest::collection::vec(1usize..=4, 1..24),
+        frees in proptest::collection::vec(proptest::bool::ANY, 24),
+        leaves in proptest::collection::vec(1usize..=3 * 4096, 1..8),
+    ) {
+        let u = page_size();
+        let t = SlotTable::new(32).unwrap();
+        let mut live: Vec<SlotId> = Vec::new();
+        for (i, n) in sizes.iter().enumerate() {
+            if let Some(s) = t.try_checkout_bytes(n * u, 0) {
+                if frees[i] { t.release(s, false).unwrap() } else { live.push(s) }
+            }
+        }
+        let mut cuts = vec![0];
+        for l in &leaves {
+            cuts.push(cuts.last().unwrap() + l.div_ceil(u) * u);
+        }
+        let total = *cuts.last().unwrap();
+        let before = t.bytes();
+        let spare = t.len() - t.counts().checked_out;
+        let widest = cuts.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+        match t.try_checkout_pieces(&cuts).unwrap() {
+            None => {
+                proptest::prop_assert_eq!(t.bytes(), before);
+                proptest::prop_assert!(before.largest_free < total || spare == 0);
+            }
+            Some(pieces) => {
+                proptest::prop_assert!(total <= before.free && widest <= before.largest_free);
+                proptest::prop_assert_eq!(pieces[0].0, 0);
+                let ends: Vec<usize> =
+                    pieces.iter().skip(1).map(|p| p.0).chain(std::iter::once(total)).collect();
+                let extents: Vec<(usize, usize)> =
+                    live.iter().map(|s| t.extent(*s).unwrap()).collect();
+                for (k, (start, slot)) in pieces.iter().enumerate() {
+                    proptest::prop_assert!(cuts.contains(start));
+                    let (o, l) = t.extent(*slot).unwrap();
+                    proptest::prop_assert_eq!(l, ends[k] - start);
+                    for &(p, q) in &extents {
+                        proptest::prop_assert!(o + l <= p || p + q <= o, "overlap");
+                    }
+                }
+                proptest::prop_assert_eq!(t.bytes().free, before.free - total);
+            }
+        }
+    }
+}

@@ -1,5 +1,6 @@
 //! The arguments of `PinPool` that need more than a plain conversion: `device=` (an ordinal,
-//! a name or a `torch.device`), `copy_threads`' default, and `prefer=` / `prefer_only=`.
+//! a name or a `torch.device`), `copy_threads`' default, `prefer=` / `prefer_only=`, and a
+//! batch's `cuts`.
 //!
 //! Invariant: a value that cannot be meant is an `InvalidArgument` saying what was expected
 //! (a bool or a float is no device); a value of the wrong type keeps Python's `TypeError`.
@@ -163,4 +164,23 @@ pub(super) fn preference(prefer_only: bool) -> Preference {
     } else {
         Preference::Prefer
     }
+}
+
+/// The most cuts a batch claimed in pieces may have (a leaf each, and its end).
+pub(super) const MAX_CUTS: usize = 1 << 16;
+
+/// A batch's `cuts` (`PinPool.claim_pieces`): non-negative ints, at most [`MAX_CUTS`] of them
+/// (their order is checked by the core).
+pub(super) fn cuts_arg(py: Python<'_>, cuts: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let mut out = Vec::new();
+    for item in cuts.try_iter()? {
+        if out.len() == MAX_CUTS {
+            return Err(to_py(
+                py,
+                Error::Invalid(format!("a batch has more than {MAX_CUTS} cuts")),
+            ));
+        }
+        out.push(size_arg(py, &item?, "each cut")?);
+    }
+    Ok(out)
 }

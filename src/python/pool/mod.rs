@@ -24,7 +24,8 @@ mod arguments;
 mod reporting;
 
 use arguments::{
-    backend_arg, default_copy_threads, device_arg, parse_device, preference, preferred_offsets,
+    backend_arg, cuts_arg, default_copy_threads, device_arg, parse_device, preference,
+    preferred_offsets,
 };
 use reporting::{log_made, stats_dict};
 
@@ -253,6 +254,29 @@ impl PyPinPool {
                 .try_checkout_bytes_preferring(bytes, reserve, &prefer, preference(prefer_only))
                 .py(py)?
                 .map(|t| self.wrap(pool, t)))
+        })
+    }
+
+    /// The bytes `[0, cuts[-1])` of one batch as consecutive slots, cut only at `cuts` (ints
+    /// increasing from 0: where no array of the batch is split), at once, without waiting:
+    /// `[(start, Slot), ...]` in the batch's order, or None (nothing taken) when the free
+    /// ranges cannot hold the pieces. For the batch the consumer waits for when no one free
+    /// range holds it.
+    fn claim_pieces<'py>(
+        &self,
+        py: Python<'py>,
+        cuts: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
+        guarded(|| {
+            let cuts = cuts_arg(py, cuts)?;
+            let pool = self.get(py)?;
+            let Some(pieces) = pool.try_checkout_pieces(&cuts).py(py)? else { return Ok(None) };
+            // Every piece held by a Slot first: one that goes unused is released as it drops.
+            let slots: Vec<(usize, PySlot)> = pieces
+                .into_iter()
+                .map(|(start, slot)| (start, self.wrap(Arc::clone(&pool), slot)))
+                .collect();
+            Ok(Some(PyList::new(py, slots)?))
         })
     }
 
