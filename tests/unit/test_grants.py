@@ -237,12 +237,12 @@ def test_a_request_whose_room_is_held_by_batches_before_it_waits_for_them(
 
     _pool, grants = granted
     at = grants.desk
-    # Batches of 5, 2 and 2 pages (9 of 16 held); the room kept for the head: 7 pages.
-    sizes = (5, 2, 2)
+    # Batches of 4, 2 and 2 pages (8 of 16 held); the room kept for the head: 8 pages.
+    sizes = (4, 2, 2)
     first = [desk.ask(at, handle.ZeroCopyTask(1, t), 0, n * PAGE) for t, n in enumerate(sizes)]
     assert all(g is not None for g in first)
     got: list[Any] = []
-    waiter = threading.Thread(  # (2 pages would leave 5: less than the room kept)
+    waiter = threading.Thread(  # (2 pages would leave 6: less than the room kept)
         target=lambda: got.append(desk.ask(at, handle.ZeroCopyTask(1, 3), 1, 2 * PAGE))
     )
     waiter.start()
