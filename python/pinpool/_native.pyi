@@ -51,7 +51,7 @@ def check_segment(key: tuple[int, int], fd: int, total_len: int, nonce: int) -> 
 def cuda_available() -> bool: ...
 def page_size() -> int: ...
 def room_kept(largest_seen: int, arena: int, part: int) -> int:
-    """Bytes a claim made ahead of the consumer leaves free in one range: twice the largest
+    """Bytes a claim made ahead of the consumer leaves free in one range: 1.5 times the largest
     batch seen, in whole pages, at most all of the arena but one such batch and at most one of
     its parts."""
 

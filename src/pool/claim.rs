@@ -54,14 +54,14 @@ pub enum Claim {
 
 /// Bytes a claim made ahead of the consumer (a batch taken ahead in copy mode, a zero-copy
 /// grant for a batch other than the one the consumer waits for) leaves free in one range, so
-/// that the consumer's next batch finds room whatever was taken ahead of it: twice the largest
-/// batch seen (`largest_seen` bytes: the next may be larger, and by the time it asks, batches
-/// after it may hold the rest), in whole pages; at most all of the arena (`arena` bytes) but
+/// that the consumer's next batch finds room whatever was taken ahead of it: the largest batch
+/// seen (`largest_seen` bytes) and half as much again (the next may be larger, and by the time
+/// it asks, batches after it may hold the rest), in whole pages; at most all of the arena (`arena` bytes) but
 /// one such batch, and at most one of its parts (`part` bytes: no range is longer, so more could
 /// never be kept and every claim ahead would fail).
 pub fn room_kept(largest_seen: usize, arena: usize, part: usize) -> usize {
     let page = crate::memory::shm::page_size();
-    let room = largest_seen.saturating_mul(2);
+    let room = largest_seen.saturating_add(largest_seen / 2);
     let room = room.checked_next_multiple_of(page).unwrap_or(usize::MAX);
     room.min(arena.saturating_sub(largest_seen)).min(part)
 }

@@ -237,12 +237,12 @@ def test_a_request_whose_room_is_held_by_batches_before_it_waits_for_them(
 
     _pool, grants = granted
     at = grants.desk
-    # Batches of 4, 2 and 2 pages (8 of 16 held); the room kept for the head: 8 pages.
-    sizes = (4, 2, 2)
+    # Batches of 4, 2 and 3 pages (9 of 16 held); the room kept for the head: 6 pages.
+    sizes = (4, 2, 3)
     first = [desk.ask(at, handle.ZeroCopyTask(1, t), 0, n * PAGE) for t, n in enumerate(sizes)]
     assert all(g is not None for g in first)
     got: list[Any] = []
-    waiter = threading.Thread(  # (2 pages would leave 6: less than the room kept)
+    waiter = threading.Thread(  # (2 pages would leave 5: less than the room kept)
         target=lambda: got.append(desk.ask(at, handle.ZeroCopyTask(1, 3), 1, 2 * PAGE))
     )
     waiter.start()
@@ -253,8 +253,8 @@ def test_a_request_whose_room_is_held_by_batches_before_it_waits_for_them(
     slot.release()
     waiter.join(5)
     assert not waiter.is_alive() and got[0] is not None
-    # The consumer keeps tasks 1 and 2, task 3 holds 2 pages: 10 pages free in two ranges, and
-    # what may come back before task 5 (task 3's) leaves no room for 6 pages and the 8 kept.
+    # The consumer keeps tasks 1 and 2, task 3 holds 2 pages: 9 pages free in two ranges, and
+    # what may come back before task 5 (task 3's) leaves no room for 6 pages and the 6 kept.
     kept = [grants.adopt(first[i].claim) for i in (1, 2)]
     grants.set_head(1, 3)
     assert desk.ask(at, handle.ZeroCopyTask(1, 5), 0, 6 * PAGE) is None

@@ -14,7 +14,7 @@ none (the batch then comes through its segment, copy mode). Its handle names the
 Why the batch the consumer waits for never waits on room held for batches behind it: room is
 granted only to batches that exist, at their size, and never waited for; every grant but the
 head's (the task the consumer waits for, :meth:`LoaderGrants.set_head`, told as each batch is
-yielded) leaves a range of twice the largest batch so far free, which the head may take.
+yielded) leaves a range of 1.5 times the largest batch so far free, which the head may take.
 
 Invariants: a granted slot stays checked out until its batch adopts it, its worker gives it
 back, or the iterator it was granted for ends (:meth:`LoaderGrants.close`, once no worker that got

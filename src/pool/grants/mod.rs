@@ -12,8 +12,8 @@
 //! Why no batch waits on room held for batches behind it: room is only ever granted to a batch
 //! that exists; a grant for any batch but the one the consumer waits for next (the *head*,
 //! [`Grants::set_head`]) must leave [`crate::pool::claim::room_kept`] bytes free in one range,
-//! so the head, which may take that range too, finds room as large as twice the largest batch
-//! asked for so far whatever was granted ahead of it; and nothing here ever waits (a request is
+//! so the head, which may take that range too, finds room as large as 1.5 times the largest
+//! batch asked for so far whatever was granted ahead of it; and nothing here ever waits (a request is
 //! answered at once). A batch that finds no room goes through copy mode in its turn, where the
 //! consumer's own claim may use the kept range too, or the free ranges in pieces between its
 //! arrays (`SlotTable::try_checkout_pieces`).
