@@ -223,32 +223,14 @@ class Delivery:
     def _in_pieces(
         self, tree: Any, specs: list[codec.LeafSpec], pieces: Pieces, need: int
     ) -> Pending:
-        """A batch copied into several slots: on the CPU, its leaves view the pieces they lie
-        in; for the device, the pieces are copied into one allocation on the copy stream
-        and released fenced there."""
+        """A batch copied into several slots (CPU batches only: see ``Receiver._copy_in``):
+        its leaves view the pieces they lie in, which return to the pool as they die."""
         self.batches += 1
         self.bytes += need
-        if not self.mode.on_device:
-            arrays = [pieces.host_leaf(s) for s in specs]
-            del pieces
-            batch = leaves.rebuild(tree, arrays, self.pin_opaque)
-            return Pending(batch, counts=self, nbytes=need)
-        assert self.copy_stream is not None
-        with torch.cuda.stream(self.copy_stream):
-            storage = torch.empty(need, dtype=torch.uint8, device=self.device)
-            for start, end, slot in pieces.parts:
-                piece = torch.frombuffer(slot, dtype=torch.uint8, count=end - start)
-                storage[start:end].copy_(piece, non_blocking=True)
-                del piece
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        views = [
-            pieces.host_leaf(s).copy() if s.kind == "numpy" else leaves.device_leaf(storage, s)
-            for s in specs
-        ]
-        pieces.release(self.copy_stream)
-        batch = leaves.rebuild(tree, views, self.pin_opaque)
-        return Pending(batch, storage=storage, sent=event, delivery=self, counts=self, nbytes=need)
+        arrays = [pieces.host_leaf(s) for s in specs]
+        del pieces
+        batch = leaves.rebuild(tree, arrays, self.pin_opaque)
+        return Pending(batch, counts=self, nbytes=need)
 
     def send(
         self,

@@ -11,8 +11,8 @@ Invariants:
 
 - No leaf crosses a cut (:func:`cuts`): each leaf's bytes lie in one piece, at the same
   distance from the piece's start as from the batch's.
-- Every piece's slot goes back: on the CPU when the last view of it dies; for the device
-  behind the copy, released fenced on the copy stream (:meth:`Pieces.release`).
+- Every piece's slot goes back when the last view of it dies. Only batches delivered on the
+  CPU are split (a batch for the device goes to ordinary memory where no one range holds it).
 """
 
 from __future__ import annotations
@@ -75,8 +75,3 @@ class Pieces:
             return leaves.host_leaf(b"", spec, 0)
         start, end, slot = self.parts[bisect_right(self._starts, spec.offset) - 1]
         return leaves.host_leaf(slot, spec._replace(offset=spec.offset - start), end - start)
-
-    def release(self, stream: Any) -> None:
-        """Releases every piece's slot, fenced on ``stream``."""
-        for _, _, slot in self.parts:
-            slot.release(stream)

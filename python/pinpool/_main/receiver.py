@@ -226,7 +226,10 @@ class Receiver:
             self.intake.receive(handle)
         pool, cache = self.pools.pool_for(int(handle.nbytes))
         specs, need = self.intake.segment_specs(handle)
-        memory = self.pools.claim(pool, need, ahead, specs) if need else None
+        # A CPU batch no one free range holds may go to several (Pieces); one for the device
+        # goes to ordinary memory then, copied to the device from there.
+        split = None if self.mode.on_device else specs
+        memory = self.pools.claim(pool, need, ahead, split) if need else None
         if memory is TAKE_IN_TURN:
             return TAKE_IN_TURN
         key = (handle.worker, handle.segment)
