@@ -6,10 +6,10 @@
 //! cut where the caller allows (between its leaves: no array is split) and checked out as
 //! one slot per piece.
 //!
-//! Which pieces go where is a small search ([`plan`]): pieces as long as possible, into the
-//! longest ranges first, backing up where a later leaf would find no room, within a bounded
-//! number of steps (a batch has few leaves and the arena few free ranges; past the bound the
-//! answer is "no", as if the ranges could not hold the batch).
+//! Which pieces go where is a small search (`Search::plan`): pieces as long as possible, into
+//! the longest ranges first, backing up where a later leaf would find no room, within a bounded
+//! number of steps and over the [`RANGES_TRIED`] longest ranges (a batch has few leaves; past
+//! the bound the answer is "no", as if the ranges could not hold the batch).
 //!
 //! Invariants:
 //! - All or nothing: either every piece gets a slot, or no byte and no entry is taken (the
@@ -25,8 +25,11 @@ use std::cmp::Reverse;
 use super::{SlotId, SlotTable};
 use crate::error::{Error, Result};
 
-/// The most steps [`plan`] takes before it answers "no".
+/// The most steps [`Search::plan`] takes before it answers "no".
 const SEARCH_STEPS: usize = 4096;
+/// The most free ranges the search places pieces in: the longest ones (every step sorts them,
+/// under the table's lock; an arena cut by many small kept batches has many short holes).
+const RANGES_TRIED: usize = 64;
 
 /// One piece as planned: where it starts in the batch, and its extent in the arena.
 type Placed = (usize, (usize, usize));
@@ -44,6 +47,8 @@ impl SlotTable {
             return Ok(None);
         }
         let mut free = inner.map.free_ranges().to_vec();
+        free.sort_unstable_by_key(|r| Reverse(r.1));
+        free.truncate(RANGES_TRIED);
         let mut placed = Vec::new();
         let mut steps = SEARCH_STEPS;
         let most = inner.spare.len();

@@ -249,6 +249,25 @@ fn a_batch_checked_out_in_pieces_takes_all_or_nothing() {
 }
 
 #[test]
+fn a_batch_finds_its_pieces_among_many_holes() {
+    let u = page_size();
+    let t = SlotTable::new(512).unwrap();
+    let held: Vec<SlotId> = (0..512).map(|_| t.try_checkout().unwrap()).collect();
+    // 200 one-page holes, then 112 pages in a row.
+    for c in held[..400].iter().step_by(2).chain(&held[400..]) {
+        t.release(*c, false).unwrap();
+    }
+    assert_eq!(t.bytes().holes, 201);
+    // 120 one-page arrays: 112 in the long range, the rest in holes.
+    let cuts: Vec<usize> = (0..=120).map(|k| k * u).collect();
+    let pieces = t.try_checkout_pieces(&cuts).unwrap().unwrap();
+    let total: usize = pieces.iter().map(|p| t.extent(p.1).unwrap().1).sum();
+    assert_eq!(total, 120 * u);
+    assert!(pieces.len() >= 9, "{}", pieces.len());
+    assert_eq!(t.bytes().free, 192 * u);
+}
+
+#[test]
 fn cuts_that_do_not_start_at_0_and_increase_are_refused() {
     let u = page_size();
     let t = SlotTable::new(4).unwrap();
