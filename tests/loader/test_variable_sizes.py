@@ -231,70 +231,23 @@ def test_random_batch_sizes_are_bit_exact_in_both_modes(
     )
 
 
-@pytest.mark.every_mode
-def test_larger_batches_after_kept_ones_with_holes_never_wait_for_the_consumer(
-    loader_mode: Any,
-) -> None:
-    """An 8 MiB arena full of eight 1 MiB batches the consumer keeps, every other one then
-    dropped: four free MiB in four holes, none of which holds the 1.5 MiB batches that follow.
-    Nothing but the consumer can make room (no fence, no batch ahead of it), so no claim waits:
-    each batch goes to ordinary memory at once (counted), where a claim counting free bytes
-    waited ``slot_timeout`` for every other batch."""
-    import time
-
+def _holes_after_kept_batches(
+    lengths: list[int], collate_fn: Any = None
+) -> tuple[Any, Any, list[Any], list[Any]]:
+    """A loader (1 worker, an 8 MiB arena) over batches of 4 rows of ``lengths``: its first
+    eight batches taken, checked against torch's and in the arena, then every other one
+    dropped. Returns the loader, its iterator, the batches kept and torch's batches to come."""
     from soak_cases import BatchRows
 
     rows = 4
-    lengths = [(1 << 20) // (rows * 8)] * 8 + [(3 << 19) // (rows * 8)] * 6
     dataset = BatchRows(lengths, rows, ragged=False)
-    reference = list(torch.utils.data.DataLoader(dataset, batch_size=rows))
+    torch_loader = torch.utils.data.DataLoader(dataset, batch_size=rows, collate_fn=collate_fn)
+    reference = list(torch_loader)
     loader = pinpool.DataLoader(
         dataset,
         batch_size=rows,
         num_workers=1,
-        arena_bytes=8 << 20,
-        max_batch_bytes=2 << 20,
-        slot_timeout=60,
-    )
-    it = iter(loader)
-    held = [next(it) for _ in range(8)]
-    for got, ref in zip(held, reference, strict=False):
-        assert_same(ref, got)
-    assert all(in_pool(loader.pool, b) for b in held)
-    del held[::2]
-    gc.collect()
-    assert loader.stats()["largest_free"] == 1 << 20
-    took = []
-    for ref in reference[8:]:
-        t0 = time.perf_counter()
-        got = next(it)
-        took.append(time.perf_counter() - t0)
-        assert_same(ref, got)
-        assert not in_pool(loader.pool, got)
-    assert max(took) < 2.0, took
-    assert loader.stats()["overflow_batches"] == 6
-    del it, got, held
-
-
-@pytest.mark.every_mode
-def test_a_batch_no_hole_holds_goes_into_the_holes_between_its_arrays(loader_mode: Any) -> None:
-    """As above, with two arrays a batch (ids and mask, padded): eight batches of 1,024,000
-    bytes kept, every other one dropped, leave four holes of that size; each batch of 1.5 times
-    that which follows goes into two holes, an array in each (``split_batches``), in the arena
-    rather than ordinary memory, bit-exact, at once; its pieces come back as it dies."""
-    import time
-
-    from soak_cases import BatchRows, pad_collate
-
-    rows = 4
-    lengths = [16000] * 8 + [24000] * 6
-    dataset = BatchRows(lengths, rows, ragged=False)
-    reference = list(torch.utils.data.DataLoader(dataset, batch_size=rows, collate_fn=pad_collate))
-    loader = pinpool.DataLoader(
-        dataset,
-        batch_size=rows,
-        num_workers=1,
-        collate_fn=pad_collate,
+        collate_fn=collate_fn,
         arena_bytes=8 << 20,
         max_batch_bytes=2 << 20,
         slot_timeout=60,
@@ -306,19 +259,68 @@ def test_a_batch_no_hole_holds_goes_into_the_holes_between_its_arrays(loader_mod
     assert all(in_pool(loader.pool, x) for b in held for x in array_leaves(b))
     del held[::2]
     gc.collect()
-    assert loader.stats()["largest_free"] < 1_536_000
+    return loader, it, held, reference[8:]
+
+
+def _take_timed(it: Any, rest: list[Any], check: Any) -> list[float]:
+    """Takes torch's batches ``rest`` from ``it``, each checked against torch's and by
+    ``check`` (then dropped); how long each ``next()`` took, in seconds."""
+    import time
+
     took = []
-    for ref in reference[8:]:
+    for ref in rest:
         t0 = time.perf_counter()
         got = next(it)
         took.append(time.perf_counter() - t0)
         assert_same(ref, got)
+        check(got)
+        del got
+    return took
+
+
+@pytest.mark.every_mode
+def test_larger_batches_after_kept_ones_with_holes_never_wait_for_the_consumer(
+    loader_mode: Any,
+) -> None:
+    """An 8 MiB arena full of eight 1 MiB batches the consumer keeps, every other one then
+    dropped: four free MiB in four holes, none of which holds the 1.5 MiB batches that follow.
+    Nothing but the consumer can make room (no fence, no batch ahead of it), so no claim waits:
+    each batch goes to ordinary memory at once (counted), where a claim counting free bytes
+    waited ``slot_timeout`` for every other batch."""
+    rows = 4
+    lengths = [(1 << 20) // (rows * 8)] * 8 + [(3 << 19) // (rows * 8)] * 6
+    loader, it, held, rest = _holes_after_kept_batches(lengths)
+    assert loader.stats()["largest_free"] == 1 << 20
+
+    def outside(got: Any) -> None:
+        assert not in_pool(loader.pool, got)
+
+    took = _take_timed(it, rest, outside)
+    assert max(took) < 2.0, took
+    assert loader.stats()["overflow_batches"] == 6
+    del it, held
+
+
+@pytest.mark.every_mode
+def test_a_batch_no_hole_holds_goes_into_the_holes_between_its_arrays(loader_mode: Any) -> None:
+    """As above, with two arrays a batch (ids and mask, padded): eight batches of 1,024,000
+    bytes kept, every other one dropped, leave four holes of that size; each batch of 1.5 times
+    that which follows goes into two holes, an array in each (``split_batches``), in the arena
+    rather than ordinary memory, bit-exact, at once; its pieces come back as it dies."""
+    from soak_cases import pad_collate
+
+    loader, it, held, rest = _holes_after_kept_batches([16000] * 8 + [24000] * 6, pad_collate)
+    assert loader.stats()["largest_free"] < 1_536_000
+
+    def inside(got: Any) -> None:
         leaves = array_leaves(got)
         assert all(in_pool(loader.pool, x) for x in leaves if x.device.type == "cpu")
+
+    took = _take_timed(it, rest, inside)
     assert max(took) < 2.0, took
     stats = loader.stats()
     assert stats["overflow_batches"] == 0 and stats["split_batches"] == 6, stats
-    del it, got, held, leaves
+    del it, held
     gc.collect()
     assert loader.stats()["slots_checked_out"] == 0
 

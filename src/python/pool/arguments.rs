@@ -144,17 +144,8 @@ pub(super) fn preferred_offsets(
     prefer: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<usize>> {
     let Some(prefer) = prefer.filter(|p| !p.is_none()) else { return Ok(Vec::new()) };
-    let mut offsets = Vec::new();
-    for item in prefer.try_iter()? {
-        if offsets.len() == MAX_PREFERRED {
-            return Err(to_py(
-                py,
-                Error::Invalid(format!("prefer holds more than {MAX_PREFERRED} offsets")),
-            ));
-        }
-        offsets.push(size_arg(py, &item?, "each offset in prefer")?);
-    }
-    Ok(offsets)
+    let too_many = || format!("prefer holds more than {MAX_PREFERRED} offsets");
+    sizes_arg(py, prefer, MAX_PREFERRED, too_many, "each offset in prefer")
 }
 
 /// The Python flag `prefer_only` as the core's [`Preference`].
@@ -172,15 +163,25 @@ pub(super) const MAX_CUTS: usize = 1 << 16;
 /// A batch's `cuts` (`PinPool.claim_pieces`): non-negative ints, at most [`MAX_CUTS`] of them
 /// (their order is checked by the core).
 pub(super) fn cuts_arg(py: Python<'_>, cuts: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let too_many = || format!("a batch has more than {MAX_CUTS} cuts");
+    sizes_arg(py, cuts, MAX_CUTS, too_many, "each cut")
+}
+
+/// An iterable of at most `most` non-negative ints, each converted as `size_arg` does (named
+/// `each`); more than `most` is an `InvalidArgument` saying `too_many()`.
+fn sizes_arg(
+    py: Python<'_>,
+    items: &Bound<'_, PyAny>,
+    most: usize,
+    too_many: impl Fn() -> String,
+    each: &str,
+) -> PyResult<Vec<usize>> {
     let mut out = Vec::new();
-    for item in cuts.try_iter()? {
-        if out.len() == MAX_CUTS {
-            return Err(to_py(
-                py,
-                Error::Invalid(format!("a batch has more than {MAX_CUTS} cuts")),
-            ));
+    for item in items.try_iter()? {
+        if out.len() == most {
+            return Err(to_py(py, Error::Invalid(too_many())));
         }
-        out.push(size_arg(py, &item?, "each cut")?);
+        out.push(size_arg(py, &item?, each)?);
     }
     Ok(out)
 }
