@@ -28,7 +28,7 @@ from loader_datasets import Indexed, ListDataset, assert_same, in_pool
 import pinpool
 from pinpool._main import opaque
 from pinpool._wire import codec, leaves
-from pinpool._wire.tree import KEEP, map_leaves
+from pinpool._wire.tree import KEEP, Node, map_leaves
 
 # --------------------------------------------------------------------------- batch types
 
@@ -309,7 +309,8 @@ def test_codec_round_trip_of_a_dataclass() -> None:
     batch = to_dataclass([Indexed(3)[i] for i in range(3)])
     p = codec.plan(batch)
     assert len(p.specs) == 3, "x, idx and total are leaves"
-    assert type(p.tree) is DataBatch and isinstance(p.tree.x, codec.Leaf)
+    assert type(p.tree) is Node and type(p.tree.how) is DataBatch
+    assert isinstance(p.tree.children["x"], codec.Leaf) and p.tree.how.x is None
     base = torch.zeros(p.nbytes, dtype=torch.uint8)
     codec.write(p, base)
     same(batch, leaves.rebuild(p.tree, leaves.host_leaves(p.specs, base.numpy(), p.nbytes)))

@@ -37,6 +37,7 @@ from pinpool._main.delivery import hand_to_consumer
 from pinpool._wire import codec as _codec
 from pinpool._wire import leaves as _leaves
 from pinpool._wire.codec import ALIGN, Leaf, LeafSpec
+from pinpool._wire.tree import Node
 
 # --------------------------------------------------------------------------- generated batches
 
@@ -475,10 +476,15 @@ def test_write_one_element_strided_tensor(stacked: bool) -> None:
 
 def test_rebuild_with_a_missing_leaf() -> None:
     views = [torch.zeros(1), torch.ones(1)]
-    for tree in ({"a": Leaf(2)}, [Leaf(0), Leaf(-1)], (Leaf(10**9),), Pair(Leaf(5), None)):
+    pair = Node("namedtuple", Pair, [Leaf(5), None])
+    for tree in ({"a": Leaf(2)}, [Leaf(0), Leaf(-1)], (Leaf(10**9),), pair):
         with pytest.raises(OutOfBounds, match="does not exist"):
             _leaves.rebuild(tree, views)
     assert _leaves.rebuild([Leaf(1), Leaf(0)], views)[0] is views[1]
+    # The main process walks into exact builtins and Node records only: a namedtuple in the
+    # received skeleton is an object kept whole, never made again with markers.
+    kept = Pair(Leaf(5), None)
+    assert _leaves.rebuild([kept], views, lambda o: ("kept", o))[0] == ("kept", kept)
 
 
 # --------------------------------------------------------------------------- corrupt handles

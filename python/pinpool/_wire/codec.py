@@ -23,7 +23,7 @@ import torch
 from .. import _native
 from .._torch_contract import torch_collate
 from .._views import PLAIN_TORCH_DTYPE_NAMES
-from .tree import KEEP, map_leaves
+from .tree import KEEP, take_apart
 
 #: Every leaf starts on a multiple of this (a cache line; more than any element size).
 ALIGN = 64
@@ -262,7 +262,7 @@ def plan(batch: Any, start: int = 0, keep_strides: bool = False) -> LayoutPlan:
             return Strided(Leaf(len(specs) - 1), described.shape, strides)
         return Leaf(len(specs) - 1)
 
-    tree = map_leaves(batch, leaf)
+    tree = take_apart(batch, leaf)
     return LayoutPlan(tree, sources, specs, max(end, extent(specs)))
 
 

@@ -33,7 +33,7 @@ from .codec import (
     Strided,
     span,
 )
-from .tree import KEEP, map_leaves
+from .tree import KEEP, put_together
 
 
 def checked_specs(specs: Any, limit: int) -> list[LeafSpec]:
@@ -248,7 +248,7 @@ def _restrided(flat: Any, marker: Strided) -> torch.Tensor:
 
 def rebuild(tree: Any, views: list[Any], kept: Callable[[Any], Any] | None = None) -> Any:
     """The batch of ``tree`` with marker ``i`` replaced by ``views[i]``, and each object the
-    walk cannot look into (see ``tree.map_leaves``) by ``kept(obj)`` if given."""
+    walk does not look into (see ``tree.put_together``) by ``kept(obj)`` if given."""
 
     def view(obj: Any) -> Any:
         index = getattr(obj, "index", None)  # unpickled: anything may be missing
@@ -264,6 +264,6 @@ def rebuild(tree: Any, views: list[Any], kept: Callable[[Any], Any] | None = Non
         return KEEP
 
     try:
-        return map_leaves(tree, leaf, False, kept)
+        return put_together(tree, leaf, kept)
     except RecursionError:
         raise OutOfBounds("corrupt batch description: the batch is nested too deeply") from None

@@ -1,16 +1,34 @@
-"""Walking nested batches: rebuild every container, replacing chosen leaves.
+"""Walking nested batches: taking a batch apart into a skeleton, and putting it together again.
 
-The one tree walker of the package. The worker replaces array leaves with markers, the main
-process replaces markers with views into a slot, and streaming collation marks each sample's
-big arrays. Containers are rebuilt (copied, never mutated) the way torch's ``pin_memory``
-rebuilds them, so a batch comes back with the same types torch would give. Dataclass instances
-are walked into too (torch's ``pin_memory`` leaves them alone, unpinned): a copy of each, with
-its fields replaced; except one with a ``pin_memory`` attribute, which torch's ``pin_memory``
-calls: like any other object the walk cannot look into, it is kept whole (``kept``), so that its
-own method runs, as in torch.
+The one tree walker of the package. The worker takes a batch apart (:func:`take_apart`),
+replacing its array leaves with markers; the main process puts it together again
+(:func:`put_together`), replacing the markers with views into a slot. Containers are rebuilt
+the way torch's ``pin_memory`` rebuilds them, so a batch comes back with the types torch
+would give; and a user's constructor, ``update`` or ``__setitem__`` only ever sees the real
+values, in the main process, as in torch, never the markers:
 
-Invariant: leaves are visited in a fixed order (mapping insertion order, positions, dataclass
-field order), the same on both sides of a process boundary.
+- exact ``dict``, ``list`` and ``tuple`` are rebuilt as they are, on both sides;
+- any other container (a namedtuple, a torch structseq such as ``torch.sort``'s result, a
+  dict or list subclass, a user ``Mapping`` or ``Sequence``) becomes a :class:`Node` in the
+  skeleton: its type, or an emptied shallow copy of it (``copy.copy``, then ``clear()``),
+  and its children. The main process makes it as torch's ``pin_memory`` would from the
+  values: ``type(*values)`` for a namedtuple, ``type(values)`` for other tuples, the copy's
+  ``update()`` / ``extend()`` for mutable mappings and sequences, ``type(values)`` for
+  others; where that raises ``TypeError``, a plain ``dict`` or ``list``, as torch falls back;
+- a dataclass instance (torch's ``pin_memory`` leaves them whole) is walked into too: a shallow
+  copy with its fields set past any ``__setattr__`` (no ``__init__`` or ``__post_init__``
+  runs), so that its arrays go through the arena;
+- an object with a ``pin_memory`` attribute (torch calls it, before looking at what the object
+  is: a ``PackedSequence`` too), and any object none of the above applies to, is kept whole:
+  it travels as it is, and the main process hands it to ``kept``.
+
+Streaming collation walks a worker's samples in ``exact`` mode (what torch's ``default_collate``
+walks into): exact ``dict``, ``list``, ``tuple``, and namedtuples whose constructor only stores
+its values (:func:`plain_namedtuple`); anything else is kept whole with what it holds.
+
+Invariants: leaves are visited in a fixed order (mapping insertion order, positions, dataclass
+field order), the same on both sides of a process boundary; :func:`put_together` walks into
+nothing but exact builtins and :class:`Node` records, whatever else the skeleton holds.
 """
 
 from __future__ import annotations
@@ -28,86 +46,194 @@ _ABSENT: Any = object()
 #: Types of values that are never walked into (the most common leaves besides arrays).
 _ATOMS = frozenset({int, float, complex, bool, type(None), str, bytes})
 
+Leaf = Callable[[Any], Any]
 
-def map_leaves(
-    data: Any,
-    leaf: Callable[[Any], Any],
-    exact: bool = False,
-    kept: Callable[[Any], Any] | None = None,
-) -> Any:
-    """Returns ``data`` with every object for which ``leaf(obj)`` is not ``KEEP`` replaced.
 
-    By default mappings, namedtuples, tuples, sequences and dataclass instances (those without
-    a ``pin_memory`` attribute) are rebuilt; numbers, None, strings and bytes are kept, and so
-    is any other object, or, with ``kept``,
-    replaced by ``kept(obj)`` (objects the walk cannot look into). With ``exact``, only exact
-    ``dict``, ``list``, ``tuple`` and namedtuples are walked into (what torch's
-    ``default_collate`` walks into, for streaming collation): anything else is kept whole,
-    with what it holds (``kept`` is not used).
-    """
+class Node:
+    """A container of a type other than exact ``dict``, ``list`` or ``tuple``, taken apart:
+    ``how`` makes it again from ``children`` (made first) in the main process.
+
+    ``kind`` is one of ``"namedtuple"``, ``"tuple"``, ``"mapping"`` (``how`` is the type,
+    ``children`` a dict), ``"mutable_mapping"`` (``how`` an emptied copy, ``children`` a
+    dict), ``"sequence"`` (the type, a list), ``"mutable_sequence"`` (an emptied copy, a list)
+    or ``"dataclass"`` (a copy whose fields are None, ``children`` a dict by field name)."""
+
+    __slots__ = ("kind", "how", "children")
+
+    def __init__(self, kind: str, how: Any, children: Any) -> None:
+        self.kind = kind
+        self.how = how
+        self.children = children
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Node, (self.kind, self.how, self.children))
+
+
+def take_apart(data: Any, leaf: Leaf) -> Any:
+    """The skeleton of ``data``: every object for which ``leaf(obj)`` is not ``KEEP``
+    replaced by what it returns, containers other than exact builtins as :class:`Node`
+    records, objects the walk does not look into as they are."""
     replaced = leaf(data)
     if replaced is not KEEP:
         return replaced
+    kind = type(data)
+    if kind in _ATOMS:
+        return data
+    if kind is dict:
+        return {k: take_apart(v, leaf) for k, v in data.items()}
+    if kind is list:
+        return [take_apart(v, leaf) for v in data]
+    if kind is tuple:
+        return tuple(take_apart(v, leaf) for v in data)
+    if isinstance(data, (str, bytes, bytearray, memoryview)) or hasattr(data, "pin_memory"):
+        return data  # (torch calls pin_memory() before it looks at what the object is)
+    if isinstance(data, tuple):
+        named = "namedtuple" if hasattr(data, "_fields") else "tuple"
+        return Node(named, kind, [take_apart(v, leaf) for v in data])
+    if isinstance(data, collections.abc.Mapping):
+        children = {k: take_apart(v, leaf) for k, v in data.items()}
+        if isinstance(data, collections.abc.MutableMapping):
+            return Node("mutable_mapping", _emptied(data), children)
+        return Node("mapping", kind, children)
+    if isinstance(data, collections.abc.Sequence):
+        values = [take_apart(v, leaf) for v in data]
+        if isinstance(data, collections.abc.MutableSequence):
+            return Node("mutable_sequence", _emptied(data), values)
+        return Node("sequence", kind, values)
+    if hasattr(kind, "__dataclass_fields__"):  # an instance (a dataclass itself is a type)
+        return _dataclass_node(data, leaf)
+    return data
+
+
+def _emptied(data: Any) -> Any:
+    """A shallow copy of mutable container ``data``, emptied (its type and other state kept:
+    a defaultdict's factory, a subclass's attributes); None where it cannot be copied or
+    emptied (the main process then makes a plain dict or list, as torch falls back)."""
+    try:
+        clone = copy.copy(data)
+        clone.clear()
+    except (TypeError, AttributeError, copy.Error):
+        return None
+    return clone if len(clone) == 0 else None
+
+
+def _dataclass_node(data: Any, leaf: Leaf) -> Any:
+    try:
+        clone = copy.copy(data)
+    except (TypeError, copy.Error):
+        return data  # (kept whole, as torch keeps it)
+    children = {}
+    for field in dataclasses.fields(data):
+        value = getattr(data, field.name, _ABSENT)  # (an init=False field may be unset)
+        if value is not _ABSENT:
+            children[field.name] = take_apart(value, leaf)
+            object.__setattr__(clone, field.name, None)  # (frozen and slots dataclasses too)
+    return Node("dataclass", clone, children)
+
+
+def put_together(skeleton: Any, leaf: Leaf, kept: Leaf | None = None) -> Any:
+    """The batch of ``skeleton``: every object for which ``leaf(obj)`` is not ``KEEP``
+    replaced by what it returns, :class:`Node` records made as torch's ``pin_memory`` makes
+    containers, and any other object but exact builtins handed to ``kept`` (if given)."""
+    replaced = leaf(skeleton)
+    if replaced is not KEEP:
+        return replaced
+    kind = type(skeleton)
+    if kind in _ATOMS:
+        return skeleton
+    if kind is dict:
+        return {k: put_together(v, leaf, kept) for k, v in skeleton.items()}
+    if kind is list:
+        return [put_together(v, leaf, kept) for v in skeleton]
+    if kind is tuple:
+        return tuple(put_together(v, leaf, kept) for v in skeleton)
+    if kind is Node:
+        return _made(skeleton, leaf, kept)
+    return skeleton if kept is None else kept(skeleton)
+
+
+def _made(node: Node, leaf: Leaf, kept: Leaf | None) -> Any:
+    kind, how, children = node.kind, node.how, node.children
+    if kind in ("mapping", "mutable_mapping", "dataclass"):
+        if type(children) is not dict:
+            raise TypeError(f"a {kind} node's children are not a dict")
+        items = {k: put_together(v, leaf, kept) for k, v in children.items()}
+        if kind == "dataclass":
+            clone = copy.copy(how)
+            for name, value in items.items():
+                object.__setattr__(clone, name, value)
+            return clone
+        try:
+            if kind == "mapping":
+                return how(items)
+            if how is None:
+                return items
+            how.update(items)
+            return how
+        except TypeError:  # (as torch's pin_memory: a plain dict)
+            return items
+    if type(children) is not list:
+        raise TypeError(f"a {kind} node's children are not a list")
+    values = [put_together(v, leaf, kept) for v in children]
+    if kind == "namedtuple":
+        return how(*values)
+    if kind == "tuple":
+        return how(values)
+    if kind not in ("sequence", "mutable_sequence"):
+        raise TypeError(f"unknown node kind {kind!r}")
+    try:
+        if kind == "sequence":
+            return how(values)
+        if how is None:
+            return values
+        how.extend(values)
+        return how
+    except TypeError:  # (as torch's pin_memory: a plain list)
+        return values
+
+
+def map_leaves(data: Any, leaf: Leaf, exact: bool = False, kept: Leaf | None = None) -> Any:
+    """``data`` with every object for which ``leaf(obj)`` is not ``KEEP`` replaced, in one
+    process: taken apart and put together again (see the module's doc; objects the walk does
+    not look into are kept, or handed to ``kept``). With ``exact``, only exact ``dict``,
+    ``list``, ``tuple`` and plain namedtuples are walked into (what torch's
+    ``default_collate`` walks into, for streaming collation): anything else is kept whole,
+    with what it holds (``kept`` is not used)."""
     if exact:
         return _map_exact(data, leaf)
-    if type(data) in _ATOMS or isinstance(data, (str, bytes, bytearray, memoryview)):
-        return data
-    if isinstance(data, collections.abc.Mapping):
-        items = {k: map_leaves(v, leaf, False, kept) for k, v in data.items()}
-        try:
-            if isinstance(data, collections.abc.MutableMapping):
-                clone = copy.copy(data)
-                clone.update(items)
-                return clone
-            return type(data)(items)  # type: ignore[call-arg]
-        except TypeError:
-            return items
-    if isinstance(data, tuple):
-        if hasattr(data, "_fields"):  # namedtuple
-            return type(data)(*(map_leaves(v, leaf, False, kept) for v in data))
-        return type(data)(map_leaves(v, leaf, False, kept) for v in data)
-    if isinstance(data, collections.abc.Sequence):
-        values = [map_leaves(v, leaf, False, kept) for v in data]
-        try:
-            if isinstance(data, collections.abc.MutableSequence):
-                seq = copy.copy(data)
-                for i, v in enumerate(values):
-                    seq[i] = v
-                return seq
-            return type(data)(values)  # type: ignore[call-arg]
-        except TypeError:
-            return values
-    # A dataclass instance (not a dataclass itself: the attribute is looked up on its type),
-    # unless it has torch's pinning hook: torch calls that, and so does ``kept``.
-    if hasattr(type(data), "__dataclass_fields__") and not hasattr(data, "pin_memory"):
-        clone = _copy_or_none(data)
-        if clone is not None:
-            for field in dataclasses.fields(data):
-                value = getattr(data, field.name, _ABSENT)  # (an init=False field may be unset)
-                if value is not _ABSENT:
-                    # Works on frozen and slots dataclasses alike.
-                    object.__setattr__(clone, field.name, map_leaves(value, leaf, False, kept))
-            return clone
-    return data if kept is None else kept(data)
+    return put_together(take_apart(data, leaf), _unchanged, kept)
 
 
-def _copy_or_none(data: Any) -> Any:
-    """A shallow copy of a dataclass instance, or None if it cannot be copied (then it is
-    kept whole, as before it was walked into)."""
-    try:
-        return copy.copy(data)
-    except (TypeError, copy.Error):
-        return None
+def _unchanged(obj: Any) -> Any:
+    return KEEP
 
 
-def _map_exact(data: Any, leaf: Callable[[Any], Any]) -> Any:
+def plain_namedtuple(kind: type) -> bool:
+    """Whether ``kind`` is a namedtuple whose making only stores its values: its ``__new__``
+    is the one ``collections.namedtuple`` writes (``typing.NamedTuple`` too) and no
+    ``__init__`` of its own looks at them. Such a tuple may be made with markers for values;
+    another (``PackedSequence``, one whose constructor checks its fields) may not."""
+    new = getattr(kind, "__new__", None)
+    made = getattr(new, "__globals__", {}).get("__name__", "")
+    return (
+        hasattr(kind, "_fields")
+        and isinstance(made, str)
+        and made.startswith("namedtuple_")
+        and kind.__init__ is object.__init__
+    )
+
+
+def _map_exact(data: Any, leaf: Leaf) -> Any:
+    replaced = leaf(data)
+    if replaced is not KEEP:
+        return replaced
     kind = type(data)
     if kind is dict:
-        return {key: map_leaves(value, leaf, True) for key, value in data.items()}
+        return {key: _map_exact(value, leaf) for key, value in data.items()}
     if kind is list:
-        return [map_leaves(value, leaf, True) for value in data]
+        return [_map_exact(value, leaf) for value in data]
     if kind is tuple:
-        return tuple(map_leaves(value, leaf, True) for value in data)
-    if isinstance(data, tuple) and hasattr(kind, "_fields"):  # namedtuple
-        return kind(*(map_leaves(value, leaf, True) for value in data))
+        return tuple(_map_exact(value, leaf) for value in data)
+    if isinstance(data, tuple) and plain_namedtuple(kind):
+        return kind(*(_map_exact(value, leaf) for value in data))
     return data
