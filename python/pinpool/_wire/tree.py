@@ -58,7 +58,7 @@ class Node:
     dict), ``"sequence"`` (the type, a list), ``"mutable_sequence"`` (an emptied copy, a list)
     or ``"dataclass"`` (a copy whose fields are None, ``children`` a dict by field name)."""
 
-    __slots__ = ("kind", "how", "children")
+    __slots__ = ("children", "how", "kind")
 
     def __init__(self, kind: str, how: Any, children: Any) -> None:
         self.kind = kind
