@@ -19,7 +19,7 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from . import _accelerate, _cuda_stream, _native
+from . import _accelerate, _cuda_stream, _native, _torch_versions
 from . import trace as trace  # (pinpool.trace: the hook probes read, pure Python)
 from ._errors import (
     BatchTooLarge,
@@ -102,8 +102,8 @@ def __getattr__(name: str) -> Any:
             import torch  # noqa: F401
         except ModuleNotFoundError as exc:
             raise ImportError(
-                f"pinpool.{name} needs PyTorch: pip install 'pinpool[torch]' (the pool "
-                "itself, pinpool.PinPool, works without it)"
+                f"pinpool.{name} needs PyTorch: pip install '{_torch_versions.requirement()}' "
+                "(the pool itself, pinpool.PinPool, works without it)"
             ) from exc
         if name == "DataLoader":
             from .loader import DataLoader

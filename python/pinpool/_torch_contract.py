@@ -31,7 +31,6 @@ Invariants:
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing.context
 import multiprocessing.queues
 import threading
@@ -49,7 +48,6 @@ from torch.utils.data._utils import collate as torch_collate
 __all__ = [
     "COLLATE_ATTRIBUTES",
     "ITERATOR_ATTRIBUTES",
-    "ITERATOR_READABLE",
     "LEADING_PARAMETERS",
     "LOADER_ATTRIBUTES",
     "METHOD_SIGNATURES",
@@ -57,19 +55,15 @@ __all__ = [
     "RERAISE_CODE",
     "MultiProcessingIter",
     "MultiprocessingQueue",
-    "cuda_pin_thread_deferrable",
     "cuda_raw_stream",
     "dataset_kind",
     "default_convert",
     "get_spawning_popen",
     "mp_status_check_interval",
-    "pin_memory_loop",
     "profiler_enabled",
     "python_exit_status",
-    "register_persistent_atexit",
     "remove_worker_pids",
     "serialize_polls",
-    "start_pin_thread",
     "torch_collate",
     "unflatten_dense_tensors",
 ]
@@ -88,34 +82,6 @@ def dataset_kind() -> Any:
     in the worker only), and ``Map``."""
     return torch.utils.data._DatasetKind
 
-
-#: What a user's code may read on torch's iterator (their worker processes, their state) and
-#: reads on pinpool's the same (``_main.loader_iter.LoaderIter`` hands them on to torch's).
-ITERATOR_READABLE = (
-    "_workers",
-    "_num_workers",
-    "_dataset_kind",
-    "_dataset",
-    "_workers_status",
-    "_index_queues",
-    "_worker_result_queue",
-    "_persistent_workers",
-    "_prefetch_factor",
-    "_auto_collation",
-    "_drop_last",
-    "_index_sampler",
-    "_sampler_iter",
-    "_num_yielded",
-    "_pin_memory",
-    "_timeout",
-    "_collate_fn",
-    "_base_seed",
-    "_send_idx",
-    "_rcvd_idx",
-    "_tasks_outstanding",
-    "_task_info",
-    "_in_order",
-)
 
 # torch_collate, imported above (``torch.utils.data._utils.collate``): the workers collate the
 # way ``default_collate`` does with its ``collate(batch, collate_fn_map=...)``,
@@ -202,8 +168,7 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_send_idx": "the number of the next index list, sent to a worker as (number, indices): "
     "every task sent is answered once _rcvd_idx reaches it",
     "_persistent_workers": "persistent workers do not exit at the epoch's end: their shutdown "
-    "is not handed to the ending thread, and the pin thread pinpool starts registers torch's "
-    "atexit for them",
+    "is not handed to the ending thread",
 }
 
 #: The names pinpool reads or overrides on ``torch.utils.data.DataLoader``, and what for.
@@ -235,11 +200,6 @@ LEADING_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 
 # -- torch's other private parts ---------------------------------------------------------------
 
-#: ``_utils.pin_memory._pin_memory_loop(in_queue, out_queue, device_id, done_event, device)``:
-#: the pin thread's loop, which ``_main.workers.WorkersIter`` starts itself, as torch's
-#: ``__init__`` does, once a big batch arrives (see :func:`start_pin_thread`).
-pin_memory_loop: Callable[..., None] = _utils.pin_memory._pin_memory_loop
-
 
 def serialize_polls(process: Any) -> None:
     """Makes the ``poll`` of a multiprocessing ``Process``'s ``_popen`` (what ``join``,
@@ -259,44 +219,6 @@ def serialize_polls(process: Any) -> None:
 
     serialized._pinpool = True  # type: ignore[attr-defined]
     popen.poll = serialized
-
-
-def cuda_pin_thread_deferrable() -> bool:
-    """Whether the pin thread torch's iterator wishes to start would be CUDA's (what
-    ``_main.workers.WorkersIter`` then starts itself, at the first big batch): CUDA is
-    available. On 2.15, torch computes ``_pin_memory_device`` from ``_pin_memory``, as read
-    back: None then, which only its own start of the thread uses."""
-    return bool(torch.cuda.is_available())
-
-
-def start_pin_thread(results: Any, out: Any, done: Any) -> Any:
-    """Starts torch's pin thread on the current CUDA device, reading ``results`` (the workers'
-    result queue) and writing ``out`` until ``done`` is set, as torch's iterator starts it:
-    a daemon thread running :data:`pin_memory_loop`, with the device id and type torch 2.6
-    (``torch.cuda.set_device(device_id)`` for "cuda") and 2.15 (the accelerator's, whatever
-    the type) both take for CUDA. The thread, started."""
-    device_id = torch.cuda.current_device()
-    thread = threading.Thread(
-        target=pin_memory_loop, args=(results, out, device_id, done, "cuda"), daemon=True
-    )
-    thread.start()
-    return thread
-
-
-def register_persistent_atexit(iterator: Any) -> None:
-    """What torch's iterator with persistent workers and a pin thread registers with
-    ``atexit`` (the workers shut down before the interpreter's exit, ahead of the pin thread
-    reading what they left): ``_register_persistent_workers_atexit()`` (2.15) or one
-    ``atexit.register(_MultiProcessingDataLoaderIter._clean_up_worker, w)`` per worker
-    (2.6); nothing where neither exists."""
-    register = getattr(iterator, "_register_persistent_workers_atexit", None)
-    if register is not None:
-        register()
-        return
-    clean_up = getattr(MultiProcessingIter, "_clean_up_worker", None)
-    if clean_up is not None:
-        for w in iterator._workers:
-            atexit.register(clean_up, w)
 
 
 #: The code of ``torch._utils.ExceptionWrapper.reraise`` (None without it): its frame keeps a

@@ -32,7 +32,6 @@ from ._torch_contract import (
     MultiprocessingQueue,
     cuda_raw_stream,
     get_spawning_popen,
-    pin_memory_loop,
     torch_collate,
     unflatten_dense_tensors,
 )
@@ -158,13 +157,6 @@ def _check_others() -> list[str]:
         out.append("torch.utils.data._DatasetKind.create_fetcher is missing or changed")
     if getattr(kind, "Map", None) is None:
         out.append("torch.utils.data._DatasetKind.Map is missing")
-    loop = tuple(inspect.signature(pin_memory_loop).parameters)
-    if loop != ("in_queue", "out_queue", "device_id", "done_event", "device"):
-        out.append(f"torch.utils.data._utils.pin_memory._pin_memory_loop takes {loop}")
-    if not hasattr(MultiProcessingIter, "_register_persistent_workers_atexit") and not hasattr(
-        MultiProcessingIter, "_clean_up_worker"
-    ):
-        out.append(f"{MultiProcessingIter.__name__} registers no clean-up of persistent workers")
     if RERAISE_CODE is None:
         out.append("torch._utils.ExceptionWrapper.reraise is missing")
     if not callable(getattr(torch._C._autograd, "_profiler_enabled", None)):

@@ -21,6 +21,11 @@ NEWEST = (2, 15)
 _warned = False
 
 
+def requirement() -> str:
+    """The pip requirement for a torch in the tested range ("torch>=2.6,<2.16")."""
+    return f"torch>={OLDEST[0]}.{OLDEST[1]},<{NEWEST[0]}.{NEWEST[1] + 1}"
+
+
 def parse(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a torch version string ("2.11.0+cu130" -> (2, 11))."""
     found = re.match(r"(\d+)\.(\d+)", version)

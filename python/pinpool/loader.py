@@ -63,7 +63,7 @@ _T_co = TypeVar("_T_co", covariant=True)
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose batches land in pinned arena slots.
 
-    Takes torch's arguments (``pin_memory`` is implied and ignored), plus pinpool's own,
+    Takes torch's arguments, plus pinpool's own,
     each declared once, with its default, its check and what it does, in
     ``pinpool._main.settings.ARGUMENTS`` (listed below; the user guide's options table says
     more). What they resolve to on this machine is the loader's delivery mode
@@ -73,7 +73,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     A setting given that cannot apply warns once, saying why (``zero_copy=True`` without
     workers, say: ``settings.ignored``), or raises when it contradicts another (sizes given
     with ``pool=``). In the workers, ``get_worker_info().dataset`` is your dataset, as with
-    torch's loader.
+    torch's loader. ``pin_memory`` is True unless given: ``pin_memory=False`` means what it
+    means to torch's loader, batches as torch gives them, unpinned and outside the arena
+    (pinpool's own arguments then do nothing, and ``device=`` is refused).
 
     pinpool's arguments:
 
@@ -123,6 +125,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     ) -> None:
         # pinpool's own arguments, by name, as given (each declared in settings.ARGUMENTS).
         given = settings.given(locals())
+        unpinned = not pin_memory  # torch's loader, as it is: see settings.unpinned
+        if unpinned:
+            zero_copy, stream_samples = False, False
+            settings.check_unpinned(given)
         if isinstance(collate_fn, PinCollate):  # a rebuilt loader handed pinpool's own back
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
@@ -133,7 +139,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         token = uuid.uuid4().hex
         # Without sizes the pool is sized from the first batch: a worker tells that size as
         # soon as it knows it (_wire.pool_hint).
-        hint = PoolHint() if num_workers > 0 and not pool_settings.known else None
+        hint = PoolHint() if num_workers > 0 and not pool_settings.known and pin_memory else None
         shape = settings.Shape(
             iterable=isinstance(dataset, torch.utils.data.IterableDataset),
             num_workers=num_workers,
@@ -160,6 +166,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             and unsupported(dataset, shape.iterable, num_workers, in_order) is None,
             pool_hint=hint,
             desk=receiver.grants.desk if receiver.grants is not None else None,
+            unpinned=unpinned,
         )
         # torch's own attributes say what the caller asked for (loader.collate_fn is theirs,
         # or torch's default): frameworks rebuild a loader from them (see _get_iterator).
@@ -171,7 +178,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             batch_sampler=batch_sampler,
             num_workers=num_workers,
             collate_fn=collate_fn,
-            pin_memory=mode.pin_thread,
+            pin_memory=bool(pin_memory),
+            pin_memory_device=pin_memory_device,
             drop_last=drop_last,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
@@ -204,12 +212,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             auto_collation=shape.auto_collation,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
-            pin_memory_device=pin_memory_device,
             **given,
         ):
             warnings.warn(f"pinpool.DataLoader: {why}", UserWarning, stacklevel=2)
         registry.register(token, receiver)
-        if pool_settings.known:
+        if pool_settings.known and not unpinned:
             receiver.pools.pool_for(0)  # sizes known: make the pool now, so batch 1 has a slot too
         weakref.finalize(self, _signals.finalizing, close_loader, receiver)
 
@@ -275,7 +282,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # workers need (pinpool's collate around the caller's; a worker_init_fn that has the
         # workers stream, and a resumed iterable dataset's workers load their states, before
         # the caller's own runs). The dataset is the caller's.
-        own_collate, own_init = self.collate_fn, self.worker_init_fn
+        # And torch's pin step runs where pinpool's mode has it run (torch's iterator reads
+        # loader.pin_memory): where an accelerator is present; or where torch is to warn about
+        # a pin_memory_device given with pin_memory=True, which it does in its own words.
+        own_collate, own_init, pinned = self.collate_fn, self.worker_init_fn, self.pin_memory
+        torch_pins = self._pin_receiver.mode.pin_thread or bool(self.pin_memory_device)
+        object.__setattr__(self, "pin_memory", bool(pinned) and torch_pins)
         object.__setattr__(self, "collate_fn", self._pin_collate)
         start, self._pin_resume.worker_start = self._pin_resume.worker_start, None
         init = own_init
@@ -292,6 +304,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         finally:
             object.__setattr__(self, "collate_fn", own_collate)
             object.__setattr__(self, "worker_init_fn", own_init)
+            object.__setattr__(self, "pin_memory", pinned)
 
     @property
     def _index_sampler(self) -> Any:

@@ -13,7 +13,6 @@ where torch's succeeds by default:
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
@@ -119,16 +118,45 @@ class Growing(torch.utils.data.Dataset[torch.Tensor]):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_batches_larger_than_the_arena_takes_are_still_delivered(
-    workers: int, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_batches_larger_than_the_arena_takes_are_still_delivered(workers: int) -> None:
+    """... and a warning the user sees by default (not only a logger's record) says so, once
+    per loader, naming the user's own line."""
     loader = pinpool.DataLoader(Growing(), batch_size=1, num_workers=workers)
-    with caplog.at_level(logging.WARNING, logger="pinpool"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()  # (the default filters: what a user's script sees)
         got = [int(b[0, 0]) for b in loader]
     assert got == list(range(8))
     assert loader.stats()["oversize_batches"] == 4
-    said = [r.getMessage() for r in caplog.records if "larger than the largest" in r.getMessage()]
-    assert len(said) == 1 and "max_batch_bytes=40000000" in said[0], said
+    said = [w for w in caught if "larger than the largest" in str(w.message)]
+    assert len(said) == 1 and "max_batch_bytes=40000000" in str(said[0].message), said
+    assert said[0].category is UserWarning and said[0].filename == __file__
+
+
+class Kept(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((64 << 10,), i, dtype=torch.uint8)
+
+
+@pytest.mark.every_mode
+def test_overflow_batches_warn_where_a_user_sees_it(loader_mode: Any) -> None:
+    """Every batch kept (``list(loader)``) in an arena of two: the rest overflow, and one
+    warning says so."""
+    loader = pinpool.DataLoader(
+        Kept(), batch_size=1, num_workers=2, slot_bytes=64 << 10, num_slots=2
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        kept = list(loader)
+    assert [int(b[0, 0]) for b in kept] == list(range(16))
+    overflowed = loader.stats()["overflow_batches"] + loader.stats()["zero_copy_fallbacks"]
+    assert overflowed > 0
+    said = [str(w.message) for w in caught if str(w.message).startswith("pinpool: ")]
+    assert said and len(said) == len(set(said)) <= 2, said  # (once per event and loader)
+    if loader.stats()["zero_copy_fallbacks"] * 4 > 16:
+        assert any("zero-copy fell back" in m for m in said), said
 
 
 def test_oversize_error_raises_and_its_advice_works() -> None:
@@ -181,3 +209,90 @@ def test_stats_count_the_batches_handed_over() -> None:
     rest = list(it)
     stats = loader.stats()
     assert stats["batches"] == 1 + len(rest) == 16 and stats["batches_ahead"] == 0
+
+
+def _ints(samples: list[int]) -> list[int]:
+    """A batch with no tensors: torch's pin step passes it as it is (on any machine)."""
+    return list(samples)
+
+
+def _missing(reference: Any, it: Any, when: str) -> list[str]:
+    """The attributes torch's iterator has that pinpool's does not, at ``when``."""
+    names = [n for n in dir(reference) if not (n.startswith("__") and n.endswith("__"))]
+    return [f"{when}: {n}" for n in names if not hasattr(it, n)]
+
+
+@pytest.mark.every_mode
+@pytest.mark.filterwarnings("ignore:pinpool.DataLoader. zero_copy=True does nothing")
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_iterator_has_every_attribute_torchs_has_at_every_moment(
+    loader_mode: Any, workers: int, persistent: bool
+) -> None:
+    """At construction, mid-epoch, after exhaustion and after shutdown, with persistent
+    workers and without: ``_pin_memory_thread`` from construction wherever torch has it (with
+    a GPU, or ``fake_pin_thread``), ``_shutdown``, ``_worker_pids_set``..."""
+    if persistent and workers == 0:
+        pytest.skip("persistent_workers needs workers")
+    kwargs: dict[str, Any] = {"batch_size": 2, "num_workers": workers, "collate_fn": _ints}
+    kwargs["persistent_workers"] = persistent
+    data = list(range(8))
+    torch_loader = torch.utils.data.DataLoader(data, pin_memory=True, **kwargs)
+    ours = pinpool.DataLoader(data, **kwargs)
+    missing: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch on a machine without an accelerator)
+        reference, it = iter(torch_loader), iter(ours)
+    missing += _missing(reference, it, "constructed")
+    assert hasattr(reference, "_pin_memory_thread") == hasattr(it, "_pin_memory_thread")
+    assert next(reference) == next(it) == [0, 1]
+    missing += _missing(reference, it, "mid-epoch")
+    assert list(reference) == list(it) == [[2, 3], [4, 5], [6, 7]]
+    missing += _missing(reference, it, "exhausted")
+    if workers:
+        reference._shutdown_workers()
+        it._shutdown_workers()
+        assert reference._shutdown and it._shutdown
+        missing += _missing(reference, it, "shut down")
+    assert not missing, missing
+    with pytest.raises(AttributeError):
+        _ = it._no_such_attribute
+
+
+@pytest.mark.every_mode
+@pytest.mark.filterwarnings("ignore:pinpool.DataLoader. zero_copy=True does nothing")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pin_memory_false_gives_torchs_unpinned_batches(loader_mode: Any, workers: int) -> None:
+    data = [{"x": torch.full((1000,), i), "i": i} for i in range(8)]
+    reference = list(torch.utils.data.DataLoader(data, batch_size=2, num_workers=workers))
+    loader = pinpool.DataLoader(data, batch_size=2, num_workers=workers, pin_memory=False)
+    for _epoch in range(2):
+        got = list(loader)
+        assert [b["i"].tolist() for b in got] == [b["i"].tolist() for b in reference]
+        assert all(torch.equal(r["x"], g["x"]) for r, g in zip(reference, got, strict=True))
+        assert not any(b["x"].is_pinned() for b in got)
+    assert loader.pool is None and loader.stats()["batches"] == 0, "batches went to the arena"
+    assert loader.pin_memory is False
+
+
+def test_pin_memory_false_says_what_it_leaves_out_and_refuses_a_device() -> None:
+    data = list(range(8))
+    with pytest.warns(UserWarning, match="copy_threads=2 does nothing with pin_memory=False"):
+        pinpool.DataLoader(data, batch_size=2, pin_memory=False, copy_threads=2)
+    with pytest.raises(ValueError, match="pin_memory=False asks for none"):
+        pinpool.DataLoader(data, batch_size=2, pin_memory=False, device="cuda")
+    assert pinpool.DataLoader(data).pin_memory is True, "pinpool's loader pins unless told not"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pin_memory_device_warns_in_torchs_words(workers: int) -> None:
+    kwargs: dict[str, Any] = {"batch_size": 2, "num_workers": workers}
+    kwargs.update(pin_memory=True, pin_memory_device="cuda")
+    said: dict[str, list[str]] = {}
+    for name, make in (("torch", torch.utils.data.DataLoader), ("pinpool", pinpool.DataLoader)):
+        loader = make(list(range(8)), **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert [int(x) for b in loader for x in b] == list(range(8))
+        said[name] = sorted({str(w.message) for w in caught if "pin_memory" in str(w.message)})
+    assert said["pinpool"] == said["torch"] and said["torch"], said

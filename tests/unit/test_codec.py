@@ -621,3 +621,10 @@ def test_malformed_handle_fields_raise_pinpool_error(live_loader: Any, override:
     make = HandleFactory(live_loader)
     with pytest.raises(PinPoolError):
         make.make(**override).pin_memory()
+
+
+def test_a_corrupt_leaf_is_named_without_contradicting_itself() -> None:
+    with pytest.raises(OutOfBounds, match="holds 16 bytes, not the 20 it says"):
+        _leaves.checked_specs([(0, 20, "torch", "float32", (4,), None)], 1024)
+    with pytest.raises(OutOfBounds, match="ends at byte 1040, past the 1024 bytes"):
+        _leaves.checked_specs([(1024, 16, "torch", "float32", (4,), None)], 1024)

@@ -41,7 +41,6 @@ def _warnings_of(make: Any) -> list[str]:
             "stream_samples=True does nothing with a collate_fn of your own",
         ),
         ({"worker_copy_threads": 2}, "worker_copy_threads=2 does nothing with num_workers=0"),
-        ({"pin_memory_device": "cuda:1"}, "pin_memory_device='cuda:1' does nothing"),
     ],
 )
 def test_a_setting_that_cannot_apply_warns_saying_why(kwargs: dict[str, Any], why: str) -> None:
@@ -85,15 +84,6 @@ def test_settings_that_apply_and_defaults_say_nothing(kwargs: dict[str, Any]) ->
     assert _warnings_of(lambda: pinpool.DataLoader(Indexed(4), batch_size=2, **kwargs)) == []
 
 
-def test_pin_memory_false_where_there_is_an_accelerator_warns(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    said = _warnings_of(lambda: pinpool.DataLoader(Indexed(4), batch_size=2, pin_memory=False))
-    assert len(said) == 1 and "pin_memory=False is not followed" in said[0], said
-    assert _warnings_of(lambda: pinpool.DataLoader(Indexed(4), batch_size=2)) == []
-
-
 def test_zero_copy_with_a_pool_workers_cannot_map_warns() -> None:
     # (A cuda-hostalloc pool needs a GPU: the rule is checked on a stand-in.)
     hostalloc = types.SimpleNamespace(backend="cuda-hostalloc")
@@ -107,7 +97,6 @@ def test_zero_copy_with_a_pool_workers_cannot_map_warns() -> None:
         "stream_samples": None,
         "worker_copy_threads": None,
         "pin_memory": True,
-        "pin_memory_device": "",
     }
     (why,) = settings.ignored(pool=hostalloc, **common)
     assert "backend='cuda-hostalloc' (workers cannot map it)" in why

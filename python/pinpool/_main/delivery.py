@@ -37,7 +37,7 @@ from .._native import Copying, SegmentCache, Sent, Slot
 from .._torch_contract import cuda_raw_stream
 from .._wire import codec, leaves
 from .._wire.handle import BatchHandle
-from . import opaque
+from . import notices
 from .delivery_mode import DeliveryMode
 from .opaque import OpaqueObjects
 from .pieces import Pieces
@@ -419,8 +419,7 @@ def hand_to_consumer(item: Any) -> Any:
             error = None  # (this frame, in its traceback, must not keep it: no cycle)
     if isinstance(item, Pending):
         item = item.wait()
-    if opaque.warnings_due:
-        opaque.give_warnings_due()
+    notices.give_due()
     if t0:
         _trace.span("batch.finish", t0)
     return item

@@ -14,7 +14,6 @@ import dataclasses
 
 import torch
 
-from .._torch_contract import cuda_pin_thread_deferrable
 from .settings import Shape
 
 
@@ -65,14 +64,6 @@ class DeliveryMode:
     def on_device(self) -> bool:
         """Whether batches are delivered on a CUDA device (else as pinned CPU views)."""
         return self.device is not None
-
-    @property
-    def pin_thread_starts_late(self) -> bool:
-        """Whether torch's pin thread, where it is to run, is started by pinpool's iterator
-        at the first big batch rather than by torch's at once (CUDA: until then the
-        consumer's read-ahead takes the batches; ``workers.WorkersIter``; what torch needs for
-        that: ``_torch_contract.cuda_pin_thread_deferrable``)."""
-        return self.pin_thread and cuda_pin_thread_deferrable()
 
 
 def copy_mode(device: torch.device | None) -> DeliveryMode:

@@ -29,6 +29,7 @@ from .._errors import BatchTooLarge, PoolExhausted
 from .._native import PinPool, SegmentCache, cuda_available, room_kept
 from .._wire.codec import LeafSpec
 from .._wire.pool_hint import PoolHint
+from . import notices
 from .grants import LoaderGrants
 from .pieces import Pieces
 from .pool_settings import PoolSettings
@@ -262,14 +263,12 @@ class LazyPool:
         self.oversize_batches += 1
         pinned = self.settings.oversize == "pin" and self.settings.pool_device is not None
         if self.oversize_batches == 1:
-            _log.warning(
-                "a batch of %d bytes is larger than the largest the loader's arena takes (%d): "
-                "it went to %s memory of its own; to keep such batches in the arena, it "
-                "takes %s",
-                need,
-                largest,
-                "pinned" if pinned else "ordinary",
-                self.sizing.setting_to_take(need),
+            notices.queue(
+                f"pinpool: a batch of {need} bytes is larger than the largest the loader's "
+                f"arena takes ({largest}): it went to {'pinned' if pinned else 'ordinary'} "
+                "memory of its own, outside the arena; to keep such batches in the arena, it "
+                f"takes {self.sizing.setting_to_take(need)} (warned once per loader; "
+                "stats()['oversize_batches'] counts them)"
             )
         return torch.empty(need, dtype=torch.uint8, pin_memory=pinned)
 
@@ -277,9 +276,12 @@ class LazyPool:
         """Ordinary memory for a batch that gets no slot (counted, warned about once)."""
         self.overflow_batches += 1
         if self.overflow_batches == 1:
-            _log.warning(
-                "a batch did not get a pinned slot and went into ordinary memory; see "
-                "DataLoader(overflow=..., oversize=..., arena_bytes=..., max_batch_bytes=...)"
+            notices.queue(
+                f"pinpool: a batch of {need} bytes found no free range in the loader's arena "
+                "and went into ordinary memory, outside it (batches alive, and batches taken "
+                "ahead of the consumer, held the rest); see DataLoader(arena_bytes=..., "
+                "overflow=...) (warned once per loader; "
+                "stats()['overflow_batches'] counts them)"
             )
         return torch.empty(need, dtype=torch.uint8)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import _signals, _trace
 from .._errors import PinPoolError
-from .._torch_contract import ITERATOR_READABLE, RERAISE_CODE
+from .._torch_contract import RERAISE_CODE
 from .._wire.handle import WorkerProgress
 from .delivery import hand_to_consumer
 from .grants import TaskTagger
@@ -36,16 +36,21 @@ class LoaderIter:
         self._epoch = epoch  # counts the batches and samples yielded, for state_dict()
         self._ended = False
         loader._pin_receiver.iterator = weakref.ref(inner)
+        self._mark = loader._pin_receiver.fallbacks_mark()
 
     def __iter__(self) -> LoaderIter:
         return self
 
     def __getattr__(self, name: str) -> Any:
-        # What user code reads on torch's iterator (its workers, their state) is torch's
-        # iterator's (``_torch_contract.ITERATOR_READABLE``).
-        if name in ITERATOR_READABLE:
-            return getattr(self.__dict__["_inner"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        # Every attribute of torch's iterator (its workers, their state, its pin thread, its
+        # shutdown flag), at every moment of its life, is read on torch's iterator.
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self.__dict__.get("_inner"))))
 
     def __len__(self) -> int:
         return len(self._inner)  # type: ignore[arg-type]
@@ -57,6 +62,7 @@ class LoaderIter:
         except StopIteration:
             self._epoch.ended = True
             self._end()
+            self._loader._pin_receiver.epoch_ended(self._mark)
             raise
         except BaseException as exc:
             # (torch may have passed a batch as it raised, a worker's exception: it is gone)

@@ -9,32 +9,22 @@ warning names their type, once per type and process (:func:`pinned_by_itself`); 
 per loader and type (:func:`looked_past`), unless they are plain values (:data:`_PLAIN`).
 
 Invariants: warnings are only queued here (this may be torch's pin thread) and given on the
-consumer's thread (``delivery.hand_to_consumer``: :func:`give_warnings_due`), naming the
-first frame outside pinpool and torch.
+consumer's thread (``notices``).
 """
 
 from __future__ import annotations
 
 import enum
-import os
-import sys
 import threading
-import types
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
-#: Where frames of pinpool and of torch come from (a warning names the first frame outside).
-_INSIDE = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-)
+from . import notices
+
 #: Types whose ``pin_memory()`` was warned about in this process.
 _warned: set[type] = set()
-#: Their warnings, not yet given.
-warnings_due: list[str] = []
 _warned_lock = threading.Lock()
 
 
@@ -64,9 +54,7 @@ def pinned_by_itself(kind: type, called: bool) -> None:
         "a pin_memory attribute), a namedtuple, or a dict, list or tuple of tensors (warned "
         "once per type)."
     )
-    with _warned_lock:
-        # Warned by hand_to_consumer(), on the consumer's thread: this may be torch's pin thread.
-        warnings_due.append(message)
+    notices.queue(message)  # (this may be torch's pin thread)
 
 
 #: What a batch may hold that has no arrays: kept whole, without a word.
@@ -83,21 +71,7 @@ def looked_past(kind: type) -> None:
         "it a dataclass, a namedtuple, or a dict, list or tuple of tensors (warned once per "
         "loader and type)."
     )
-    with _warned_lock:
-        warnings_due.append(message)
-
-
-def give_warnings_due() -> None:
-    with _warned_lock:
-        messages = warnings_due[:]
-        warnings_due.clear()
-    for message in messages:
-        # Name the first frame outside pinpool and torch (the loop taking batches), if any.
-        level = 1
-        outside: types.FrameType | None = sys._getframe(0)
-        while outside is not None and outside.f_code.co_filename.startswith(_INSIDE):
-            level, outside = level + 1, outside.f_back
-        warnings.warn(message, UserWarning, stacklevel=level if outside is not None else 1)
+    notices.queue(message)
 
 
 class OpaqueObjects:

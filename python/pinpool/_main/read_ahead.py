@@ -58,35 +58,27 @@ class ReadAhead:
         finally:
             failed = None  # (this frame, in its traceback, must not keep it: no cycle)
 
-    def take_in(self, got: tuple[Any, Any], results: Any, stop_at_big: bool) -> bool:
+    def take_in(self, got: tuple[Any, Any], results: Any) -> None:
         """Keeps ``got``, the item the consumer's thread just got from ``results`` (the
         workers' result queue), and every item waiting behind it, got without waiting; takes
-        each batch ahead, in the order they came, as torch's pin thread would. With
-        ``stop_at_big``, stops at a big batch (``Receiver.big``): it is kept as it came (its
-        segment received), and True returned."""
+        each batch ahead, in the order they came, as torch's pin thread would."""
         while True:
             self.waiting.append(got)  # (kept first: see the module's doc)
-            if self._take_last(stop_at_big):
-                return True
+            self._take_last()
             try:
                 got = results.get(block=False)
             except queue.Empty:
-                return False
+                return
             except Exception as exc:  # (torch's own get raises it, in its turn: see next())
                 self.failed = _without_frames(exc)
-                return False
+                return
 
-    def _take_last(self, stop_at_big: bool) -> bool:
-        """Takes the newest item kept ahead, if it is a batch; True (nothing taken) if it is
-        a big one and ``stop_at_big``."""
+    def _take_last(self) -> None:
+        """Takes the newest item kept ahead, if it is a batch."""
         index, item = self.waiting[-1]
         handle = handle_of(item)
         if handle is None:
-            return False
-        if stop_at_big:
-            self.receiver.receive_now(handle)
-            if self.receiver.big(handle):
-                return True
+            return
         try:
             taken = item.pin_memory()
         except Exception as exc:
@@ -96,7 +88,6 @@ class ReadAhead:
             if isinstance(item, WorkerProgress):
                 taken = WorkerProgress(taken, item.worker, item.state)
         self.waiting[-1] = (index, taken)
-        return False
 
     def drop(self) -> None:
         """Drops what is kept (the iterator is shut down: each may hold a slot)."""

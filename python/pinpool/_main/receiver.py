@@ -38,6 +38,7 @@ from .._stats import LoaderStats
 from .._wire import codec
 from .._wire.handle import ARRIVED, BatchHandle
 from .._wire.pool_hint import PoolHint
+from . import notices
 from .delivery import Delivery, Pending
 from .delivery_mode import DeliveryMode
 from .grants import LoaderGrants
@@ -74,10 +75,8 @@ class Receiver:
         self.deliver = Delivery(mode)
         #: The loader's current torch iterator (a weak reference), set and used by the loader.
         self.iterator: Any = None
-        #: Set once an iterator has met a batch bigger than :data:`CONSUMER_SENDS_UP_TO` where
-        #: there is a device: the loader's later iterators start torch's pin thread at once
-        #: (``workers.WorkersIter``).
-        self.big_batches = False
+        #: Whether the loader warned that zero-copy fell back (:meth:`epoch_ended`).
+        self.fallbacks_warned = False
 
     @property
     def pool(self) -> PinPool | None:
@@ -194,15 +193,6 @@ class Receiver:
         except (TypeError, ValueError, OverflowError):
             return False  # (a corrupt zero-copy handle: refused as it is adopted)
 
-    def big(self, handle: BatchHandle) -> bool:
-        """Whether a batch is bigger than :data:`CONSUMER_SENDS_UP_TO`: one for torch's pin
-        thread to take, ahead of the consumer, where there is a device (its copy, and its
-        send, then overlap the consumer's work). A copy-mode handle is sized once received."""
-        try:
-            return int(handle.nbytes) > CONSUMER_SENDS_UP_TO
-        except (TypeError, ValueError, OverflowError, AttributeError):
-            return False  # (a corrupt handle: refused in its turn)
-
     def take_in_turn(self, handle: BatchHandle) -> Any:
         """The handle's batch, on the consumer's thread and in its turn: taken, and handed
         over to the consumer (``Pending.wait``)."""
@@ -316,6 +306,28 @@ class Receiver:
         self.pools.close_pool()
         if t0:
             _trace.span("loader.close", t0)
+
+    def fallbacks_mark(self) -> tuple[int, int]:
+        """The batches handed over and the zero-copy fallbacks so far (an epoch's start)."""
+        grants = self.grants
+        fell = grants.no_grant + grants.outgrown if grants is not None else 0
+        return self.deliver.handed, fell
+
+    def epoch_ended(self, mark: tuple[int, int]) -> None:
+        """Warns (once per loader) where zero-copy fell back for more than a quarter of the
+        batches handed over since ``mark`` (:meth:`fallbacks_mark`, as the epoch started)."""
+        (handed_now, fell_now), (handed_then, fell_then) = self.fallbacks_mark(), mark
+        handed, fell = handed_now - handed_then, fell_now - fell_then
+        if self.grants is None or self.fallbacks_warned or fell * 4 <= handed:
+            return
+        self.fallbacks_warned = True
+        notices.queue(
+            f"pinpool: zero-copy fell back for {fell} of the epoch's {handed} batches: "
+            "their workers wrote them outside the arena and they were copied in (a batch got "
+            "no slot, or outgrew the one it got); stats()['zero_copy_no_grant'] and "
+            "['zero_copy_outgrown'] say which (warned once per loader)"
+        )
+        notices.give_due()
 
     def stats(self) -> LoaderStats:
         """The pool's counters (once it exists) plus the loader's own."""

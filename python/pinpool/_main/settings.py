@@ -393,14 +393,13 @@ def ignored(
     auto_collation: bool,
     collate_fn: Any,
     pin_memory: bool,
-    pin_memory_device: str,
     **values: Any,
 ) -> list[str]:
     """What the settings given to ``pinpool.DataLoader`` would not do in this loader, each
     with why (empty: every setting given applies): ``values``, pinpool's arguments by name (as
-    their declarations' ``unused`` say), and torch's ``pin_memory`` and ``pin_memory_device``.
-    Defaults are never named: only a value the caller chose (``stream_samples=True``, not the
-    default None, which means "where it applies")."""
+    their declarations' ``unused`` say; with ``pin_memory=False``, each one given). Defaults
+    are never named: only a value the caller chose (``stream_samples=True``, not the default
+    None, which means "where it applies")."""
     shape = Shape(
         iterable=isinstance(dataset, torch.utils.data.IterableDataset),
         num_workers=num_workers,
@@ -410,18 +409,33 @@ def ignored(
     )
     out = []
     for name, value in values.items():
+        if not pin_memory:
+            if not _is_default(name, value):
+                out.append(f"{name}={value!r} does nothing with pin_memory=False{UNPINNED}")
+            continue
         unused = BY_NAME[name].unused
         why = unused(value, shape) if unused is not None else None
         if why is not None:
             out.append(why)
-    if not pin_memory and torch.accelerator.is_available():
-        out.append(
-            "pin_memory=False is not followed: pinpool.DataLoader's batches are always in its "
-            "pinned arena (torch's DataLoader gives unpinned batches)"
-        )
-    if pin_memory_device:
-        out.append(
-            f"pin_memory_device={pin_memory_device!r} does nothing (torch deprecated it): "
-            "batches are pinned for the pool's device, device= or torch's current device"
-        )
     return out
+
+
+#: What ``pin_memory=False`` means (the end of the sentences that say so).
+UNPINNED = (
+    ": batches are torch's own, unpinned and outside the arena, as torch's DataLoader gives them"
+)
+
+
+def check_unpinned(values: Mapping[str, Any]) -> None:
+    """Refuses what contradicts ``pin_memory=False``: a ``device=`` to deliver batches on
+    (from pinned memory)."""
+    if values.get("device") is not None:
+        raise ValueError(
+            f"pinpool.DataLoader: device={values['device']!r} delivers batches on a GPU from "
+            f"pinned memory, and pin_memory=False asks for none{UNPINNED}: drop one of the two"
+        )
+
+
+def _is_default(name: str, value: Any) -> bool:
+    default = BY_NAME[name].default
+    return value is default or (type(value) is type(default) and value == default)

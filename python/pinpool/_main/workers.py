@@ -26,7 +26,6 @@ are ``_main.worker_shutdown``'s (re-exported here, where the loader imports them
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import threading
 import time
@@ -39,10 +38,8 @@ from .._torch_contract import (
     MultiProcessingIter,
     mp_status_check_interval,
     profiler_enabled,
-    register_persistent_atexit,
     remove_worker_pids,
     serialize_polls,
-    start_pin_thread,
 )
 from . import ending
 from .grants import TaskTagger
@@ -67,7 +64,7 @@ WORKERS_LOOKED_AT_S = 0.25
 
 
 class WorkersIter(MultiProcessingIter):
-    """torch's multi-process iterator, with eight changes.
+    """torch's multi-process iterator, with seven changes.
 
     - Without a pin thread, a batch's segment is received (opened through its worker's
       ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as its handle
@@ -75,11 +72,6 @@ class WorkersIter(MultiProcessingIter):
       when the consumer reaches it: by then its worker may have exited (an iterable
       dataset's worker whose data has run out is told to exit at once) or died. And the
       batches waiting behind it are got too and taken ahead (``read_ahead``).
-    - On a CUDA machine, torch's pin thread starts only once a big batch arrives
-      (``Receiver.big``; at once for a loader that has met one): until then the consumer's
-      thread takes the batches from the result queue, as on a machine without a device,
-      which costs less than the pin thread's hand-offs for small batches. torch's
-      ``__init__`` sets ``_pin_memory``, a property here, to what it wishes.
     - Batch indices are written to each worker's pipe by a Rust thread, not by a Python
       feeder thread per worker (``_main.index_queue``).
     - The first batches are dealt out from worker ``first`` on instead of worker 0 (a resumed
@@ -175,45 +167,9 @@ class WorkersIter(MultiProcessingIter):
                 if handle is not None:
                     self._pin_receiver.receive_now(handle)
                 return success, data
-            wanted = self.__dict__.get("_pin_wanted", False)
-            if ahead.take_in(data, self._data_queue, stop_at_big=wanted):
-                self._start_pin_thread()
+            ahead.take_in(data, self._data_queue)
             data = ahead.next()
         return success, data
-
-    @property  # type: ignore[override]
-    def _pin_memory(self) -> bool:
-        """Whether torch's pin thread runs (torch's iterator reads it)."""
-        return bool(self.__dict__.get("_pin_thread_on", False))
-
-    @_pin_memory.setter
-    def _pin_memory(self, wish: bool) -> None:
-        # torch's __init__ sets it to whether it is to start a pin thread: on CUDA, a loader
-        # that has not met a big batch starts without one (see the class's doc).
-        wish = bool(wish)
-        mode = self._pin_receiver.mode
-        defer = wish and mode.pin_thread_starts_late and not self._pin_receiver.big_batches
-        self.__dict__["_pin_wanted"] = defer
-        self.__dict__["_pin_thread_on"] = wish and not defer
-
-    def _start_pin_thread(self) -> None:
-        """Starts torch's pin thread as torch's ``__init__`` would have: from here on it takes
-        the batches from the result queue (the consumer's read-ahead still returns, first, what
-        it got before), and the loader's later iterators start with it."""
-        done = threading.Event()
-        out: queue.Queue[Any] = queue.Queue()
-        try:
-            thread = start_pin_thread(self._worker_result_queue, out, done)
-        except RuntimeError:  # (no thread can start: the consumer's read-ahead goes on)
-            return
-        self._pin_memory_thread_done_event = done
-        self._data_queue = out
-        self._pin_memory_thread = thread
-        self.__dict__["_pin_wanted"] = False
-        self.__dict__["_pin_thread_on"] = True
-        self._pin_receiver.big_batches = True
-        if self._persistent_workers:
-            register_persistent_atexit(self)
 
     def _shutdown_workers(self) -> None:
         # torch's shutdown can leave workers behind: one that outlives SIGTERM and its last
@@ -224,10 +180,21 @@ class WorkersIter(MultiProcessingIter):
         # then the first exception is raised again.
         # (Nothing in a process forked from this one, where a copy of the iterator may be
         # collected: its workers and their done event are this process's.)
+        self._shut_down(wait=True)
+
+    def _shut_down(self, wait: bool) -> None:
         if getattr(self, "_pin_pid", None) != os.getpid():
             return
-        if self.__dict__.get("_pin_ended") is not None or self.__dict__.get("_pin_shut_down"):
-            return  # (begun at the epoch's end: the ending thread finishes it; or done)
+        ended = self.__dict__.get("_pin_ended")
+        if ended is not None:
+            # Begun at the epoch's end: the ending thread finishes it. A caller of torch's
+            # _shutdown_workers finds it done when it returns, as torch's does (not the
+            # collector's finalizer, nor the threads that finish it).
+            if wait and not ending.on_ending_thread() and not self._on_own_pin_thread():
+                ended.wait()
+            return
+        if self.__dict__.get("_pin_shut_down"):
+            return
         if self._ends_naturally():
             self._end_in_background()
             return
@@ -356,7 +323,7 @@ class WorkersIter(MultiProcessingIter):
 
     def __del__(self) -> None:
         try:
-            self._shutdown_workers()
+            self._shut_down(wait=False)
         except BaseException as exc:
             if not _signals.hand_back(exc):
                 raise

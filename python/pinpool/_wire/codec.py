@@ -13,6 +13,7 @@ the slot.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ import torch
 from .. import _native
 from .._torch_contract import torch_collate
 from .._views import PLAIN_TORCH_DTYPE_NAMES
-from .tree import KEEP, take_apart
+from .tree import KEEP, plain_namedtuple, take_apart
 
 #: Every leaf starts on a multiple of this (a cache line; more than any element size).
 ALIGN = 64
@@ -163,8 +164,28 @@ DEFERRING_MAP = _deferring_map()
 
 def default_collate_deferred(samples: Any) -> Any:
     """``torch.utils.data.default_collate``, except that tensor stacks are left as
-    :class:`Stack` so they can be written straight into shared memory."""
+    :class:`Stack` so they can be written straight into shared memory; torch's own where a
+    sample holds a container whose making could look at a :class:`Stack` (see
+    :func:`deferrable`)."""
+    if isinstance(samples, (list, tuple)) and samples and not deferrable(samples[0]):
+        return torch.utils.data.default_collate(samples)
     return torch_collate.collate(samples, collate_fn_map=DEFERRING_MAP)
+
+
+def deferrable(sample: Any) -> bool:
+    """Whether torch's collation of samples like ``sample`` makes no container of a user's
+    type from collated values (a namedtuple whose constructor checks them, a dict subclass
+    whose ``update`` does): exact dicts, lists and tuples, and plain namedtuples
+    (``tree.plain_namedtuple``), of anything else. Where it does, those values must be real
+    tensors, not stacks deferred, nor markers."""
+    kind = type(sample)
+    if kind is dict:
+        return all(deferrable(v) for v in sample.values())
+    if kind in (list, tuple) or (isinstance(sample, tuple) and plain_namedtuple(kind)):
+        return all(deferrable(v) for v in sample)
+    if isinstance(sample, (str, bytes, torch.Tensor, np.ndarray)):
+        return True
+    return not isinstance(sample, (collections.abc.Mapping, collections.abc.Sequence))
 
 
 class Described(NamedTuple):

@@ -78,10 +78,15 @@ def _checked_spec(raw: Any, limit: int) -> LeafSpec:
     # and numpy can hold, even where another dimension is 0.
     if len(shape) > _MAX_DIMS or math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_EXTENT:
         raise OutOfBounds(f"corrupt batch description: shape {shape} is too large")
-    if nbytes != math.prod(shape) * itemsize or offset + nbytes > limit:
+    if nbytes != math.prod(shape) * itemsize:
         raise OutOfBounds(
-            f"corrupt batch description: leaf of {nbytes} bytes at {offset} "
-            f"(shape {shape}) does not fit {limit} bytes"
+            f"corrupt batch description: a leaf of shape {shape} and {itemsize}-byte items "
+            f"holds {math.prod(shape) * itemsize} bytes, not the {nbytes} it says"
+        )
+    if offset + nbytes > limit:
+        raise OutOfBounds(
+            f"corrupt batch description: a leaf of {nbytes} bytes at offset {offset} ends at "
+            f"byte {offset + nbytes}, past the {limit} bytes of the batch"
         )
     return LeafSpec(offset, nbytes, kind, dtype, shape, sub)
 

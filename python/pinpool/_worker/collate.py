@@ -48,6 +48,7 @@ class PinCollate:
         report_state: bool = False,
         pool_hint: PoolHint | None = None,
         desk: tuple[bytes, int] | None = None,
+        unpinned: bool = False,
     ) -> None:
         self.token = token
         self.desk = desk
@@ -59,6 +60,8 @@ class PinCollate:
         self.ring_size = ring_size
         self.keep_worker_memory = keep_worker_memory
         self.worker_copy_threads = worker_copy_threads
+        #: ``pin_memory=False``: the batch goes out as torch's collation makes it.
+        self.unpinned = unpinned
 
     def __call__(self, data: Any) -> Any:
         try:
@@ -87,10 +90,14 @@ class PinCollate:
         count = len(data) if self.auto_collation and isinstance(data, (list, tuple)) else None
         if self.collate_fn is not None:
             batch = self.collate_fn(data)
+        elif self.unpinned and self.auto_collation:
+            batch = torch.utils.data.default_collate(data)
         elif self.auto_collation:
             batch = codec.default_collate_deferred(data)
         else:
             batch = default_convert(data)
+        if self.unpinned:
+            return self._with_state(batch) if in_worker else batch
         if not in_worker:
             return registry.lookup(self.token).encode_local(batch, count)
         p = codec.plan(batch)
@@ -105,14 +112,18 @@ class PinCollate:
             keep_freed_memory(p.nbytes)
         threads = self.worker_copy_threads
         handle = destination.write(self.token, self.ring_size, p, task, self.desk, count, threads)
-        if self.report_state:
-            # The samples are drawn (torch's fetcher draws them all, then collates): the
-            # dataset's state is now the state after this batch.
-            info = torch.utils.data.get_worker_info()
-            assert info is not None
-            dataset: Any = info.dataset
-            return WorkerProgress(handle, info.id, dataset.state_dict())
-        return handle
+        return self._with_state(handle)
+
+    def _with_state(self, batch: Any) -> Any:
+        """What a worker sends for ``batch``: with its dataset's state where it reports it."""
+        if not self.report_state:
+            return batch
+        # The samples are drawn (torch's fetcher draws them all, then collates): the dataset's
+        # state is now the state after this batch.
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        dataset: Any = info.dataset
+        return WorkerProgress(batch, info.id, dataset.state_dict())
 
     def _stream(self, samples: streaming.LazySamples) -> BatchHandle | list[Any]:
         """Makes the samples and collates them as torch's ``default_collate`` would,

@@ -152,8 +152,9 @@ def _region_of(array: Any) -> tuple[tuple[int, ...], int, str, np.dtype[Any] | N
 
 def plan_layout(first: Any, count: int) -> Layout | None:
     """The regions for a batch of ``count`` samples like ``first``; None if it has no big
-    arrays (outside containers that are not walked), so streaming would gain nothing."""
-    if count < 1:
+    arrays (outside containers that are not walked), so streaming would gain nothing, or
+    holds containers whose making must see real tensors (``codec.deferrable``)."""
+    if count < 1 or not codec.deferrable(first):
         return None
     regions: list[_Region] = []
     end = 0

@@ -29,12 +29,20 @@ whole run), :mod:`.report` (table, JSON, plots).
 
 import importlib.util
 
-# What the benchmark needs beyond pinpool itself: say how to get it, not just what is missing.
-_NEEDS = ("torch", "tqdm", "matplotlib")
+from .. import _torch_versions
+
+# What the benchmark needs beyond pinpool itself: say how to get it, not just what is missing
+# (the requirements as pyproject's "bench" extra has them).
+_NEEDS = {
+    "torch": _torch_versions.requirement(),
+    "tqdm": "tqdm>=4.66",
+    "matplotlib": "matplotlib>=3.8",
+}
 _MISSING = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
 if _MISSING:
+    wanted = " ".join(f"'{_NEEDS[name]}'" for name in _MISSING)
     raise ModuleNotFoundError(
-        f"python -m pinpool.bench needs {', '.join(_MISSING)}: pip install 'pinpool[bench]'",
+        f"python -m pinpool.bench needs {', '.join(_MISSING)}: pip install {wanted}",
         name=_MISSING[0],
     )
 
