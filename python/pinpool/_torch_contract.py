@@ -146,10 +146,9 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_workers_done_event": "set before the workers are told to exit",
     "_worker_pids_set": "whether the workers are registered with torch's SIGCHLD handler",
     "_pin_memory": "whether torch's pin thread runs (else batches are received in "
-    "_try_get_data, by the consumer's read-ahead): a property; what torch sets, pin_memory and, "
-    "on 2.6, torch.cuda.is_available(), on 2.15 torch.accelerator.is_available() (False on "
-    "MPS), is the wish: on CUDA the thread starts at the first big batch",
-    "_pin_memory_thread": "the pin thread: set once it is started (torch's shutdown joins it)",
+    "_try_get_data, by the consumer's read-ahead): torch sets it from loader.pin_memory, which "
+    "_get_iterator shows torch as the delivery mode has it",
+    "_pin_memory_thread": "the pin thread, started by torch's __init__ (torch's shutdown joins it)",
     "_pin_memory_thread_done_event": "set by torch's shutdown to stop the pin thread",
     "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots); "
     "without one, the workers' result queue itself",

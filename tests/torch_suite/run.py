@@ -1,9 +1,10 @@
 """Runs a copy of torch's own ``test/test_dataloader.py`` twice in one sitting, with torch's
 DataLoader and with ``pinpool.DataLoader`` swapped in (``sitecustomize.py`` beside this file),
-and lists every test whose outcome differs. torch's file is torch's code and stays outside
-the repository: bring a copy of the torch version at hand.
+and lists every test whose outcome differs. torch's file is torch's code and stays outside the
+repository: bring a copy of the torch version at hand. It needs ``expecttest`` and ``psutil``
+(torch's own test dependencies) beside pytest.
 
-    python tests/torch_suite/run.py PATH/test_dataloader.py OUTDIR [pytest arguments...]
+    python tests/torch_suite/run.py PATH/test_dataloader.py OUTDIR [--sequential] [pytest args]
 
 Writes ``OUTDIR/{torch,pinpool}.xml`` (JUnit) and ``OUTDIR/{torch,pinpool}.log``; prints each
 loader's counts and the tests that differ; exits 1 if any does."""
@@ -29,15 +30,15 @@ def outcomes(xml: Path) -> dict[str, str]:
     return found
 
 
-def run(loader: str, test_file: Path, out: Path, extra: list[str]) -> dict[str, str]:
+def start(loader: str, test_file: Path, out: Path, extra: list[str]) -> subprocess.Popen[bytes]:
+    """pytest over ``test_file`` with ``loader``'s DataLoader, started."""
     env = dict(os.environ, PINPOOL_TORCH_SUITE=loader)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-    xml = out / f"{loader}.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)]
-    command += [f"--junitxml={xml}", *extra]
+    command += ["-c", os.devnull, "--rootdir", str(test_file.parent)]  # (no project settings)
+    command += [f"--junitxml={out / f'{loader}.xml'}", *extra]
     with open(out / f"{loader}.log", "w") as log:
-        subprocess.run(command, env=env, cwd=test_file.parent, stdout=log, stderr=log, check=False)
-    return outcomes(xml)
+        return subprocess.Popen(command, env=env, cwd=test_file.parent, stdout=log, stderr=log)
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +47,18 @@ def main(argv: list[str]) -> int:
         return 2
     test_file, out = Path(argv[0]).resolve(), Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    results = {loader: run(loader, test_file, out, argv[2:]) for loader in ("torch", "pinpool")}
+    # Both at once, on the same machine in the same sitting (with --sequential, one after the
+    # other: a machine of few cores).
+    extra = [a for a in argv[2:] if a != "--sequential"]
+    running = {}
+    for loader in ("torch", "pinpool"):
+        running[loader] = start(loader, test_file, out, extra)
+        if "--sequential" in argv:
+            running[loader].wait()
+    results = {}
+    for loader, proc in running.items():
+        proc.wait()
+        results[loader] = outcomes(out / f"{loader}.xml")
     for loader, found in results.items():
         kinds = ("passed", "failed", "error", "skipped")
         print(loader, " ".join(f"{list(found.values()).count(k)} {k}" for k in kinds))
