@@ -20,13 +20,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+#: JUnit's element for each outcome but passing, in the order they are looked for.
+_OUTCOMES = (("failure", "failed"), ("error", "error"), ("skipped", "skipped"))
+
+
 def outcomes(xml: Path) -> dict[str, str]:
     """Each test case's outcome in a JUnit file: passed, failed, error or skipped."""
     found: dict[str, str] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         tags = {child.tag for child in case}
-        found[name] = next((t for t in ("failure", "error", "skipped") if t in tags), "passed")
+        found[name] = next((o for t, o in _OUTCOMES if t in tags), "passed")
     return found
 
 
