@@ -156,11 +156,14 @@ def close_index_queues(it: Any) -> None:
 def shut_down(inner: Any) -> None:
     """Shuts a torch iterator's workers down and drops the batches it still holds (its pin
     thread took them ahead, or they arrived out of order): each may hold a slot."""
+    # (pinpool's own shutdown leaves one the ending thread has begun to it: only a caller of
+    # torch's _shutdown_workers waits for that, as torch's own does the work before it returns)
+    own = getattr(inner, "_shut_down", None)
     shutdown = getattr(inner, "_shutdown_workers", None)
     if shutdown is None:
         return
     try:
-        shutdown()
+        own(wait=False) if own is not None else shutdown()
     finally:
         drop_held(inner)
 
