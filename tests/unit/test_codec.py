@@ -628,3 +628,17 @@ def test_a_corrupt_leaf_is_named_without_contradicting_itself() -> None:
         _leaves.checked_specs([(0, 20, "torch", "float32", (4,), None)], 1024)
     with pytest.raises(OutOfBounds, match="ends at byte 1040, past the 1024 bytes"):
         _leaves.checked_specs([(1024, 16, "torch", "float32", (4,), None)], 1024)
+
+
+def test_a_corrupt_node_is_refused() -> None:
+    for node in (
+        Node("bogus", list, []),
+        Node("namedtuple", Pair, [1, 2, 3]),
+        Node("namedtuple", "not a type", [1, 2]),
+        Node("mapping", dict, [1]),
+        Node("mutable_mapping", object(), {"a": 1}),
+        Node("mutable_sequence", 7, [1]),
+    ):
+        with pytest.raises(OutOfBounds, match="corrupt batch description"):
+            _leaves.rebuild([node], [])
+    assert _leaves.rebuild([Node("namedtuple", Pair, [1, 2])], []) == [Pair(1, 2)]

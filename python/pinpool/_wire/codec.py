@@ -13,6 +13,7 @@ the slot.
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import math
 from dataclasses import dataclass
@@ -175,11 +176,12 @@ def default_collate_deferred(samples: Any) -> Any:
 def deferrable(sample: Any) -> bool:
     """Whether torch's collation of samples like ``sample`` makes no container of a user's
     type from collated values (a namedtuple whose constructor checks them, a dict subclass
-    whose ``update`` does): exact dicts, lists and tuples, and plain namedtuples
-    (``tree.plain_namedtuple``), of anything else. Where it does, those values must be real
+    whose ``update`` does): exact dicts (and the standard library's ``OrderedDict`` and
+    ``defaultdict``), lists and tuples, and plain namedtuples (``tree.plain_namedtuple``), of
+    anything else. Where it does, those values must be real
     tensors, not stacks deferred, nor markers."""
     kind = type(sample)
-    if kind is dict:
+    if kind in (dict, collections.OrderedDict, collections.defaultdict):  # (update looks at none)
         return all(deferrable(v) for v in sample.values())
     if kind in (list, tuple) or (isinstance(sample, tuple) and plain_namedtuple(kind)):
         return all(deferrable(v) for v in sample)

@@ -39,6 +39,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import OutOfBounds
+
 #: Returned by a leaf function to say "not a leaf: recurse or keep as is".
 KEEP: Any = object()
 
@@ -92,14 +94,16 @@ def take_apart(data: Any, leaf: Leaf) -> Any:
         return Node(named, kind, [take_apart(v, leaf) for v in data])
     if isinstance(data, collections.abc.Mapping):
         children = {k: take_apart(v, leaf) for k, v in data.items()}
-        if isinstance(data, collections.abc.MutableMapping):
-            return Node("mutable_mapping", _emptied(data), children)
-        return Node("mapping", kind, children)
+        if not isinstance(data, collections.abc.MutableMapping):
+            return Node("mapping", kind, children)
+        emptied = _emptied(data)
+        return data if emptied is _ABSENT else Node("mutable_mapping", emptied, children)
     if isinstance(data, collections.abc.Sequence):
         values = [take_apart(v, leaf) for v in data]
-        if isinstance(data, collections.abc.MutableSequence):
-            return Node("mutable_sequence", _emptied(data), values)
-        return Node("sequence", kind, values)
+        if not isinstance(data, collections.abc.MutableSequence):
+            return Node("sequence", kind, values)
+        emptied = _emptied(data)
+        return data if emptied is _ABSENT else Node("mutable_sequence", emptied, values)
     if hasattr(kind, "__dataclass_fields__"):  # an instance (a dataclass itself is a type)
         return _dataclass_node(data, leaf)
     return data
@@ -107,20 +111,26 @@ def take_apart(data: Any, leaf: Leaf) -> Any:
 
 def _emptied(data: Any) -> Any:
     """A shallow copy of mutable container ``data``, emptied (its type and other state kept:
-    a defaultdict's factory, a subclass's attributes); None where it cannot be copied or
-    emptied (the main process then makes a plain dict or list, as torch falls back)."""
+    a defaultdict's factory, a subclass's attributes); None where copying raises
+    ``TypeError`` (the main process then makes a plain dict or list, as torch falls back);
+    ``_ABSENT`` where copying or emptying it fails otherwise (it is kept whole)."""
     try:
         clone = copy.copy(data)
-        clone.clear()
-    except (TypeError, AttributeError, copy.Error):
+    except (TypeError, copy.Error):
         return None
-    return clone if len(clone) == 0 else None
+    except Exception:
+        return _ABSENT
+    try:
+        clone.clear()
+    except Exception:
+        return _ABSENT
+    return clone if len(clone) == 0 else _ABSENT
 
 
 def _dataclass_node(data: Any, leaf: Leaf) -> Any:
     try:
         clone = copy.copy(data)
-    except (TypeError, copy.Error):
+    except Exception:  # (a field unset, a __reduce__ of its own that fails...)
         return data  # (kept whole, as torch keeps it)
     children = {}
     for field in dataclasses.fields(data):
@@ -154,9 +164,11 @@ def put_together(skeleton: Any, leaf: Leaf, kept: Leaf | None = None) -> Any:
 
 def _made(node: Node, leaf: Leaf, kept: Leaf | None) -> Any:
     kind, how, children = node.kind, node.how, node.children
-    if kind in ("mapping", "mutable_mapping", "dataclass"):
-        if type(children) is not dict:
-            raise TypeError(f"a {kind} node's children are not a dict")
+    if kind not in _KINDS or type(children) is not _KINDS[kind]:
+        raise OutOfBounds(f"corrupt batch description: a {kind!r} node of {type(children)}")
+    if kind in ("namedtuple", "tuple", "mapping", "sequence") and not isinstance(how, type):
+        raise OutOfBounds(f"corrupt batch description: a {kind} node of {type(how)}")
+    if type(children) is dict:
         items = {k: put_together(v, leaf, kept) for k, v in children.items()}
         if kind == "dataclass":
             clone = copy.copy(how)
@@ -172,15 +184,17 @@ def _made(node: Node, leaf: Leaf, kept: Leaf | None) -> Any:
             return how
         except TypeError:  # (as torch's pin_memory: a plain dict)
             return items
-    if type(children) is not list:
-        raise TypeError(f"a {kind} node's children are not a list")
+        except AttributeError as exc:
+            raise OutOfBounds(f"corrupt batch description: {exc}") from None
     values = [put_together(v, leaf, kept) for v in children]
-    if kind == "namedtuple":
-        return how(*values)
-    if kind == "tuple":
-        return how(values)
-    if kind not in ("sequence", "mutable_sequence"):
-        raise TypeError(f"unknown node kind {kind!r}")
+    if kind in ("namedtuple", "tuple"):
+        # (the worker made one of these from these values: only a corrupt node fails here)
+        try:
+            return how(*values) if kind == "namedtuple" else how(values)
+        except TypeError as exc:
+            raise OutOfBounds(
+                f"corrupt batch description: a {how.__qualname__} of {len(values)} values ({exc})"
+            ) from None
     try:
         if kind == "sequence":
             return how(values)
@@ -190,6 +204,20 @@ def _made(node: Node, leaf: Leaf, kept: Leaf | None) -> Any:
         return how
     except TypeError:  # (as torch's pin_memory: a plain list)
         return values
+    except AttributeError as exc:
+        raise OutOfBounds(f"corrupt batch description: {exc}") from None
+
+
+#: Each node kind, and the type of its children.
+_KINDS: dict[str, type] = {
+    "namedtuple": list,
+    "tuple": list,
+    "sequence": list,
+    "mutable_sequence": list,
+    "mapping": dict,
+    "mutable_mapping": dict,
+    "dataclass": dict,
+}
 
 
 def map_leaves(data: Any, leaf: Leaf, exact: bool = False, kept: Leaf | None = None) -> Any:
