@@ -75,6 +75,10 @@ fn only_the_consumers_next_batch_may_take_the_room_kept_for_it() {
     let pool = Pool::new(&config).unwrap();
     let g = grants(&pool);
     assert_eq!(room_kept(2 * PAGE, 8 * PAGE, 8 * PAGE), 3 * PAGE);
+    // Room for fewer than two batches: one whole batch is kept, so nothing is taken ahead.
+    assert_eq!(room_kept(2 * PAGE, 2 * PAGE, 2 * PAGE), 2 * PAGE);
+    assert_eq!(room_kept(2 * PAGE, 3 * PAGE, 3 * PAGE), 2 * PAGE);
+    assert_eq!(room_kept(2 * PAGE, 5 * PAGE, PAGE), PAGE, "never more than a part");
     let a = g.issue(&ask(0, 1, 2 * PAGE)).unwrap();
     let b = g.issue(&ask(1, 2, 2 * PAGE)).unwrap();
     assert!(g.issue(&ask(2, 3, 2 * PAGE)).is_none(), "task 3 would eat the kept room");

@@ -134,9 +134,6 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "there is no pin thread; returns (success, (index, batch))",
     "_shutdown_workers": "overridden and called: pinpool completes what torch's shutdown "
     "left, and shuts an iterator down when its epoch ends",
-    "_process_data": "overridden (its arguments passed on as they come: torch 2.6 and 2.15 "
-    "differ): called as each batch is yielded, once _rcvd_idx counts it; zero-copy grants "
-    "then learn the task the consumer waits for next",
     # attributes torch sets on the iterator
     "_index_queues": "each worker's multiprocessing queue of indices: written directly, "
     "sent the exit message and closed after shutdown",
@@ -193,9 +190,7 @@ METHOD_SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 )
 
 #: Those whose leading parameters are all pinpool relies on (the rest is passed on as it comes).
-LEADING_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
-    (MultiProcessingIter, "_process_data", ("self", "data")),
-)
+LEADING_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = ()
 
 # -- torch's other private parts ---------------------------------------------------------------
 

@@ -56,14 +56,16 @@ pub enum Claim {
 /// grant for a batch other than the one the consumer waits for) leaves free in one range, so
 /// that the consumer's next batch finds room whatever was taken ahead of it: the largest batch
 /// seen (`largest_seen` bytes) and half as much again (the next may be larger, and by the time
-/// it asks, batches after it may hold the rest), in whole pages; at most all of the arena (`arena` bytes) but
-/// one such batch, and at most one of its parts (`part` bytes: no range is longer, so more could
-/// never be kept and every claim ahead would fail).
+/// it asks, batches after it may hold the rest), in whole pages; at most all of the arena
+/// (`arena` bytes) but one such batch, yet never less than one such batch (an arena with room
+/// for fewer than two takes nothing ahead: what is taken ahead would hold the room of the batch
+/// the consumer waits for); and at most one of the arena's parts (`part` bytes: no range is
+/// longer, so more could never be kept and every claim ahead would fail).
 pub fn room_kept(largest_seen: usize, arena: usize, part: usize) -> usize {
     let page = crate::memory::shm::page_size();
-    let room = largest_seen.saturating_add(largest_seen / 2);
-    let room = room.checked_next_multiple_of(page).unwrap_or(usize::MAX);
-    room.min(arena.saturating_sub(largest_seen)).min(part)
+    let pages = |bytes: usize| bytes.checked_next_multiple_of(page).unwrap_or(usize::MAX);
+    let room = pages(largest_seen.saturating_add(largest_seen / 2));
+    room.min(arena.saturating_sub(largest_seen)).max(pages(largest_seen)).min(part)
 }
 
 impl Pool {

@@ -37,6 +37,12 @@ class LoaderIter:
         self._ended = False
         loader._pin_receiver.iterator = weakref.ref(inner)
         self._mark = loader._pin_receiver.fallbacks_mark()
+        sampler = getattr(inner, "_index_sampler", None)
+        #: Zero-copy: told, once each batch is handed over (in the arena, taken in its turn),
+        #: the task the consumer waits for next: the one whose worker may take the room kept
+        #: for it. Not sooner: a later batch's worker would take the room this batch, still in
+        #: its worker's segment, waits for.
+        self._head = sampler if type(sampler) is TaskTagger else None
 
     def __iter__(self) -> LoaderIter:
         return self
@@ -77,6 +83,8 @@ class LoaderIter:
             batch = hand_to_consumer(item)
         finally:
             self._epoch.took(_taken(self._inner), raised=False)
+        if self._head is not None:
+            self._head.set_head(self._inner._rcvd_idx)
         if t0:
             _trace.span("loader.next", t0)
         return batch

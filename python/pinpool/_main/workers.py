@@ -42,7 +42,6 @@ from .._torch_contract import (
     serialize_polls,
 )
 from . import ending
-from .grants import TaskTagger
 from .index_queue import write_directly
 from .read_ahead import ReadAhead, handle_of
 from .worker_shutdown import (
@@ -64,7 +63,7 @@ WORKERS_LOOKED_AT_S = 0.25
 
 
 class WorkersIter(MultiProcessingIter):
-    """torch's multi-process iterator, with seven changes.
+    """torch's multi-process iterator, with six changes.
 
     - Without a pin thread, a batch's segment is received (opened through its worker's
       ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as its handle
@@ -79,8 +78,6 @@ class WorkersIter(MultiProcessingIter):
       workers in turn from ``_worker_queue_idx_cycle``, made afresh as each epoch starts: the
       first one made is turned on to ``first``.
     - ``__next__`` opens no profiler range around each batch when no profiler is recording.
-    - Zero-copy: as each batch is yielded, the grants learn which task the consumer waits
-      for next (``_process_data``): the one whose worker may take the room kept for it.
     - A consumer waiting for a batch looks at the workers' states every
       :data:`WORKERS_LOOKED_AT_S`, not every 5 s (see ``_try_get_data``).
     """
@@ -135,13 +132,6 @@ class WorkersIter(MultiProcessingIter):
         data = self._next_data()
         self._num_yielded += 1
         return data
-
-    def _process_data(self, data: Any, *args: Any) -> Any:
-        # torch has counted the batch as received: the consumer waits for _rcvd_idx next.
-        sampler = self._index_sampler
-        if type(sampler) is TaskTagger:
-            sampler.set_head(self._rcvd_idx)
-        return super()._process_data(data, *args)
 
     def _try_get_data(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         # torch looks at its workers' states whenever a wait for data ends empty-handed, and
