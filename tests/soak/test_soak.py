@@ -20,6 +20,7 @@ with the device modes on a GPU machine.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -196,3 +197,98 @@ def _wait_until_back(pool: Any) -> None:
         gc.collect()
     assert s["slots_checked_out"] == 0 and s["bytes_checked_out"] == 0, s
     assert s["bytes_free"] + s["bytes_fenced"] + s["bytes_preparing"] == s["arena_bytes"], s
+
+
+class Fixed(torch.utils.data.Dataset[torch.Tensor]):
+    """Item ``i``: ``nbytes`` bytes of ``i % 251``."""
+
+    def __init__(self, n: int, nbytes: int) -> None:
+        self.n, self.nbytes = n, nbytes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((self.nbytes,), i % 251, dtype=torch.uint8)
+
+
+#: (room in the arena, in batches; overflow=; zero_copy; pin thread): each with 1, 2, 4 or 8
+#: workers in turn.
+TIGHT = [
+    (room, overflow, zero_copy, pin)
+    for room in (1.0, 1.5, 2.0)
+    for overflow in ("wait", "copy")
+    for zero_copy in (False, True)
+    for pin in (False, True)
+]
+
+
+@pytest.mark.filterwarnings("ignore:pinpool. zero-copy fell back:UserWarning")
+@pytest.mark.parametrize(
+    ("room", "overflow", "zero_copy", "pin", "workers"),
+    [(*case, (1, 2, 4, 8)[i % 4]) for i, case in enumerate(TIGHT)],
+    ids=[f"room{r}-{o}-{'zc' if z else 'copy'}{'+pin' if p else ''}" for r, o, z, p in TIGHT],
+)
+def test_an_arena_with_room_for_one_batch_delivers_every_batch(
+    room: float,
+    overflow: str,
+    zero_copy: bool,
+    pin: bool,
+    workers: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The awaited batch comes first: room the loader holds for itself (batches taken ahead or
+    granted ahead of the one the consumer waits for) never keeps it waiting, however little
+    room there is. A consumer that keeps nothing gets every batch, in the arena, at once."""
+    if pin:
+        fake_pin_thread(monkeypatch)
+    batch = 256 << 10
+    loader = pinpool.DataLoader(
+        Fixed(24, batch),
+        batch_size=1,
+        num_workers=workers,
+        zero_copy=zero_copy,
+        arena_bytes=_pages(int(room * batch)),
+        max_batch_bytes=batch,
+        overflow=overflow,
+        slot_timeout=10,
+    )
+    slowest = 0.0
+    it = iter(loader)
+    for i in range(24):
+        t0 = time.perf_counter()
+        got = next(it)
+        if i >= workers:
+            slowest = max(slowest, time.perf_counter() - t0)
+        assert int(got[0, 0]) == i and in_pool(loader.pool, got), i
+        del got
+    assert next(it, None) is None
+    assert slowest <= NEXT_AT_MOST_S, slowest
+    assert loader.stats()["overflow_batches"] == 0, loader.stats()
+    del it, loader
+    ending.wait_all(timeout=30)
+
+
+@pytest.mark.parametrize(("zero_copy", "pin"), [(False, False), (True, False), (True, True)])
+def test_a_consumer_keeping_its_last_batches_finds_room_in_the_default_arena(
+    zero_copy: bool, pin: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamic padding (lognormal lengths, batches of about 1 to 8 MB), 8 workers, the consumer
+    keeping its last 4 batches, at most half the default arena: no batch in ordinary memory."""
+    if pin:
+        fake_pin_thread(monkeypatch)
+    case = dataclasses.replace(
+        _needed()[0], sizes="lognormal", zero_copy=zero_copy, batches=40, median=3 << 20
+    )
+    dataset, collate = dataset_of(case)
+    loader = pinpool.DataLoader(
+        dataset, batch_size=case.batch_size, num_workers=8, collate_fn=collate, zero_copy=zero_copy
+    )
+    held: list[Any] = []
+    for batch in loader:
+        held = [*held[-3:], batch]
+        assert sum(_bytes(b) for b in held) <= loader.pool.arena_bytes // 2
+    assert loader.stats()["overflow_batches"] == 0, loader.stats()
+    held.clear()
+    del loader
+    ending.wait_all(timeout=30)
