@@ -296,3 +296,22 @@ def test_pin_memory_device_warns_in_torchs_words(workers: int) -> None:
             assert [int(x) for b in loader for x in b] == list(range(8))
         said[name] = sorted({str(w.message) for w in caught if "pin_memory" in str(w.message)})
     assert said["pinpool"] == said["torch"] and said["torch"], said
+
+
+def test_an_exhausted_arena_says_who_holds_its_room() -> None:
+    """The batches the user holds are counted apart from the room the loader holds."""
+    loader = pinpool.DataLoader(
+        Kept(),
+        batch_size=1,
+        num_workers=2,
+        slot_bytes=64 << 10,
+        num_slots=2,
+        overflow="wait",
+        slot_timeout=0.5,
+    )
+    kept = []
+    with pytest.raises(pinpool.PoolExhausted) as info:
+        for batch in loader:
+            kept.append(batch)
+    said = str(info.value)
+    assert len(kept) == 2 and "2 batches you hold and 0 the loader holds" in said, said

@@ -65,6 +65,11 @@ class LoaderGrants:
         return self._grants.hinted
 
     @property
+    def outstanding(self) -> int:
+        """Slots granted to workers and not yet adopted, given back or dropped."""
+        return int(self._grants.outstanding)
+
+    @property
     def no_grant(self) -> int:
         """Requests that got no slot (their batches came through copy mode)."""
         return self._grants.fallbacks

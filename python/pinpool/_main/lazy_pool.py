@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,6 +80,9 @@ class LazyPool:
         self.split_batches = 0
         #: Batches larger than the arena takes, given memory of their own.
         self.oversize_batches = 0
+        #: How many batches the loader holds in slots ahead of the consumer (taken ahead, not
+        #: yet handed over): set by the receiver, which knows.
+        self.batches_ahead: Callable[[], int] = lambda: 0
 
     # -- making the pool ----------------------------------------------------------------------
 
@@ -231,9 +235,9 @@ class LazyPool:
             )
         except PoolExhausted:
             raise PoolExhausted(
-                f"no room for a batch of {need} bytes after {timeout} s: the "
-                f"arena ({pool.arena_bytes} bytes) is held by batches that are still alive; "
-                "keep fewer batches, or pass arena_bytes= to pinpool.DataLoader"
+                f"no room for a batch of {need} bytes after {timeout} s in the loader's arena "
+                f"({pool.arena_bytes} bytes): {self.who_holds(pool)}; keep fewer batches, or "
+                "pass arena_bytes= to pinpool.DataLoader"
             ) from None
         if t0:
             _trace.span("slot.claim", t0, nbytes=need, ahead=ahead, got=_claimed(got))
@@ -248,8 +252,22 @@ class LazyPool:
             if pieces is not None:
                 self.split_batches += 1
                 return pieces
-            return self.overflow_buffer(need)
+            return self.overflow_buffer(need, pool)
         return got
+
+    def who_holds(self, pool: PinPool) -> str:
+        """Who holds the arena's room now: the batches the consumer holds, apart from those the
+        loader holds (taken ahead of the consumer, granted to workers) and fenced slots."""
+        s = pool.stats()
+        ahead = self.batches_ahead()
+        granted = self.grants.outstanding if self.grants is not None else 0
+        yours = max(0, s["slots_checked_out"] - ahead - granted)
+        return (
+            f"{yours} batches you hold and {ahead + granted} the loader holds ({ahead} taken "
+            f"ahead of you, {granted} granted to workers) have {s['bytes_checked_out']} bytes "
+            f"checked out, {s['bytes_fenced']} wait for their fences, {s['largest_free']} are "
+            "free in one range"
+        )
 
     def seen(self, need: int) -> None:
         """A batch of ``need`` bytes arrived."""
@@ -272,15 +290,14 @@ class LazyPool:
             )
         return torch.empty(need, dtype=torch.uint8, pin_memory=pinned)
 
-    def overflow_buffer(self, need: int) -> torch.Tensor:
+    def overflow_buffer(self, need: int, pool: PinPool) -> torch.Tensor:
         """Ordinary memory for a batch that gets no slot (counted, warned about once)."""
         self.overflow_batches += 1
         if self.overflow_batches == 1:
             notices.queue(
                 f"pinpool: a batch of {need} bytes found no free range in the loader's arena "
-                "and went into ordinary memory, outside it (batches alive, and batches taken "
-                "ahead of the consumer, held the rest); see DataLoader(arena_bytes=..., "
-                "overflow=...) (warned once per loader; "
+                f"and went into ordinary memory, outside it ({self.who_holds(pool)}); see "
+                "DataLoader(arena_bytes=..., overflow=...) (warned once per loader; "
                 "stats()['overflow_batches'] counts them)"
             )
         return torch.empty(need, dtype=torch.uint8)
