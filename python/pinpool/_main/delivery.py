@@ -176,6 +176,10 @@ class Delivery:
         self.opaque = OpaqueObjects(device is not None)
         self.pin_opaque = self.opaque.pin
 
+    def taken_ahead(self) -> int:
+        """Batches taken ahead of the consumer and not yet handed over."""
+        return self.batches - self.handed
+
     def __call__(
         self,
         tree: Any,

@@ -73,7 +73,7 @@ class Receiver:
         self.pools = LazyPool(settings, pool_hint, self.grants)
         self.intake = Intake(self.pools, self.grants)
         self.deliver = Delivery(mode)
-        self.pools.batches_ahead = lambda: self.deliver.batches - self.deliver.handed
+        self.pools.batches_ahead = self.deliver.taken_ahead  # (no cycle: the delivery's own)
         #: The loader's current torch iterator (a weak reference), set and used by the loader.
         self.iterator: Any = None
         #: Whether the loader warned that zero-copy fell back (:meth:`epoch_ended`).
