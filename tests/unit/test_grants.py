@@ -155,6 +155,7 @@ class NoBatchWaitsOnTheOnesBehindIt(RuleBasedStateMachine):
         self.head = 0
         self.largest = 0
         self.out: dict[int, Any] = {}  # task -> grant, not adopted
+        self.kept: dict[int, int] = {}  # task -> the room kept when it was granted ahead
         self.held: list[Any] = []  # slots the consumer holds
 
     def teardown(self) -> None:
@@ -165,7 +166,9 @@ class NoBatchWaitsOnTheOnesBehindIt(RuleBasedStateMachine):
 
     def _ask(self, task: int, nbytes: int) -> Any:
         grant = self.grants.issue(handle.ZeroCopyTask(1, task), task % 8, nbytes)
-        self.largest = max(self.largest, -(-nbytes // PAGE) * PAGE)
+        size = -(-nbytes // PAGE) * PAGE
+        if size <= self.pool.largest_slot:  # (a request no slot could hold sizes nothing)
+            self.largest = max(self.largest, size)
         if grant is not None:
             assert task not in self.out
             self.out[task] = grant
@@ -182,6 +185,7 @@ class NoBatchWaitsOnTheOnesBehindIt(RuleBasedStateMachine):
             s = self.pool.stats()
             keep = room_kept(self.largest, s["arena_bytes"], self.pool.largest_slot)
             assert s["largest_free"] >= keep, (s, keep)
+            self.kept[task] = keep
 
     @precondition(lambda self: self.head not in self.out)
     @rule(pages=st.integers(1, 12))
@@ -190,6 +194,9 @@ class NoBatchWaitsOnTheOnesBehindIt(RuleBasedStateMachine):
         s = self.pool.stats()
         keep = room_kept(self.largest, s["arena_bytes"], self.pool.largest_slot)
         consumer_holds = bool(self.held)
+        # What the grants ahead of it left: the room kept as each was made (a batch asked for
+        # since, larger than any before, raises the room kept for grants made after it only).
+        keep = min([keep, *(k for t, k in self.kept.items() if t in self.out)])
         grant = self._ask(self.head, nbytes)
         if not consumer_holds and nbytes <= keep:
             assert grant is not None, ("the head was refused room", s, keep, nbytes)
