@@ -175,17 +175,7 @@ def _made(node: Node, leaf: Leaf, kept: Leaf | None) -> Any:
             for name, value in items.items():
                 object.__setattr__(clone, name, value)
             return clone
-        try:
-            if kind == "mapping":
-                return how(items)
-            if how is None:
-                return items
-            how.update(items)
-            return how
-        except TypeError:  # (as torch's pin_memory: a plain dict)
-            return items
-        except AttributeError as exc:
-            raise OutOfBounds(f"corrupt batch description: {exc}") from None
+        return _filled(how, items, kind == "mapping", "update")
     values = [put_together(v, leaf, kept) for v in children]
     if kind in ("namedtuple", "tuple"):
         # (the worker made one of these from these values: only a corrupt node fails here)
@@ -195,15 +185,23 @@ def _made(node: Node, leaf: Leaf, kept: Leaf | None) -> Any:
             raise OutOfBounds(
                 f"corrupt batch description: a {how.__qualname__} of {len(values)} values ({exc})"
             ) from None
+    return _filled(how, values, kind == "sequence", "extend")
+
+
+def _filled(how: Any, made: Any, immutable: bool, fill: str) -> Any:
+    """A mapping or sequence of ``made`` (a dict or list), as torch's ``pin_memory`` makes it:
+    ``how(made)`` for an immutable type; else ``how``, the emptied copy, filled by its ``fill``
+    method (``update``, ``extend``); ``made`` itself where ``how`` is None or raises
+    ``TypeError``, as torch falls back to a plain dict or list."""
     try:
-        if kind == "sequence":
-            return how(values)
+        if immutable:
+            return how(made)
         if how is None:
-            return values
-        how.extend(values)
+            return made
+        getattr(how, fill)(made)
         return how
-    except TypeError:  # (as torch's pin_memory: a plain list)
-        return values
+    except TypeError:
+        return made
     except AttributeError as exc:
         raise OutOfBounds(f"corrupt batch description: {exc}") from None
 
