@@ -6,8 +6,10 @@
 #   benchmarks/run_gpu.sh WHEEL OUTDIR STAGE...     (run from the repository root)
 #
 # Stages: tests (every pytest test, CUDA ones included), zero-copy-tests (the DataLoader
-# suite again with zero_copy=True as its default), cuda-tests (only the CUDA tests), pool (benchmarks/pool_bench.py), criterion BINARY (the checkout bench), bench ARGS...
-# (python -m pinpool.bench with ARGS up to the next stage name).
+# suite again with zero_copy=True as its default), cuda-tests (only the CUDA tests), torch-suite
+# FILE (a copy of torch's test_dataloader.py with torch's loader and pinpool's, at once:
+# tests/torch_suite/run.py), pool (benchmarks/pool_bench.py), criterion BINARY (the checkout
+# bench), bench ARGS... (python -m pinpool.bench with ARGS up to the next stage name).
 set -uo pipefail
 wheel=$1 out=$2
 shift 2
@@ -32,6 +34,12 @@ while [ $# -gt 0 ]; do
       tail -n 40 "$out/zero-copy-tests.log"
       ;;
     cuda-tests) "${pytest[@]}" -m cuda tests >"$out/cuda-tests.log" 2>&1 || status=1; tail -n 25 "$out/cuda-tests.log" ;;
+    torch-suite)
+      file=$1
+      shift
+      python3 tests/torch_suite/run.py "$file" "$out/torch-suite" -n 6 -rfE 2>&1 \
+        | tee "$out/torch-suite.txt" | tail -n 30 || status=1
+      ;;
     pool) python3 benchmarks/pool_bench.py --out "$out/pool.json" || status=1 ;;
     criterion)
       bin=$1
@@ -40,7 +48,7 @@ while [ $# -gt 0 ]; do
       ;;
     bench)
       args=()
-      while [ $# -gt 0 ] && ! [[ $1 =~ ^(tests|zero-copy-tests|cuda-tests|pool|criterion|bench)$ ]]; do
+      while [ $# -gt 0 ] && ! [[ $1 =~ ^(tests|zero-copy-tests|cuda-tests|torch-suite|pool|criterion|bench)$ ]]; do
         args+=("$1")
         shift
       done
