@@ -125,7 +125,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     ) -> None:
         # pinpool's own arguments, by name, as given (each declared in settings.ARGUMENTS).
         given = settings.given(locals())
-        unpinned = not pin_memory  # torch's loader, as it is: see settings.unpinned
+        unpinned = not pin_memory  # torch's loader, as it is: see settings.UNPINNED
         if unpinned:
             zero_copy, stream_samples = False, False
             settings.check_unpinned(given)
@@ -139,7 +139,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         token = uuid.uuid4().hex
         # Without sizes the pool is sized from the first batch: a worker tells that size as
         # soon as it knows it (_wire.pool_hint).
-        hint = PoolHint() if num_workers > 0 and not pool_settings.known and pin_memory else None
+        hint = PoolHint() if num_workers > 0 and not pool_settings.known and not unpinned else None
         shape = settings.Shape(
             iterable=isinstance(dataset, torch.utils.data.IterableDataset),
             num_workers=num_workers,
