@@ -163,7 +163,10 @@ def shut_down(inner: Any) -> None:
     if shutdown is None:
         return
     try:
-        own(wait=False) if own is not None else shutdown()
+        if own is not None:
+            own(wait=False)
+        else:
+            shutdown()
     finally:
         drop_held(inner)
 
