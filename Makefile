@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 # that import torch, and pip need not compile all of it up front (--no-compile below).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test checks build lint rust-lint py-lint rust-test py-test test-modes test-oldest fuzz \
+.PHONY: demo test checks build lint rust-lint py-lint rust-test py-test test-modes test-oldest fuzz storm \
 	bench wheel clean sanitize miri tsan test-pkeys soak
 
 demo: build
@@ -98,6 +98,11 @@ test-pkeys: build
 SOAK_CASES ?= 300
 soak: build
 	PINPOOL_SOAK_CASES=$(SOAK_CASES) $(PYTEST) -n 2 tests/soak
+
+# Interrupt storms at length, per mode (`make test` runs a few trials): the counts print.
+STORM_TRIALS ?= 1000
+storm: build
+	PINPOOL_STORM_TRIALS=$(STORM_TRIALS) PINPOOL_STORM_SECONDS=0.2 $(PY) -m pytest -q -s -p no:cacheprovider tests/faults/test_interrupt_storm.py
 
 # The fuzz tests at length (`make test` runs a bounded number of examples).
 fuzz: build

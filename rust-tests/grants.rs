@@ -5,6 +5,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+
 use pinpool::pool::claim::room_kept;
 use pinpool::pool::grants::{GrantRequest, Grants, BIG_FROM, GRANT_WORDS, HINT_WORDS};
 use pinpool::transport::grant_desk::{self, ASK, GIVE_BACK, REQUEST_WORDS};
@@ -157,6 +159,14 @@ fn a_fresh_worker_is_told_where_its_next_big_slots_will_be_and_gets_them() {
     assert_eq!(told, vec![4]);
 }
 
+/// The desk is one per process: tests that register with it take turns (one checks that the
+/// last registration's drop closes it).
+static DESK_TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn desk_turn() -> std::sync::MutexGuard<'static, ()> {
+    DESK_TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn connect_to(address: &[u8]) -> OwnedFd {
     let fd = socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
         .unwrap();
@@ -179,6 +189,7 @@ fn reply(fd: &OwnedFd) -> Vec<u64> {
 fn the_desk_answers_asks_and_takes_slots_back() {
     let pool = pool(4 * PAGE, 4);
     let g = grants(&pool);
+    let _turn = desk_turn();
     let desk = grant_desk::register(&g).unwrap();
     let fd = connect_to(desk.address());
     request(&fd, [ASK, 41, desk.table(), 7, 0, 0, 2 * PAGE as u64]);
@@ -203,6 +214,7 @@ fn the_desk_answers_asks_and_takes_slots_back() {
 fn the_desk_stops_with_its_last_registration() {
     let pool = pool(4 * PAGE, 4);
     let g = grants(&pool);
+    let _turn = desk_turn();
     let (a, b) = (grant_desk::register(&g).unwrap(), grant_desk::register(&g).unwrap());
     assert_eq!(a.address(), b.address(), "one desk a process");
     let address = a.address().to_vec();
@@ -235,4 +247,31 @@ fn a_request_waits_for_room_the_batches_before_it_hold() {
     pool.release(slot, None).unwrap();
     let again = g.answer(&ask(1, 3, 4 * PAGE));
     assert!(matches!(again, Answer::Wait | Answer::Granted(_)), "{again:?}");
+}
+
+#[test]
+fn stopping_an_owner_answers_its_parked_requests_at_once_and_keeps_its_grants_out() {
+    let config = PoolConfig { arena_bytes: Some(16 * PAGE), ..PoolConfig::host(16 * PAGE, 64) };
+    let pool = Pool::new(&config).unwrap();
+    let g = grants(&pool);
+    let first: Vec<_> = (0..3).map(|t| g.issue(&ask(0, t, 3 * PAGE)).unwrap()).collect();
+    let _turn = desk_turn();
+    let desk = grant_desk::register(&g).unwrap();
+    let fd = connect_to(desk.address());
+    // Task 3 waits for room the batches before it hold: parked at the desk.
+    request(&fd, [ASK, 1, desk.table(), 7, 1, 3, 4 * PAGE as u64]);
+    let mut poll_fds = [PollFd::new(&fd, PollFlags::IN)];
+    let short = Timespec { tv_sec: 0, tv_nsec: 50_000_000 };
+    assert_eq!(poll(&mut poll_fds, Some(&short)).unwrap(), 0, "parked, not answered");
+    let t0 = std::time::Instant::now();
+    g.stop(Some(7));
+    assert_eq!(reply(&fd), vec![1, 0], "answered with no grant");
+    assert!(t0.elapsed() < Duration::from_millis(100), "{:?}", t0.elapsed());
+    assert!(g.issue(&ask(0, 4, PAGE)).is_none(), "no more grants for a stopped owner");
+    // What was granted before stays out for its writer: adopted, or taken back at close.
+    let c = first[0].slot;
+    assert!(g.adopt(c.index, c.generation, first[0].nonce).is_some());
+    assert_eq!(g.outstanding(), 2);
+    g.close(Some(7));
+    assert_eq!(g.outstanding(), 0);
 }

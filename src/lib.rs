@@ -4,11 +4,11 @@
 //! The core is plain Rust, testable with `cargo test` on a machine without a GPU. Its folders
 //! are layers; each uses only the layers listed before it (and [`error`]):
 //!
-//! - [`system`]: the machine and the process: the CUDA driver, NUMA topology, memory
-//!   protection keys, thread priorities, forks, random numbers, and jobs handed between threads;
+//! - [`system`]: the machine and the process: the CUDA driver, memory protection keys,
+//!   thread priorities, forks, random numbers, and jobs handed between threads;
 //! - [`memory`]: shared memory and what is built from it: sealed memfds and their mappings,
-//!   what a forked child sees of them, NUMA placement, the arena, a worker's window onto it,
-//!   the device an arena binds to, and the thread that frees it;
+//!   what a forked child sees of them, the arena, a worker's window onto it, the device an
+//!   arena binds to, and the thread that frees it;
 //! - [`allocation`]: how the arena is cut up: the extent map (where each slot's bytes go) and
 //!   the slot table (each checkout's state and extent);
 //! - [`transfer`]: moving bytes: multi-threaded copies, and the fences that keep a released

@@ -28,6 +28,7 @@ __all__ = [
     "check_segment",
     "cuda_available",
     "page_size",
+    "read_message",
     "recently_freed_pools",
     "room_kept",
     "wait_for_freed_pools",
@@ -55,6 +56,11 @@ def room_kept(largest_seen: int, arena: int, part: int) -> int:
     batch seen, in whole pages, at most all of the arena but one such batch, never less than one
     such batch, and at most one of its parts."""
 
+def read_message(fd: int, timeout: float | None = None) -> bytes | None:
+    """One whole message from the pipe ``fd`` (framed as ``Connection.send_bytes`` frames it),
+    or None when none came within ``timeout`` seconds; signal handlers run while it waits,
+    never in the middle of a message."""
+
 def recently_freed_pools() -> list[dict[str, Any]]: ...
 def wait_for_freed_pools(timeout: float | None = None) -> bool: ...
 
@@ -72,9 +78,7 @@ class PinPool:
     of the CUDA context current on this thread (``torch.cuda.set_device``), else
     ``$LOCAL_RANK`` modulo the device count, else device 0. Where CUDA cannot be used,
     ``None`` gives host memory (with a note); a device or CUDA backend asked for by name
-    raises ``InvalidArgument`` saying why. On a machine with several NUMA nodes, the arena
-    goes on its GPU's node and the copy threads on that node's CPUs (``placement`` says
-    where).
+    raises ``InvalidArgument`` saying why.
     """
 
     def __new__(
@@ -141,10 +145,6 @@ class PinPool:
     def memfd_parts(self) -> list[tuple[int, int, int]]: ...
     @property
     def device(self) -> int | None: ...
-    @property
-    def placement(self) -> str:
-        """Where the arena's pages went and where its copy threads run (``"arena on NUMA node 1
-        (GPU 0000:41:00.0), copy threads on CPUs 8-15"``), or why it was not placed."""
     @property
     def copy_threads(self) -> int: ...
     @property
@@ -434,6 +434,9 @@ class Grants:
         """The slot granted as (index, generation) with ``nonce``, once; None otherwise."""
     def give_back(self, index: object, generation: object, nonce: object) -> bool:
         """Releases the slot granted so, whose batch will not arrive in it."""
+    def stop(self, owner: int | None = None) -> None:
+        """Stops iterator ``owner`` (every one, with None): no more grants for it; its requests
+        waiting at the desk are answered at once."""
     def close(self, owner: int | None = None) -> None:
         """Closes iterator ``owner`` (every one, and the table's place at the desk, with None):
         its slots not adopted are released."""

@@ -143,12 +143,12 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_workers_done_event": "set before the workers are told to exit",
     "_worker_pids_set": "whether the workers are registered with torch's SIGCHLD handler",
     "_pin_memory": "whether torch's pin thread runs (else batches are received in "
-    "_try_get_data, by the consumer's read-ahead): torch sets it from loader.pin_memory, which "
+    "_try_get_data, as each leaves the result queue): torch sets it from loader.pin_memory, which "
     "_get_iterator shows torch as the delivery mode has it",
     "_pin_memory_thread": "the pin thread, started by torch's __init__ (torch's shutdown joins it)",
     "_pin_memory_thread_done_event": "set by torch's shutdown to stop the pin thread",
     "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots); "
-    "without one, the workers' result queue itself",
+    "without one, the workers' result queue itself (pinpool's reads it whole: _main.results)",
     "_worker_result_queue": "the workers' results: its feeder is not waited for at exit once "
     "the workers are shut down (torch's shutdown may be cut short before it says so)",
     "_task_info": "batches held out of order, dropped at shutdown",

@@ -6,7 +6,6 @@
 //! - [`forked_child`]: what a forked child sees of this process's shared mappings (the arenas
 //!   privately, other writable mappings read-only; whether a fork happened at all is
 //!   [`crate::system::forks`]'s);
-//! - [`numa`]: putting an arena's pages and pinpool's threads on its GPU's NUMA node;
 //! - [`arena`]: the one block of host memory (pinned through the CUDA driver, or plain);
 //! - [`window`]: a zero-copy worker's lasting mapping of arena extents, inaccessible between
 //!   batches;
@@ -20,6 +19,5 @@ pub mod arena;
 pub mod device_choice;
 pub mod forked_child;
 pub mod freeing;
-pub mod numa;
 pub mod shm;
 pub mod window;

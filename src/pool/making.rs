@@ -131,8 +131,7 @@ impl Pool {
         let n = table.len() as u64;
         let largest_part = table.bytes().largest_part;
         let arena_len = arena.len();
-        // Copy threads run on the CPUs of the arena's NUMA node, when it was placed on one.
-        let copier = Copier::on_cpus(copy_threads, arena.placement().thread_cpus())?;
+        let copier = Copier::new(copy_threads)?;
         let pool = Arc::new(Pool {
             arena: ManuallyDrop::new(arena),
             slot_bytes,

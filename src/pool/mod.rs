@@ -59,11 +59,13 @@
 //!    around it; nothing is rounded to a power of two). `Free -> CheckedOut`, with a new
 //!    generation; the [`SlotId`] (table, index, generation) names this one checkout. Copy
 //!    mode: the main process checks it out when a worker's batch arrives, of that batch's size
-//!    (Python: `Receiver._claim` in `_main/receiver.py`). Zero-copy: it is checked out as torch
-//!    dispatches a batch's indices, before the batch exists, of a size guessed from the
-//!    recent batches (Python: `_main/checkouts.py`, `_main/sizing.py`), and its place in the
-//!    arena (memfd, offset, length, generation, a nonce) travels to the worker with them; a
-//!    batch that does not fit comes through copy mode into a slot of its own size.
+//!    (Python: `LazyPool.claim` in `_main/lazy_pool.py`). Zero-copy: the worker that collated
+//!    the batch asks for it once it knows the batch's size, and the grants check out a slot
+//!    of exactly that size, where that worker's last slots were if one is free ([`grants`],
+//!    answered on the grant desk's thread, [`crate::transport::grant_desk`]; Python:
+//!    `_worker/desk.py`); the grant, its place in the arena (memfd, offset, length,
+//!    generation, a nonce), is the answer. A batch that gets no grant comes through copy mode
+//!    into a slot of its own size.
 //!    When there is no room: a claim waits while room is on its way (fenced slots, parts not
 //!    ready yet); when nothing is on its way, every other byte is held by batches someone
 //!    keeps (or cut by them into pieces too small), and [`Pool::claim`] says so rather than
@@ -71,10 +73,11 @@
 //!    up to its timeout, as the user chose).
 //! 3. **Filled.** Copy mode: [`Pool::copy_in`] copies the batch from the worker's segment
 //!    ([`crate::transport::segment`]), every range checked against the segment and the slot.
-//!    Zero-copy: the worker writes the batch into its own mapping of the slot; the main
-//!    process accepts it only for the slot handed out with those indices (index, generation,
-//!    nonce) and only if every array lies inside the slot (Python: `Receiver._adopt`; the
-//!    worker's side is `_worker/places.py`).
+//!    Zero-copy: the worker writes the batch into its own mapping of the slot (a window,
+//!    [`crate::memory::window`]); the main process accepts it only for the slot granted for
+//!    that batch (index, generation, nonce) and only if every array lies inside the slot
+//!    (Python: `Intake.adopt` in `_main/intake.py`; the worker's side is
+//!    `_worker/destination.py` and `_worker/windows.py`).
 //! 4. **Delivered.** Tensors viewing the slot (pinned CPU batches), or an asynchronous copy to
 //!    the GPU on pinpool's stream, after which the slot is released at once, fenced on that
 //!    stream (Python: `_main/delivery.py`).

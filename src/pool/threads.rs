@@ -56,7 +56,6 @@ pub(super) fn start_retiring(pool: &Arc<Pool>) -> Result<()> {
 /// [`Pool::prepare_error`]; those slots are never handed out).
 fn prepare_loop(pool: Weak<Pool>) {
     crate::system::priority::become_background();
-    let mut pinned = false;
     // Half the fault threads (a quarter of the cores): the workers are starting meanwhile.
     let threads = fault_threads().div_ceil(2);
     loop {
@@ -70,11 +69,6 @@ fn prepare_loop(pool: Weak<Pool>) {
             || Arc::strong_count(&pool) == 1
         {
             return;
-        }
-        if !pinned {
-            // Near the arena's memory, like the threads it starts to fault it in.
-            pool.arena.placement().pin_calling_thread();
-            pinned = true;
         }
         match pool.arena.prepare_next(threads) {
             Ok(Some((offset, len))) => {

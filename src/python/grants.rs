@@ -122,6 +122,13 @@ impl PyGrants {
         })
     }
 
+    /// Stops iterator `owner` (every one, with None): no more grants for it, and its requests
+    /// waiting at the desk are answered at once; what was granted stays out until `close`.
+    #[pyo3(signature = (owner = None))]
+    fn stop(&self, owner: Option<u64>) {
+        self.inner.stop(owner);
+    }
+
     /// Closes iterator `owner` (every one, and the table's place at the desk, with None):
     /// releases the slots granted to it and not adopted, once no worker that got them can write
     /// any more.

@@ -102,6 +102,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
     m.add_function(wrap_pyfunction!(available_memory, m)?)?;
     m.add_function(wrap_pyfunction!(room_kept, m)?)?;
+    m.add_function(wrap_pyfunction!(pipe::read_message, m)?)?;
     m.add_function(wrap_pyfunction!(wait_for_freed_pools, m)?)?;
     m.add_function(wrap_pyfunction!(recently_freed_pools, m)?)?;
     m.add_function(wrap_pyfunction!(gather::_gather, m)?)?;

@@ -13,7 +13,7 @@
 //! - Asking which context is current ([`current_context_device`]) changes nothing: it binds no
 //!   context, so torch's current device on the calling thread stays what it was.
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
 
@@ -211,26 +211,6 @@ impl Device {
     /// The device's ordinal.
     pub fn ordinal(&self) -> usize {
         self.ctx.ordinal()
-    }
-
-    /// The device's PCI address as the driver writes it (`cuDeviceGetPCIBusId`), for example
-    /// `"0000:41:00.0"`; [`crate::system::topology::normalise_bus_id`] turns it into sysfs's form.
-    pub fn pci_bus_id(&self) -> Result<String> {
-        // "dddd:bb:dd.f" is 13 bytes with its NUL; the driver documents 13 as enough, and
-        // longer domains still fit in 64.
-        let mut text = [0 as c_char; 64];
-        let len = text.len() as i32;
-        guarded("cuDeviceGetPCIBusId", || {
-            // SAFETY: `text` is writable for `len` bytes, and the driver writes at most `len`
-            // bytes, NUL included; the device handle came from the driver (`cuDeviceGet`).
-            unsafe { sys::cuDeviceGetPCIBusId(text.as_mut_ptr(), len, self.ctx.cu_device()) }
-                .result()
-        })?;
-        // The driver NUL-terminates what it writes; the last byte is made NUL all the same.
-        text[text.len() - 1] = 0;
-        // SAFETY: `text` holds a NUL (set just above) within its bounds.
-        let id = unsafe { CStr::from_ptr(text.as_ptr()) };
-        Ok(id.to_string_lossy().into_owned())
     }
 
     /// Makes the primary context current on the calling thread until the returned guard is

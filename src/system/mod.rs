@@ -2,7 +2,6 @@
 //! driver, and the process-wide facts it relies on.
 //!
 //! - [`cuda`]: the few driver calls we need, loaded at run time, never panicking;
-//! - [`topology`]: the machine's NUMA nodes as sysfs tells them, and the node of a GPU;
 //! - [`pkeys`]: memory protection keys, a thread's own switch for its access to a mapping;
 //! - [`priority`]: pinpool's background threads give way to the training thread;
 //! - [`random`]: random numbers from the kernel, for nonces and names;
@@ -21,4 +20,3 @@ pub mod handoff;
 pub mod pkeys;
 pub mod priority;
 pub mod random;
-pub mod topology;

@@ -15,9 +15,6 @@
 //!   waits forever.
 //! - A copy runs with its caller's rights to this process's memory protection keys
 //!   ([`crate::system::pkeys`]): each piece takes them on its thread and gives them up as it ends.
-//! - A pool's copier may be pinned to CPUs (those of its arena's NUMA node, see
-//!   [`crate::memory::numa`]): each of its threads pins itself as it starts; the calling thread,
-//!   which runs small copies, never is.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -70,28 +67,18 @@ impl std::fmt::Debug for Copier {
 impl Copier {
     /// A copier with `threads` threads, from 1 to [`MAX_COPY_THREADS`].
     pub fn new(threads: usize) -> Result<Self> {
-        Self::on_cpus(threads, None)
-    }
-
-    /// A copier with `threads` threads, each pinned to `cpus` (when given and not empty; if
-    /// the kernel refuses, a thread runs where it would have).
-    pub fn on_cpus(threads: usize, cpus: Option<&[usize]>) -> Result<Self> {
         if !(1..=MAX_COPY_THREADS).contains(&threads) {
             return Err(Error::Invalid(format!(
                 "copy_threads must be from 1 to {MAX_COPY_THREADS}, not {threads}"
             )));
         }
-        let cpus: Vec<usize> = cpus.unwrap_or_default().to_vec();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("pinpool-copy-{i}"))
-            .start_handler(move |_| {
+            .start_handler(|_| {
                 // (Started by a thread that may have had access to a window's key: a copy
                 // thread has none but during a copy that hands it its caller's.)
                 crate::system::pkeys::deny_all_ours();
-                if !cpus.is_empty() {
-                    let _ = crate::memory::numa::pin_current_thread(&cpus);
-                }
             })
             .build()
             .map_err(|e| Error::Invalid(format!("cannot start copy threads: {e}")))?;

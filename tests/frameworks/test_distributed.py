@@ -182,6 +182,6 @@ def test_two_gpu_ranks_each_bind_their_own_gpu(tmp_path: Path) -> None:
     got = reports(tmp_path)
     # (Each rank checked its pools' device and its batches' itself.)
     assert [got[f"rank{r}"]["device"] for r in range(2)] == [0, 1]
-    print(json.dumps(got, indent=1))  # the pools' notes: where each arena went
+    print(json.dumps(got, indent=1))  # the pools' notes
     procs, shm = left_over(tag, tmp_path, shm_before, wait=10)
     assert not procs and not shm, (procs, shm)

@@ -292,3 +292,66 @@ def test_a_consumer_keeping_its_last_batches_finds_room_in_the_default_arena(
     held.clear()
     del loader
     ending.wait_all(timeout=30)
+
+
+class ChangingBatches(torch.utils.data.Sampler[list[int]]):
+    """A batch sampler whose batch size changes each epoch (2, 4 or 6 items)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return 40
+
+    def __iter__(self) -> Any:
+        self.epoch += 1
+        size = 2 + 2 * (self.epoch % 3)
+        for b in range(40):
+            yield list(range(b * size, (b + 1) * size))
+
+
+#: The longest a call may take after a ``break`` with every batch kept (torch's own: about 50
+#: ms here; a worker's request parked at the grant desk used to hold it for 5 s).
+AFTER_BREAK_AT_MOST_S = 1.0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_a_break_with_every_batch_kept_waits_on_no_parked_request(persistent: bool) -> None:
+    """Zero-copy, batch sizes changing each epoch, the consumer keeping every batch until the
+    next ``iter()`` and breaking mid-epoch: the workers' requests for room that only the
+    consumer could give back are parked at the grant desk, and an iterator that ends (or a
+    persistent one's next epoch) has them answered at once. No ``iter()``, ``next()`` or drop
+    waits for them."""
+    loader = pinpool.DataLoader(
+        Fixed(400, 256 << 10),
+        batch_sampler=ChangingBatches(),
+        num_workers=4,
+        zero_copy=True,
+        persistent_workers=persistent,
+        arena_bytes=8 << 20,
+    )
+    slowest = 0.0
+
+    def timed(call: Any, arg: Any) -> Any:
+        nonlocal slowest
+        t0 = time.perf_counter()
+        out = call(arg)
+        slowest = max(slowest, time.perf_counter() - t0)
+        return out
+
+    kept: list[Any] = []
+    for _ in range(4):
+        it = timed(iter, loader)  # (the last epoch's batches still kept)
+        kept = [timed(next, it) for _ in range(6)]
+        time.sleep(0.3)  # (the workers' requests for the next batches park meanwhile)
+        if not persistent:
+            t0 = time.perf_counter()
+            it = None  # (dropped mid-epoch)
+            slowest = max(slowest, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    del loader, it
+    slowest = max(slowest, time.perf_counter() - t0)
+    kept.clear()
+    ending.wait_all(timeout=30)
+    assert slowest <= AFTER_BREAK_AT_MOST_S, slowest

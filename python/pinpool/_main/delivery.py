@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from .. import _trace
-from .._errors import PinPoolError
 from .._native import Copying, SegmentCache, Sent, Slot
 from .._torch_contract import cuda_raw_stream
 from .._wire import codec, leaves
@@ -396,31 +395,13 @@ def _device_leaves(
     ]
 
 
-class RaisedAhead:
-    """What a batch's take ahead of its turn raised on the consumer's thread
-    (``read_ahead``): :func:`hand_to_consumer` raises it in the batch's turn."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception) -> None:
-        self.error: Exception | None = error
-
-
 def hand_to_consumer(item: Any) -> Any:
     """What the iterator yields for ``item``, which torch's machinery produced: a handle is
     taken in its turn, a pending batch waited for (its copy into its slot, or its hand-over
-    to the consumer's stream), what a take ahead raised raised."""
+    to the consumer's stream)."""
     t0 = _trace.on and _trace.now()
     if isinstance(item, BatchHandle):
         item = item.take()  # on the consumer's thread, in order
-    elif isinstance(item, RaisedAhead):
-        error, item.error = item.error, None
-        if error is None:
-            raise PinPoolError("a batch whose take failed was handed over twice")
-        try:
-            raise error
-        finally:
-            error = None  # (this frame, in its traceback, must not keep it: no cycle)
     if isinstance(item, Pending):
         item = item.wait()
     notices.give_due()

@@ -28,7 +28,7 @@ class DeliveryMode:
     worker's segment: copy), and where the consumer gets it (pinned CPU views into the arena,
     or on a CUDA device). Beside them, whether torch's pin step runs ahead of the consumer
     (its pin thread, with workers; where an accelerator is present), or the consumer's thread
-    takes the batches itself (its read-ahead, ``read_ahead``)."""
+    takes the batches itself, in turn (reading the result queue: ``results``)."""
 
     #: Workers write batches straight into arena slots granted to them (``zero_copy=True``,
     #: where it applies: a map-style dataset with batching and workers).

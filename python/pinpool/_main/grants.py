@@ -117,6 +117,12 @@ class LoaderGrants:
         if isinstance(claim, tuple) and len(claim) == 3 and all(type(x) is int for x in claim):
             self._grants.give_back(*claim)
 
+    def stop(self, owner: int | None = None) -> None:
+        """Stops iterator ``owner`` (every one, with None): no more grants for it, and its
+        workers' requests waiting for room are answered at once (none of them is waited
+        for); what was granted stays out until :meth:`close`."""
+        self._grants.stop(owner)
+
     def close(self, owner: int | None = None) -> None:
         """Closes iterator ``owner`` (every one, and the loader's place at the desk, with
         None): its slots not adopted come back, once no worker that got them can write."""
@@ -126,8 +132,9 @@ class LoaderGrants:
 class TaskTagger:
     """Wraps torch's batch sampler: tags each index list with its zero-copy task.
 
-    torch keeps one per iterator (a persistent iterator, each epoch's ``iter()``); ``owner``
-    names that iterator's grants, so that its end takes back its own and no other's."""
+    torch keeps one per iterator, and a persistent iterator calls ``iter()`` on it each epoch;
+    ``owner`` names the current epoch's grants, so that an epoch's end stops its own requests
+    and the iterator's end takes back its own grants and no other's (``owners``: each epoch's)."""
 
     _next_owner = itertools.count(1)
 
@@ -135,8 +142,18 @@ class TaskTagger:
         self.base = base
         self.grants = grants
         self.owner = next(TaskTagger._next_owner)
+        #: Every epoch's owner, the current one last.
+        self.owners = [self.owner]
+        self._started = False
 
     def __iter__(self) -> Iterator[TaggedIndices]:
+        if self._started:
+            # A persistent iterator's next epoch: the last one's requests still waiting for
+            # room are answered now (its workers must hear the new epoch), with new tasks.
+            self.grants.stop(self.owner)
+            self.owner = next(TaskTagger._next_owner)
+            self.owners.append(self.owner)
+        self._started = True
         self.grants.open(self.owner)
         return self._tagged(iter(self.base))  # iter() now, when torch calls it, as torch would
 

@@ -99,11 +99,16 @@ class LoaderIter:
         # Only what this iterator's workers had, once they have exited: another iterator of
         # the same loader may still be running.
         sampler = getattr(self._inner, "_index_sampler", None)
-        owner = sampler.owner if isinstance(sampler, TaskTagger) else None
+        owners = sampler.owners if isinstance(sampler, TaskTagger) else []
+        grants = receiver.grants
+        if grants is not None:
+            for owner in owners:  # (its workers' requests for room are answered now)
+                grants.stop(owner)
 
         def take_back() -> None:
-            if owner is not None and receiver.grants is not None:
-                receiver.grants.close(owner)
+            if grants is not None:
+                for owner in owners:
+                    grants.close(owner)
             receiver.retire_segments(dead_only=True)
 
         # (At an epoch's natural end the workers are shut down on a thread of their own; and

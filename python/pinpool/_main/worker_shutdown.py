@@ -21,7 +21,6 @@ from typing import Any
 from .._errors import PinPoolError
 from .._native import Handoff
 from .._torch_contract import mp_status_check_interval, python_exit_status, remove_worker_pids
-from .read_ahead import ReadAhead
 from .receiver import Receiver
 
 
@@ -188,9 +187,6 @@ def drop_held(inner: Any) -> None:
     task_info = getattr(inner, "_task_info", None)
     if isinstance(task_info, dict):
         task_info.clear()
-    ahead = getattr(inner, "_pin_read_ahead", None)
-    if isinstance(ahead, ReadAhead):
-        ahead.drop()
 
 
 def close_loader(receiver: Receiver) -> None:
@@ -199,6 +195,8 @@ def close_loader(receiver: Receiver) -> None:
     if receiver.pid != os.getpid():
         return
     try:
+        if receiver.grants is not None:
+            receiver.grants.stop()  # (no worker waits for room at the desk while it stops)
         inner = receiver.iterator() if receiver.iterator is not None else None
         if inner is not None:
             shut_down(inner)

@@ -41,9 +41,10 @@ from .._torch_contract import (
     remove_worker_pids,
     serialize_polls,
 )
+from .._wire.handle import BatchHandle, WorkerProgress
 from . import ending
 from .index_queue import write_directly
-from .read_ahead import ReadAhead, handle_of
+from .results import WholeMessages
 from .worker_shutdown import (
     HandedShutdown,
     abandon_half_made,
@@ -65,12 +66,13 @@ WORKERS_LOOKED_AT_S = 0.25
 class WorkersIter(MultiProcessingIter):
     """torch's multi-process iterator, with six changes.
 
-    - Without a pin thread, a batch's segment is received (opened through its worker's
-      ``/proc`` entry the first time, see ``Receiver.receive_now``) as soon as its handle
-      comes out of torch's result queue, as the pin thread does on a GPU machine, not only
-      when the consumer reaches it: by then its worker may have exited (an iterable
-      dataset's worker whose data has run out is told to exit at once) or died. And the
-      batches waiting behind it are got too and taken ahead (``read_ahead``).
+    - Without a pin thread, the consumer's thread reads the result queue one whole message
+      at a time (``results.WholeMessages``: an interrupt never leaves the pipe out of step),
+      and a batch's segment is received (opened through its worker's ``/proc`` entry the
+      first time, see ``Receiver.receive_now``) as soon as its handle comes out of the queue,
+      as the pin thread does on a GPU machine, not only when the consumer reaches it: by then
+      its worker may have exited (an iterable dataset's worker whose data has run out is told
+      to exit at once) or died.
     - Batch indices are written to each worker's pipe by a Rust thread, not by a Python
       feeder thread per worker (``_main.index_queue``).
     - The first batches are dealt out from worker ``first`` on instead of worker 0 (a resumed
@@ -85,7 +87,6 @@ class WorkersIter(MultiProcessingIter):
     def __init__(self, loader: Any, first: int) -> None:
         self._pin_first = first
         self._pin_receiver = loader._pin_receiver
-        self._pin_read_ahead = ReadAhead(loader._pin_receiver)
         self._pin_pid = os.getpid()
         t0 = _trace.on and _trace.now()
         try:
@@ -95,6 +96,8 @@ class WorkersIter(MultiProcessingIter):
             # left): what torch made goes now, silently, and nothing is left for __del__.
             abandon_half_made(self)
             raise
+        if not self._pin_memory:
+            self._data_queue = WholeMessages(self._worker_result_queue)
         for w in self._workers:
             serialize_polls(w)  # (the ending thread reaps them, and the caller may join them)
         if not self._persistent_workers:
@@ -108,9 +111,7 @@ class WorkersIter(MultiProcessingIter):
                 write_directly(q)
         else:
             # Persistent workers, a new epoch: torch gets and drops what the last one left in
-            # the result queue; what the consumer's read-ahead took ahead of it goes too, and
-            # nothing more is taken ahead until the workers have all said they are ready.
-            self._pin_read_ahead.drop()
+            # the result queue.
             self.__dict__["_pin_draining"] = True
         try:
             super()._reset(loader, first_iter)
@@ -139,11 +140,6 @@ class WorkersIter(MultiProcessingIter):
         # error did not report (the handler raised in a finalizer or a weakref callback,
         # where Python only prints the error; or no SIGCHLD came: a forkserver's workers)
         # is then found up to 5 s late. The same wait, in slices of WORKERS_LOOKED_AT_S.
-        # Without a pin thread, what the consumer's read-ahead got ahead comes first.
-        ahead = self._pin_read_ahead
-        kept = ahead.next()
-        if kept is not None:
-            return True, kept
         timeout = args[0] if args else kwargs.get("timeout", mp_status_check_interval())
         deadline = time.monotonic() + timeout
         while True:
@@ -152,13 +148,9 @@ class WorkersIter(MultiProcessingIter):
             if success or left <= WORKERS_LOOKED_AT_S:
                 break
         if success and not self._pin_memory:
-            if self.__dict__.get("_pin_draining", False):
-                handle = handle_of(data[1])  # (dropped by torch: only its segment received)
-                if handle is not None:
-                    self._pin_receiver.receive_now(handle)
-                return success, data
-            ahead.take_in(data, self._data_queue)
-            data = ahead.next()
+            handle = handle_of(data[1])
+            if handle is not None:
+                self._pin_receiver.receive_now(handle)
         return success, data
 
     def _shutdown_workers(self) -> None:
@@ -356,3 +348,10 @@ def _on_main_thread_with_an_ending_thread() -> bool:
 #: How long the main thread waits for the ending thread to take a shutdown up before doing it
 #: itself (see ``WorkersIter._shutdown_now``).
 _TAKEN_UP_S = 1.0
+
+
+def handle_of(item: Any) -> BatchHandle | None:
+    """The batch handle ``item`` is or carries, if any."""
+    if isinstance(item, WorkerProgress):
+        item = getattr(item, "batch", None)  # (a damaged one is refused in its turn)
+    return item if isinstance(item, BatchHandle) else None

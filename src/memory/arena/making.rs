@@ -1,6 +1,6 @@
 //! Making an arena: refusing one larger than the memory available, choosing how its memory
-//! is obtained, mapping its parts and making them ready (faulted in on the GPU's NUMA node,
-//! then registered with the driver or locked), all at once or one part at a time.
+//! is obtained, mapping its parts and making them ready (faulted in, then registered with the
+//! driver or locked), all at once or one part at a time.
 //!
 //! Invariants:
 //! - Nothing is mapped for an arena larger than [`super::available_memory`].
@@ -14,7 +14,6 @@ use std::sync::Mutex;
 
 use super::{available_memory, Arena, Backend, Residency, Storage};
 use crate::error::{Error, Result};
-use crate::memory::numa::Placement;
 use crate::memory::shm::Region;
 use crate::system::cuda::{self, Device};
 
@@ -127,12 +126,7 @@ impl Arena {
         match backend {
             Backend::CudaHostAlloc => {
                 let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
-                let mut placement = Placement::for_gpu(device.pci_bus_id());
-                // The driver allocates the pages: this thread's policy decides their node.
-                let ptr = timed(&mut timings, "cuMemHostAlloc", || {
-                    placement.allocate(|| device.host_alloc(len).map(|ptr| (ptr, ptr, len)))
-                })?;
-                notes.extend_from_slice(placement.notes());
+                let ptr = timed(&mut timings, "cuMemHostAlloc", || device.host_alloc(len))?;
                 Ok(Arena {
                     storage: Storage::HostAlloc { ptr, device },
                     prepared: Mutex::new(0),
@@ -141,19 +135,13 @@ impl Arena {
                     len,
                     backend,
                     residency: Residency::Pinned,
-                    placement,
                     notes,
                     timings,
                 })
             }
             Backend::CudaRegister => {
                 let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
-                let mut placement = Placement::for_gpu(device.pci_bus_id());
-                let threads = placement.thread_count(threads);
                 let region = region(len, align, threads, first, &mut timings)?;
-                // Before the first touch, and so before the driver registers (and pins) a page.
-                placement.bind(region.as_ptr(), region.len());
-                notes.extend_from_slice(placement.notes());
                 let mut arena = Arena {
                     storage: Storage::Registered {
                         region,
@@ -166,7 +154,6 @@ impl Arena {
                     len,
                     backend,
                     residency: Residency::Pinned,
-                    placement,
                     notes,
                     timings,
                 };
@@ -191,7 +178,6 @@ impl Arena {
                     len,
                     backend,
                     residency: if lock_parts { Residency::Locked } else { Residency::Pageable },
-                    placement: Placement::unplaced("host memory, no GPU"),
                     notes,
                     timings,
                 };
@@ -230,11 +216,7 @@ impl Arena {
     fn prepare_all(&self, threads: usize) -> Result<()> {
         let Some(region) = self.region() else { return Ok(()) };
         let mut prepared = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
-        region.populate_then(
-            self.placement.thread_count(threads),
-            &|| self.placement.pin_calling_thread(),
-            |part| self.finish_part(part.offset, part.len),
-        )?;
+        region.populate_then(threads, |part| self.finish_part(part.offset, part.len))?;
         *prepared = region.parts().len();
         self.ready_len.store(self.len, Ordering::Release);
         Ok(())
@@ -248,9 +230,7 @@ impl Arena {
         if *next >= region.parts().len() {
             return Ok(None);
         }
-        let part = region.populate_part_at(*next, self.placement.thread_count(threads), &|| {
-            self.placement.pin_calling_thread()
-        })?;
+        let part = region.populate_part_at(*next, threads)?;
         let (offset, len) = (part.offset, part.len);
         self.finish_part(offset, len)?;
         *next += 1;

@@ -21,17 +21,12 @@
 //!   the constructor returns; the others are made ready one by one, in order, by
 //!   [`Arena::prepare_next`], and [`Arena::ready_len`] bytes from the start are ready. Bytes
 //!   past that are mapped but must not be used: the pool hands out only slots inside it.
-//! - On a CUDA backend, the arena is placed on its GPU's NUMA node ([`crate::memory::numa`]) before
-//!   its first page is touched: the mapping's policy is set before any part is faulted in, or
-//!   the thread's around `cuMemHostAlloc`; the threads that fault it in run on the node's
-//!   CPUs. `placement()` says where it went; a failure to place it is a note, never an error.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
-use crate::memory::numa::Placement;
 use crate::memory::shm::Region;
 use crate::system::cuda::Device;
 
@@ -131,8 +126,6 @@ pub struct Arena {
     len: usize,
     backend: Backend,
     residency: Residency,
-    /// Which NUMA node the pages were asked for on, and where the fault threads run.
-    placement: Placement,
     notes: Vec<String>,
     timings: Vec<(&'static str, f64)>,
 }
@@ -185,11 +178,6 @@ impl Arena {
     /// Why the arena differs from what was asked, if it does.
     pub fn notes(&self) -> &[String] {
         &self.notes
-    }
-
-    /// Where the arena's pages went and where its threads run (see [`crate::memory::numa`]).
-    pub fn placement(&self) -> &Placement {
-        &self.placement
     }
 
     /// How long each start-up step took, in seconds (`map`, `populate`, `cuMemHostRegister`,

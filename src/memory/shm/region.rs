@@ -40,7 +40,7 @@ pub struct Part {
     pub offset: usize,
     /// Its length.
     pub len: usize,
-    /// The memfd's inode number (read once: what a zero-copy reservation names, per batch).
+    /// The memfd's inode number (read once: what a zero-copy grant names, per batch).
     pub inode: u64,
 }
 
@@ -185,12 +185,10 @@ impl Region {
 
     /// Faults every page in with `threads` threads, each working inside one part, and runs
     /// `then(part)` on each part's thread right after that part is populated (to register it
-    /// with the driver while other parts are still being faulted in). Every thread started
-    /// here first runs `on_start` (to pin it to the CPUs near the memory, say).
+    /// with the driver while other parts are still being faulted in).
     pub fn populate_then(
         &self,
         threads: usize,
-        on_start: &(dyn Fn() + Sync),
         then: impl Fn(&Part) -> Result<()> + Sync,
     ) -> Result<()> {
         let per_part = threads.div_ceil(self.parts.len()).max(1);
@@ -201,8 +199,7 @@ impl Region {
                 .map(|part| {
                     let then = &then;
                     s.spawn(move || {
-                        on_start();
-                        populate_part(self.base.as_ptr() as usize, part, per_part, on_start)?;
+                        populate_part(self.base.as_ptr() as usize, part, per_part)?;
                         then(part)
                     })
                 })
@@ -215,31 +212,20 @@ impl Region {
         results.into_iter().collect()
     }
 
-    /// Faults every page of part `index` in, with `threads` threads, each of which first runs
-    /// `on_start`. Pages of a part not yet handed out are zero, and populating keeps them so.
-    pub fn populate_part_at(
-        &self,
-        index: usize,
-        threads: usize,
-        on_start: &(dyn Fn() + Sync),
-    ) -> Result<&Part> {
+    /// Faults every page of part `index` in, with `threads` threads. Pages of a part not yet
+    /// handed out are zero, and populating keeps them so.
+    pub fn populate_part_at(&self, index: usize, threads: usize) -> Result<&Part> {
         let part = self
             .parts
             .get(index)
             .ok_or_else(|| Error::Invalid(format!("the region has no part {index}")))?;
-        populate_part(self.base.as_ptr() as usize, part, threads, on_start)?;
+        populate_part(self.base.as_ptr() as usize, part, threads)?;
         Ok(part)
     }
 }
 
-/// Faults every page of `part` of the region at `base` in, with `threads` threads, each of
-/// which first runs `on_start`.
-fn populate_part(
-    base: usize,
-    part: &Part,
-    threads: usize,
-    on_start: &(dyn Fn() + Sync),
-) -> Result<()> {
+/// Faults every page of `part` of the region at `base` in, with `threads` threads.
+fn populate_part(base: usize, part: &Part, threads: usize) -> Result<()> {
     let page = page_size();
     let pages = part.len / page;
     let step = pages.div_ceil(threads.max(1)).max(1) * page;
@@ -248,10 +234,7 @@ fn populate_part(
             .step_by(step)
             .map(|start| {
                 let len = step.min(part.len - start);
-                inner.spawn(move || {
-                    on_start();
-                    populate_range(base + part.offset + start, len, page)
-                })
+                inner.spawn(move || populate_range(base + part.offset + start, len, page))
             })
             .collect();
         workers.into_iter().try_for_each(|w| w.join().unwrap_or(Err(0)))

@@ -55,7 +55,7 @@ fn region_parts_are_contiguous_and_shared() {
     assert_eq!(r.parts().len(), 3);
     assert_eq!(r.parts().iter().map(|p| p.len).sum::<usize>(), 10 * page);
     assert!(r.parts().iter().all(|p| p.len % (2 * page) == 0));
-    r.populate_then(4, &|| {}, |_| Ok(())).unwrap();
+    r.populate_then(4, |_| Ok(())).unwrap();
     // SAFETY: test writes inside the region.
     unsafe { std::ptr::write_bytes(r.as_ptr(), 7, 10 * page) };
     let last = r.part_at(10 * page - 1).unwrap();

@@ -203,6 +203,19 @@ impl Grants {
         self.changed();
     }
 
+    /// Stops iterator `owner` (every one, with None): it gets no more grants, and its requests
+    /// waiting at the desk for room on its way are answered at once, with none (an iterator
+    /// ending, or a persistent one's epoch: nobody waits for those batches any more, and their
+    /// workers must not wait either). What was granted to it stays out until adopted, given
+    /// back or closed ([`Grants::close`]): its workers may still be writing it.
+    pub fn stop(&self, owner: Option<u64>) {
+        let mut t = self.table();
+        t.owners.retain(|&o, _| owner.is_some_and(|w| w != o));
+        t.unyielded.retain(|_, u| owner.is_some_and(|w| w != u.0));
+        drop(t);
+        self.changed();
+    }
+
     /// The consumer of iterator `owner` waits for task `task` next: the batches before it are
     /// the consumer's.
     pub fn set_head(&self, owner: u64, task: u64) {

@@ -40,9 +40,7 @@ use reporting::{log_made, stats_dict};
 /// (host memory); `None` (the default) or `"cuda"` the rank's own GPU: the device of the CUDA
 /// context current on this thread (`torch.cuda.set_device`), else `$LOCAL_RANK` modulo the
 /// device count, else device 0. Where CUDA cannot be used, `None` gives host memory (with a
-/// note); a device or CUDA backend asked for by name raises `InvalidArgument` saying why. On
-/// a machine with several NUMA nodes, the arena goes on its GPU's node and the copy threads
-/// on that node's CPUs (`placement` says where).
+/// note); a device or CUDA backend asked for by name raises `InvalidArgument` saying why.
 #[pyclass(name = "PinPool", module = "pinpool._native", frozen)]
 pub struct PyPinPool {
     pool: Mutex<Option<Arc<Pool>>>,
@@ -62,7 +60,6 @@ pub struct PyPinPool {
     address: usize,
     copy_threads: usize,
     notes: Vec<String>,
-    placement: String,
     startup: Vec<(&'static str, f64)>,
 }
 
@@ -144,7 +141,6 @@ impl PyPinPool {
             };
             let pool = py.detach(|| Pool::new(&config)).py(py)?;
             let notes = log_made(py, &pool, chosen)?;
-            let placement = pool.arena().placement();
             Ok(PyPinPool {
                 device: pool.arena().device().map(|d| d.ordinal()),
                 backend: pool.backend().name(),
@@ -156,7 +152,6 @@ impl PyPinPool {
                 address: pool.arena().base() as usize,
                 copy_threads: pool.copy_threads(),
                 notes,
-                placement: placement.summary(),
                 startup: pool.arena().timings().to_vec(),
                 counters: pool.counters(),
                 segments: SharedReclaimer::default(),
@@ -389,7 +384,7 @@ impl PyPinPool {
     }
 
     /// As `slot_memfd`, with the memfd's inode number last: `(fd, slot offset in that memfd,
-    /// memfd length, inode)`, what a zero-copy reservation names (the inode lets the worker
+    /// memfd length, inode)`, what a zero-copy grant names (the inode lets the worker
     /// check that the descriptor it opens is that file).
     fn slot_location(&self, slot: &PySlot) -> Option<(i32, usize, usize, u64)> {
         self.location_of(slot).map(|l| (l.fd, l.offset, l.part_len, l.inode))
@@ -414,13 +409,6 @@ impl PyPinPool {
     #[getter]
     fn device(&self) -> Option<usize> {
         self.device
-    }
-
-    /// Where the arena's pages went and where its copy threads run ("arena on NUMA node 1
-    /// (GPU 0000:41:00.0), copy threads on CPUs 8-15"), or why it was not placed.
-    #[getter]
-    fn placement(&self) -> &str {
-        &self.placement
     }
 
     /// Threads used for copies.

@@ -61,23 +61,19 @@ pub(super) fn stats_dict<'py>(
 }
 
 /// Logs what a new pool is (on the `pinpool` logger): its notes and the device's, each kind
-/// once per process (warnings); where its memory went, on a NUMA machine (info); its sizes,
-/// backend and start-up time (debug). Returns every note, for `pool.notes`.
+/// once per process (warnings); its sizes, backend and start-up time (debug). Returns every
+/// note, for `pool.notes`.
 pub(super) fn log_made(py: Python<'_>, pool: &Pool, chosen: PoolDevice) -> PyResult<Vec<String>> {
     let mut notes = chosen.notes;
     notes.extend_from_slice(pool.arena().notes());
-    let placement = pool.arena().placement();
     let logger = py.import("logging")?.call_method1("getLogger", ("pinpool",))?;
     for note in notes.iter().filter(|n| first_time(n)) {
         logger.call_method1("warning", (note.as_str(),))?;
     }
-    if placement.node().is_some() {
-        logger.call_method1("info", (placement.summary(),))?;
-    }
     logger.call_method1(
         "debug",
         (format!(
-            "pool of {} bytes, slots of up to {} bytes, {} at once: {} ({}){}; {}; ready in {:.3} s",
+            "pool of {} bytes, slots of up to {} bytes, {} at once: {} ({}){}; ready in {:.3} s",
             pool.arena().len(),
             pool.largest_slot(),
             pool.num_slots(),
@@ -88,7 +84,6 @@ pub(super) fn log_made(py: Python<'_>, pool: &Pool, chosen: PoolDevice) -> PyRes
                 (Some(d), None) => format!(", device {}", d.ordinal()),
                 (None, _) => String::new(),
             },
-            placement.summary(),
             pool.arena().timings().iter().map(|t| t.1).sum::<f64>()
         ),),
     )?;

@@ -23,7 +23,7 @@ down and exits non-zero. Had rank 0 run to its deadline unstopped, it writes
 then a ``pinpool.DataLoader(device="cuda")`` in copy and in zero-copy mode must deliver
 torch's batches (bit for bit, 2 epochs) on ``cuda:r``, from a pool bound to GPU r; a bare
 ``pinpool.PinPool`` made without ``device=`` binds to GPU r too. Each rank reports its pools'
-``notes`` (where the arena went: its NUMA node, or why it was not placed).
+``notes``.
 
 In every mode every DataLoader worker writes an empty file ``OUT_DIR/workers/<rank>-<pid>``
 as it starts, so that the test can check that none of them is left once torchrun has exited.
