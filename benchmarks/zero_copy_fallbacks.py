@@ -1,6 +1,6 @@
 """How many zero-copy batches go through copy mode once the arena is ready, by batch size and
-workers: the arena's sizing at work (a reservation that finds no room sends its batch
-through its worker's segment, copied by the main process).
+workers: the arena's sizing at work (a batch that gets no grant goes through its worker's
+segment, copied by the main process).
 
 The loader's persistent workers make one epoch while the arena is made ready (in the
 background on a machine without CUDA: waited for here), then ``--epochs`` more are counted.
