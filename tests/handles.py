@@ -19,7 +19,7 @@ class HandleFactory:
     for a live loader, over a real segment made here, in this process."""
 
     def __init__(self, loader: pinpool.DataLoader) -> None:
-        self.token = loader._pin_receiver.token
+        self.token = loader._pinpool_receiver.token
         self.batch = {"a": torch.arange(10.0), "b": [torch.ones(3, 3, dtype=torch.int16), "s"]}
         self.plan = _codec.plan(self.batch)
         self.segment = WorkerSegment(1 << 16)

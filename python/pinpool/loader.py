@@ -82,11 +82,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """
 
     # Set in __init__ through __dict__ (see there).
-    _pin_receiver: Receiver
-    _pin_collate: PinCollate
-    _pin_streams: bool
-    _pin_tagging: bool
-    _pin_resume: Resume
+    _pinpool_receiver: Receiver
+    _pinpool_collate: PinCollate
+    _pinpool_streams: bool
+    _pinpool_tagging: bool
+    _pinpool_resume: Resume
 
     def __init__(
         self,
@@ -197,12 +197,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # loader, which must not get this one's internals.
         self.__dict__.update(
             given,
-            _pin_receiver=receiver,
-            _pin_collate=collate,
-            _pin_streams=worker_streams,
-            _pin_tagging=mode.worker_writes_in_place,
-            _pin_resume=resume,
-            _pin_wrap=False,
+            _pinpool_receiver=receiver,
+            _pinpool_collate=collate,
+            _pinpool_streams=worker_streams,
+            _pinpool_tagging=mode.worker_writes_in_place,
+            _pinpool_resume=resume,
+            _pinpool_wrap=False,
         )
         _keep_for_lightning(self)
         # Every setting given does something here, or the caller hears why it does not.
@@ -222,7 +222,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __iter__(self) -> LoaderIter:  # type: ignore[override]
         t0 = _trace.on and _trace.now()
-        resume = self._pin_resume
+        resume = self._pinpool_resume
         resume.start(self)
         if resume.worker_start is not None and self._iterator is not None:
             # A resumed iterable dataset's workers load their states as they start: a
@@ -231,13 +231,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 shut_down(self._iterator)
             finally:
                 self._iterator = None
-        self._pin_receiver.pools.make_ahead()
+        self._pinpool_receiver.pools.make_ahead()
         # torch reads _index_sampler as its iterator starts (a persistent one keeps it).
-        self.__dict__["_pin_wrap"] = True
+        self.__dict__["_pinpool_wrap"] = True
         try:
             inner = super().__iter__()
         finally:
-            self.__dict__["_pin_wrap"] = False
+            self.__dict__["_pinpool_wrap"] = False
         assert resume.current is not None
         if t0:
             _trace.span("loader.iter", t0)
@@ -253,26 +253,26 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         workers); one without ``state_dict()``/``load_state_dict()`` cannot resume: both
         attributes raise ``NotResumable``, a NotImplementedError and an AttributeError
         (``hasattr`` is False)."""
-        raise_if_not_resumable(self._pin_why_not())
-        return self._pin_state_dict
+        raise_if_not_resumable(self._pinpool_why_not())
+        return self._pinpool_state_dict
 
     @property
     def load_state_dict(self) -> Callable[[dict[str, Any]], None]:
         """``load_state_dict(state)``: the next iteration resumes where ``state`` (from
         :meth:`state_dict`) was taken; once it has drawn its order, torch's global RNG is as it
         was then."""
-        raise_if_not_resumable(self._pin_why_not())
-        return self._pin_load_state_dict
+        raise_if_not_resumable(self._pinpool_why_not())
+        return self._pinpool_load_state_dict
 
-    def _pin_load_state_dict(self, state: dict[str, Any]) -> None:
-        self._pin_resume.load_state_dict(state, self)
+    def _pinpool_load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pinpool_resume.load_state_dict(state, self)
 
-    def _pin_state_dict(self) -> dict[str, Any]:
+    def _pinpool_state_dict(self) -> dict[str, Any]:
         kept = self.persistent_workers and self.num_workers > 0 and self._iterator is not None
-        return self._pin_resume.state_dict(self, self.dataset, kept)
+        return self._pinpool_resume.state_dict(self, self.dataset, kept)
 
-    def _pin_why_not(self) -> str | None:
-        resume = self._pin_resume
+    def _pinpool_why_not(self) -> str | None:
+        resume = self._pinpool_resume
         in_order = getattr(self, "in_order", True)
         return unsupported(self.dataset, resume.iterable, self.num_workers, in_order)
 
@@ -286,14 +286,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # loader.pin_memory): where an accelerator is present; or where torch is to warn about
         # a pin_memory_device given with pin_memory=True, which it does in its own words.
         own_collate, own_init, pinned = self.collate_fn, self.worker_init_fn, self.pin_memory
-        torch_pins = self._pin_receiver.mode.pin_thread or bool(self.pin_memory_device)
+        torch_pins = self._pinpool_receiver.mode.pin_thread or bool(self.pin_memory_device)
         object.__setattr__(self, "pin_memory", bool(pinned) and torch_pins)
-        object.__setattr__(self, "collate_fn", self._pin_collate)
-        start, self._pin_resume.worker_start = self._pin_resume.worker_start, None
+        object.__setattr__(self, "collate_fn", self._pinpool_collate)
+        start, self._pinpool_resume.worker_start = self._pinpool_resume.worker_start, None
         init = own_init
         if start is not None:
             init = LoadWorkerState(start.states, init)
-        if getattr(self, "_pin_streams", False):
+        if getattr(self, "_pinpool_streams", False):
             init = StreamInWorkers(init)
         object.__setattr__(self, "worker_init_fn", init)
         try:
@@ -311,24 +311,24 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # torch reads this when it starts an epoch; in zero-copy mode every index list it
         # hands a worker carries its task.
         base = super()._index_sampler
-        if self.__dict__.get("_pin_wrap"):  # records, and skips what a resumed epoch yielded
-            base = EpochSampler(base, self._pin_resume, self)
-        grants = self._pin_receiver.grants
-        if grants is not None and getattr(self, "_pin_tagging", False):
+        if self.__dict__.get("_pinpool_wrap"):  # records, and skips what a resumed epoch yielded
+            base = EpochSampler(base, self._pinpool_resume, self)
+        grants = self._pinpool_receiver.grants
+        if grants is not None and getattr(self, "_pinpool_tagging", False):
             return TaskTagger(base, grants)
         return base
 
     @property
     def pool(self) -> PinPool | None:
         """The pool batches land in (None until the first batch when it is made lazily)."""
-        return self._pin_receiver.pool
+        return self._pinpool_receiver.pool
 
     def stats(self) -> LoaderStats:
         """The loader's own counters (``batches``, ``bytes``, ``overflow_batches``,
         ``zero_copy_batches``, ``zero_copy_fallbacks`` (of which ``zero_copy_no_grant`` and
         ``zero_copy_outgrown``), ``segments_cached``) plus its pool's, once the pool
         exists (:class:`~pinpool.LoaderStats`)."""
-        return self._pin_receiver.stats()
+        return self._pinpool_receiver.stats()
 
 
 #: pinpool's own __init__ arguments, beside torch's (declared in ``settings.ARGUMENTS``).

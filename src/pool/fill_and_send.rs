@@ -120,7 +120,7 @@ impl Pool {
     ///
     /// # Safety
     /// `hold` keeps the slot `slot` checked out (out of the pool) until it is dropped: a
-    /// pin of the slot (`crate::pool::slot::OwnedSlotPin`), whose drop carries out a release
+    /// hold of the slot (`crate::pool::slot::OwnedSlotHold`), whose drop carries out a release
     /// that waited for it.
     pub unsafe fn copy_in_background<H: Send + 'static>(
         self: &Arc<Self>,

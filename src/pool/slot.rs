@@ -6,13 +6,13 @@
 //! Invariants:
 //! - A held slot returns to its pool exactly once: through [`Slot::release`] or, when the
 //!   owner dies without releasing, [`Slot::finish`].
-//! - While a pin is held (a buffer export, a copy into the slot, or a copy still running on a
-//!   copy thread: [`OwnedSlotPin`]), a release is deferred until the last pin goes, whether the
+//! - While a hold is held (a buffer export, a copy into the slot, or a copy still running on a
+//!   copy thread: [`OwnedSlotHold`]), a release is deferred until the last hold goes, whether the
 //!   owner released the slot or died: the slot never re-enters the pool under a live view or
 //!   copy.
 //! - A release whose fence cannot be recorded waits for the whole device instead, then frees
 //!   the slot unfenced: a slot is never reused under a pending GPU read.
-//! - Every way in refuses a released slot (`SlotReleased`) and a pin for another pool.
+//! - Every way in refuses a released slot (`SlotReleased`) and a hold for another pool.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -33,8 +33,8 @@ enum Fence {
 #[derive(Debug, Default)]
 struct Use {
     released: bool,
-    pins: usize,
-    /// A release waiting for the last pin: how to give the slot back then.
+    holds: usize,
+    /// A release waiting for the last hold: how to give the slot back then.
     deferred: Option<Fence>,
 }
 
@@ -46,29 +46,29 @@ pub struct Slot {
     state: Mutex<Use>,
 }
 
-/// Keeps a slot out of the pool while it lives (see [`Slot::pin`]).
+/// Keeps a slot out of the pool while it lives (see [`Slot::hold`]).
 #[derive(Debug)]
-pub struct SlotPin<'a>(&'a Slot);
+pub struct SlotHold<'a>(&'a Slot);
 
-impl Drop for SlotPin<'_> {
+impl Drop for SlotHold<'_> {
     fn drop(&mut self) {
         self.0.unpin();
     }
 }
 
-/// A pin that owns its slot: it may outlive the slot's owner (a copy into the slot still
+/// A hold that owns its slot: it may outlive the slot's owner (a copy into the slot still
 /// running on a copy thread when the last view of the slot dies). See [`Slot::pin_owned`].
 #[derive(Debug)]
-pub struct OwnedSlotPin(Arc<Slot>);
+pub struct OwnedSlotHold(Arc<Slot>);
 
-impl OwnedSlotPin {
-    /// The pinned slot.
+impl OwnedSlotHold {
+    /// The slot held.
     pub fn slot(&self) -> &Slot {
         &self.0
     }
 }
 
-impl Drop for OwnedSlotPin {
+impl Drop for OwnedSlotHold {
     fn drop(&mut self) {
         self.0.unpin();
     }
@@ -98,7 +98,7 @@ impl Slot {
         Error::SlotReleased { index: self.id.index as usize }
     }
 
-    /// Whether the slot was released (or waits for its last pin to go).
+    /// Whether the slot was released (or waits for its last hold to go).
     pub fn is_released(&self) -> bool {
         self.state().released
     }
@@ -113,18 +113,18 @@ impl Slot {
 
     /// Pins the slot for as long as the guard lives (a copy into it). It must belong to
     /// `pool` and not be released.
-    pub fn pin(&self, pool: &Arc<Pool>) -> Result<SlotPin<'_>> {
+    pub fn hold(&self, pool: &Arc<Pool>) -> Result<SlotHold<'_>> {
         if !Arc::ptr_eq(&self.pool, pool) {
             return Err(Error::Invalid("this slot belongs to another pool".into()));
         }
         self.pin_held()?;
-        Ok(SlotPin(self))
+        Ok(SlotHold(self))
     }
 
-    /// As [`Slot::pin`], for as long as the returned pin lives, wherever it goes.
-    pub fn pin_owned(self: &Arc<Self>, pool: &Arc<Pool>) -> Result<OwnedSlotPin> {
-        std::mem::forget(self.pin(pool)?); // the pin now belongs to the OwnedSlotPin
-        Ok(OwnedSlotPin(Arc::clone(self)))
+    /// As [`Slot::hold`], for as long as the returned hold lives, wherever it goes.
+    pub fn hold_owned(self: &Arc<Self>, pool: &Arc<Pool>) -> Result<OwnedSlotHold> {
+        std::mem::forget(self.hold(pool)?); // the hold now belongs to the OwnedSlotHold
+        Ok(OwnedSlotHold(Arc::clone(self)))
     }
 
     /// Pins the slot until a matching [`Slot::unpin`] (a buffer export, whose end the
@@ -135,16 +135,16 @@ impl Slot {
             return Err(self.released_error());
         }
         let ptr = self.pool.slot_ptr(self.id)?;
-        s.pins += 1;
+        s.holds += 1;
         Ok(ptr)
     }
 
-    /// Ends one pin; the last one carries out a release deferred meanwhile.
+    /// Ends one hold; the last one carries out a release deferred meanwhile.
     pub fn unpin(&self) {
         let deferred = {
             let mut s = self.state();
-            s.pins = s.pins.saturating_sub(1);
-            if s.pins == 0 {
+            s.holds = s.holds.saturating_sub(1);
+            if s.holds == 0 {
                 s.deferred.take()
             } else {
                 None
@@ -155,14 +155,14 @@ impl Slot {
         }
     }
 
-    /// Releases the slot, fenced on `stream` (none: at once); with pins held, once the last
+    /// Releases the slot, fenced on `stream` (none: at once); with holds held, once the last
     /// one goes. A second release is refused.
     pub fn release(&self, stream: Option<StreamHandle>) -> Result<()> {
         let mut s = self.state();
         if s.released {
             return Err(self.released_error());
         }
-        if s.pins > 0 {
+        if s.holds > 0 {
             s.released = true;
             s.deferred = Some(Fence::Stream(stream));
             return Ok(());
@@ -175,10 +175,10 @@ impl Slot {
     /// The owner is going: carries out a deferred release, or releases the slot fenced on
     /// the stream `stream()` names (`Err`: it could not say, so wait for the whole device).
     /// Does nothing for a slot already given back.
-    /// With an owned pin still held, the return waits for it (its drop gives the slot back).
+    /// With an owned hold still held, the return waits for it (its drop gives the slot back).
     pub fn finish(&self, stream: impl FnOnce() -> std::result::Result<Option<StreamHandle>, ()>) {
         if self.state().released {
-            return; // given back, or waiting for its last pin
+            return; // given back, or waiting for its last hold
         }
         // (Asked before the state is locked again: the answer may come from Python.)
         let fence = match stream() {
@@ -191,7 +191,7 @@ impl Slot {
                 return;
             }
             s.released = true;
-            if s.pins > 0 {
+            if s.holds > 0 {
                 s.deferred = Some(fence);
                 return;
             }
@@ -237,11 +237,11 @@ mod tests {
     #[cfg_attr(miri, ignore)]
     fn a_release_waits_for_the_last_pin() {
         let (pool, l) = held(1);
-        let copy = l.pin(&pool).unwrap();
+        let copy = l.hold(&pool).unwrap();
         l.pin_held().unwrap(); // a buffer export
         l.release(None).unwrap();
         assert!(l.is_released());
-        assert_eq!(pool.stats().slots.checked_out, 1, "returned under a live pin");
+        assert_eq!(pool.stats().slots.checked_out, 1, "returned under a live hold");
         drop(copy);
         assert_eq!(pool.stats().slots.checked_out, 1, "returned under a live export");
         l.unpin();
@@ -261,7 +261,7 @@ mod tests {
         l.finish(|| Ok(None));
         assert_eq!(pool.stats().slots.free, 2);
         let (other, l2) = held(1);
-        assert!(l2.pin(&pool).is_err(), "pinned for another pool");
+        assert!(l2.hold(&pool).is_err(), "held for another pool");
         l2.finish(|| Err(())); // no stream known: a device wait (none here), then unfenced
         assert_eq!(other.stats().slots.free, 1);
     }
@@ -273,26 +273,26 @@ mod tests {
         let fences = Arc::new(ManualFences::new());
         let pool = Pool::with_fences(&PoolConfig::host(4096, 1), Box::new(fences.clone())).unwrap();
         let l = Arc::new(Slot::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap()));
-        let pin = l.pin_owned(&pool).unwrap();
+        let hold = l.hold_owned(&pool).unwrap();
         let other = Pool::new(&PoolConfig::host(4096, 1)).unwrap();
-        assert!(l.pin_owned(&other).is_err(), "pinned for another pool");
-        l.finish(|| Ok(Some(5))); // the owner dies: the return waits for the pin
+        assert!(l.hold_owned(&other).is_err(), "held for another pool");
+        l.finish(|| Ok(Some(5))); // the owner dies: the return waits for the hold
         assert!(l.is_released());
         assert_eq!(pool.stats().slots.checked_out, 1, "returned under a live copy");
         l.finish(|| panic!("a slot that is going asked for a stream again"));
-        drop(pin); // the copy ends: the slot goes back, fenced on the owner's stream
+        drop(hold); // the copy ends: the slot goes back, fenced on the owner's stream
         assert_eq!(pool.stats().slots.fenced, 1);
         pool.retire_fences();
         fences.complete_stream(5);
         pool.retire_fences();
         assert_eq!(pool.stats().slots.free, 1);
         assert_eq!(pool.stats().releases, 1, "given back twice");
-        // An owner whose stream cannot be known: after the pin, a device wait (none here).
+        // An owner whose stream cannot be known: after the hold, a device wait (none here).
         let l = Arc::new(Slot::new(Arc::clone(&pool), pool.try_checkout().unwrap().unwrap()));
-        let pin = l.pin_owned(&pool).unwrap();
+        let hold = l.hold_owned(&pool).unwrap();
         l.finish(|| Err(()));
         assert_eq!(pool.stats().slots.checked_out, 1);
-        drop(pin);
+        drop(hold);
         assert_eq!(pool.stats().slots.free, 1);
     }
 

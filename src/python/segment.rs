@@ -311,7 +311,7 @@ impl PySegmentCache {
     /// Every range is checked before anything is copied: sources must lie within the
     /// segment's capacity (`OutOfBounds`), destinations within the slot (`BatchTooLarge`)
     /// and not overlap each other (`InvalidArgument`). The slot must be one of this cache's
-    /// pool, unreleased (`SlotReleased`); it is pinned for the copy, so a concurrent
+    /// pool, unreleased (`SlotReleased`); it is held for the copy, so a concurrent
     /// `release()` waits for its end. An unknown `key` is `InvalidArgument`. Copies of 1 MiB
     /// or more release the GIL and use the pool's copy threads. The segment stays claimed:
     /// call `release(key)` once no more copies of this batch are needed.
@@ -325,7 +325,7 @@ impl PySegmentCache {
         guarded(|| {
             let ranges = copy_ranges(ranges);
             let slot = slot.get();
-            let _pin = slot.pin(py, self.cache.pool())?;
+            let _hold = slot.hold(py, self.cache.pool())?;
             let id = slot.id();
             let total = ranges.iter().fold(0usize, |n, r| n.saturating_add(r.len));
             if total < crate::transfer::copy::KEEP_GIL_MAX {
@@ -358,7 +358,7 @@ impl PySegmentCache {
             let ranges = copy_ranges(ranges);
             let (dst, stream) = send_target(py, self.cache.pool(), target, nbytes, stream)?;
             let slot = slot.get();
-            let _pin = slot.pin(py, self.cache.pool())?;
+            let _hold = slot.hold(py, self.cache.pool())?;
             let id = slot.id();
             // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
             // at least `nbytes` bytes (checked above), which the caller keeps alive until the
@@ -388,8 +388,8 @@ impl PySegmentCache {
     ) -> PyResult<PyCopying> {
         guarded(|| {
             let ranges = copy_ranges(ranges);
-            let pin = slot.get().pin_owned(py, self.cache.pool())?;
-            let done = self.cache.copy_to_slot_then_release(key, pin, &ranges).py(py)?;
+            let hold = slot.get().hold_owned(py, self.cache.pool())?;
+            let done = self.cache.copy_to_slot_then_release(key, hold, &ranges).py(py)?;
             Ok(PyCopying { done, sending: None })
         })
     }
@@ -415,7 +415,7 @@ impl PySegmentCache {
         guarded(|| {
             let ranges = copy_ranges(ranges);
             let (dst, stream) = send_target(py, self.cache.pool(), target, nbytes, stream)?;
-            let pin = slot.get().pin_owned(py, self.cache.pool())?;
+            let hold = slot.get().hold_owned(py, self.cache.pool())?;
             // The target stays alive until the copy to it is queued, whatever the caller
             // drops meanwhile (a reference dropped on the copy thread: Python lets go of it
             // the next time a thread attaches).
@@ -425,7 +425,8 @@ impl PySegmentCache {
             // queued and by the caller until it has run; the caller releases the slot fenced
             // on `stream` after this call (the method's documented contract).
             let (done, sending) = unsafe {
-                self.cache.copy_to_device_then_release(key, pin, &ranges, dst, nbytes, stream, keep)
+                self.cache
+                    .copy_to_device_then_release(key, hold, &ranges, dst, nbytes, stream, keep)
             }
             .py(py)?;
             Ok(PyCopying { done, sending: Some(sending) })

@@ -1,9 +1,9 @@
 //! `pinpool.Slot`: one checked-out slot, with the buffer protocol.
 //!
 //! Invariants:
-//! - The rules for giving the slot back (pins, deferred release, the device-wait fallback)
+//! - The rules for giving the slot back (holds, deferred release, the device-wait fallback)
 //!   are the core's [`Slot`]; this layer only converts arguments and errors, asks Python for
-//!   the current stream, and pins the slot for each buffer export.
+//!   the current stream, and holds the slot for each buffer export.
 //! - The slot returns to its pool when the object dies, if it was not released before (every
 //!   view of it holds a reference, so that is when the last view dies).
 
@@ -18,13 +18,13 @@ use super::convert::{guarded, IntoPy};
 use super::sent::{send_target, PySent};
 use super::stream::{current_stream, stream_arg};
 use crate::allocation::slots::SlotId;
-use crate::pool::slot::{OwnedSlotPin, Slot, SlotPin};
+use crate::pool::slot::{OwnedSlotHold, Slot, SlotHold};
 use crate::pool::Pool;
 
 /// One slot of a `PinPool`, checked out.
 #[pyclass(name = "Slot", module = "pinpool._native", frozen, weakref)]
 pub struct PySlot {
-    /// Shared with copies still running into the slot ([`OwnedSlotPin`]).
+    /// Shared with copies still running into the slot ([`OwnedSlotHold`]).
     slot: Arc<Slot>,
     fence_device: Option<usize>,
     /// Where the slot lies in the arena, `(offset, len)`: fixed for the checkout's life.
@@ -46,13 +46,13 @@ impl PySlot {
     }
 
     /// Pins the slot for a copy into it; it must belong to `pool` and be unreleased.
-    pub(crate) fn pin(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<SlotPin<'_>> {
-        self.slot.pin(pool).py(py)
+    pub(crate) fn hold(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<SlotHold<'_>> {
+        self.slot.hold(pool).py(py)
     }
 
-    /// As [`PySlot::pin`], for a copy that outlives the call (and perhaps this object).
-    pub(crate) fn pin_owned(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<OwnedSlotPin> {
-        self.slot.pin_owned(pool).py(py)
+    /// As [`PySlot::hold`], for a copy that outlives the call (and perhaps this object).
+    pub(crate) fn hold_owned(&self, py: Python<'_>, pool: &Arc<Pool>) -> PyResult<OwnedSlotHold> {
+        self.slot.hold_owned(pool).py(py)
     }
 
     /// The copy of [`PySlot::copy_to_device`] and [`PySlot::send_then_release`]: queued on
@@ -69,11 +69,11 @@ impl PySlot {
     ) -> PyResult<(crate::system::cuda::Event, usize)> {
         let pool = Arc::clone(self.slot.pool());
         let (dst, stream) = send_target(py, &pool, target, nbytes, stream)?;
-        let _pin = self.pin(py, &pool)?; // refused once released
+        let _hold = self.hold(py, &pool)?; // refused once released
         let id = self.slot.id();
         // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with at
         // least `nbytes` bytes (checked above), kept alive by the caller until the copy has
-        // run; the slot is pinned while the copy is queued, and the caller releases it fenced
+        // run; the slot is held while the copy is queued, and the caller releases it fenced
         // on `stream`, behind the copy (both methods' documented contract).
         let send = || unsafe { pool.send(id, dst, nbytes, stream) };
         let event = match keep_gil {

@@ -391,7 +391,7 @@ def loader_side(**kwargs: Any) -> Iterator[pinpool.DataLoader]:
     try:
         yield loader
     finally:
-        loader._pin_receiver.close()
+        loader._pinpool_receiver.close()
 
 
 def received(state: tuple[Any, ...], cls: type = BatchHandle) -> Any:
@@ -644,7 +644,7 @@ def test_batch_handle_fields(decoy: int) -> None:
     names = BatchHandle._STATE
     with loader_side() as warm:  # torch and the pool open what they keep open
         worker.refill()
-        state = worker.handle(warm._pin_receiver.token, True).__getstate__()
+        state = worker.handle(warm._pinpool_receiver.token, True).__getstate__()
         check_batch_handle(warm, worker, lambda: received(state), False, worker.batch)
 
     @FUZZ
@@ -657,7 +657,7 @@ def test_batch_handle_fields(decoy: int) -> None:
         extra = {} if lazy else {"slot_bytes": 2 << 20}
         with no_fd_left():  # once the loader is gone
             with loader_side(oversize=oversize, **extra) as loader:
-                token = loader._pin_receiver.token
+                token = loader._pinpool_receiver.token
                 if not first:  # an earlier batch announced the segment
                     worker.refill()
                     state = worker.handle(token, True).__getstate__()
@@ -685,7 +685,7 @@ def test_batch_handle_fields(decoy: int) -> None:
 def one_slot_handle(data: Any, worker: Worker) -> None:
     # (A worker, never started, so that the loader grants zero-copy slots.)
     with loader_side(zero_copy=True, slot_bytes=CAPACITY, num_slots=3, num_workers=1) as loader:
-        receiver = loader._pin_receiver
+        receiver = loader._pinpool_receiver
         grants = receiver.grants
         grants.open(1)
         task = ZeroCopyTask(1, 0)
@@ -729,7 +729,7 @@ def test_slot_handle_fields() -> None:
 def announced(loader: pinpool.DataLoader, worker: Worker, first: bool) -> str:
     """The loader's token, with the worker's segment already received once unless ``first``
     (then the next handle is a later one); the segment refilled for the next handle."""
-    token = loader._pin_receiver.token
+    token = loader._pinpool_receiver.token
     if not first:
         worker.refill()
         state = worker.handle(token, True).__getstate__()
@@ -1203,7 +1203,7 @@ def one_hint(
     from pinpool._wire.pool_hint import PoolHint
 
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
-    receiver = loader._pin_receiver
+    receiver = loader._pinpool_receiver
     hint = PoolHint()
     try:
         hint.watch(receiver.pools.make_from_hint, lambda: receiver.pool is None)

@@ -197,14 +197,14 @@ def test_a_handle_met_after_its_loader_closed_opens_nothing() -> None:
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, pool=pool)
     make = HandleFactory(loader)
     taken, dropped = make.make(), make.make()
-    loader._pin_receiver.close()
+    loader._pinpool_receiver.close()
     fds = open_fd_count()
     with pytest.raises(PinPoolError, match="loader was closed"):
         taken.take()
     del dropped
     gc.collect()
     assert open_fd_count() == fds
-    assert loader._pin_receiver.cache is None or len(loader._pin_receiver.cache) == 0
+    assert loader._pinpool_receiver.cache is None or len(loader._pinpool_receiver.cache) == 0
 
 
 class Marker:
@@ -248,7 +248,7 @@ def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPa
     state = good.__getstate__()
     calls = []
     raised = []
-    receive = type(loader._pin_receiver.intake).receive
+    receive = type(loader._pinpool_receiver.intake).receive
 
     def worker_died(self: Any, handle: Any) -> Any:
         calls.append(handle)
@@ -257,7 +257,7 @@ def test_foreign_errors_while_receiving_reach_torch(monkeypatch: pytest.MonkeyPa
             raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
         return receive(self, handle)
 
-    monkeypatch.setattr(type(loader._pin_receiver.intake), "receive", worker_died)
+    monkeypatch.setattr(type(loader._pinpool_receiver.intake), "receive", worker_died)
     h = BatchHandle.__new__(BatchHandle)
     h.__setstate__(state)
     assert not calls, "unpickling a handle acted on it"
@@ -339,14 +339,14 @@ def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.Monk
     monkeypatch.setattr(pinpool._main.sizing, "available_memory", lambda: 16 * MiB)
     # A first batch of 4 MiB: the arena may take 8 MiB, so it holds two batches of 4 MiB.
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
-    pools = loader._pin_receiver.pools
+    pools = loader._pinpool_receiver.pools
     pool, _ = pools.pool_for(4 * MiB)
     assert pool.arena_bytes <= 8 * MiB and pool.largest_slot >= 4 * MiB
     # A first batch of 6 MiB: no arena of two of it fits; the arena is what fits, and the
     # batch gets memory of its own (counted), or, with oversize="error", a clear error.
     for oversize in ("pin", "error"):
         loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0, oversize=oversize)
-        pools = loader._pin_receiver.pools
+        pools = loader._pinpool_receiver.pools
         pool, _ = pools.pool_for(6 * MiB)
         assert pool.arena_bytes <= 8 * MiB and pools.max_batch < 6 * MiB
         if oversize == "error":
@@ -371,7 +371,7 @@ def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
     # default, 5 batches or the smallest arena, to fit).
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0, oversize="error")
-    pools = loader._pin_receiver.pools
+    pools = loader._pinpool_receiver.pools
     pool, _ = pools.pool_for(5 * MiB)
     assert pool.arena_bytes <= 8 * MiB and pools.max_batch < 5 * MiB
     with pytest.raises(pinpool.BatchTooLarge, match="4 ranks on this host") as info:
@@ -379,7 +379,7 @@ def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
     del info, pool
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
-    pool, _ = loader._pin_receiver.pools.pool_for(5 * MiB)
+    pool, _ = loader._pinpool_receiver.pools.pool_for(5 * MiB)
     assert pool.arena_bytes <= 32 * MiB
     assert pool.largest_slot >= 5 * MiB
 
@@ -631,7 +631,7 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(
             reached = seen[seen[:, 1:].sum(1) > 0]
             assert len(reached) == 0, f"made while the arena was reachable: {reached.tolist()}"
         assert loader.stats()["zero_copy_batches"] >= 12, loader.stats()
-        receiver_grants = loader._pin_receiver.grants
+        receiver_grants = loader._pinpool_receiver.grants
         assert receiver_grants.hinted >= 2, "no worker was told of its next slots"
         # (A child forked while an arena is being freed may inherit it as it was: nothing
         # uses that arena any more, but it would count here. The last epoch's iterator, which

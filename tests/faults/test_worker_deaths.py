@@ -416,7 +416,7 @@ def test_a_signal_handlers_exception_in_the_receiver_goes_on() -> None:
             signal.raise_signal(signal.SIGUSR1)  # (the handler raises here, before the open)
         return real_open(pid, fd)
 
-    receiver = loader._pin_receiver
+    receiver = loader._pinpool_receiver
     with (
         handler(signal.SIGUSR1, raise_interrupted),
         pytest.MonkeyPatch.context() as mp,

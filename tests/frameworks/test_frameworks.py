@@ -60,7 +60,7 @@ def test_a_rebuilt_loader_keeps_the_settings_and_nothing_else(zero_copy: bool) -
     assert again.collate_fn is default_collate
     for name, value in settings.items():
         assert getattr(again, name) == value, name
-    assert again._pin_receiver is not first._pin_receiver
+    assert again._pinpool_receiver is not first._pinpool_receiver
     assert again.pool is not first.pool, "a pool the loader made itself is not shared"
     assert again.pool is not None and again.pool.slot_bytes == 1 << 20
     expect = [b["idx"].tolist() for b in torch.utils.data.DataLoader(Indexed(24), batch_size=4)]
@@ -81,9 +81,11 @@ def test_a_pinpool_collate_handed_back_is_not_wrapped_twice() -> None:
     first = pinpool.DataLoader(Indexed(8), batch_size=4, collate_fn=sum_collate, pool=pool)
     assert first.collate_fn is sum_collate
     # A framework that reads what torch's iterator used (pinpool's collate) and passes it on.
-    again = pinpool.DataLoader(Indexed(8), batch_size=4, collate_fn=first._pin_collate, pool=pool)
+    again = pinpool.DataLoader(
+        Indexed(8), batch_size=4, collate_fn=first._pinpool_collate, pool=pool
+    )
     assert again.collate_fn is sum_collate
-    assert again._pin_collate.token != first._pin_collate.token
+    assert again._pinpool_collate.token != first._pinpool_collate.token
     batches = list(again)
     assert [b["idx"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert all(in_pool(pool, b["total"]) for b in batches)

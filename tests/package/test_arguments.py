@@ -114,7 +114,7 @@ def test_the_delivery_mode_is_resolved_once_from_the_arguments_and_the_machine(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loader = pinpool.DataLoader(torch.arange(4), **kwargs)
-    receiver = loader._pin_receiver
+    receiver = loader._pinpool_receiver
     mode = receiver.mode
     assert mode.worker_writes_in_place is zero_copy
     assert mode.main_process_copies is not zero_copy

@@ -110,7 +110,7 @@ def private_names_used(path: Path) -> set[str]:
     return {
         n
         for n in names
-        if n.startswith("_") and not n.startswith("__") and not n.startswith("_pin_")
+        if n.startswith("_") and not n.startswith("__") and not n.startswith("_pinpool_")
     }
 
 

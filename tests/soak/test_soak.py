@@ -161,7 +161,7 @@ def test_a_run_of_the_matrix(case: Case, monkeypatch: pytest.MonkeyPatch) -> Non
             written = stats["zero_copy_batches"] + stats["zero_copy_fallbacks"]
             assert stats["zero_copy_batches"] >= IN_PLACE_AT_LEAST * written, stats
     pool = loader.pool
-    grants = loader._pin_receiver.grants
+    grants = loader._pinpool_receiver.grants
     held.clear()
     ending.wait_all(timeout=30)
     gc.collect()

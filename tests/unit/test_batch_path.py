@@ -48,9 +48,9 @@ def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     # (The writer counts a message once its write returned, which may be after the reader
     # has it.)
     deadline = time.monotonic() + 5
-    while q._pin_writer.written < len(sent) + 300 and time.monotonic() < deadline:
+    while q._pinpool_writer.written < len(sent) + 300 and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert q._pin_writer.written == len(sent) + 300
+    assert q._pinpool_writer.written == len(sent) + 300
     q.close()
     q.join_thread()
     del q
@@ -126,7 +126,7 @@ def test_close_gives_up_a_full_pipe_nobody_reads() -> None:
     t = time.perf_counter()
     q.close()
     assert time.perf_counter() - t < 2.0
-    assert q._pin_writer.written < 20
+    assert q._pinpool_writer.written < 20
     assert open_fd_count() == before
 
 

@@ -168,7 +168,7 @@ def test_a_wrong_hint_is_undone_by_the_first_batch(caplog: pytest.LogCaptureFixt
     for the real first batch, or far larger than it needs, is made again from the real one,
     as long as nothing has used it."""
     loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
-    receiver = loader._pin_receiver
+    receiver = loader._pinpool_receiver
     receiver.pools.make_from_hint(1, 1)  # "a 1-byte batch"
     small = receiver.pool
     assert small is not None and small.arena_bytes == MIN_ARENA
@@ -186,7 +186,7 @@ def test_a_wrong_hint_is_undone_by_the_first_batch(caplog: pytest.LogCaptureFixt
     # "A 64 MiB batch", then a real one of 1 KiB: the arena it would have made is the
     # smallest, and the hinted one is made again, that small.
     loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
-    receiver = loader._pin_receiver
+    receiver = loader._pinpool_receiver
     receiver.pools.make_from_hint(64 << 20, 1)
     big = receiver.pool
     assert big is not None and big.arena_bytes > 4 * MIN_ARENA
@@ -195,7 +195,7 @@ def test_a_wrong_hint_is_undone_by_the_first_batch(caplog: pytest.LogCaptureFixt
 
     # A hinted pool already in use stays.
     loader = pinpool.DataLoader(Paced(4, (1, 1), seconds=0.0), batch_size=2, num_workers=0)
-    receiver = loader._pin_receiver
+    receiver = loader._pinpool_receiver
     receiver.pools.make_from_hint(1, 1)
     used = receiver.pool
     assert used is not None

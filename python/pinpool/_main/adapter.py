@@ -142,7 +142,7 @@ class Pinned(Generic[_T]):
     ) -> None:
         if not isinstance(loader, Iterable):
             raise InvalidArgument(f"pinned() needs an iterable of batches, not {loader!r}")
-        if isinstance(loader, Pinned) or "_pin_receiver" in getattr(loader, "__dict__", {}):
+        if isinstance(loader, Pinned) or "_pinpool_receiver" in getattr(loader, "__dict__", {}):
             raise InvalidArgument(
                 "this loader's batches are in pinpool slots already (pinpool.DataLoader "
                 "takes device=, pool=, slot_bytes= itself)"

@@ -42,10 +42,10 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
     """A ``multiprocessing.Queue`` whose messages are written by a Rust thread (see the
     module's doc). Made by :func:`write_directly`."""
 
-    _pin_writer: PipeWriter
+    _pinpool_writer: PipeWriter
     #: Closes the pipe's ends, once (see :func:`write_directly`).
-    _pin_ends: weakref.finalize
-    _pin_pickler: tuple[io.BytesIO, ForkingPickler, threading.Lock]
+    _pinpool_ends: weakref.finalize
+    _pinpool_pickler: tuple[io.BytesIO, ForkingPickler, threading.Lock]
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         t0 = _trace.on and _trace.now()
@@ -55,14 +55,14 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
         # The worker's get() releases this semaphore for every message it reads.
         if not self._sem.acquire(block, timeout):  # type: ignore[attr-defined]
             raise Full
-        self._pin_writer.send(data)
+        self._pinpool_writer.send(data)
         if t0:
             _trace.span("index.put", t0, nbytes=len(data))
 
     def _dumps(self, obj: Any) -> bytes:
         """``ForkingPickler.dumps(obj)``, by a pickler kept for the queue: making one copies
         copyreg's whole dispatch table and torch's reducers, most of a put's pickling."""
-        buf, pickler, lock = self._pin_pickler
+        buf, pickler, lock = self._pinpool_pickler
         # Another thread is pickling: one of its own. Or the buffer is closed: a queue in a
         # reference cycle, whose objects the collector finalizes in any order (the BytesIO may
         # go before the iterator whose shutdown puts the workers' exit messages).
@@ -83,8 +83,8 @@ class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]
         try:
             super().close()
         finally:
-            self._pin_writer.close()
-            self._pin_ends()  # (once: later calls do nothing)
+            self._pinpool_writer.close()
+            self._pinpool_ends()  # (once: later calls do nothing)
 
 
 def _close_ends(reader: Any, writer: Any) -> None:
@@ -101,15 +101,15 @@ def write_directly(queue: Any) -> bool:
     kind of queue, or one already fed by its thread)."""
     if type(queue) is not MultiprocessingQueue or queue._thread is not None:
         return False
-    queue._pin_writer = PipeWriter(queue._writer.fileno())
+    queue._pinpool_writer = PipeWriter(queue._writer.fileno())
     # The pipe's ends are closed once, by close() or as the queue goes, never by their own
     # finalizers: in a reference cycle the collector finalizes every object in it before it
     # clears any, in no set order, and a ``Connection`` finalized there closes its
     # descriptor but keeps its number, so the queue's close() (as the iterator's shutdown
     # runs) would close that number again: EBADF, or another file that took the number since.
     # (torch's own queues escape this: their feeder thread holds their ends.)
-    queue._pin_ends = weakref.finalize(queue, _close_ends, queue._reader, queue._writer)
+    queue._pinpool_ends = weakref.finalize(queue, _close_ends, queue._reader, queue._writer)
     buf = io.BytesIO()
-    queue._pin_pickler = (buf, ForkingPickler(buf), threading.Lock())
+    queue._pinpool_pickler = (buf, ForkingPickler(buf), threading.Lock())
     queue.__class__ = DirectQueue
     return True

@@ -35,8 +35,8 @@ class LoaderIter:
         self._inner = inner
         self._epoch = epoch  # counts the batches and samples yielded, for state_dict()
         self._ended = False
-        loader._pin_receiver.iterator = weakref.ref(inner)
-        self._mark = loader._pin_receiver.fallbacks_mark()
+        loader._pinpool_receiver.iterator = weakref.ref(inner)
+        self._mark = loader._pinpool_receiver.fallbacks_mark()
         sampler = getattr(inner, "_index_sampler", None)
         #: Zero-copy: told, once each batch is handed over (in the arena, taken in its turn),
         #: the task the consumer waits for next: the one whose worker may take the room kept
@@ -68,7 +68,7 @@ class LoaderIter:
         except StopIteration:
             self._epoch.ended = True
             self._end()
-            self._loader._pin_receiver.epoch_ended(self._mark)
+            self._loader._pinpool_receiver.epoch_ended(self._mark)
             raise
         except BaseException as exc:
             # (torch may have passed a batch as it raised, a worker's exception: it is gone)
@@ -90,7 +90,7 @@ class LoaderIter:
         return batch
 
     def _end(self) -> None:
-        receiver = self._loader._pin_receiver
+        receiver = self._loader._pinpool_receiver
         if self._ended or receiver.pid != os.getpid():
             return
         self._ended = True

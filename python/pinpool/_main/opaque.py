@@ -81,7 +81,7 @@ class OpaqueObjects:
     def __init__(self, on_device: bool) -> None:
         # Whether objects that pin themselves are pinned (as torch would): known with a
         # device, else asked at the first such object.
-        self._pin_others: bool | None = True if on_device else None
+        self._pinpool_others: bool | None = True if on_device else None
         #: The types of objects the batches held that pinpool cannot look into (warned about
         #: once per loader).
         self._looked_past: set[type] = set()
@@ -98,9 +98,9 @@ class OpaqueObjects:
                 self._looked_past.add(type(obj))
                 looked_past(type(obj))
             return obj
-        if self._pin_others is None:
-            self._pin_others = torch_would_pin()
-        if not self._pin_others:
+        if self._pinpool_others is None:
+            self._pinpool_others = torch_would_pin()
+        if not self._pinpool_others:
             pinned_by_itself(type(obj), False)
             return obj
         pin = obj.pin_memory

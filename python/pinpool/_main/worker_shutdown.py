@@ -70,7 +70,7 @@ def abandon_half_made(it: Any) -> None:
     shut down (its finalizer does nothing). Nothing here raises: the ``__init__``'s error is
     the one the caller gets."""
     d = it.__dict__
-    d["_pin_shut_down"] = True
+    d["_pinpool_shut_down"] = True
     d["_shutdown"] = True
     try:
         done = d.get("_workers_done_event")

@@ -85,9 +85,9 @@ class WorkersIter(MultiProcessingIter):
     """
 
     def __init__(self, loader: Any, first: int) -> None:
-        self._pin_first = first
-        self._pin_receiver = loader._pin_receiver
-        self._pin_pid = os.getpid()
+        self._pinpool_first = first
+        self._pinpool_receiver = loader._pinpool_receiver
+        self._pinpool_pid = os.getpid()
         t0 = _trace.on and _trace.now()
         try:
             super().__init__(loader)
@@ -112,11 +112,11 @@ class WorkersIter(MultiProcessingIter):
         else:
             # Persistent workers, a new epoch: torch gets and drops what the last one left in
             # the result queue.
-            self.__dict__["_pin_draining"] = True
+            self.__dict__["_pinpool_draining"] = True
         try:
             super()._reset(loader, first_iter)
         finally:
-            self.__dict__["_pin_draining"] = False
+            self.__dict__["_pinpool_draining"] = False
 
     def __next__(self) -> Any:
         # torch's __next__ opens a profiler range (``record_function``) around each batch,
@@ -150,7 +150,7 @@ class WorkersIter(MultiProcessingIter):
         if success and not self._pin_memory:
             handle = handle_of(data[1])
             if handle is not None:
-                self._pin_receiver.receive_now(handle)
+                self._pinpool_receiver.receive_now(handle)
         return success, data
 
     def _shutdown_workers(self) -> None:
@@ -165,9 +165,9 @@ class WorkersIter(MultiProcessingIter):
         self._shut_down(wait=True)
 
     def _shut_down(self, wait: bool) -> None:
-        if getattr(self, "_pin_pid", None) != os.getpid():
+        if getattr(self, "_pinpool_pid", None) != os.getpid():
             return
-        ended = self.__dict__.get("_pin_ended")
+        ended = self.__dict__.get("_pinpool_ended")
         if ended is not None:
             # Begun at the epoch's end: the ending thread finishes it. A caller of torch's
             # _shutdown_workers finds it done when it returns, as torch's does (not the
@@ -175,7 +175,7 @@ class WorkersIter(MultiProcessingIter):
             if wait and not ending.on_ending_thread() and not self._on_own_pin_thread():
                 ended.wait()
             return
-        if self.__dict__.get("_pin_shut_down"):
+        if self.__dict__.get("_pinpool_shut_down"):
             return
         if self._ends_naturally():
             self._end_in_background()
@@ -205,18 +205,18 @@ class WorkersIter(MultiProcessingIter):
         if getattr(self, "_worker_pids_set", False):
             remove_worker_pids(id(self))
             self._worker_pids_set = False
-        self.__dict__["_pin_then"] = []
-        self.__dict__["_pin_ended"] = ending.hand_over(self._finish_ending)
+        self.__dict__["_pinpool_then"] = []
+        self.__dict__["_pinpool_ended"] = ending.hand_over(self._finish_ending)
         if t0:
             _trace.span("workers.shutdown", t0, background=True, pids=pids_of(self))
 
     def after_shutdown(self, then: Callable[[], None]) -> bool:
         """Has ``then`` called once the ending thread has shut the workers down; False
         (nothing done) where the shutdown was not handed to it."""
-        if self.__dict__.get("_pin_ended") is None:
+        if self.__dict__.get("_pinpool_ended") is None:
             return False
         with _THEN_LOCK:
-            later = self.__dict__["_pin_then"]
+            later = self.__dict__["_pinpool_then"]
             if later is not None:  # (None: the shutdown is done)
                 later.append(then)
                 return True
@@ -232,7 +232,7 @@ class WorkersIter(MultiProcessingIter):
             _warn_ending(exc)
         finally:
             with _THEN_LOCK:
-                later, self.__dict__["_pin_then"] = self.__dict__["_pin_then"], None
+                later, self.__dict__["_pinpool_then"] = self.__dict__["_pinpool_then"], None
             for then in later:
                 try:
                     then()
@@ -254,7 +254,7 @@ class WorkersIter(MultiProcessingIter):
         # (Should the ending thread not take the shutdown up soon, busy with another, the main
         # thread takes it back and has a thread of its own run it: a lock the main thread
         # holds might be what that other shutdown waits for.)
-        if self.__dict__.get("_pin_shut_down"):
+        if self.__dict__.get("_pinpool_shut_down"):
             return  # (done whole before: each step would find nothing to do)
         if self._on_own_pin_thread():
             # The collector ran this iterator's finalizer on its own pin thread (the iterator
@@ -300,7 +300,7 @@ class WorkersIter(MultiProcessingIter):
         except BaseException as exc:
             errors.append(exc)
         if not errors and getattr(self, "_shutdown", False):
-            self.__dict__["_pin_shut_down"] = True
+            self.__dict__["_pinpool_shut_down"] = True
         return errors
 
     def __del__(self) -> None:
@@ -312,13 +312,13 @@ class WorkersIter(MultiProcessingIter):
 
     @property  # type: ignore[override]
     def _worker_queue_idx_cycle(self) -> Iterator[int]:
-        return self.__dict__["_pin_cycle"]  # type: ignore[no-any-return]
+        return self.__dict__["_pinpool_cycle"]  # type: ignore[no-any-return]
 
     @_worker_queue_idx_cycle.setter
     def _worker_queue_idx_cycle(self, cycle: Iterator[int]) -> None:
-        for _ in range(self.__dict__.pop("_pin_first", 0)):
+        for _ in range(self.__dict__.pop("_pinpool_first", 0)):
             next(cycle)
-        self.__dict__["_pin_cycle"] = cycle
+        self.__dict__["_pinpool_cycle"] = cycle
 
 
 #: Guards each iterator's list of what to do after its shutdown on the ending thread.

@@ -22,7 +22,7 @@ use crate::allocation::slots::SlotId;
 use crate::error::{Error, Result};
 use crate::memory::shm::Mapping;
 use crate::pool::fill_and_send::Sending;
-use crate::pool::slot::OwnedSlotPin;
+use crate::pool::slot::OwnedSlotHold;
 use crate::pool::Pool;
 use crate::system::cuda::{Event, StreamHandle};
 use crate::transfer::copy::{CopyDone, CopyRange};
@@ -159,21 +159,21 @@ impl SegmentCache {
         result
     }
 
-    /// As [`SegmentCache::copy_to_slot`] into the slot `pin` holds, but on one of the pool's
+    /// As [`SegmentCache::copy_to_slot`] into the slot `hold` holds, but on one of the pool's
     /// copy threads ([`Pool::copy_in_background`]): returns at once, once every range is
     /// checked. The segment is handed back to its worker on that thread, right after the copy
     /// (do not [`SegmentCache::release`] it too).
     pub fn copy_to_slot_then_release(
         &self,
         key: SegmentKey,
-        pin: OwnedSlotPin,
+        hold: OwnedSlotHold,
         ranges: &[CopyRange],
     ) -> Result<Arc<CopyDone>> {
-        let (map, shifted) = self.for_copy_thread(key, &pin, ranges)?;
-        let id = pin.slot().id();
-        // SAFETY: a pin keeps its slot out of the pool until it is dropped (a release
+        let (map, shifted) = self.for_copy_thread(key, &hold, ranges)?;
+        let id = hold.slot().id();
+        // SAFETY: a hold keeps its slot out of the pool until it is dropped (a release
         // meanwhile waits for it: `crate::pool::slot`).
-        unsafe { self.pool.copy_in_background(id, pin, map, shifted, self.hand_back()) }
+        unsafe { self.pool.copy_in_background(id, hold, map, shifted, self.hand_back()) }
     }
 
     /// As [`SegmentCache::copy_to_slot_then_release`], and then, on that copy thread, a copy of
@@ -185,27 +185,27 @@ impl SegmentCache {
     /// As [`SegmentCache::copy_to_device`]: `[dst, dst+len)` is device memory of the pool's
     /// device that stays allocated until the copy to it is queued (`keep`, dropped on the
     /// copy thread after that, may be what keeps it) and then until it has run; the caller
-    /// releases the slot fenced on `stream` (the release waits for `pin`: it is recorded
+    /// releases the slot fenced on `stream` (the release waits for `hold`: it is recorded
     /// after the send).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn copy_to_device_then_release<K: Send + 'static>(
         &self,
         key: SegmentKey,
-        pin: OwnedSlotPin,
+        hold: OwnedSlotHold,
         ranges: &[CopyRange],
         dst: u64,
         len: usize,
         stream: StreamHandle,
         keep: K,
     ) -> Result<(Arc<CopyDone>, Arc<Sending>)> {
-        let (map, shifted) = self.for_copy_thread(key, &pin, ranges)?;
-        let id = pin.slot().id();
-        // SAFETY: the pin keeps its slot out of the pool until it is dropped, after the send;
+        let (map, shifted) = self.for_copy_thread(key, &hold, ranges)?;
+        let id = hold.slot().id();
+        // SAFETY: the hold keeps its slot out of the pool until it is dropped, after the send;
         // the caller vouches for `dst`.
         unsafe {
             self.pool.copy_in_and_send_in_background(
                 id,
-                (pin, keep),
+                (hold, keep),
                 map,
                 shifted,
                 dst,
@@ -271,15 +271,15 @@ impl SegmentCache {
     }
 
     /// The segment's mapping and `ranges` shifted into its data area, for a copy on a copy
-    /// thread into the slot `pin` holds, checked first (the slot is this pool's, the segment
+    /// thread into the slot `hold` holds, checked first (the slot is this pool's, the segment
     /// is known, every range lies in its data area).
     fn for_copy_thread(
         &self,
         key: SegmentKey,
-        pin: &OwnedSlotPin,
+        hold: &OwnedSlotHold,
         ranges: &[CopyRange],
     ) -> Result<(Arc<Mapping>, Vec<CopyRange>)> {
-        if !Arc::ptr_eq(pin.slot().pool(), &self.pool) {
+        if !Arc::ptr_eq(hold.slot().pool(), &self.pool) {
             return Err(Error::Invalid("this slot belongs to another pool".into()));
         }
         let map = self.get(key)?;

@@ -215,9 +215,9 @@ fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
     cache.insert((3, 0), dup(&seg), seg.total_len(), seg.nonce()).unwrap();
     for round in 0..20 {
         let slot = Arc::new(Slot::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
-        let pin = slot.pin_owned(&pool).unwrap();
+        let hold = slot.hold_owned(&pool).unwrap();
         let range = [CopyRange { src: 0, dst: 8, len: 600_000 }];
-        let done = cache.copy_to_slot_then_release((3, 0), pin, &range).unwrap();
+        let done = cache.copy_to_slot_then_release((3, 0), hold, &range).unwrap();
         if round % 2 == 1 {
             // The owner dies at once (its batch dropped unread): the slot must stay out
             // of the pool until the copy is over, then come back exactly once.
@@ -238,15 +238,15 @@ fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
         assert_eq!(pool.stats().slots.free, 2);
     }
     assert_eq!(pool.stats().releases, 20, "a slot given back twice, or not at all");
-    // A bad range is refused before anything runs; the pin goes with the error.
+    // A bad range is refused before anything runs; the hold goes with the error.
     let slot = Arc::new(Slot::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
     let past_end = [CopyRange { src: 0, dst: (1 << 20) - 4, len: 8 }];
-    let pin = slot.pin_owned(&pool).unwrap();
-    assert!(cache.copy_to_slot_then_release((3, 0), pin, &past_end).is_err());
-    let pin = slot.pin_owned(&pool).unwrap();
-    assert!(cache.copy_to_slot_then_release((8, 8), pin, &[]).is_err(), "unknown segment");
+    let hold = slot.hold_owned(&pool).unwrap();
+    assert!(cache.copy_to_slot_then_release((3, 0), hold, &past_end).is_err());
+    let hold = slot.hold_owned(&pool).unwrap();
+    assert!(cache.copy_to_slot_then_release((8, 8), hold, &[]).is_err(), "unknown segment");
     slot.release(None).unwrap();
-    assert_eq!(pool.stats().slots.free, 2, "a refused copy kept its pin");
+    assert_eq!(pool.stats().slots.free, 2, "a refused copy kept its hold");
 }
 
 #[test]
