@@ -3,12 +3,15 @@
 Runs the benchmark as a user would, in a subprocess (on a machine without CUDA it measures
 the host-side path only), then checks the JSON's top-level keys and contents (the stall
 scenario's phases, time to first batch, time inside next(), the tokens workload, what ran
-where), the PNGs, and the table printed at the end; and the varlen workload's own figures.
+where, the ceilings and each loader's share of the one that binds), the PNGs, and the table
+printed at the end; and the varlen workload's own figures.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,8 @@ from pathlib import Path
 import pytest
 
 PHASES = ["construction", "first_batch", "epoch1", "epoch2", "del", "gc"]
+#: The workers' ceiling, run like a loader (pinpool.bench.ceilings.WORKERS).
+WORKERS = "workers (no transfer)"
 
 TOP_LEVEL = {
     "meta",
@@ -26,6 +31,9 @@ TOP_LEVEL = {
     "skipped",
     "notes",
     "calibration",
+    "h2d_ceiling_gbps",
+    "workers_ceiling_gbps",
+    "binding_ceiling",
     "interrupted",
     "scenarios",
     "runs",
@@ -81,7 +89,7 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
 
     # The stall scenario: every phase of every loader's life, on its own.
     stall = [r for r in runs if r["scenario"] == "stall"]
-    assert {r["loader"] for r in stall} == set(result["loaders"])
+    assert {r["loader"] for r in stall} == {*result["loaders"], WORKERS}
     for run in stall:
         phases = run["phases"]
         assert list(phases) == PHASES
@@ -106,7 +114,7 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
     tokens = result["scenarios"]["tokens/throughput"]
     assert tokens["workload"] == "tokens" and tokens["shape"] == [8193]
     token_runs = [r for r in runs if r["scenario"] == "tokens/throughput"]
-    assert {r["loader"] for r in token_runs} == set(result["loaders"])
+    assert {r["loader"] for r in token_runs} == {*result["loaders"], WORKERS}
     for run in token_runs:
         assert run["bytes"] == run["steps"] * tokens["batch_size"] * 8193 * 8
         assert run["us_per_batch"] > 0
@@ -129,6 +137,8 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
     for name in result["loaders"]:
         for phase in PHASES:
             assert result["summary"]["stall"][name][f"{phase}_probe_max_ms"]["median"] >= 0
+
+    check_ceilings(result, proc.stdout)
     if result["meta"]["host_only"]:
         assert "compute" not in {s["mode"] for s in result["scenarios"].values()}
         # torch and torch-pinned are the same loader without a GPU: no ratio between them.
@@ -161,6 +171,54 @@ def test_quick_run_writes_json_plots_and_table(tmp_path: Path) -> None:
     assert (out / "table.txt").read_text().strip() in proc.stdout
 
 
+def check_ceilings(result: dict, stdout: str) -> None:
+    """Every scenario with a rate has the workers' ceiling, measured in the same run like a
+    loader (same batches, same repeats) but not compared as one; the binding ceiling is the
+    lower of it and the pinned H2D one; each loader's share of it is its median GB/s over it;
+    the table shows all of it."""
+    assert WORKERS not in result["loaders"]
+    rated = [s for s, info in result["scenarios"].items() if info["mode"] != "churn"]
+    assert rated and set(result["workers_ceiling_gbps"]) == set(rated)
+    assert set(result["binding_ceiling"]) == set(rated)
+    assert not [r for r in result["runs"] if r["scenario"] == "churn" and r["loader"] == WORKERS]
+    blocks = stdout.split("\n\n")
+    for scenario in rated:
+        runs = [r for r in result["runs"] if r["scenario"] == scenario]
+        ceiling_runs = [r for r in runs if r["loader"] == WORKERS]
+        # As many runs as each loader, over the same batches: the same dataset and collate.
+        assert len(ceiling_runs) == result["config"]["repeats"]
+        assert {(r["steps"], r["bytes"]) for r in runs} == {(runs[0]["steps"], runs[0]["bytes"])}
+        by_loader = result["summary"][scenario]
+        workers = result["workers_ceiling_gbps"][scenario]
+        # The median of its runs' own rates, as a loader's GB/s is.
+        assert workers == statistics.median(r["gb_per_s"] for r in ceiling_runs) > 0
+        assert workers == by_loader[WORKERS]["gb_per_s"]["median"]
+        assert by_loader[WORKERS]["gb_per_s"]["ratio"] is None  # a ceiling, not a competitor
+        h2d = result["h2d_ceiling_gbps"].get(scenario)
+        assert (h2d is None) == result["meta"]["host_only"]
+        bound = result["binding_ceiling"][scenario]
+        assert bound["gb_per_s"] == pytest.approx(min(workers, h2d or workers))
+        assert bound["ceiling"] == ("pinned H2D" if h2d and h2d < workers else "workers")
+        assert set(bound["share"]) == set(result["loaders"])
+        for name, share in bound["share"].items():
+            assert share == pytest.approx(by_loader[name]["gb_per_s"]["median"] / bound["gb_per_s"])
+            # Ratios against the baseline are still there, as before.
+            assert (by_loader[name]["gb_per_s"]["ratio"] is None) == (
+                name in result["same_as_baseline"]
+            )
+
+        # The table: the ceilings, which one binds, and each loader's share of it, in order.
+        block = next(b for b in blocks if b.startswith(f"{scenario}: "))
+        line = next(x for x in block.splitlines() if x.startswith("  ceilings (same run): "))
+        assert f"workers {workers:.2f} [" in line and line.endswith(f"binding: {bound['ceiling']}")
+        assert ("pinned H2D" in line) == (h2d is not None)
+        assert block.splitlines()[2].split() == result["loaders"]  # the columns: loaders only
+        row = next(x for x in block.splitlines() if x.startswith("  share of binding ceiling"))
+        shown = [int(p) for p in re.findall(r"(\d+)%", row)]
+        assert shown == pytest.approx([100 * bound["share"][n] for n in result["loaders"]], abs=0.5)
+        assert WORKERS not in block
+
+
 def _gpus() -> int:
     import torch
 
@@ -180,7 +238,11 @@ def test_two_ranks_each_load_their_shard_and_rank_0_reports_the_totals(tmp_path:
     proc, out = run_bench(tmp_path, *argv)
     result = json.loads((out / "results.json").read_text())
     assert result["meta"]["ranks"] == 2
-    runs = [r for r in result["runs"] if r["scenario"] == "synthetic/throughput"]
+    runs = [
+        r
+        for r in result["runs"]
+        if r["scenario"] == "synthetic/throughput" and r["loader"] != WORKERS
+    ]
     assert sorted((r["loader"], r["rank"]) for r in runs) == [
         ("pinpool", 0),
         ("pinpool", 1),
@@ -221,7 +283,7 @@ def test_workers_started_by_a_forkserver_with_a_shorter_switch_interval(tmp_path
     )
     result = json.loads((out / "results.json").read_text())
     assert not [r for r in result["runs"] if r.get("error")]
-    assert [r["loader"] for r in result["runs"]] == ["pinpool"]
+    assert [r["loader"] for r in result["runs"]] == ["pinpool", WORKERS]
     meta = result["meta"]
     # The run's workers came from the server, started (and timed) before the first run.
     assert meta["start_method"] == "forkserver"
@@ -270,9 +332,12 @@ def test_varlen_workload_reports_pinned_memory_held_and_pinpool_counters(tmp_pat
     assert scenario["workload"] == "varlen" and scenario["shape"] == [16, 40_000]
     runs = result["runs"]
     assert runs and not [r for r in runs if r.get("error")]
-    assert {r["loader"] for r in runs} == set(result["loaders"]) >= {"torch-pinned", "pinpool"}
+    assert {r["loader"] for r in runs} == {*result["loaders"], WORKERS}
+    assert set(result["loaders"]) >= {"torch-pinned", "pinpool"}
     host_only = result["meta"]["host_only"]
-    for run in runs:
+    # The workers' ceiling delivered the same batches (see the last check) and is no loader.
+    assert result["workers_ceiling_gbps"]["varlen/throughput"] > 0
+    for run in [r for r in runs if r["loader"] != WORKERS]:
         assert {"pinned_held_bytes", "pinned_held_mib", "pinned_held"} <= set(run)
         assert {"overflow_batches", "zero_copy_fallbacks", "gb_per_s", "next_ms_p99"} <= set(run)
         assert run["gb_per_s"] > 0 and run["probe_samples"] > 0
@@ -302,6 +367,7 @@ def test_varlen_workload_reports_pinned_memory_held_and_pinpool_counters(tmp_pat
         assert label in proc.stdout
     if host_only:
         assert "n/a (no CUDA)" in proc.stdout
+    check_ceilings(result, proc.stdout)
 
 
 def test_the_outside_probe_stops_while_a_forked_child_lives() -> None:
@@ -341,3 +407,57 @@ def test_the_benchs_own_probes_say_nothing_of_pinpools() -> None:
             check(spec, None)
     said = [str(w.message) for w in caught if str(w.message).startswith("pinpool")]
     assert not said, said
+
+
+def test_the_lower_ceiling_binds_and_each_loader_is_shown_as_a_share_of_it() -> None:
+    """Without a GPU run: the binding ceiling and the shares, from made-up figures where the
+    pinned H2D ceiling binds in one scenario and the workers' in the other, and the table's
+    lines for them."""
+    from pinpool.bench.ceilings import binding, workers_ceilings
+    from pinpool.bench.report import table
+
+    def rate(median: float, ratio: float | None = 1.0) -> dict:
+        return {"gb_per_s": {"median": median, "min": median, "max": median, "ratio": ratio}}
+
+    summary = {
+        "a/throughput": {"torch": rate(2.0), "pinpool": rate(9.0), WORKERS: rate(30.0, None)},
+        "b/throughput": {"torch": rate(2.0), "pinpool": rate(3.0), WORKERS: rate(4.0, None)},
+    }
+    workers = workers_ceilings(summary)
+    assert workers == {"a/throughput": 30.0, "b/throughput": 4.0}
+    h2d = {"a/throughput": 12.0, "b/throughput": 50.0}
+    bound = binding(summary, ["torch", "pinpool"], workers, h2d)
+    assert bound["a/throughput"] == {
+        "ceiling": "pinned H2D",
+        "gb_per_s": 12.0,
+        "share": {"torch": 2.0 / 12.0, "pinpool": 9.0 / 12.0},
+    }
+    assert bound["b/throughput"]["ceiling"] == "workers"
+    assert bound["b/throughput"]["share"] == {"torch": 0.5, "pinpool": 0.75}
+    # Without a GPU: the workers' ceiling alone.
+    assert binding(summary, ["pinpool"], workers, {})["a/throughput"]["share"] == {"pinpool": 0.3}
+
+    scenario = {"workload": "synthetic", "mode": "throughput", "description": "d"}
+    text = table(
+        {
+            "meta": {"path": "p", "machine": "m"},
+            "baseline": "torch",
+            "loaders": ["torch", "pinpool"],
+            "skipped": {},
+            "notes": [],
+            "runs": [],
+            "scenarios": {"a/throughput": scenario, "b/throughput": scenario},
+            "summary": summary,
+            "h2d_ceiling_gbps": h2d,
+            "binding_ceiling": bound,
+        }
+    )
+    lines = text.splitlines()
+    assert [line for line in lines if line.startswith("  ceilings (same run): ")] == [
+        "  ceilings (same run): workers 30.0 [30.0..30.0] GB/s; pinned H2D 12.0 GB/s; "
+        "binding: pinned H2D",
+        "  ceilings (same run): workers 4.00 [4.00..4.00] GB/s; pinned H2D 50.0 GB/s; "
+        "binding: workers",
+    ]
+    shares = [line.split()[4:] for line in lines if line.startswith("  share of binding")]
+    assert shares == [["17%", "75%"], ["50%", "75%"]]

@@ -6,7 +6,10 @@ It compares torch's DataLoader (plain, and with ``pin_memory=True``) with ``pinp
 loaders over repeats, and reports throughput to the device, time to the first batch, the time
 a step spends inside ``next()``, the GPU's idle share in a compute-bound loop, main-thread
 stalls, pinned host memory and CPU time, as a table (with a legend of its terms), a JSON file
-and PNG plots. ``python -m pinpool.bench --help`` lists the options.
+and PNG plots. Each scenario's rates are also held against the ceilings measured in the same
+run: the workers' own rate (torch's plain DataLoader, batches dropped) and, with CUDA, the
+pinned host-to-device rate; each loader is shown as a share of the lower one, the one that
+binds. ``python -m pinpool.bench --help`` lists the options.
 
 Scenarios: every workload (default: ``synthetic`` images and ``tokens``, small batches of
 int64 rows like a language model's) in ``throughput`` mode and, with CUDA, in ``compute``
@@ -23,8 +26,9 @@ memory held at the end of the epoch (torch's caching host allocator, in use and 
 fixed arena) and pinpool's overflow batches and zero-copy fallbacks.
 
 Modules: :mod:`.cli` (arguments, presets), :mod:`.workloads` (datasets), :mod:`.loaders`
-(the loaders compared), :mod:`.measure` (one run and its metrics), :mod:`.runner` (the
-whole run), :mod:`.report` (table, JSON, plots).
+(the loaders compared), :mod:`.measure` (one run and its metrics), :mod:`.ceilings` (the
+rates the loaders are held against), :mod:`.runner` (the whole run), :mod:`.report` (table,
+JSON, plots).
 """
 
 import importlib.util

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from .workloads import move
+from .workloads import MadeAndDropped, move
 
 #: Stands for the run's CUDA device (None on a host-only run) in a loader's keyword arguments.
 DEVICE = "<device>"
@@ -34,6 +34,7 @@ class LoaderSpec:
     transfer: str = "to_async"  # "to", "to_async" or "none"
     needs_cuda: bool = False
     in_default: bool = True  # run when --loaders is not given
+    made_and_dropped: bool = False  # the workers drop each batch and send its size only
 
 
 LOADERS: tuple[LoaderSpec, ...] = (
@@ -108,6 +109,8 @@ def build(
         # (Settings of the workers' own: without workers they would only be warned about.)
         for name in ("zero_copy", "stream_samples"):
             kwargs.pop(name, None)
+    if spec.made_and_dropped:
+        collate_fn = MadeAndDropped(collate_fn)
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn
     try:

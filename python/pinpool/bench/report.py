@@ -5,7 +5,9 @@ Each metric of a scenario (a workload and a mode, or the stall scenario) is summ
 loader as the median, min and max over its repeats (failed runs left out), and as
 ``ratio`` = that median / the baseline loader's median in the same scenario (None for a
 loader that is the baseline itself on this machine). The stall scenario's phases are
-summarised as ``<phase>_probe_max_ms`` and ``<phase>_wall_ms``.
+summarised as ``<phase>_probe_max_ms`` and ``<phase>_wall_ms``. Above each scenario's block,
+the ceilings measured in the same run (``ceilings``) and the one that binds; in it, each
+loader's share of that one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .ceilings import H2D_CEILING, WORKERS, WORKERS_CEILING
 from .measure import PHASES
 from .ranks import table_lines
 
@@ -152,6 +155,12 @@ LEGEND = [
     "    in a process of its own; late there too, the machine's CPUs were all busy, rather",
     "    than the loader's process held up). gc.collect() walks the whole process's heap,",
     "    torch's included: the loader's own share is what exceeds the others' there.",
+    "  ceilings (same run): the rates that bound the loaders here. workers: what the workers",
+    f"    make, '{WORKERS.name}': torch's DataLoader over the same dataset, workers and",
+    "    collate, each worker dropping its batch and sending only its size (no hand-over, no",
+    "    copy, no GPU work), timed like the loaders; pinned H2D: copies from pinned host memory",
+    "    to the GPU (CUDA only). The lower one binds; share of binding ceiling = a loader's",
+    "    median GB/s / that ceiling's.",
     "  pinned MiB: the most pinned host memory held during the run; held at the end: what is",
     "    still held when the epoch is over (torch: its caching host allocator's blocks, in use",
     "    and cached; pinpool: its fixed arena). Overflow batches: pinpool batches that went to",
@@ -250,6 +259,26 @@ def source_line(meta: dict[str, Any]) -> str:
     )
 
 
+#: The table's row of each loader's share of the binding ceiling.
+SHARE = "share of binding ceiling"
+
+
+def ceiling_line(result: dict[str, Any], scenario: str, bound: str) -> str:
+    """The ceilings measured for ``scenario`` (the workers': median [min..max] over repeats)
+    and which one binds."""
+    parts = []
+    workers = result["summary"].get(scenario, {}).get(WORKERS.name, {}).get("gb_per_s")
+    if workers is not None:
+        parts.append(f"{WORKERS_CEILING} {_cell(workers, 'gb_per_s')} GB/s")
+    h2d = result.get("h2d_ceiling_gbps", {}).get(scenario)
+    if h2d:
+        parts.append(f"{H2D_CEILING} {_num(h2d)} GB/s")
+    line = f"  ceilings (same run): {'; '.join(parts)}; binding: {bound}"
+    if result["scenarios"][scenario]["mode"] == "compute":
+        line += " (the GPU work of each step bounds this loop too: see steps/s)"
+    return line
+
+
 def _aligned(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -274,16 +303,9 @@ def table(result: dict[str, Any]) -> str:
         lines += ["", f"{scenario}: {info['description']}"]
         by_loader = summary.get(scenario, {})
         loaders = [n for n in result["loaders"] if n in by_loader]
-        ceiling = result.get("h2d_ceiling_gbps", {}).get(scenario)
-        if ceiling:
-            best = max(
-                (by_loader[n]["gb_per_s"]["median"] for n in loaders if "gb_per_s" in by_loader[n]),
-                default=0.0,
-            )
-            lines.append(
-                f"  pinned H2D ceiling (same run): {ceiling:.1f} GB/s; "
-                f"fastest loader at {100 * best / ceiling:.0f}% of it"
-            )
+        bound = result.get("binding_ceiling", {}).get(scenario)
+        if bound is not None:
+            lines.append(ceiling_line(result, scenario, bound["ceiling"]))
         if not loaders:
             lines.append("  (no successful runs)")
             continue
@@ -301,6 +323,10 @@ def table(result: dict[str, Any]) -> str:
                         ),
                     ]
                 )
+        if bound is not None:  # after the GB/s row, or the headline where GB/s is not shown
+            at = next((i + 1 for i, r in enumerate(rows) if r[0] == METRICS["gb_per_s"]), 2)
+            shares = [bound["share"].get(n) for n in loaders]
+            rows.insert(at, [SHARE, *("-" if v is None else f"{100 * v:.0f}%" for v in shares)])
         if info["mode"] == "stall" and any(
             k in by_loader[n] for n in loaders for k in PHASE_METRICS
         ):

@@ -1,5 +1,5 @@
 """Runs the whole benchmark: the scenarios (``scenarios``), the loaders taking turns in each,
-the report written (``output_files``).
+the ceilings they are held against (``ceilings``), the report written (``output_files``).
 
 Scenarios: each workload in ``throughput`` mode, then in ``compute`` mode (CUDA only; not
 the ``tokens`` and ``varlen`` workloads, whose batches take microseconds next to the compute
@@ -7,8 +7,9 @@ step), then the
 ``stall`` scenario (synthetic images, big batches, the loader's whole life: construction,
 first batch, two epochs, ``del`` and ``gc.collect()``, each phase's worst main-thread stall on
 its own). Within a scenario the loaders take turns: ``for repeat: for loader:``, each run with
-a freshly made loader, so slow drifts of the machine touch every loader alike. One progress
-bar covers every run.
+a freshly made loader, so slow drifts of the machine touch every loader alike; the workers'
+ceiling (``ceilings.WORKERS``) takes its turn after them, and before them the pinned H2D
+ceiling is measured once (CUDA only). One progress bar covers every run.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tqdm import tqdm
 
 import pinpool
 
+from .ceilings import WORKERS, binding, has_rate, rotation, workers_ceilings
 from .cli import CHURN_ITEMS, Config, cpu_count, resolve
 from .gpu_work import ComputeWork, h2d_ceiling
 from .loaders import BASELINE, LoaderSpec, check, same_here, spec_named
@@ -130,7 +132,7 @@ def run_all(
     device = torch.device(cfg.device) if cfg.device else None
     world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
     bar = tqdm(
-        total=len(scenarios) * cfg.repeats * len(specs),
+        total=sum(cfg.repeats * len(rotation(specs, sc.mode)) for sc in scenarios.values()),
         unit="run",
         file=sys.stderr,
         disable=rank != 0,
@@ -151,7 +153,7 @@ def run_all(
                     dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=True
                 )
             sc.description = describe(sc, dataset, cfg)
-            if device is not None and sc.mode != "compute":
+            if device is not None and has_rate(sc.mode):
                 bar.set_description(f"{name}: pinned H2D ceiling")
                 if isinstance(dataset, VarlenRows):  # batches of every size: the mean one
                     nbytes = int(dataset.batch_bytes(sc.batch_size).mean())
@@ -165,7 +167,7 @@ def run_all(
                 work = ComputeWork(device, cfg.compute_ms, data_parallel=step)
                 result["calibration"] = work.calibration
             for repeat in range(cfg.repeats):
-                for spec in specs:
+                for spec in rotation(specs, sc.mode):
                     bar.set_description(f"{name} {spec.name} #{repeat + 1}")
                     head = {"scenario": name, "loader": spec.name, "repeat": repeat}
                     if ranks is not None:
@@ -177,7 +179,8 @@ def run_all(
                             dataset,
                             sc,
                             device,
-                            work if sc.mode == "compute" else None,
+                            # (The workers' ceiling: no GPU work, its batches dropped.)
+                            work if sc.mode == "compute" and spec is not WORKERS else None,
                             sampler=sampler,
                         )
                     except Exception as exc:
@@ -320,6 +323,8 @@ def _run(cfg: Config, argv: list[str], ranks: Ranks | None) -> int:
         "notes": notes,
         "calibration": None,
         "h2d_ceiling_gbps": {},
+        "workers_ceiling_gbps": {},  # filled from the summary: see ceilings
+        "binding_ceiling": {},
         "interrupted": False,
         "scenarios": {},
         "runs": [],
@@ -353,7 +358,11 @@ def _run(cfg: Config, argv: list[str], ranks: Ranks | None) -> int:
         result["h2d_ceiling_gbps_per_rank"] = h2d
         result["ranks_summary"] = totals(result["runs"], ranks.world)
     notes += loader_notes(result)
-    result["summary"] = summarize(result["runs"], baseline, no_ratio=twins)
+    result["summary"] = summarize(result["runs"], baseline, no_ratio=[*twins, WORKERS.name])
+    result["workers_ceiling_gbps"] = workers_ceilings(result["summary"])
+    result["binding_ceiling"] = binding(
+        result["summary"], names, result["workers_ceiling_gbps"], result["h2d_ceiling_gbps"]
+    )
     paths = write_all(result, cfg.out)
     print(table(result))
     print(f"\nwrote {len(paths)} files to {cfg.out}: " + ", ".join(map(os.path.basename, paths)))

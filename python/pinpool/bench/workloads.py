@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -280,8 +280,30 @@ def tensors(batch: Any) -> Iterator[torch.Tensor]:
             yield from tensors(v)
 
 
+class MadeBatch(NamedTuple):
+    """What a worker sends for a batch it made and dropped: only its size."""
+
+    nbytes: int
+
+
+class MadeAndDropped:
+    """A collate function that makes each batch with ``collate`` (torch's default if None),
+    then drops it and returns its size (:class:`MadeBatch`): a loader with it moves nothing
+    but a number, so its rate is the workers' own."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: Any) -> MadeBatch:
+        collate = self.collate or torch.utils.data.default_collate
+        return MadeBatch(batch_nbytes(collate(samples)))
+
+
 def batch_nbytes(batch: Any) -> int:
-    """Bytes of all tensors in a batch (strings and other leaves count 0)."""
+    """Bytes of all tensors in a batch (strings and other leaves count 0); a batch made and
+    dropped in its worker counts the bytes it had."""
+    if isinstance(batch, MadeBatch):
+        return batch.nbytes
     return sum(t.nbytes for t in tensors(batch))
 
 
