@@ -57,7 +57,7 @@ impl Drop for SlotHold<'_> {
 }
 
 /// A hold that owns its slot: it may outlive the slot's owner (a copy into the slot still
-/// running on a copy thread when the last view of the slot dies). See [`Slot::pin_owned`].
+/// running on a copy thread when the last view of the slot dies). See [`Slot::hold_owned`].
 #[derive(Debug)]
 pub struct OwnedSlotHold(Arc<Slot>);
 
