@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import pinpool
-from pinpool._main import delivery, intake, receiver
+from pinpool._main.route import delivery, intake, receiver
 from pinpool._wire import leaves
 from pinpool.bench.workloads import make_dataset
 

@@ -115,7 +115,7 @@ class _PutTimes:
 
 
 def _timed_puts() -> _PutTimes:
-    from pinpool._main import index_queue
+    from pinpool._main.epochs import index_queue
 
     times = _PutTimes()
     put = getattr(index_queue.DirectQueue.put, "__wrapped__", index_queue.DirectQueue.put)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 import pinpool
-from pinpool._main import ending
+from pinpool._main.epochs import ending_thread
 
 
 def open_fd_count() -> int:
@@ -82,7 +82,7 @@ def shm_entries_left(before: frozenset[str], settle: float = 5.0) -> list[str]:
 def child_pids() -> set[int]:
     """This process's children (zombies included: they are children until reaped), once the
     workers of every ended epoch have been shut down (on pinpool's ending thread)."""
-    ending.wait_all()
+    ending_thread.wait_all()
     pids: set[int] = set()
     for task in os.listdir("/proc/self/task"):
         try:

@@ -33,7 +33,7 @@ from ._errors import (
     SlotReleased,
     WorkerLost,
 )
-from ._main.ending import wait_for_freed_pools
+from ._main.epochs.ending_thread import wait_for_freed_pools
 from ._native import (
     SEGMENT_DATA_OFFSET,
     Copying,
@@ -50,7 +50,7 @@ from ._stats import LoaderStats, PoolStats
 
 if TYPE_CHECKING:
     from ._accelerate.shard import prepare
-    from ._main.adapter import Pinned, pinned
+    from .adapter import Pinned, pinned
     from .loader import DataLoader
 
 _native._set_stream_hook(_cuda_stream.current_stream)
@@ -113,7 +113,7 @@ def __getattr__(name: str) -> Any:
             from ._accelerate.shard import prepare
 
             return prepare
-        from ._main import adapter
+        from . import adapter
 
         return getattr(adapter, name)
     if name == "wait_for_releases":

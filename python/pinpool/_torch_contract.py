@@ -71,7 +71,8 @@ __all__ = [
 # -- torch.utils.data ------------------------------------------------------------------------
 
 #: torch's multi-process iterator (``dataloader._MultiProcessingDataLoaderIter``):
-#: ``_main.workers.WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what it uses).
+#: ``_main.epochs.workers.WorkersIter`` subclasses it (see :data:`ITERATOR_ATTRIBUTES` for what
+#: it uses).
 MultiProcessingIter = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
 
 
@@ -104,14 +105,14 @@ COLLATE_ATTRIBUTES: dict[str, str] = {
 def mp_status_check_interval() -> float:
     """``_utils.MP_STATUS_CHECK_INTERVAL``: how long torch waits for a worker to exit before
     it gives up (5 s); pinpool waits as long before it kills one
-    (``_main.worker_shutdown.reap_workers``). Read at each call."""
+    (``_main.epochs.shutdown.reap_workers``). Read at each call."""
     return float(_utils.MP_STATUS_CHECK_INTERVAL)
 
 
 def python_exit_status() -> Any:
     """``_utils.python_exit_status``: True once the interpreter is exiting, when torch's
     shutdown does nothing and neither does pinpool's
-    (``_main.worker_shutdown.shutting_down_python``); None if torch no longer has it (or its
+    (``_main.epochs.shutdown.shutting_down_python``); None if torch no longer has it (or its
     module is gone at exit)."""
     return getattr(_utils, "python_exit_status", None)
 
@@ -119,7 +120,7 @@ def python_exit_status() -> Any:
 def remove_worker_pids(iterator_id: int) -> None:
     """``_utils.signal_handling._remove_worker_pids(id(iterator))``: unregisters an iterator's
     workers from torch's SIGCHLD handler, which then no longer raises for them (pinpool reaps
-    the workers torch's shutdown left, ``_main.worker_shutdown.reap_workers``)."""
+    the workers torch's shutdown left, ``_main.epochs.shutdown.reap_workers``)."""
     _utils.signal_handling._remove_worker_pids(iterator_id)
 
 
@@ -148,7 +149,8 @@ ITERATOR_ATTRIBUTES: dict[str, str] = {
     "_pin_memory_thread": "the pin thread, started by torch's __init__ (torch's shutdown joins it)",
     "_pin_memory_thread_done_event": "set by torch's shutdown to stop the pin thread",
     "_data_queue": "the pin thread's output queue, emptied at shutdown (its batches hold slots); "
-    "without one, the workers' result queue itself (pinpool's reads it whole: _main.results)",
+    "without one, the workers' result queue itself (pinpool's reads it whole: "
+    "_main.epochs.results)",
     "_worker_result_queue": "the workers' results: its feeder is not waited for at exit once "
     "the workers are shut down (torch's shutdown may be cut short before it says so)",
     "_task_info": "batches held out of order, dropped at shutdown",
@@ -217,7 +219,7 @@ def serialize_polls(process: Any) -> None:
 
 #: The code of ``torch._utils.ExceptionWrapper.reraise`` (None without it): its frame keeps a
 #: worker's exception alive in a cycle, and pinpool clears that frame's locals
-#: (``_main.loader_iter._unkeep``).
+#: (``_main.epochs.loader_iter._unkeep``).
 RERAISE_CODE: CodeType | None = getattr(
     getattr(getattr(torch._utils, "ExceptionWrapper", None), "reraise", None), "__code__", None
 )
@@ -232,7 +234,7 @@ def profiler_enabled() -> bool:
 
 
 #: ``torch._C._cuda_getCurrentRawStream(device_index)``: torch's current stream as a raw
-#: handle, without making a Stream object (``_main.delivery``); None without it (a build
+#: handle, without making a Stream object (``_main.route.delivery``); None without it (a build
 #: without CUDA), where ``torch.cuda.current_stream(...).cuda_stream`` serves.
 cuda_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -247,8 +249,9 @@ unflatten_dense_tensors: Callable[[torch.Tensor, list[torch.Tensor]], list[torch
 
 # -- multiprocessing ----------------------------------------------------------------------------
 
-#: ``multiprocessing.queues.Queue``, the class of torch's index queues: ``_main.index_queue``
-#: subclasses it and swaps a queue's ``__class__`` for that subclass before anything is put.
+#: ``multiprocessing.queues.Queue``, the class of torch's index queues:
+#: ``_main.epochs.index_queue`` subclasses it and swaps a queue's ``__class__`` for that subclass
+#: before anything is put.
 MultiprocessingQueue = multiprocessing.queues.Queue
 
 #: The names pinpool reads on a ``multiprocessing.queues.Queue``, and what for.

@@ -3,7 +3,7 @@
 One idea: wrap any iterable of batches (torch's DataLoader, torchdata's StatefulDataLoader,
 accelerate's DataLoaderShard, a subclass of your own, made with ``pin_memory=False``) and give
 each batch it yields one more copy, into a slot of a :class:`~pinpool.PinPool`, through a
-loader's own :class:`~pinpool._main.receiver.Receiver` (``encode_local``, then
+loader's own :class:`~pinpool._main.route.receiver.Receiver` (``encode_local``, then
 ``delivery.hand_to_consumer``): the same slots, overflow and oversize rules, CPU views and
 device copies as :class:`pinpool.DataLoader`, with none of its worker-side machinery.
 
@@ -34,15 +34,15 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from .. import _signals
-from .._errors import InvalidArgument
-from .._native import PinPool
-from .._stats import LoaderStats
-from .delivery import hand_to_consumer
-from .delivery_mode import copy_mode
-from .pool_settings import PoolSettings
-from .receiver import Receiver
-from .settings import ARGUMENTS
+from . import _signals
+from ._errors import InvalidArgument
+from ._main.route.delivery import hand_to_consumer
+from ._main.route.receiver import Receiver
+from ._main.settings.arguments import ARGUMENTS
+from ._main.settings.delivery_mode import copy_mode
+from ._main.settings.pool_settings import PoolSettings
+from ._native import PinPool
+from ._stats import LoaderStats
 
 __all__ = ["Pinned", "pinned"]
 
@@ -51,7 +51,7 @@ _T = TypeVar("_T")
 #: Slots of a pool made here: the batch being copied in, plus 4 (what ``pinpool.DataLoader``
 #: gives a loader without workers: batches in flight plus 4).
 DEFAULT_NUM_SLOTS = 5
-#: The arguments :func:`pinned` takes, beside the loader (declared in ``settings.ARGUMENTS``,
+#: The arguments :func:`pinned` takes, beside the loader (declared in ``arguments.ARGUMENTS``,
 #: with the same meanings and defaults as ``pinpool.DataLoader``'s).
 PINNED_ARGUMENTS = tuple(a.name for a in ARGUMENTS if a.pinned)
 

@@ -9,13 +9,14 @@ set-up, index sampler, shutdown and queues); the private torch names it uses com
    of the worker's reused segments (``_worker.destination``); torch's result queue carries a small
    :class:`~pinpool._wire.handle.BatchHandle`.
 2. **Wire** (``_wire``): the handle, the leaf specs and their checks.
-3. **Main process** (``_main``): torch's pin-memory thread (or, on a machine without an
-   accelerator, the iterating thread) calls the handle's ``pin_memory()``, and the loader's
-   :class:`~pinpool._main.receiver.Receiver` takes the batch: it adopts its zero-copy slot,
-   or checks a slot out (waiting without the GIL) and has the Rust copy threads copy the
-   segment in; it hands the segment back to its worker. ``_main.delivery`` then rebuilds the
-   batch as views into the slot (which returns to the pool, fenced on torch's current
-   stream, when the last view dies) or copies it to the device on the loader's copy stream.
+3. **Main process** (``_main``, its batch route ``_main.route``): torch's pin-memory thread
+   (or, on a machine without an accelerator, the iterating thread) calls the handle's
+   ``pin_memory()``, and the loader's :class:`~pinpool._main.route.receiver.Receiver` takes the
+   batch: it adopts its zero-copy slot, or checks a slot out (waiting without the GIL) and has
+   the Rust copy threads copy the segment in; it hands the segment back to its worker.
+   ``_main.route.delivery`` then rebuilds the batch as views into the slot (which returns to
+   the pool, fenced on torch's current stream, when the last view dies) or copies it to the
+   device on the loader's copy stream.
 
 Everything else (samplers, worker start-up and shutdown, errors, timeouts, ordering,
 persistent workers) is torch's own machinery, unchanged. Checkpoint and resume
@@ -38,14 +39,20 @@ import torch.utils.data
 from torch.utils.data import default_collate, default_convert
 
 from . import _signals, _torch_versions, _trace
-from ._main import settings
-from ._main.delivery_mode import DeliveryMode
-from ._main.grants import TaskTagger
-from ._main.loader_iter import LoaderIter
-from ._main.pool_settings import POOL_ARGUMENTS, PoolSettings
-from ._main.receiver import Receiver
-from ._main.resume import EpochSampler, LoadWorkerState, Resume, raise_if_not_resumable, unsupported
-from ._main.workers import WorkersIter, close_loader, shut_down
+from ._main.epochs.loader_iter import LoaderIter
+from ._main.epochs.workers import WorkersIter, close_loader, shut_down
+from ._main.resume.checkpoint import (
+    EpochSampler,
+    LoadWorkerState,
+    Resume,
+    raise_if_not_resumable,
+    unsupported,
+)
+from ._main.route.grants import TaskTagger
+from ._main.route.receiver import Receiver
+from ._main.settings import arguments
+from ._main.settings.delivery_mode import DeliveryMode
+from ._main.settings.pool_settings import POOL_ARGUMENTS, PoolSettings
 from ._native import PinPool
 from ._stats import LoaderStats
 from ._wire import registry
@@ -65,13 +72,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     Takes torch's arguments, plus pinpool's own,
     each declared once, with its default, its check and what it does, in
-    ``pinpool._main.settings.ARGUMENTS`` (listed below; the user guide's options table says
-    more). What they resolve to on this machine is the loader's delivery mode
+    ``pinpool._main.settings.arguments.ARGUMENTS`` (listed below; the user guide's options
+    table says more). What they resolve to on this machine is the loader's delivery mode
     (``delivery_mode.DeliveryMode``: copy or zero-copy, torch's pin thread or the consumer's,
     pinned CPU batches or a CUDA device).
 
     A setting given that cannot apply warns once, saying why (``zero_copy=True`` without
-    workers, say: ``settings.ignored``), or raises when it contradicts another (sizes given
+    workers, say: ``arguments.ignored``), or raises when it contradicts another (sizes given
     with ``pool=``). In the workers, ``get_worker_info().dataset`` is your dataset, as with
     torch's loader. ``pin_memory`` is True unless given: ``pin_memory=False`` means what it
     means to torch's loader, batches as torch gives them, unpinned and outside the arena
@@ -123,24 +130,24 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         worker_copy_threads: int | None = None,
         stream_samples: bool | None = None,
     ) -> None:
-        # pinpool's own arguments, by name, as given (each declared in settings.ARGUMENTS).
-        given = settings.given(locals())
-        unpinned = not pin_memory  # torch's loader, as it is: see settings.UNPINNED
+        # pinpool's own arguments, by name, as given (each declared in arguments.ARGUMENTS).
+        given = arguments.given(locals())
+        unpinned = not pin_memory  # torch's loader, as it is: see arguments.UNPINNED
         if unpinned:
             zero_copy, stream_samples = False, False
-            settings.check_unpinned(given)
+            arguments.check_unpinned(given)
         if isinstance(collate_fn, PinCollate):  # a rebuilt loader handed pinpool's own back
             collate_fn = collate_fn.collate_fn
         if collate_fn in (default_collate, default_convert):
             collate_fn = None  # torch's default: pinpool's own, bit for bit, streamed
-        settings.check_given({k: v for k, v in given.items() if k not in POOL_ARGUMENTS})
+        arguments.check_given({k: v for k, v in given.items() if k not in POOL_ARGUMENTS})
         in_flight = (prefetch_factor or 2) * num_workers if num_workers > 0 else 1
         pool_settings = PoolSettings.checked(given, in_flight=in_flight)
         token = uuid.uuid4().hex
         # Without sizes the pool is sized from the first batch: a worker tells that size as
         # soon as it knows it (_wire.pool_hint).
         hint = PoolHint() if num_workers > 0 and not pool_settings.known and not unpinned else None
-        shape = settings.Shape(
+        shape = arguments.Shape(
             iterable=isinstance(dataset, torch.utils.data.IterableDataset),
             num_workers=num_workers,
             auto_collation=batch_size is not None or batch_sampler is not None,
@@ -160,7 +167,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             auto_collation=shape.auto_collation,
             ring_size=(prefetch_factor or 2) + 2,
             keep_worker_memory=keep_worker_memory,
-            worker_copy_threads=settings.worker_copy_threads(worker_copy_threads, num_workers),
+            worker_copy_threads=arguments.worker_copy_threads(worker_copy_threads, num_workers),
             stream_samples=stream_samples is not False,
             report_state=resume.worker_states
             and unsupported(dataset, shape.iterable, num_workers, in_order) is None,
@@ -206,7 +213,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         )
         _keep_for_lightning(self)
         # Every setting given does something here, or the caller hears why it does not.
-        for why in settings.ignored(
+        for why in arguments.ignored(
             dataset=dataset,
             num_workers=num_workers,
             auto_collation=shape.auto_collation,
@@ -331,10 +338,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return self._pinpool_receiver.stats()
 
 
-#: pinpool's own __init__ arguments, beside torch's (declared in ``settings.ARGUMENTS``).
-PINPOOL_ARGUMENTS = tuple(a.name for a in settings.ARGUMENTS)
+#: pinpool's own __init__ arguments, beside torch's (declared in ``arguments.ARGUMENTS``).
+PINPOOL_ARGUMENTS = tuple(a.name for a in arguments.ARGUMENTS)
 
-DataLoader.__doc__ = (DataLoader.__doc__ or "") + textwrap.indent(settings.argument_docs(), "    ")
+DataLoader.__doc__ = (DataLoader.__doc__ or "") + textwrap.indent(arguments.argument_docs(), "    ")
 
 
 def _keep_for_lightning(loader: DataLoader) -> None:

@@ -59,7 +59,7 @@
 //!    around it; nothing is rounded to a power of two). `Free -> CheckedOut`, with a new
 //!    generation; the [`SlotId`] (table, index, generation) names this one checkout. Copy
 //!    mode: the main process checks it out when a worker's batch arrives, of that batch's size
-//!    (Python: `LazyPool.claim` in `_main/lazy_pool.py`). Zero-copy: the worker that collated
+//!    (Python: `LazyPool.claim` in `_main/route/lazy_pool.py`). Zero-copy: the worker that collated
 //!    the batch asks for it once it knows the batch's size, and the grants check out a slot
 //!    of exactly that size, where that worker's last slots were if one is free ([`grants`],
 //!    answered on the grant desk's thread, [`crate::transport::grant_desk`]; Python:
@@ -76,11 +76,11 @@
 //!    Zero-copy: the worker writes the batch into its own mapping of the slot (a window,
 //!    [`crate::memory::window`]); the main process accepts it only for the slot granted for
 //!    that batch (index, generation, nonce) and only if every array lies inside the slot
-//!    (Python: `Intake.adopt` in `_main/intake.py`; the worker's side is
+//!    (Python: `Intake.adopt` in `_main/route/intake.py`; the worker's side is
 //!    `_worker/destination.py` and `_worker/windows.py`).
 //! 4. **Delivered.** Tensors viewing the slot (pinned CPU batches), or an asynchronous copy to
 //!    the GPU on pinpool's stream, after which the slot is released at once, fenced on that
-//!    stream (Python: `_main/delivery.py`).
+//!    stream (Python: `_main/route/delivery.py`).
 //! 5. **Released.** When the last view of the batch dies (or on an explicit `release`), the
 //!    binding releases the checkout with torch's current stream: `CheckedOut -> Fenced`, and
 //!    `(checkout, stream)` is queued ([`crate::transfer::fence`]); without CUDA, straight to

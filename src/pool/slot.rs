@@ -6,7 +6,7 @@
 //! Invariants:
 //! - A held slot returns to its pool exactly once: through [`Slot::release`] or, when the
 //!   owner dies without releasing, [`Slot::finish`].
-//! - While a hold is held (a buffer export, a copy into the slot, or a copy still running on a
+//! - While a hold lasts (a buffer export, a copy into the slot, or a copy still running on a
 //!   copy thread: [`OwnedSlotHold`]), a release is deferred until the last hold goes, whether the
 //!   owner released the slot or died: the slot never re-enters the pool under a live view or
 //!   copy.

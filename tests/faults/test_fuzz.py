@@ -15,7 +15,7 @@ a Rust panic (``PanicException``, not an ``Exception``) fails the test; so does 
 handle's ``__del__``, a slot or an fd not given back, or a hang (see :func:`no_hang`).
 
 The loader allocates memory for a handle in two places: the pool it sizes at the first batch
-(``PinPool`` in ``pinpool._main.lazy_pool``) and the ordinary buffer of a batch larger than a
+(``PinPool`` in ``pinpool._main.route.lazy_pool``) and the ordinary buffer of a batch larger than a
 slot (``LazyPool.overflow_buffer``). :func:`watch_allocations` wraps both: a request beyond what
 the real segment justifies is recorded and refused before anything is allocated, so that the
 fuzzer finds such a bug without taking the machine's memory with it.
@@ -56,11 +56,11 @@ from hypothesis import strategies as st
 from loader_datasets import Indexed, Pair, assert_same
 
 import pinpool
-import pinpool._main.lazy_pool
+import pinpool._main.route.lazy_pool
 from pinpool import PinPoolError
-from pinpool._main import sizing
-from pinpool._main.delivery import hand_to_consumer
-from pinpool._main.lazy_pool import LazyPool
+from pinpool._main.route.delivery import hand_to_consumer
+from pinpool._main.route.lazy_pool import LazyPool
+from pinpool._main.settings import sizing
 from pinpool._native import SEGMENT_DATA_OFFSET, SegmentCache, WorkerSegment
 from pinpool._wire import codec as _codec
 from pinpool._wire.codec import ALIGN, Leaf
@@ -460,7 +460,7 @@ def watch_allocations(capacity: int, batch: int = BATCH) -> Iterator[Allocations
     room = -(-int(capacity * sizing.HEADROOM) // mmap.PAGESIZE) * mmap.PAGESIZE
     limit = max(sizing.MIN_ARENA, room * NUM_SLOTS)
     seen = Allocations(pool_limit=limit, buffer_limit=capacity)
-    real_pool = pinpool._main.lazy_pool.PinPool
+    real_pool = pinpool._main.route.lazy_pool.PinPool
     real_buffer = LazyPool.overflow_buffer
 
     def make_pool(slot_bytes: int, num_slots: int, **kwargs: Any) -> Any:
@@ -479,12 +479,12 @@ def watch_allocations(capacity: int, batch: int = BATCH) -> Iterator[Allocations
             raise Overallocation(seen.refused[-1])
         return real_buffer(self, need)
 
-    pinpool._main.lazy_pool.PinPool = make_pool  # type: ignore[assignment]
+    pinpool._main.route.lazy_pool.PinPool = make_pool  # type: ignore[assignment]
     LazyPool.overflow_buffer = overflow_buffer  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        pinpool._main.lazy_pool.PinPool = real_pool  # type: ignore[misc]
+        pinpool._main.route.lazy_pool.PinPool = real_pool  # type: ignore[misc]
         LazyPool.overflow_buffer = real_buffer  # type: ignore[method-assign]
 
 
@@ -1161,7 +1161,7 @@ def test_pool_hints() -> None:
     alone would have made unless the pool was used meanwhile."""
 
     made: list[int] = []
-    real_pool = pinpool._main.lazy_pool.PinPool
+    real_pool = pinpool._main.route.lazy_pool.PinPool
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         arena = kwargs.get("arena_bytes") or 0
@@ -1190,8 +1190,8 @@ def test_pool_hints() -> None:
         assert open_fd_count() <= fds
 
     with contextlib.ExitStack() as stack:
-        stack.callback(setattr, pinpool._main.lazy_pool, "PinPool", real_pool)
-        pinpool._main.lazy_pool.PinPool = watched  # type: ignore[misc,assignment]
+        stack.callback(setattr, pinpool._main.route.lazy_pool, "PinPool", real_pool)
+        pinpool._main.route.lazy_pool.PinPool = watched  # type: ignore[misc,assignment]
         fuzz()
 
 

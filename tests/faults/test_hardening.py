@@ -35,8 +35,8 @@ from loader_datasets import ArenaWatcher, Exiting, Indexed, ReadyBatches, ready_
 
 import pinpool
 from pinpool import InvalidArgument, OutOfBounds, PinPoolError, WorkerLost
-from pinpool._main import ending
-from pinpool._main.sizing import MIN_ARENA
+from pinpool._main.epochs import ending_thread
+from pinpool._main.settings.sizing import MIN_ARENA
 from pinpool._wire.handle import BatchHandle
 
 MiB = 1 << 20
@@ -334,9 +334,9 @@ def test_a_handles_sample_count_scales_nothing() -> None:
 
 
 def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pinpool._main.sizing
+    import pinpool._main.settings.sizing
 
-    monkeypatch.setattr(pinpool._main.sizing, "available_memory", lambda: 16 * MiB)
+    monkeypatch.setattr(pinpool._main.settings.sizing, "available_memory", lambda: 16 * MiB)
     # A first batch of 4 MiB: the arena may take 8 MiB, so it holds two batches of 4 MiB.
     loader = pinpool.DataLoader(Indexed(4), batch_size=2, num_workers=0)
     pools = loader._pinpool_receiver.pools
@@ -363,9 +363,9 @@ def test_automatic_sizing_is_capped_by_available_memory(monkeypatch: pytest.Monk
 def test_ranks_on_one_host_share_the_memory_automatic_sizing_may_take(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import pinpool._main.sizing
+    import pinpool._main.settings.sizing
 
-    monkeypatch.setattr(pinpool._main.sizing, "available_memory", lambda: 64 * MiB)
+    monkeypatch.setattr(pinpool._main.settings.sizing, "available_memory", lambda: 64 * MiB)
     # Batches of 5 MiB: an arena of two of them (12.5 MiB with headroom) is over a quarter of
     # half of 64 MiB (4 ranks), and within half of it for one rank (made smaller than its
     # default, 5 batches or the smallest arena, to fit).
@@ -609,7 +609,7 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(
     size; mapped ahead only where windows have keys). Streamed batches are written sample by
     sample, so only a batch's first sample is made before its slot is mapped. With ``fork``
     the workers of the second epoch start after the arena exists."""
-    from pinpool._main import grants
+    from pinpool._main.route import grants
 
     monkeypatch.setattr(grants, "BIG_FROM", 1)
     gc.collect()
@@ -637,7 +637,7 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(
         # uses that arena any more, but it would count here. The last epoch's iterator, which
         # holds the arena, goes once the ending thread has shut its workers down.)
         del loader
-        ending.wait_all()
+        ending_thread.wait_all()
         gc.collect()
         pinpool.wait_for_freed_pools(timeout=60)
 

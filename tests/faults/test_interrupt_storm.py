@@ -1,7 +1,7 @@
 """Storms of interrupts (SIGINT every fraction of a millisecond) while a loader with workers is
 iterated, in each mode: every one reaches the consumer as ``KeyboardInterrupt``, nothing else
 is raised (no ``EOFError`` from a result queue left in the middle of a message: the consumer's
-thread reads each message whole, ``_main.results``), and the next loader works.
+thread reads each message whole, ``_main.epochs.results``), and the next loader works.
 
 A trial is one loader iterated under a storm for a moment and dropped, then a fresh loader
 that must give its first batches, right, with no storm. A batch whose taking an interrupt cut

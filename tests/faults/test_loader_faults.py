@@ -40,7 +40,7 @@ from loader_datasets import (
 )
 
 import pinpool
-from pinpool._main import ending
+from pinpool._main.epochs import ending_thread
 
 #: Every test here runs in copy mode; those marked ``every_mode`` in all four loader modes
 #: (``tests/conftest.py``: ``loader_mode``). Marked ``faults``: they count this process's fds
@@ -107,7 +107,7 @@ class Resources:
 
     @staticmethod
     def now() -> Resources:
-        ending.wait_all()  # (an ended epoch's workers exit, and leave, on the ending thread)
+        ending_thread.wait_all()  # (an ended epoch's workers exit, and leave, on the ending thread)
         count = open_fd_count()
         targets = []
         for fd in os.listdir("/proc/self/fd"):
@@ -303,7 +303,7 @@ def test_normal_end_of_epoch(pool: pinpool.PinPool, num_workers: int) -> None:
     if num_workers:
         # The epoch is over: once the ending thread has shut its workers down (the final
         # next() did not wait for it), they are gone and their segments unmapped.
-        ending.wait_all()
+        ending_thread.wait_all()
         assert pin.stats()["segments_cached"] == 0
         assert_pool_clean(pool)
     del pin

@@ -1,7 +1,7 @@
 """A DataLoader worker's death, in every mode: torch's error reaches the consumer at once,
 whatever pinpool code its SIGCHLD handler happens to raise it in, and once the iterator is
 dropped no worker process is left, running or as a zombie (``pinpool._signals``, and
-``_main.workers.WorkersIter._shutdown_workers``).
+``_main.epochs.workers.WorkersIter._shutdown_workers``).
 
 A signal's Python handler runs in the main thread between any two steps of whatever runs
 there, so where it lands is a matter of timing: the end-to-end tests repeat their trials, in
@@ -35,7 +35,7 @@ from loader_datasets import Dying, Indexed, Paced
 import pinpool
 import pinpool._wire.handle
 import pinpool._wire.peer
-from pinpool._main import ending
+from pinpool._main.epochs import ending_thread
 
 #: Run alone, as the other fault tests (``test_loader_faults.py`` says why).
 pytestmark = pytest.mark.faults
@@ -219,7 +219,7 @@ def test_a_killed_workers_error_comes_at_once_while_an_old_iterator_is_dropped(
             gc.collect()  # (an iterator an exception's frames hold in a cycle goes here)
             # (An iterator dropped while its workers exit hands their join to the ending
             # thread: what is left is what is still there once it is done.)
-            assert ending.wait_all(30)
+            assert ending_thread.wait_all(30)
             assert not leftovers(before, workers)
     # torch's handler may also raise in another library's weakref callback (one that runs as
     # the old iterator goes), where Python only prints it: pinpool's consumer finds the death
@@ -273,7 +273,7 @@ def test_an_iterator_collected_on_its_own_pin_thread_is_shut_down(zero_copy: boo
         while armed[0] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert collected_on and collected_on[0] == pin_thread.name, collected_on
-        ending.wait_all(30)
+        ending_thread.wait_all(30)
         pin_thread.join(10)
         assert not pin_thread.is_alive()
         left = leftovers(before, workers)
@@ -292,7 +292,7 @@ def test_a_death_no_sigchld_reports_is_found_by_the_waiting_consumer(
     """torch's SIGCHLD handler set aside (as when its error is lost, or no SIGCHLD comes: a
     forkserver's workers): the consumer, waiting for the dead worker's batch, finds the death
     itself, within ``WORKERS_LOOKED_AT_S``, not at torch's status check 5 s later."""
-    from pinpool._main.workers import WORKERS_LOOKED_AT_S
+    from pinpool._main.epochs.workers import WORKERS_LOOKED_AT_S
 
     stamp = tmp_path / "died"
     with accelerator(pin_thread):

@@ -120,7 +120,7 @@ def test_small_device_batches_are_copied_behind_the_consumers_work_and_fenced_th
     slot returned fenced on that stream. Two slots, and a long kernel queued on the
     consumer's stream before each ``next()``: a slot reused before the copy out of it had run
     would hand an earlier batch a later batch's bytes."""
-    from pinpool._main.receiver import CONSUMER_SENDS_UP_TO
+    from pinpool._main.route.receiver import CONSUMER_SENDS_UP_TO
 
     assert 8 * 3 * 32 * 32 <= CONSUMER_SENDS_UP_TO
     loader = pinpool.DataLoader(
@@ -167,7 +167,7 @@ def test_big_batches_stream_through_few_slots() -> None:
 def test_small_device_batches_are_sent_by_the_consumer_and_big_ones_ahead(zero_copy: bool) -> None:
     """Device batches up to ``CONSUMER_SENDS_UP_TO`` are sent in ``next()``, on the consumer's
     thread; bigger ones by torch's pin thread, ahead. Both arrive whole."""
-    from pinpool._main.receiver import CONSUMER_SENDS_UP_TO
+    from pinpool._main.route.receiver import CONSUMER_SENDS_UP_TO
 
     small = Images(32, 3, 32, 32)  # 8 x 3 KB
     big = Images(32, 3, 512, 512)  # 8 x 786 KB
@@ -199,7 +199,7 @@ def test_batches_of_one_dtype_come_out_of_one_allocation_in_one_call(zero_copy: 
     allocation of that dtype and viewed in one call (``leaves.DeviceLayout``); a batch of one
     tensor is that allocation itself. Small ones sent by the consumer, big ones ahead: equal to
     torch's batches either way, each leaf where its bytes were in the slot."""
-    from pinpool._main.receiver import CONSUMER_SENDS_UP_TO
+    from pinpool._main.route.receiver import CONSUMER_SENDS_UP_TO
 
     keys = ("input_ids", "attention_mask", "labels")
     for length in (64, 1 << 16):  # 8 x 3 x 512 B, sent by the consumer; 8 x 3 x 512 KiB

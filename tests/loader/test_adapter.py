@@ -364,7 +364,7 @@ def test_importing_pinpool_does_not_import_torch() -> None:
         "import pinpool\n"
         "assert 'torch' not in sys.modules, 'import pinpool imported torch'\n"
         "pinned = pinpool.pinned\n"
-        "assert 'torch' in sys.modules and pinned.__module__ == 'pinpool._main.adapter'\n"
+        "assert 'torch' in sys.modules and pinned.__module__ == 'pinpool.adapter'\n"
         "print(pinpool.Pinned.__name__)\n"
     )
     proc = subprocess.run(

@@ -24,7 +24,7 @@ from loader_datasets import in_pool
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
 import pinpool
-from pinpool._main import opaque
+from pinpool._main.route import opaque
 
 #: torch's own answer, whatever a test's mode makes pinpool believe (``fake_pin_thread``).
 _ACCELERATOR = torch.accelerator.is_available

@@ -21,7 +21,7 @@ _LOOP = textwrap.dedent(
     """
     import json, os, sys, time
     import torch, pinpool
-    from pinpool._main import ending
+    from pinpool._main.epochs import ending_thread
 
     def rss():
         with open("/proc/self/statm") as f:
@@ -42,7 +42,7 @@ _LOOP = textwrap.dedent(
         pass
     arena = loader.pool.arena_bytes
     del loader, batch
-    ending.wait_all(30)
+    ending_thread.wait_all(30)
     base_rss, base_threads = rss(), threads()
     peak_rss, peak_threads = base_rss, base_threads
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ import torch.utils.data
 from loader_datasets import Indexed, ListDataset, assert_same, in_pool
 
 import pinpool
-from pinpool._main import opaque
+from pinpool._main.route import opaque
 from pinpool._wire import codec, leaves
 from pinpool._wire.tree import KEEP, Node, map_leaves
 

@@ -21,7 +21,7 @@ from loader_datasets import Indexed
 
 import pinpool
 import pinpool.trace
-from pinpool._main import ending
+from pinpool._main.epochs import ending_thread
 
 N, BATCH = 24, 4
 
@@ -98,7 +98,7 @@ def test_an_epochs_final_next_leaves_the_workers_exit_to_the_ending_thread(
         gc.collect()
         assert all(_running(pid) for pid in first | second)
         (tmp_path / "hold").unlink()
-        ending.wait_all()
+        ending_thread.wait_all()
     expected = [list(range(i, i + BATCH)) for i in range(0, N, BATCH)]
     assert got == again == expected
     # Both epochs' workers have exited and been reaped, by the ending thread.
@@ -114,15 +114,15 @@ def test_an_epochs_final_next_leaves_the_workers_exit_to_the_ending_thread(
     assert len(ends) == 2 and {e.thread for e in ends} == {"pinpool-workers-end"}
 
 
-@pytest.mark.parametrize("ending_thread", ["idle", "busy"])
+@pytest.mark.parametrize("ending_thread_state", ["idle", "busy"])
 def test_an_epoch_left_early_is_shut_down_before_del_returns(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending_thread: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending_thread_state: str
 ) -> None:
     """Tasks were in flight: the workers are shut down and reaped before ``del`` returns, on
     the ending thread (where no signal handler can cut it short), or, if that thread is busy
     with another shutdown for longer than the main thread gives it, on a thread of their own
     (the ending thread then skips it)."""
-    from pinpool._main import workers
+    from pinpool._main.epochs import workers
 
     ran_on: list[str] = []
     steps = workers.WorkersIter._shutdown_steps
@@ -145,15 +145,17 @@ def test_an_epoch_left_early_is_shut_down_before_del_returns(
     def hold() -> None:  # (another shutdown, keeping the ending thread busy)
         busy.wait(10.0)
 
-    if ending_thread == "busy":
-        ending.hand_over(hold)
+    if ending_thread_state == "busy":
+        ending_thread.hand_over(hold)
     del it
     gc.collect()
     busy.set()
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
-    expected = "pinpool-workers-end" if ending_thread == "idle" else "pinpool-workers-shutdown"
+    expected = (
+        "pinpool-workers-end" if ending_thread_state == "idle" else "pinpool-workers-shutdown"
+    )
     assert ran_on == [expected]
-    ending.wait_all()
+    ending_thread.wait_all()
     assert ran_on == [expected]  # (taken back: the ending thread did not run it again)
     del loader
     gc.collect()
@@ -164,7 +166,7 @@ def test_a_worker_that_fails_to_exit_is_killed_by_the_ending_thread(
 ) -> None:
     # A worker stuck in its exit is killed after torch's status-check interval, as torch's
     # own shutdown would, by the ending thread.
-    from pinpool._main import workers
+    from pinpool._main.epochs import workers
 
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
     monkeypatch.setattr(workers, "mp_status_check_interval", lambda: 0.2)
@@ -176,7 +178,7 @@ def test_a_worker_that_fails_to_exit_is_killed_by_the_ending_thread(
     pids = _pids(tmp_path)
     del loader
     gc.collect()
-    ending.wait_all()
+    ending_thread.wait_all()
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
     assert (tmp_path / "hold").exists()  # (nobody let them go: they were killed)
 
@@ -226,7 +228,7 @@ def test_the_result_queues_feeder_is_not_waited_for_at_exit_after_a_shutdown() -
     inners = [ended._inner, left._inner]  # type: ignore[attr-defined]
     del left
     gc.collect()
-    ending.wait_all()
+    ending_thread.wait_all()
     for inner in inners:
         assert inner._worker_result_queue._joincancelled
     del ended, inners, loader
@@ -242,14 +244,14 @@ def test_the_ending_thread_is_started_again_if_it_has_ended() -> None:
     def escapes() -> None:
         raise RuntimeError("a job's own error")
 
-    ending.start()
+    ending_thread.start()
     with pytest.warns(RuntimeWarning, match="a job's own error"):
-        ending.hand_over(escapes).wait(10.0)
-    assert ending._thread is not None and ending._thread.is_alive()
+        ending_thread.hand_over(escapes).wait(10.0)
+    assert ending_thread._thread is not None and ending_thread._thread.is_alive()
     gone = threading.Thread(target=lambda: None)
     gone.start()
     gone.join()
-    ending._thread = gone
+    ending_thread._thread = gone
     ran = threading.Event()
-    assert ending.hand_over(ran.set).wait(10.0)
-    assert ran.is_set() and ending._thread is not gone and ending._thread.is_alive()
+    assert ending_thread.hand_over(ran.set).wait(10.0)
+    assert ran.is_set() and ending_thread._thread is not gone and ending_thread._thread.is_alive()

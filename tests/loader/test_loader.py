@@ -45,7 +45,7 @@ from loader_datasets import (
 
 import pinpool
 from pinpool import BatchTooLarge, InvalidArgument, PoolExhausted
-from pinpool._main.sizing import MIN_ARENA
+from pinpool._main.settings.sizing import MIN_ARENA
 
 #: Every test here runs in copy mode; those marked ``every_mode`` in all four loader modes
 #: (``tests/conftest.py``: ``loader_mode``).

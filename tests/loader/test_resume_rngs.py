@@ -14,7 +14,7 @@ import torch
 from loader_datasets import Indexed
 
 import pinpool
-from pinpool._main.resume import NotResumable
+from pinpool._main.resume.checkpoint import NotResumable
 
 
 class PythonShuffled(torch.utils.data.Sampler[int]):

@@ -19,7 +19,7 @@ from loader_datasets import Indexed
 
 import pinpool
 import pinpool.trace
-from pinpool._main import ending
+from pinpool._main.epochs import ending_thread
 
 N, BATCH = 32, 4
 
@@ -41,7 +41,7 @@ EXPECTED = [list(range(i, i + BATCH)) for i in range(0, N, BATCH)]
 def test_a_loader_reports_its_steps(loader_mode: LoaderMode, num_workers: int) -> None:
     # Loaders of earlier tests closed first: the hook is the process's, and theirs would count.
     gc.collect()
-    ending.wait_all(timeout=30)
+    ending_thread.wait_all(timeout=30)
     with pinpool.trace.recording() as events:
         assert _run(num_workers) == EXPECTED
     batches = len(EXPECTED)

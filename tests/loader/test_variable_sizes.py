@@ -22,7 +22,7 @@ from loader_datasets import array_leaves, assert_same, in_pool
 
 import pinpool
 from pinpool import BatchTooLarge
-from pinpool._main.sizing import MIN_ARENA
+from pinpool._main.settings.sizing import MIN_ARENA
 
 MODES = pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
 

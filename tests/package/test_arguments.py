@@ -1,4 +1,4 @@
-"""Each of pinpool's ``DataLoader`` arguments is declared once (``settings.ARGUMENTS``): the
+"""Each of pinpool's ``DataLoader`` arguments is declared once (``arguments.ARGUMENTS``): the
 loader's signature, ``pinpool.pinned``'s, the user guide's options table, the loader's
 attributes and its checks are those declarations, and none can drift from them."""
 
@@ -16,11 +16,11 @@ import torch
 import pinpool
 from pinpool import _errors
 from pinpool._errors import ArgumentTypeError
-from pinpool._main import settings
-from pinpool._main.adapter import PINNED_ARGUMENTS, Pinned
+from pinpool._main.settings import arguments
+from pinpool.adapter import PINNED_ARGUMENTS, Pinned
 
 GUIDE = Path(__file__).resolve().parent.parent.parent / "docs" / "guide.md"
-NAMES = [a.name for a in settings.ARGUMENTS]
+NAMES = [a.name for a in arguments.ARGUMENTS]
 
 
 def _table(heading: str) -> list[list[str]]:
@@ -44,7 +44,7 @@ def _options() -> dict[str, str]:
 def test_the_guides_options_table_is_the_declarations() -> None:
     table = _options()
     assert sorted(table) == sorted(NAMES)
-    for argument in settings.ARGUMENTS:
+    for argument in arguments.ARGUMENTS:
         assert table[argument.name] == argument.shown_default, argument.name
 
 
@@ -53,7 +53,7 @@ def test_the_loaders_signature_is_the_declarations() -> None:
     names = list(params)
     ours = names[names.index("in_order") + 1 :]
     assert ours == NAMES
-    for argument in settings.ARGUMENTS:
+    for argument in arguments.ARGUMENTS:
         param = params[argument.name]
         assert param.kind is inspect.Parameter.KEYWORD_ONLY, argument.name
         assert param.default == argument.default, argument.name
@@ -66,13 +66,13 @@ def test_pinneds_signature_is_the_declarations_it_takes() -> None:
         keywords = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
         assert sorted(keywords) == sorted(PINNED_ARGUMENTS), function
         for name in keywords:
-            assert params[name].default == settings.BY_NAME[name].default, name
+            assert params[name].default == arguments.BY_NAME[name].default, name
 
 
 def test_a_loaders_attributes_are_its_arguments() -> None:
     given: dict[str, Any] = {"zero_copy": False, "slot_timeout": 5.0, "overflow": "wait"}
     loader = pinpool.DataLoader(torch.arange(4), batch_size=2, **given)
-    for argument in settings.ARGUMENTS:
+    for argument in arguments.ARGUMENTS:
         assert vars(loader)[argument.name] == given.get(argument.name, argument.default)
 
 

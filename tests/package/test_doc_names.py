@@ -7,18 +7,18 @@ and the ``//!`` doc of each file of ``src/``. In it, every span in backticks (Ma
 entry of a file tree (a fenced block with no language whose first line is a folder, as in
 docs/development.md's source layout) is read, and:
 
-- a file path (``src/pool/claim.rs``, ``_main/results.py``, ``benchmarks/``, a path inside a
-  command) must name a file, or with a trailing ``/`` a folder, of the repository: from its
-  root, from ``python/pinpool/``, from ``src/``, from the folder of the file naming it, or
-  else as the end of some path in the repository (``pool/claim.rs``);
+- a file path (``src/pool/claim.rs``, ``_main/epochs/results.py``, ``benchmarks/``, a path
+  inside a command) must name a file, or with a trailing ``/`` a folder, of the repository:
+  from its root, from ``python/pinpool/``, from ``src/``, from the folder of the file naming
+  it, or else as the end of some path in the repository (``pool/claim.rs``);
 - ``Class.member`` (``Receiver.take``), whose class is the project's (a class of
   ``python/pinpool``, a pyclass of the extension as Python sees it, a Rust struct, enum or
   trait of ``src/``), and Rust's ``Type::member``, must name a member defined on it: a def,
   a property, a class attribute, an attribute assigned as ``self.x``, a Rust field, variant or
   ``fn`` of one of its ``impl`` blocks;
-- ``module.name`` under pinpool (``pinpool._native.read_message``, ``_main.workers.WorkersIter``,
-  ``receiver.Receiver.encode_local``) must name a module of the package that defines the name
-  (and, after a class, a member of it).
+- ``module.name`` under pinpool (``pinpool._native.read_message``,
+  ``_main.epochs.workers.WorkersIter``, ``receiver.Receiver.encode_local``) must name a module
+  of the package that defines the name (and, after a class, a member of it).
 
 Names of other projects (torch's ``DataLoader._get_iterator``, ``torch.cuda.Stream``, the
 standard library, accelerate) are not the project's and are not checked, nor are trace events
@@ -430,7 +430,7 @@ def _top_level_names(tree: ast.Module) -> set[str]:
 
 def python_names() -> tuple[dict[str, Kind], dict[str, set[str]]]:
     """Every class of the package (``.py`` and the extension's ``.pyi``) with its members and
-    bases, and every module's top-level names by dotted path (``_main.receiver``; a
+    bases, and every module's top-level names by dotted path (``_main.route.receiver``; a
     package's by its folder's path, the package itself as "")."""
     kinds: dict[str, Kind] = {}
     modules: dict[str, set[str]] = {}
@@ -445,7 +445,7 @@ def python_names() -> tuple[dict[str, Kind], dict[str, set[str]]]:
                 kind = kinds.setdefault(node.name, Kind())
                 kind.members |= _class_members(node)
                 kind.bases |= {_base_name(b) for b in node.bases}
-    # A package's submodules are its names too (``pinpool.bench``, ``_main.workers``).
+    # A package's submodules are its names too (``pinpool.bench``, ``_main.epochs.workers``).
     for dotted in list(modules):
         if dotted:
             parent, _, child = dotted.rpartition(".")
@@ -601,7 +601,7 @@ _RUST_PATH = re.compile(r"((?:\w+::)*[A-Z]\w*)::(\w+)(?:\([^()]*\))?")
 
 def _modules_named(names: Names, dotted: str, anchored: bool) -> list[str]:
     """The modules of the package that ``dotted`` names: from the package's root, or (not
-    ``anchored``) as the end of a module's path (``receiver``: ``_main.receiver``)."""
+    ``anchored``) as the end of a module's path (``receiver``: ``_main.route.receiver``)."""
     if anchored:
         return [dotted] if dotted in names.modules else []
     return [m for m in names.modules if m == dotted or m.endswith("." + dotted)]
@@ -696,7 +696,7 @@ def test_the_check_finds_what_does_not_exist() -> None:
     doc = ROOT / "docs" / "made-up.md"
     body = (
         "`Receiver.no_such_method` and `Receiver.take`; `_main/no_such_file.py` and "
-        "`_main/receiver.py`; [gone](no-such-page.md), [here](design.md#words);\n"
+        "`_main/route/receiver.py`; [gone](no-such-page.md), [here](design.md#words);\n"
         "`pinpool._native.no_such_function`, `pinpool._native.read_message`; "
         "`Pool::no_such_fn`, `Pool::claim`; `torch.cuda.Stream`, `DataLoader._get_iterator`;\n"
         "```\nsrc/\n  pool/\n    claim.rs      the claim\n    no_such.rs    gone\n```\n"

@@ -1,6 +1,7 @@
 """The package's modules import each other without a circle (one may not be needed to load
-another that needs it), and the parts split by where their code runs keep apart: counting
-imports made inside functions too."""
+another that needs it), the parts split by where their code runs keep apart, and the main
+process's rooms, split by job, import one another one way only: counting imports made inside
+functions too."""
 
 from __future__ import annotations
 
@@ -67,15 +68,48 @@ SEPARATE = {
 }
 
 
-def test_the_wire_format_and_the_two_sides_import_only_what_they_may() -> None:
+#: What each room of the main process's side (``pinpool._main``, one folder a job) and
+#: ``pinpool.pinned`` may not import: the rooms import one another one way only, the epochs
+#: the route and resume, the route the settings; resume and the settings stand alone; the
+#: adapter has the route and the settings, none of the epochs' worker machinery.
+ROOMS = {
+    "pinpool._main.route": ("pinpool._main.epochs", "pinpool._main.resume"),
+    "pinpool._main.resume": (
+        "pinpool._main.epochs",
+        "pinpool._main.route",
+        "pinpool._main.settings",
+    ),
+    "pinpool._main.settings": (
+        "pinpool._main.epochs",
+        "pinpool._main.route",
+        "pinpool._main.resume",
+    ),
+    "pinpool.adapter": ("pinpool._main.epochs", "pinpool._main.resume"),
+}
+
+
+def wrong_imports(rules: dict[str, tuple[str, ...]]) -> list[str]:
+    """Each import of a module of a part in ``rules`` that the part may not make."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     wrong = []
     for name, path in sorted(files.items()):
-        for part, forbidden in SEPARATE.items():
+        for part, forbidden in rules.items():
             if name == part or name.startswith(part + "."):
                 wrong += [
                     f"{name} imports {m}"
                     for m in sorted(imports_of(path))
                     if any(m == f or m.startswith(f + ".") for f in forbidden)
                 ]
+    return wrong
+
+
+def test_the_wire_format_and_the_two_sides_import_only_what_they_may() -> None:
+    wrong = wrong_imports(SEPARATE)
+    assert not wrong, wrong
+
+
+def test_the_main_process_rooms_import_one_another_one_way() -> None:
+    files = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    assert all(room in files for room in ROOMS), sorted(set(ROOMS) - files)
+    wrong = wrong_imports(ROOMS)
     assert not wrong, wrong

@@ -10,8 +10,8 @@ import pytest
 from conftest import run_python
 
 import pinpool
-from pinpool._main.settings import local_world_size
-from pinpool._main.settings import worker_copy_threads as _worker_copy_threads
+from pinpool._main.settings.arguments import local_world_size
+from pinpool._main.settings.arguments import worker_copy_threads as _worker_copy_threads
 
 
 def test_the_pinpool_logger_is_silent_unless_configured() -> None:

@@ -48,10 +48,10 @@ ALLOWED = {
 #: multiprocessing queue.
 TOUCHING = (
     "loader.py",
-    "_main/workers.py",
-    "_main/loader_iter.py",
-    "_main/index_queue.py",
-    "_main/resume.py",
+    "_main/epochs/workers.py",
+    "_main/epochs/loader_iter.py",
+    "_main/epochs/index_queue.py",
+    "_main/resume/checkpoint.py",
 )
 
 
@@ -130,7 +130,7 @@ def test_private_attributes_used_on_torch_objects_are_in_the_tables() -> None:
     assert not any(missing.values()), f"used but not in the contract's tables: {missing}"
     # (and the scan sees them: the workers' iterator uses most of the iterator's)
     assert {"_index_queues", "_try_get_data", "_workers"} <= private_names_used(
-        PACKAGE / "_main" / "workers.py"
+        PACKAGE / "_main" / "epochs" / "workers.py"
     )
 
 

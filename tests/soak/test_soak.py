@@ -34,7 +34,7 @@ from loader_datasets import array_leaves, assert_same, in_pool
 from soak_cases import KEPT_LAST, Case, dataset_of, draw
 
 import pinpool
-from pinpool._main import ending
+from pinpool._main.epochs import ending_thread
 
 #: The longest any ``next()`` may take (but the first from each worker an iterator starts).
 NEXT_AT_MOST_S = 2.0
@@ -163,14 +163,14 @@ def test_a_run_of_the_matrix(case: Case, monkeypatch: pytest.MonkeyPatch) -> Non
     pool = loader.pool
     grants = loader._pinpool_receiver.grants
     held.clear()
-    ending.wait_all(timeout=30)
+    ending_thread.wait_all(timeout=30)
     gc.collect()
     if pool is not None:
         _wait_until_back(pool)
     if grants is not None:
         assert grants._grants.outstanding == 0, "a grant left out"
     del loader
-    ending.wait_all(timeout=30)
+    ending_thread.wait_all(timeout=30)
     gc.collect()
 
 
@@ -266,7 +266,7 @@ def test_an_arena_with_room_for_one_batch_delivers_every_batch(
     assert slowest <= NEXT_AT_MOST_S, slowest
     assert loader.stats()["overflow_batches"] == 0, loader.stats()
     del it, loader
-    ending.wait_all(timeout=30)
+    ending_thread.wait_all(timeout=30)
 
 
 @pytest.mark.parametrize(("zero_copy", "pin"), [(False, False), (True, False), (True, True)])
@@ -291,7 +291,7 @@ def test_a_consumer_keeping_its_last_batches_finds_room_in_the_default_arena(
     assert loader.stats()["overflow_batches"] == 0, loader.stats()
     held.clear()
     del loader
-    ending.wait_all(timeout=30)
+    ending_thread.wait_all(timeout=30)
 
 
 class ChangingBatches(torch.utils.data.Sampler[list[int]]):
@@ -353,5 +353,5 @@ def test_a_break_with_every_batch_kept_waits_on_no_parked_request(persistent: bo
     del loader, it
     slowest = max(slowest, time.perf_counter() - t0)
     kept.clear()
-    ending.wait_all(timeout=30)
+    ending_thread.wait_all(timeout=30)
     assert slowest <= AFTER_BREAK_AT_MOST_S, slowest

@@ -1,5 +1,5 @@
 """The per-batch trip between the threads of the main process: indices written to the workers'
-pipes by a Rust thread (``pinpool._main.index_queue``), and, on torch's pin
+pipes by a Rust thread (``pinpool._main.epochs.index_queue``), and, on torch's pin
 thread, copies into slots left running on a copy thread while the pin thread goes on
 (``Receiver.take`` and ``delivery.Pending``)."""
 
@@ -20,8 +20,8 @@ from conftest import fake_pin_thread, open_fd_count
 from loader_datasets import Indexed, Sized
 
 import pinpool
-from pinpool._main import delivery
-from pinpool._main.index_queue import DirectQueue, write_directly
+from pinpool._main.epochs.index_queue import DirectQueue, write_directly
+from pinpool._main.route import delivery
 from pinpool._native import PipeWriter
 
 # --------------------------------------------------------------------------- index queues

@@ -33,7 +33,7 @@ from torch.utils.data import default_collate
 
 import pinpool
 from pinpool import OutOfBounds, PinPoolError
-from pinpool._main.delivery import hand_to_consumer
+from pinpool._main.route.delivery import hand_to_consumer
 from pinpool._wire import codec as _codec
 from pinpool._wire import leaves as _leaves
 from pinpool._wire.codec import ALIGN, Leaf, LeafSpec

@@ -20,7 +20,7 @@ from loader_datasets import Sized
 
 import pinpool
 from pinpool import _native
-from pinpool._main import ending
+from pinpool._main.epochs import ending_thread
 
 MiB = 1 << 20
 
@@ -121,7 +121,7 @@ def test_deleting_a_loader_with_a_1_gib_arena_does_not_stall_other_threads() -> 
     comes back every time."""
     worst, dropped_in = _delete_a_loader_with_a_1_gib_arena()
     if worst >= 0.050:
-        ending.wait_all(timeout=30)
+        ending_thread.wait_all(timeout=30)
         pinpool.wait_for_freed_pools(timeout=60)
         worst, dropped_in = _delete_a_loader_with_a_1_gib_arena()
     assert worst < 0.050, (

@@ -1,4 +1,4 @@
-"""Zero-copy grants (``_main.grants``, ``pinpool._native.Grants``, ``_worker.desk``): a worker
+"""Zero-copy grants (``_main.route.grants``, ``pinpool._native.Grants``, ``_worker.desk``): a worker
 asks for a slot of its batch's size once it knows it, at the main process's grant desk, and
 the batch the consumer waits for is never refused room held for batches behind it.
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pinpool
-from pinpool._main.grants import LoaderGrants, TaskTagger
+from pinpool._main.route.grants import LoaderGrants, TaskTagger
 from pinpool._native import room_kept
 from pinpool._wire import handle
 from pinpool._worker import desk

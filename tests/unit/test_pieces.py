@@ -1,4 +1,4 @@
-"""A batch in several slots (``PinPool.claim_pieces``, ``pinpool._main.pieces``): where it may
+"""A batch in several slots (``PinPool.claim_pieces``, ``pinpool._main.route.pieces``): where it may
 be cut, that the pieces cover it, that its leaves view the right bytes, and that bad cuts take
 nothing."""
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pinpool import InvalidArgument
 from pinpool._errors import ArgumentTypeError
-from pinpool._main.pieces import Pieces, cuts
+from pinpool._main.route.pieces import Pieces, cuts
 from pinpool._wire.codec import LeafSpec
 
 PAGE = mmap.PAGESIZE

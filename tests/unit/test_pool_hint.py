@@ -16,8 +16,8 @@ import pytest
 from loader_datasets import Lopsided, Paced, Sized, sum_collate
 
 import pinpool
-from pinpool._main import lazy_pool
-from pinpool._main.sizing import MIN_ARENA
+from pinpool._main.route import lazy_pool
+from pinpool._main.settings.sizing import MIN_ARENA
 from pinpool._wire.pool_hint import PoolHint
 
 

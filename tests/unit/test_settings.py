@@ -15,7 +15,7 @@ from loader_datasets import Indexed, ShardedRange
 
 import pinpool
 from pinpool import InvalidArgument
-from pinpool._main import settings
+from pinpool._main.settings import arguments
 
 
 def _warnings_of(make: Any) -> list[str]:
@@ -98,10 +98,10 @@ def test_zero_copy_with_a_pool_workers_cannot_map_warns() -> None:
         "worker_copy_threads": None,
         "pin_memory": True,
     }
-    (why,) = settings.ignored(pool=hostalloc, **common)
+    (why,) = arguments.ignored(pool=hostalloc, **common)
     assert "backend='cuda-hostalloc' (workers cannot map it)" in why
-    assert settings.ignored(pool=memfd, **common) == []
-    assert settings.ignored(pool=None, **common) == []
+    assert arguments.ignored(pool=memfd, **common) == []
+    assert arguments.ignored(pool=None, **common) == []
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pinpool._main import sizing
-from pinpool._main.sizing import HEADROOM, Sizing
+from pinpool._main.settings import sizing
+from pinpool._main.settings.sizing import HEADROOM, Sizing
 from pinpool._native import room_kept
 
 PAGE = 4096

@@ -301,7 +301,7 @@ def prepare(accelerator: Any, loader: Any, *, device_placement: bool | None = No
         return adopted
     # accelerate's public methods only: its shard of a torch loader drawing as this one,
     # without device placement, and pinpool.pinned over it.
-    from .._main.adapter import pinned
+    from ..adapter import pinned
 
     plain = torch.utils.data.DataLoader(
         template.dataset, **sampling(template), **torch_arguments(template), pin_memory=False

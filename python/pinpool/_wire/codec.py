@@ -53,7 +53,7 @@ def _numpy_to_torch() -> dict[np.dtype[Any], str]:
 NUMPY_TO_TORCH = _numpy_to_torch()
 
 #: A batch's room: buffers made for a batch (a worker's segment, an automatically sized
-#: arena's slots: ``_main.sizing``) are its size times this, so that the next batches, a
+#: arena's slots: ``_main.settings.sizing``) are its size times this, so that the next batches, a
 #: little larger, still fit.
 HEADROOM = 1.25
 #: A worker's segment is a whole number of these.

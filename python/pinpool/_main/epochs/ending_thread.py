@@ -2,19 +2,24 @@
 
 At an epoch's natural end the training thread only hands the rest of its workers' shutdown
 (torch's joins, pinpool's reaping and taking back) to this thread, so that the final
-``next()`` waits for none of it (see ``_main.workers``). Any other shutdown called on the
-main thread (an epoch left early, an error, the loader's deletion) runs here too, the main
-thread waiting for it: no signal handler runs on this thread, to cut it short. The thread
-is started once, when the first loader with workers starts them, rather than at the epoch's
-end: a thread started then would hold the GIL for up to a switch interval before the
-training thread could go on.
+``next()`` waits for none of it (see ``workers``). Any other shutdown called on the main
+thread (an epoch left early, an error, the loader's deletion) runs here too, the main thread
+waiting for it: no signal handler runs on this thread, to cut it short. The thread is started
+once, when the first loader with workers starts them, rather than at the epoch's end: a
+thread started then would hold the GIL for up to a switch interval before the training
+thread could go on.
+
+The thread is this module; the steps it runs are ``shutdown``'s. The two are apart because
+``import pinpool`` imports this one (``pinpool.wait_for_freed_pools``) and must not need torch,
+while the steps read torch's internals.
 
 Invariants: each handed-over shutdown runs once, in the order handed over, and its event is
 set when it has run (whatever it raised); :func:`wait_all` returns once every shutdown handed
 over before it was called has run (only the interpreter's exit waits for it in pinpool: the
 workers of an ended epoch have no task left, so nothing else has to wait for their exit;
 tests use it to count what they leave); a process forked from this one starts a thread of
-its own (the parent's is not running there) and inherits no pending shutdown.
+its own (the parent's is not running there) and inherits no pending shutdown; nothing here
+imports torch, or a module that does.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 import warnings
 from collections.abc import Callable
 
-from .._native import wait_for_freed_pools as _freed
+from ..._native import wait_for_freed_pools as _freed
 
 #: Guards the thread's start. Re-entrant: a collection set off while it is held can run,
 #: on the same thread, a finalizer that hands a shutdown over.

@@ -33,9 +33,9 @@ from multiprocessing.reduction import ForkingPickler
 from queue import Full
 from typing import Any
 
-from .. import _trace
-from .._native import PipeWriter
-from .._torch_contract import MultiprocessingQueue
+from ... import _trace
+from ..._native import PipeWriter
+from ..._torch_contract import MultiprocessingQueue
 
 
 class DirectQueue(MultiprocessingQueue):  # type: ignore[type-arg]

@@ -1,7 +1,7 @@
 """One epoch of a ``pinpool.DataLoader``: torch's iterator, wrapped (:class:`LoaderIter`).
 
 Each item torch's machinery produces is handed over to the consumer (``delivery.hand_to_consumer``),
-counted for ``state_dict()`` (``resume.Epoch``), and the epoch's end shuts the workers down
+counted for ``state_dict()`` (``resume.epoch.Epoch``), and the epoch's end shuts the workers down
 (unless they persist) and takes back what they held.
 
 Invariants: every batch yielded, and every index list torch passed while raising, is counted
@@ -17,13 +17,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from .. import _signals, _trace
-from .._errors import PinPoolError
-from .._torch_contract import RERAISE_CODE
-from .._wire.handle import WorkerProgress
-from .delivery import hand_to_consumer
-from .grants import TaskTagger
-from .resume import Epoch
+from ... import _signals, _trace
+from ..._errors import PinPoolError
+from ..._torch_contract import RERAISE_CODE
+from ..._wire.handle import WorkerProgress
+from ..resume.checkpoint import Epoch
+from ..route.delivery import hand_to_consumer
+from ..route.grants import TaskTagger
 from .workers import WorkersIter, shut_down
 
 

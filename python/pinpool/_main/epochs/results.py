@@ -22,7 +22,7 @@ import queue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from .._native import read_message
+from ..._native import read_message
 
 
 class WholeMessages:

@@ -1,13 +1,14 @@
 """Shutting a ``pinpool.DataLoader``'s workers down: the steps after torch's own shutdown
 (reaping every worker, closing the index queues), the shutdown the main thread hands to the
-ending thread, undoing a half-made iterator, and the loader's finalizer.
+ending thread, undoing a half-made iterator, and the loader's finalizer. The ending thread
+itself is ``ending_thread``'s (a module apart: ``import pinpool`` imports it without torch).
 
 Invariants: after :func:`reap_workers` every worker of the iterator has exited and been reaped
 (told to exit, then killed after torch's status-check interval); after :func:`shut_down` the
 iterator holds no batch (each may hold a slot); :func:`close_loader` stops the workers before
 the receiver closes, so that no worker writes into a slot taken back. Nothing runs while the
 interpreter exits (torch's shutdown does nothing then either), and nothing here imports
-``_main.workers``: the iterator class calls these, never the other way round.
+``workers``: the iterator class calls these, never the other way round.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import queue
 import time
 from typing import Any
 
-from .._errors import PinPoolError
-from .._native import Handoff
-from .._torch_contract import mp_status_check_interval, python_exit_status, remove_worker_pids
-from .receiver import Receiver
+from ..._errors import PinPoolError
+from ..._native import Handoff
+from ..._torch_contract import mp_status_check_interval, python_exit_status, remove_worker_pids
+from ..route.receiver import Receiver
 
 
 class HandedShutdown:

@@ -20,7 +20,8 @@ there), which cannot join itself: the ending thread finishes it, and what must w
 workers' exit waits for it (``after_shutdown``).
 Nothing is done in a process forked from the one that started the workers. The steps after
 torch's shutdown (reaping, closing the queues), the loader's finalizer and :func:`shut_down`
-are ``_main.worker_shutdown``'s (re-exported here, where the loader imports them).
+are ``shutdown``'s (re-exported here, where the loader imports them), and the thread that
+finishes a shutdown is ``ending_thread``'s.
 """
 
 from __future__ import annotations
@@ -33,19 +34,19 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import _signals, _trace
-from .._torch_contract import (
+from ... import _signals, _trace
+from ..._torch_contract import (
     MultiProcessingIter,
     mp_status_check_interval,
     profiler_enabled,
     remove_worker_pids,
     serialize_polls,
 )
-from .._wire.handle import BatchHandle, WorkerProgress
-from . import ending
+from ..._wire.handle import BatchHandle, WorkerProgress
+from . import ending_thread
 from .index_queue import write_directly
 from .results import WholeMessages
-from .worker_shutdown import (
+from .shutdown import (
     HandedShutdown,
     abandon_half_made,
     close_index_queues,
@@ -74,7 +75,7 @@ class WorkersIter(MultiProcessingIter):
       its worker may have exited (an iterable dataset's worker whose data has run out is told
       to exit at once) or died.
     - Batch indices are written to each worker's pipe by a Rust thread, not by a Python
-      feeder thread per worker (``_main.index_queue``).
+      feeder thread per worker (``_main.epochs.index_queue``).
     - The first batches are dealt out from worker ``first`` on instead of worker 0 (a resumed
       iterable dataset's epoch, whose next batch is that worker's). torch deals to the
       workers in turn from ``_worker_queue_idx_cycle``, made afresh as each epoch starts: the
@@ -101,7 +102,7 @@ class WorkersIter(MultiProcessingIter):
         for w in self._workers:
             serialize_polls(w)  # (the ending thread reaps them, and the caller may join them)
         if not self._persistent_workers:
-            ending.start()  # (now, not at the epoch's end: see _main.ending)
+            ending_thread.start()  # (now, not at the epoch's end: see ending_thread's doc)
         if t0:
             _trace.span("workers.start", t0, workers=loader.num_workers)
 
@@ -172,7 +173,7 @@ class WorkersIter(MultiProcessingIter):
             # Begun at the epoch's end: the ending thread finishes it. A caller of torch's
             # _shutdown_workers finds it done when it returns, as torch's does (not the
             # collector's finalizer, nor the threads that finish it).
-            if wait and not ending.on_ending_thread() and not self._on_own_pin_thread():
+            if wait and not ending_thread.on_ending_thread() and not self._on_own_pin_thread():
                 ended.wait()
             return
         if self.__dict__.get("_pinpool_shut_down"):
@@ -206,7 +207,7 @@ class WorkersIter(MultiProcessingIter):
             remove_worker_pids(id(self))
             self._worker_pids_set = False
         self.__dict__["_pinpool_then"] = []
-        self.__dict__["_pinpool_ended"] = ending.hand_over(self._finish_ending)
+        self.__dict__["_pinpool_ended"] = ending_thread.hand_over(self._finish_ending)
         if t0:
             _trace.span("workers.shutdown", t0, background=True, pids=pids_of(self))
 
@@ -267,7 +268,7 @@ class WorkersIter(MultiProcessingIter):
             return
         if _on_main_thread_with_an_ending_thread():
             handed = HandedShutdown(self)
-            ending.hand_over(handed.run)
+            ending_thread.hand_over(handed.run)
             if not handed.handoff.wait(_TAKEN_UP_S):
                 try:
                     threading.Thread(

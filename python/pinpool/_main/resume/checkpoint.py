@@ -1,9 +1,9 @@
 """Checkpoint and resume mid-epoch: what ``DataLoader.state_dict()`` records, and how the
 next iteration replays it.
 
-resume: building a loader's state and applying a loaded one (``resume_state``: the saved
-state's format and validation; ``resume_epoch``: one epoch's record and the sampler that
-replays it).
+checkpoint: building a loader's state and applying a loaded one (``state``: the saved
+state's format and validation; ``epoch``: one epoch's record and the sampler that replays
+it).
 
 An epoch's batches are a function of the random states its index sampler starts from: torch's
 global RNG (a ``RandomSampler`` without a generator draws its seed from it), the loader's
@@ -35,8 +35,9 @@ after it (``_wire.handle.WorkerProgress``), the loader keeps the latest delivere
 state of each worker and which worker's batch comes next (torch deals batches out to the
 workers in turn), and a resumed epoch loads each worker's state into its copy of the dataset
 (:class:`LoadWorkerState`, before the worker's iterator is made) and starts the turns at that
-worker (the ``_worker_queue_idx_cycle`` property of ``_main.workers.WorkersIter``). Its position is
-the dataset's: another batch size resumes at the next unseen sample of each worker's copy.
+worker (the ``_worker_queue_idx_cycle`` property of ``_main.epochs.workers.WorkersIter``).
+Its position is the dataset's: another batch size resumes at the next unseen sample of each
+worker's copy.
 
 Invariants:
 
@@ -75,9 +76,9 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from .._errors import InvalidArgument
-from .resume_epoch import Epoch, EpochSampler, ResumePlan
-from .resume_state import (
+from ..._errors import InvalidArgument
+from .epoch import Epoch, EpochSampler, ResumePlan
+from .state import (
     VERSION,
     VERSIONS,
     Shared,

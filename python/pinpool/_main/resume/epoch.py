@@ -1,9 +1,9 @@
-"""resume_epoch: one epoch as a checkpoint records it and as a resumed one replays it.
+"""epoch: one epoch as a checkpoint records it and as a resumed one replays it.
 
 :class:`Epoch` is what an iteration records (the random states at its sampler's two draw
 points, the batches and samples passed); :class:`ResumePlan` is how a resumed epoch's sampler
 starts; :class:`EpochSampler` wraps torch's index sampler to record the one and carry out the
-other (``resume``'s doc tells the whole mechanism).
+other (``checkpoint``'s doc tells the whole mechanism).
 
 Invariants: a plan is used by one epoch only (the sampler takes it off the loader's
 ``Epochs`` as the epoch's first index list is drawn); what a resumed epoch yielded already is
@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 import torch.utils.data
 
-from .._errors import InvalidArgument
-from .resume_state import States, capture, drawn_from, restore, type_name, uncaptured
+from ..._errors import InvalidArgument
+from .state import States, capture, drawn_from, restore, type_name, uncaptured
 
 _END = object()
 BATCH_SAMPLER = torch.utils.data.BatchSampler
@@ -54,7 +54,7 @@ class Epoch:
     worker_states: dict[int, Any] = field(default_factory=dict)
     next_worker: int = 0
     #: Where the sampler drew this epoch's order from, if from a generator a state does not
-    #: capture (``resume_state.drawn_from``): the epoch cannot be resumed.
+    #: capture (``state.drawn_from``): the epoch cannot be resumed.
     uncaptured: str | None = None
 
     def sent(self, indices: Any, batched: bool) -> None:
@@ -105,7 +105,7 @@ class ResumePlan:
 
 
 class Epochs(Protocol):
-    """What the sampler reads and updates of a loader's ``resume.Resume``: the epoch under
+    """What the sampler reads and updates of a loader's ``checkpoint.Resume``: the epoch under
     way and the plan for the one starting."""
 
     current: Epoch | None

@@ -1,13 +1,14 @@
-"""resume_state: the saved state's format and validation (``resume``: building a loader's
+"""state: the saved state's format and validation (``checkpoint``: building a loader's
 state and applying a loaded one).
 
 A checkpoint state's format: what it records (the random states, the order its samples
 come in) and the checks a loaded state passes before anything reads it.
 
-Invariants: a state is plain data (see ``resume``); every field that ``resume.Resume.start``
-and the workers read is checked by :func:`check_state` when the state is loaded, so that a
-malformed state raises one ``InvalidArgument`` naming the field and changes nothing; random
-states are checked on fresh generators (the process's own RNGs never change here).
+Invariants: a state is plain data (see ``checkpoint``); every field that
+``checkpoint.Resume.start`` and the workers read is checked by :func:`check_state` when the
+state is loaded, so that a malformed state raises one ``InvalidArgument`` naming the field and
+changes nothing; random states are checked on fresh generators (the process's own RNGs never
+change here).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .. import _signals
-from .._errors import InvalidArgument
+from ... import _signals
+from ..._errors import InvalidArgument
 
 #: The version of the state dict's layout. Version 2 added the samples yielded and the record
 #: of the order (``epoch["samples"]``, ``order``); version 1's states still load.

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from .. import _trace
-from .._native import Copying, SegmentCache, Sent, Slot
-from .._torch_contract import cuda_raw_stream
-from .._wire import codec, leaves
-from .._wire.handle import BatchHandle
+from ... import _trace
+from ..._native import Copying, SegmentCache, Sent, Slot
+from ..._torch_contract import cuda_raw_stream
+from ..._wire import codec, leaves
+from ..._wire.handle import BatchHandle
+from ..settings.delivery_mode import DeliveryMode
 from . import notices
-from .delivery_mode import DeliveryMode
 from .opaque import OpaqueObjects
 from .pieces import Pieces
 

@@ -28,9 +28,9 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from .._errors import OutOfBounds, PinPoolError
-from .._native import Grants, PinPool, Slot
-from .._wire.handle import (
+from ..._errors import OutOfBounds, PinPoolError
+from ..._native import Grants, PinPool, Slot
+from ..._wire.handle import (
     WINDOW_BYTES_KEPT,
     WINDOWS_KEPT,
     SlotGrant,

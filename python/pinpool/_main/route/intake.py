@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import os
 
-from .. import _trace
-from .._errors import OutOfBounds, PinPoolError, WorkerLost
-from .._native import SEGMENT_DATA_OFFSET, Slot, check_segment
-from .._wire import codec, leaves, peer
-from .._wire.handle import ARRIVED, HELD, BatchHandle
+from ... import _trace
+from ..._errors import OutOfBounds, PinPoolError, WorkerLost
+from ..._native import SEGMENT_DATA_OFFSET, Slot, check_segment
+from ..._wire import codec, leaves, peer
+from ..._wire.handle import ARRIVED, HELD, BatchHandle
 from .grants import LoaderGrants
 from .lazy_pool import LazyPool
 

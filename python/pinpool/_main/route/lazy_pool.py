@@ -25,16 +25,16 @@ from typing import Any
 
 import torch
 
-from .. import _trace
-from .._errors import BatchTooLarge, PoolExhausted
-from .._native import PinPool, SegmentCache, cuda_available, room_kept
-from .._wire.codec import LeafSpec
-from .._wire.pool_hint import PoolHint
+from ... import _trace
+from ..._errors import BatchTooLarge, PoolExhausted
+from ..._native import PinPool, SegmentCache, cuda_available, room_kept
+from ..._wire.codec import LeafSpec
+from ..._wire.pool_hint import PoolHint
+from ..settings.pool_settings import PoolSettings
+from ..settings.sizing import ArenaPlan
 from . import notices
 from .grants import LoaderGrants
 from .pieces import Pieces
-from .pool_settings import PoolSettings
-from .sizing import ArenaPlan
 
 _log = logging.getLogger("pinpool")
 
@@ -201,7 +201,8 @@ class LazyPool:
         """A slot of ``need`` bytes, or (by the overflow rules) an ordinary buffer. The rules
         are applied in Rust (``PinPool.claim``), which waits without the GIL. Where the
         rules would overflow and the batch's leaves (``specs``) are given, the batch goes to
-        several slots if the free ranges hold its leaves (:class:`~pinpool._main.pieces.Pieces`).
+        several slots if the free ranges hold its leaves
+        (:class:`~pinpool._main.route.pieces.Pieces`).
 
         With ``ahead`` (torch's pin thread, taking a batch the consumer may not want yet),
         the slot must leave room for another batch as large as the largest seen (that room

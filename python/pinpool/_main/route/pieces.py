@@ -20,9 +20,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Any
 
-from .._native import PinPool, SegmentCache, Slot
-from .._wire import leaves
-from .._wire.codec import LeafSpec
+from ..._native import PinPool, SegmentCache, Slot
+from ..._wire import leaves
+from ..._wire.codec import LeafSpec
 
 __all__ = ["Pieces", "cuts"]
 

@@ -31,21 +31,21 @@ from __future__ import annotations
 import os
 from typing import Any, cast
 
-from .. import _trace
-from .._errors import PinPoolError
-from .._native import PinPool, SegmentCache, Slot
-from .._stats import LoaderStats
-from .._wire import codec
-from .._wire.handle import ARRIVED, BatchHandle
-from .._wire.pool_hint import PoolHint
+from ... import _trace
+from ..._errors import PinPoolError
+from ..._native import PinPool, SegmentCache, Slot
+from ..._stats import LoaderStats
+from ..._wire import codec
+from ..._wire.handle import ARRIVED, BatchHandle
+from ..._wire.pool_hint import PoolHint
+from ..settings.delivery_mode import DeliveryMode
+from ..settings.pool_settings import PoolSettings
 from . import notices
 from .delivery import Delivery, Pending
-from .delivery_mode import DeliveryMode
 from .grants import LoaderGrants
 from .intake import Intake
 from .lazy_pool import TAKE_IN_TURN, LazyPool
 from .pieces import Pieces
-from .pool_settings import PoolSettings
 
 #: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
 #: in its turn, on its current stream (torch's pin thread only has them copied into their slot
@@ -211,7 +211,7 @@ class Receiver:
         still being copied in (then also its :class:`~pinpool._native.Copying`, and the
         segment goes back to its worker from the copy thread); or, for a big batch sent to
         the device from a slot the driver pinned, nothing copied yet (see :meth:`take`); or
-        :data:`~pinpool._main.lazy_pool.TAKE_IN_TURN`. ``consumer_sends``: a batch for the
+        :data:`~pinpool._main.route.lazy_pool.TAKE_IN_TURN`. ``consumer_sends``: a batch for the
         device the consumer's thread sends (:data:`CONSUMER_SENDS_UP_TO`)."""
         if handle._state == ARRIVED:
             self.intake.receive(handle)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .._errors import ArgumentTypeError, InvalidArgument
-from .._native import PinPool
+from ..._errors import ArgumentTypeError, InvalidArgument
+from ..._native import PinPool
 
 #: The most copy threads a pool or a worker may have (the Rust core's limit).
 MAX_COPY_THREADS = 64

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from .settings import Shape
+from .arguments import Shape
 
 
 @dataclasses.dataclass(frozen=True)

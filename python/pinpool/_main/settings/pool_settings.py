@@ -2,7 +2,7 @@
 ``pinpool.DataLoader`` or ``pinpool.pinned`` and passed down whole (to the receiver, the lazy
 pool, the delivery), instead of the same keyword list in every signature.
 
-Boundary: ``settings`` declares and checks each argument alone, and resolves the delivery
+Boundary: ``arguments`` declares and checks each argument alone, and resolves the delivery
 mode; this module checks the pool's arguments together (the sizes against each other and
 against a pool of the caller's) and keeps what they make.
 
@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgument
-from .._native import PinPool
-from .settings import BY_NAME, check_given, cuda_device
+from ..._errors import InvalidArgument
+from ..._native import PinPool
+from .arguments import BY_NAME, check_given, cuda_device
 from .sizing import Sizing
 
-#: The arguments a pool is made with (``settings.ARGUMENTS``); ``pinpool.pinned`` takes them
+#: The arguments a pool is made with (``arguments.ARGUMENTS``); ``pinpool.pinned`` takes them
 #: too, but for ``arena_bytes`` and ``max_batch_bytes``.
 POOL_ARGUMENTS = (
     "pool",
@@ -72,7 +72,7 @@ class PoolSettings:
     ) -> PoolSettings:
         """The settings of ``given``, the pool's arguments of ``pinpool.DataLoader`` or
         ``pinpool.pinned`` by name (those not given: their defaults), checked, each by its
-        declaration (``settings.ARGUMENTS``), then together: ``InvalidArgument`` for sizes
+        declaration (``arguments.ARGUMENTS``), then together: ``InvalidArgument`` for sizes
         given with a pool of the caller's. ``in_flight``: batches in flight at once;
         ``default_num_slots``: the slots when ``num_slots`` is not given (None: sized from the
         batches in flight). The pool's device is a given pool's, else the delivery device's,

@@ -32,10 +32,10 @@ from __future__ import annotations
 import dataclasses
 import mmap
 
-from .._errors import NotEnoughMemory
-from .._native import available_memory
-from .._wire.codec import HEADROOM
-from . import settings
+from ..._errors import NotEnoughMemory
+from ..._native import available_memory
+from ..._wire.codec import HEADROOM
+from . import arguments
 
 __all__ = ["HEADROOM", "ArenaPlan", "Sizing"]
 
@@ -184,9 +184,9 @@ class Sizing:
         available = available_memory()
         if available is None:
             return None
-        return int(available * MEMORY_SHARE / settings.local_world_size())
+        return int(available * MEMORY_SHARE / arguments.local_world_size())
 
     def _share_text(self) -> str:
-        ranks = settings.local_world_size()
+        ranks = arguments.local_world_size()
         each = f" (this rank's share: {ranks} ranks on this host)" if ranks > 1 else ""
         return f"{MEMORY_SHARE / ranks:.0%}{each}"
