@@ -8,7 +8,8 @@
 # Stages: tests (every pytest test, CUDA ones included), zero-copy-tests (the DataLoader
 # suite again with zero_copy=True as its default), cuda-tests (only the CUDA tests), torch-suite
 # FILE (a copy of torch's test_dataloader.py with torch's loader and pinpool's, at once:
-# tests/torch_suite/run.py), pool (benchmarks/pool_bench.py), criterion BINARY (the checkout
+# tests/torch_suite/run.py), keep-last (the soak's keep-last case, 20 runs per mode: a
+# consumer keeping its last 4 batches never sends one to ordinary memory), pool (benchmarks/pool_bench.py), criterion BINARY (the checkout
 # bench), bench ARGS... (python -m pinpool.bench with ARGS up to the next stage name).
 set -uo pipefail
 wheel=$1 out=$2
@@ -40,6 +41,11 @@ while [ $# -gt 0 ]; do
       python3 tests/torch_suite/run.py "$file" "$out/torch-suite" -n 6 -rfE 2>&1 \
         | tee "$out/torch-suite.txt" | tail -n 30 || status=1
       ;;
+    keep-last)
+      PINPOOL_KEEP_LAST_RUNS=20 "${pytest[@]}" tests/soak/test_soak.py -k keeping_its_last \
+        >"$out/keep-last.log" 2>&1 || status=1
+      tail -n 5 "$out/keep-last.log"
+      ;;
     pool) python3 benchmarks/pool_bench.py --out "$out/pool.json" || status=1 ;;
     criterion)
       bin=$1
@@ -48,7 +54,7 @@ while [ $# -gt 0 ]; do
       ;;
     bench)
       args=()
-      while [ $# -gt 0 ] && ! [[ $1 =~ ^(tests|zero-copy-tests|cuda-tests|torch-suite|pool|criterion|bench)$ ]]; do
+      while [ $# -gt 0 ] && ! [[ $1 =~ ^(tests|zero-copy-tests|cuda-tests|torch-suite|keep-last|pool|criterion|bench)$ ]]; do
         args+=("$1")
         shift
       done

@@ -269,20 +269,52 @@ def test_an_arena_with_room_for_one_batch_delivers_every_batch(
     ending_thread.wait_all(timeout=30)
 
 
-@pytest.mark.parametrize(("zero_copy", "pin"), [(False, False), (True, False), (True, True)])
+#: Runs of the keep-last case per mode (``$PINPOOL_KEEP_LAST_RUNS``: 20 on a GPU machine, where
+#: torch's pin thread takes batches in arrival order).
+KEEP_LAST_RUNS = int(os.environ.get("PINPOOL_KEEP_LAST_RUNS", "1"))
+#: (zero_copy, pin thread, device): copy and zero-copy, through the pin thread or not, and to
+#: the device where there is one.
+KEEP_LAST_MODES = [
+    (False, False, None),
+    (True, False, None),
+    (True, True, None),
+    *[(zero_copy, True, device) for device in _DEVICES for zero_copy in (False, True)],
+]
+
+
+@pytest.mark.parametrize("run", range(KEEP_LAST_RUNS))
+@pytest.mark.parametrize(
+    ("zero_copy", "pin", "device"),
+    KEEP_LAST_MODES,
+    ids=[
+        f"{'zc' if z else 'copy'}{'+pin' if p else ''}{'+' + d if d else ''}"
+        for z, p, d in KEEP_LAST_MODES
+    ],
+)
 def test_a_consumer_keeping_its_last_batches_finds_room_in_the_default_arena(
-    zero_copy: bool, pin: bool, monkeypatch: pytest.MonkeyPatch
+    zero_copy: bool, pin: bool, device: str | None, run: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Dynamic padding (lognormal lengths, batches of about 1 to 8 MB), 8 workers, the consumer
-    keeping its last 4 batches, at most half the default arena: no batch in ordinary memory."""
+    keeping its last 4 batches, at most half the default arena: no batch in ordinary memory.
+    Each run draws other lengths."""
     if pin:
         fake_pin_thread(monkeypatch)
     case = dataclasses.replace(
-        _needed()[0], sizes="lognormal", zero_copy=zero_copy, batches=40, median=3 << 20
+        _needed()[0],
+        seed=1000 + run,
+        sizes="lognormal",
+        zero_copy=zero_copy,
+        batches=40,
+        median=3 << 20,
     )
     dataset, collate = dataset_of(case)
     loader = pinpool.DataLoader(
-        dataset, batch_size=case.batch_size, num_workers=8, collate_fn=collate, zero_copy=zero_copy
+        dataset,
+        batch_size=case.batch_size,
+        num_workers=8,
+        collate_fn=collate,
+        zero_copy=zero_copy,
+        device=device,
     )
     held: list[Any] = []
     for batch in loader:
