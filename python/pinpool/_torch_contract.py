@@ -21,11 +21,11 @@ Invariants:
 - Every entry was checked on torch 2.6.0 and 2.15.0, the ends of the tested range
   (``_torch_versions``), with Python 3.11's multiprocessing (3.12's and 3.13's set the same
   queue attributes); an entry that differs between them says so (only ``_pin_memory``, in
-  how torch sets it). ``_torch_contract_check.check_installed_torch`` tells what is missing
-  or changed on the torch installed: the test suite runs it on both ends.
+  how torch sets it). The test suite's ``tests/package/torch_contract_check.py`` tells what
+  is missing or changed on the torch installed, and runs on both ends.
 - Importing this module costs little: it imports torch (whose import loads its DataLoader
   modules already) and ``multiprocessing.queues``, nothing of pinpool's, and makes nothing (no
-  iterator, queue or process); only the check, a module of its own, reads sources (and opens
+  iterator, queue or process); only the check, in the test suite, reads sources (and opens
   one pipe).
 """
 

@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch.utils.data
+from torch_contract_check import assigned_attributes, check_installed_torch
 
 from pinpool import _torch_contract as contract
 from pinpool._torch_contract import MultiProcessingIter
-from pinpool._torch_contract_check import assigned_attributes, check_installed_torch
 
 PACKAGE = Path(__file__).resolve().parent.parent.parent / "python" / "pinpool"
 
-#: The contract (what pinpool relies on) and its check against the installed torch.
-CONTRACT_MODULES = ("_torch_contract.py", "_torch_contract_check.py")
+#: The contract (what pinpool relies on; its check against the installed torch is this
+#: directory's ``torch_contract_check.py``).
+CONTRACT_MODULES = ("_torch_contract.py",)
 
 #: Private torch and multiprocessing paths, as a module could spell them.
 PRIVATE_PATHS = {

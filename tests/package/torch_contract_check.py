@@ -4,8 +4,8 @@ sources and objects.
 
 Invariants: :func:`check_installed_torch` never raises (a part that cannot run is a finding
 too) and makes no iterator or process (it reads sources and opens one pipe); it is run by the
-test suite on both ends of the tested torch range, never when pinpool is imported. Like
-``_torch_contract``, and alone with it, it spells torch's private paths.
+test suite on both ends of the tested torch range (it is the suite's, not the package's).
+Like ``_torch_contract``, and alone with it, it spells torch's private paths.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.utils.data
 import torch.utils.data._utils as _utils
 
-from ._torch_contract import (
+from pinpool._torch_contract import (
     COLLATE_ATTRIBUTES,
     ITERATOR_ATTRIBUTES,
     LEADING_PARAMETERS,
