@@ -6,7 +6,7 @@ main process and in the workers (forked: the hook goes with them).
     python3 benchmarks/fresh_workers.py [--out DIR] [--small]
 
 Prints, per loader, the second epoch's ``next()`` waits and, per worker of that epoch and per
-batch, how long its batch's memory took to get (``worker.place``; ``mapped``: a window mapped
+batch, how long its batch's memory took to get (``worker.destination``; ``mapped``: a window mapped
 then, ``seg``: a segment of its own) and to write (``worker.stream`` + ``worker.write``). The
 raw events go to ``DIR/<loader>.events`` (one line each: pid, name, start ns, end ns,
 details).
@@ -102,7 +102,7 @@ def run(
         for e in mine:
             per[e[1]].append(e)
         rows = []
-        for place in per["worker.place"]:
+        for place in per["worker.destination"]:
             d = place[4]
             kind = "mapped" if d.get("mapped") else ("slot" if d.get("slot") else "seg")
             after = [
@@ -110,7 +110,7 @@ def run(
             ]
             write = 0.0
             if after:
-                nxt = [p for p in per["worker.place"] if p[2] > place[2]]
+                nxt = [p for p in per["worker.destination"] if p[2] > place[2]]
                 limit = nxt[0][2] if nxt else float("inf")
                 write = sum((e[3] - e[2]) for e in after if e[2] < limit) / 1e6
             rows.append(

@@ -1,8 +1,9 @@
 """Where each mode's time goes for small batches (the tokens workload): per batch, the main
-process's CPU and the workers' CPU, and, from pinpool's trace, what a worker's ``worker.place``
-costs by kind (a zero-copy slot in a kept window, one mapped now, or a segment); and, per
-thread of the main process (``/proc/self/task/*/schedstat``), the time it ran and the time it
-waited, runnable, for a core (a thread preempted while it holds the GIL holds up the others).
+process's CPU and the workers' CPU, and, from pinpool's trace, what a worker's
+``worker.destination`` costs by kind (a zero-copy slot in a kept window, one mapped now, or a
+segment); and, per thread of the main process (``/proc/self/task/*/schedstat``), the time it
+ran and the time it waited, runnable, for a core (a thread preempted while it holds the GIL
+holds up the others).
 
 Each round runs one epoch per mode (pinned CPU batches moved by the consumer, device batches,
 zero-copy), in turn, so that the modes share the machine's state:
@@ -173,10 +174,10 @@ def run_mode(name: str, args: argparse.Namespace, traced: bool) -> dict[str, Any
 
 
 def place_split(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One traced epoch: worker.place (and the main process's events) by kind."""
+    """One traced epoch: worker.destination (and the main process's events) by kind."""
     folder = tempfile.mkdtemp(prefix="mode-costs-")
     wanted = {
-        "worker.place",
+        "worker.destination",
         "worker.write",
         "batch.adopt",
         "index.put",
@@ -199,7 +200,7 @@ def place_split(name: str, args: argparse.Namespace) -> dict[str, Any]:
         with open(os.path.join(folder, file)) as f:
             for line in f:
                 event, ns, details = json.loads(line)
-                if event == "worker.place":
+                if event == "worker.destination":
                     kind = "slot" if details.get("slot") else "segment"
                     event += f" {kind}" + (" mapped now" if details.get("mapped") else "")
                 rows[event].append(ns / 1e3)

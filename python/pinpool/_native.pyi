@@ -457,7 +457,7 @@ class SegmentCache:
     them into ``pool``'s slots or any writable buffer.
 
     Use it in the process that owns ``pool``. Per batch: ``insert`` a segment the first time it
-    arrives, ``copy_to_slot``/``copy_to_buffer``, then ``release`` it to its producer;
+    arrives, ``copy_to_slot``/``copy_to_buffer``, then ``hand_back`` it to its producer;
     ``retire``/``retire_all`` forget segments. Any thread may call any method; copies of 1 MiB
     and more run without the GIL. Retired, replaced or collected segments are unmapped on the
     pool's reclaimer thread (``pool.flush()`` waits for it). Raises ``PoolClosed`` if ``pool``
@@ -482,7 +482,7 @@ class SegmentCache:
         into ``slot``; returns the bytes copied. All ranges are checked first: sources within
         the capacity (``OutOfBounds``), destinations within the slot (``BatchTooLarge``) and
         disjoint (``InvalidArgument``). The slot must be this pool's and unreleased; it is
-        pinned for the copy. The segment stays claimed until ``release(key)``."""
+        pinned for the copy. The segment stays claimed until ``hand_back(key)``."""
     def copy_to_buffer(
         self, key: tuple[int, int], buffer: Any, ranges: Sequence[tuple[int, int, int]]
     ) -> int:
@@ -493,7 +493,7 @@ class SegmentCache:
         """As ``copy_to_slot``, but the copy runs on one of the pool's copy threads: the
         ranges are checked (raising as ``copy_to_slot`` does, nothing queued), then it returns
         at once. After the copy the segment is handed back to its producer on that thread (do
-        not ``release(key)`` too). Until then the slot stays out of the pool, whatever
+        not ``hand_back(key)`` too). Until then the slot stays out of the pool, whatever
         releases it meanwhile. Read the slot only after ``Copying.wait()``."""
     def copy_to_device(
         self,
@@ -522,7 +522,7 @@ class SegmentCache:
         the slot fenced on ``stream`` after the call (the release waits for the copy thread,
         so its fence comes after the send); keep ``target`` alive until the ``Sent`` is
         waited for. Pools the driver pinned only."""
-    def release(self, key: tuple[int, int]) -> None:
+    def hand_back(self, key: tuple[int, int]) -> None:
         """Marks segment ``key`` free for its producer's next ``try_claim()``; only once the
         last copy of the batch has returned. It stays mapped. Unknown keys raise."""
     def retire(self, key: tuple[int, int]) -> bool:

@@ -102,9 +102,9 @@ EVENTS: dict[str, str] = {
     # A batch, worker process (events stay in the worker: see the module's doc).
     "worker.grant": "zero-copy: a slot of the batch's size asked for at the main process's "
     "grant desk (span; nbytes, got: whether one was granted)",
-    "worker.place": "the memory a batch is written into: its zero-copy slot's window opened, "
-    "or a segment of the worker's ring claimed (span; nbytes, slot: a zero-copy slot, mapped: "
-    "its window mapped now rather than kept from an earlier batch)",
+    "worker.destination": "the memory a batch is written into: its zero-copy slot's window "
+    "opened, or a segment of the worker's ring claimed (span; nbytes, slot: a zero-copy slot, "
+    "mapped: its window mapped now rather than kept from an earlier batch)",
     "worker.stream": "samples made and their big arrays streamed into the batch's memory "
     "(span; count)",
     "worker.write": "a planned batch (or its rest, after streaming) written into its memory "

@@ -207,7 +207,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _pinpool_receiver=receiver,
             _pinpool_collate=collate,
             _pinpool_streams=worker_streams,
-            _pinpool_tagging=mode.worker_writes_in_place,
+            _pinpool_tagging=mode.zero_copy,
             _pinpool_resume=resume,
             _pinpool_wrap=False,
         )

@@ -25,7 +25,7 @@ use crate::allocation::slots::SlotId;
 use crate::error::{Error, Result};
 use crate::memory::shm::{check_range, Mapping};
 use crate::system::cuda::{Event, StreamHandle};
-use crate::transfer::copy::{CopyDone, CopyRange, SetWhenDropped};
+use crate::transfer::copy::{CopyRange, Copying, SetWhenDropped};
 
 impl Pool {
     /// Copies `ranges` from `src` (offsets relative to the mapping) into the slot `slot`
@@ -116,7 +116,7 @@ impl Pool {
     /// everything first (an error queues nothing), then returns at once. On the copy thread,
     /// after the copy, `then(src)` runs with the source (the caller's from then on: to hand
     /// back to its sender, and to unmap if it was retired during the copy), `hold` is dropped
-    /// and the returned [`CopyDone`] is set.
+    /// and the returned [`Copying`] is set.
     ///
     /// # Safety
     /// `hold` keeps the slot `slot` checked out (out of the pool) until it is dropped: a
@@ -129,9 +129,9 @@ impl Pool {
         src: Arc<Mapping>,
         ranges: Vec<CopyRange>,
         then: impl FnOnce(Arc<Mapping>) + Send + 'static,
-    ) -> Result<Arc<CopyDone>> {
+    ) -> Result<Arc<Copying>> {
         let dst = self.copy_target(slot, &src, &ranges)? as usize;
-        let done = Arc::new(CopyDone::default());
+        let done = Arc::new(Copying::default());
         let set = SetWhenDropped(Arc::clone(&done));
         let pool = Arc::clone(self);
         self.copier.spawn(move || {
@@ -153,7 +153,7 @@ impl Pool {
     /// [`Pool::copy_in_background`], then, on the same copy thread and before `hold` is
     /// dropped, a copy of the slot's first `len` bytes to device memory at `dst` queued on
     /// `stream`, as [`Pool::copy_in_and_send`] does: its event (or its error) lands in the
-    /// returned [`Sending`] before the [`CopyDone`] is set. A release of the slot fenced on
+    /// returned [`Sending`] before the [`Copying`] is set. A release of the slot fenced on
     /// `stream` that waits for `hold` is recorded after that copy is queued. Only on a pool
     /// whose arena the driver pinned, for at most the slot's bytes (checked first: an error
     /// queues nothing).
@@ -172,7 +172,7 @@ impl Pool {
         len: usize,
         stream: StreamHandle,
         then: impl FnOnce(Arc<Mapping>) + Send + 'static,
-    ) -> Result<(Arc<CopyDone>, Arc<Sending>)> {
+    ) -> Result<(Arc<Copying>, Arc<Sending>)> {
         self.send_checks(slot, len)?;
         let sending = Arc::new(Sending::default());
         let result = Arc::clone(&sending);
@@ -315,7 +315,7 @@ mod tests {
 }
 
 /// The outcome of a copy to the device queued on a copy thread
-/// ([`Pool::copy_in_and_send_in_background`]): set once, before that copy's [`CopyDone`] is
+/// ([`Pool::copy_in_and_send_in_background`]): set once, before that copy's [`Copying`] is
 /// set, and taken once.
 #[derive(Default)]
 pub struct Sending(Mutex<Option<Result<Event>>>);

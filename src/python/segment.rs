@@ -25,13 +25,13 @@ use super::sent::{send_target, PySent};
 use super::slot::PySlot;
 use crate::error::Error;
 use crate::pool::fill_and_send::Sending;
-use crate::transfer::copy::{CopyDone, CopyRange};
+use crate::transfer::copy::{CopyRange, Copying};
 use crate::transport::segment::{SegmentCache, WorkerSegment};
 
 /// A copy into a slot running on a copy thread (`SegmentCache.copy_to_slot_then_release`).
 #[pyclass(name = "Copying", module = "pinpool._native", frozen)]
 pub struct PyCopying {
-    done: Arc<CopyDone>,
+    done: Arc<Copying>,
     /// Where the copy to the device queued after it lands (`copy_to_device_then_release`).
     sending: Option<Arc<Sending>>,
 }
@@ -200,7 +200,7 @@ impl PyWorkerSegment {
     }
 
     /// Sets the segment free without sending it: a claimed batch was abandoned. Only for a
-    /// claim the consumer never saw; a sent batch is freed by the consumer's `release`.
+    /// claim the consumer never saw; a sent batch is freed by the consumer's `hand_back`.
     fn unclaim(&self) {
         self.seg.unclaim()
     }
@@ -243,7 +243,7 @@ impl PyWorkerSegment {
 ///
 /// Use it in the process that owns `pool` (a forked child's copies are refused). Per batch:
 /// `insert` a segment the first time it arrives (it stays mapped for later batches),
-/// `copy_to_slot` / `copy_to_buffer` what the producer wrote, then `release` it so the
+/// `copy_to_slot` / `copy_to_buffer` what the producer wrote, then `hand_back` it so the
 /// producer can claim it again; `retire` / `retire_all` forget segments (a producer gone, a
 /// segment replaced). Every method may be called from any thread; copies of 1 MiB and more
 /// run without the GIL on the pool's copy threads. A retired, replaced or collected
@@ -314,7 +314,7 @@ impl PySegmentCache {
     /// pool, unreleased (`SlotReleased`); it is held for the copy, so a concurrent
     /// `release()` waits for its end. An unknown `key` is `InvalidArgument`. Copies of 1 MiB
     /// or more release the GIL and use the pool's copy threads. The segment stays claimed:
-    /// call `release(key)` once no more copies of this batch are needed.
+    /// call `hand_back(key)` once no more copies of this batch are needed.
     fn copy_to_slot(
         &self,
         py: Python<'_>,
@@ -376,7 +376,7 @@ impl PySegmentCache {
     /// As `copy_to_slot`, but the copy runs on one of the pool's copy threads: every range is
     /// checked (raising as `copy_to_slot` does, with nothing queued), then the call returns a
     /// `Copying` at once. On the copy thread, after the copy, the segment is handed back to
-    /// its producer, as `release(key)` does (do not call that too). Until the copy is done
+    /// its producer, as `hand_back(key)` does (do not call that too). Until the copy is done
     /// the slot stays out of the pool: releasing it, or its last view dying, meanwhile only
     /// takes effect then. Read the slot only after `Copying.wait()` has returned.
     fn copy_to_slot_then_release(
@@ -389,7 +389,7 @@ impl PySegmentCache {
         guarded(|| {
             let ranges = copy_ranges(ranges);
             let hold = slot.get().hold_owned(py, self.cache.pool())?;
-            let done = self.cache.copy_to_slot_then_release(key, hold, &ranges).py(py)?;
+            let done = self.cache.copy_to_slot_then_hand_back(key, hold, &ranges).py(py)?;
             Ok(PyCopying { done, sending: None })
         })
     }
@@ -426,7 +426,7 @@ impl PySegmentCache {
             // on `stream` after this call (the method's documented contract).
             let (done, sending) = unsafe {
                 self.cache
-                    .copy_to_device_then_release(key, hold, &ranges, dst, nbytes, stream, keep)
+                    .copy_to_device_then_hand_back(key, hold, &ranges, dst, nbytes, stream, keep)
             }
             .py(py)?;
             Ok(PyCopying { done, sending: Some(sending) })
@@ -468,14 +468,14 @@ impl PySegmentCache {
     /// Hands segment `key` back to its producer: marks it free (with release ordering), so
     /// the producer's next `try_claim()` succeeds and it may overwrite the data. Call it only
     /// after the last copy of this batch has returned. The segment stays mapped for the next
-    /// batch. Releasing a free segment does nothing; an unknown `key` is `InvalidArgument`.
-    fn release(&self, py: Python<'_>, key: (u64, u32)) -> PyResult<()> {
-        guarded(|| self.cache.release(key).py(py))
+    /// batch. Handing back a free segment does nothing; an unknown `key` is `InvalidArgument`.
+    fn hand_back(&self, py: Python<'_>, key: (u64, u32)) -> PyResult<()> {
+        guarded(|| self.cache.hand_back(key).py(py))
     }
 
     /// Forgets segment `key`, unmapping it on the pool's reclaimer thread (after any copy
     /// still reading it). Returns False if `key` is unknown. Does not mark it free: do that
-    /// with `release` first if the producer is to reuse it.
+    /// with `hand_back` first if the producer is to reuse it.
     fn retire(&self, key: (u64, u32)) -> bool {
         self.cache.retire(key)
     }

@@ -10,8 +10,8 @@
 //! - Big copies write with non-temporal stores on x86-64 (the destination is read next by the
 //!   GPU, not the CPU); `PINPOOL_STREAMING_COPY=0` turns that off for comparison.
 //! - A copy may also run in the background ([`Copier::spawn`]): the caller returns at once and
-//!   waits on its [`CopyDone`] later. The job owns everything the copy touches (see
-//!   `Pool::copy_in_background`), and `CopyDone` is set even if the job unwinds, so no waiter
+//!   waits on its [`Copying`] later. The job owns everything the copy touches (see
+//!   `Pool::copy_in_background`), and `Copying` is set even if the job unwinds, so no waiter
 //!   waits forever.
 //! - A copy runs with its caller's rights to this process's memory protection keys
 //!   ([`crate::system::pkeys`]): each piece takes them on its thread and gives them up as it ends.
@@ -151,13 +151,13 @@ impl Copier {
 
 /// Set once a copy running in the background has finished.
 #[derive(Debug, Default)]
-pub struct CopyDone {
+pub struct Copying {
     done: AtomicBool,
     lock: Mutex<()>,
     woken: Condvar,
 }
 
-impl CopyDone {
+impl Copying {
     /// Whether the copy has finished.
     pub fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
@@ -182,8 +182,8 @@ impl CopyDone {
     }
 }
 
-/// Sets a [`CopyDone`] when dropped: at the end of a background job, even one that unwinds.
-pub struct SetWhenDropped(pub std::sync::Arc<CopyDone>);
+/// Sets a [`Copying`] when dropped: at the end of a background job, even one that unwinds.
+pub struct SetWhenDropped(pub std::sync::Arc<Copying>);
 
 impl Drop for SetWhenDropped {
     fn drop(&mut self) {

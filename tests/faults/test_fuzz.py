@@ -966,7 +966,7 @@ def test_segment_headers(make_pool: Any) -> None:
                     target = bytearray(data.draw(st.integers(0, 2 * PAGE), label="buffer"))
                     if accepted(lambda: cache.copy_to_buffer(key, target, ranges)) is not None:
                         check_copied(fd, ranges, capacity, target)
-                    cache.release(key)
+                    cache.hand_back(key)
                     assert os.pread(fd, 4, 8) == bytes(4), "release() left the segment busy"
                     assert cache.retire(key)
                 else:

@@ -407,7 +407,7 @@ def test_a_segment_copied_on_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> 
         torch.cuda.synchronize()
         assert sent.done
         assert torch.equal(got.cpu(), data)
-    cache.release((1, 0))
+    cache.hand_back((1, 0))
     with pool.checkout() as slot:
         for bad in (
             torch.empty(n, dtype=torch.uint8),  # on the CPU

@@ -130,7 +130,7 @@ def test_forked_workers_report_their_steps(tmp_path: Path, zero_copy: bool) -> N
     assert got == EXPECTED
     lines = [line.split() for line in (tmp_path / "events").read_text().splitlines()]
     workers = Counter(name for pid, name in lines if int(pid) != os.getpid())
-    assert workers["worker.place"] == len(EXPECTED), workers
+    assert workers["worker.destination"] == len(EXPECTED), workers
     assert workers["worker.stream"] + workers["worker.write"] >= len(EXPECTED), workers
     assert workers["worker.grant"] == (len(EXPECTED) if zero_copy else 0), workers
     assert all(n.startswith("worker.") for n in workers), workers
@@ -138,8 +138,8 @@ def test_forked_workers_report_their_steps(tmp_path: Path, zero_copy: bool) -> N
 
 
 def _log_places(e: pinpool.trace.Event) -> None:
-    """A hook for the workers: each ``worker.place`` as ``pid slot mapped`` (one write)."""
-    if e.name != "worker.place":
+    """A hook for the workers: each ``worker.destination`` as ``pid slot mapped`` (one write)."""
+    if e.name != "worker.destination":
         return
     fd = os.open(_WORKER_LOG[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:

@@ -116,7 +116,7 @@ def test_the_delivery_mode_is_resolved_once_from_the_arguments_and_the_machine(
         loader = pinpool.DataLoader(torch.arange(4), **kwargs)
     receiver = loader._pinpool_receiver
     mode = receiver.mode
-    assert mode.worker_writes_in_place is zero_copy
+    assert mode.zero_copy is zero_copy
     assert mode.main_process_copies is not zero_copy
     assert (receiver.grants is not None) is zero_copy
     assert not mode.on_device and mode.device is None

@@ -112,7 +112,7 @@ def test_next_profile_runs_small_on_the_cpu(loader: str) -> None:
     rows = {line.split()[0] for line in out.splitlines() if line.startswith("  ")}
     assert {"loader.next", "batch.take", "batch.deliver", "index.put"} <= rows, out
     assert ("batch.adopt" in rows) == (loader == "pinpool-zerocopy") or "batch.copy" in rows
-    assert "worker.place" in rows, out  # (the workers' own, written to a file)
+    assert "worker.destination" in rows, out  # (the workers' own, written to a file)
 
 
 @pytest.mark.slow

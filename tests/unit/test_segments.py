@@ -304,7 +304,7 @@ def test_no_fd_leak_over_insert_retire_cycles(make_pool, fd_count) -> None:
             assert cache.copy_to_slot((1, i % 3), slot, [(0, 0, len(data))]) == len(data)
             with memoryview(slot) as mv:
                 assert mv == data
-            cache.release((1, i % 3))
+            cache.hand_back((1, i % 3))
             del ws
             if i % 5 == 0:
                 cache.retire((1, i % 3))
@@ -379,7 +379,7 @@ def test_worker_segment_claim_protocol(make_pool) -> None:
     assert ws.in_flight
     assert not ws.try_claim(), "a segment in flight cannot be claimed again"
     # The receiver releases it after copying: the worker may claim it again.
-    cache.release((1, 0))
+    cache.hand_back((1, 0))
     assert not ws.in_flight
     assert ws.try_claim()
     assert ws.in_flight
@@ -387,8 +387,8 @@ def test_worker_segment_claim_protocol(make_pool) -> None:
     ws.unclaim()
     assert not ws.in_flight
     assert ws.try_claim()
-    cache.release((1, 0))
-    cache.release((1, 0))  # releasing a free segment is harmless
+    cache.hand_back((1, 0))
+    cache.hand_back((1, 0))  # releasing a free segment is harmless
     assert not ws.in_flight
     assert cache.retire((1, 0))
 
@@ -425,7 +425,7 @@ def test_segment_cache_round_trip(make_pool, fd_count) -> None:
         del raw
     # Copying keeps the segment in flight until the receiver releases it.
     assert ws.in_flight
-    cache.release(key)
+    cache.hand_back(key)
     assert not ws.in_flight
     # Re-inserting under a known key replaces the old mapping (the old one is retired).
     insert(cache, key, ws)
@@ -604,7 +604,7 @@ def test_segment_cache_rejects_corrupt_input(make_pool, fd_count) -> None:
             with pytest.raises(InvalidArgument, match="unknown"):
                 cache.copy_to_slot((9, 9), slot, [(0, 0, 1)])
             with pytest.raises(InvalidArgument, match="unknown"):
-                cache.release((9, 9))
+                cache.hand_back((9, 9))
             # Source ranges are relative to the data area and checked against its capacity.
             with pytest.raises(OutOfBounds):
                 cache.copy_to_slot((1, 3), slot, [(ws.capacity - 10, 0, 11)])

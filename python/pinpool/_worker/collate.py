@@ -1,4 +1,4 @@
-"""pinpool's ``collate_fn``: collate a batch, write it into its place, return a small handle.
+"""pinpool's ``collate_fn``: collate a batch, write it into its destination, return a small handle.
 
 torch calls :class:`PinCollate` in each worker (and in the main process with
 ``num_workers=0``). In a worker the batch is collated the way torch would (the user's
@@ -127,7 +127,7 @@ class PinCollate:
 
     def _stream(self, samples: streaming.LazySamples) -> BatchHandle | list[Any]:
         """Makes the samples and collates them as torch's ``default_collate`` would,
-        streaming their big arrays into the batch's place as each sample is made.
+        streaming their big arrays into the batch's destination as each sample is made.
 
         Returns the batch's handle, or the samples themselves (made, in order) when the batch
         must be collated the ordinary way (no big arrays, or samples unlike the first)."""
@@ -147,7 +147,7 @@ class PinCollate:
             self.pool_hint.send(layout.batch_bytes() + _STREAM_SPARE, count)
         # A granted slot holds the batch as the first sample foretells it (the rest outgrowing
         # it moves to a segment); a segment has room to spare for the rest.
-        place = destination.Destination(
+        dest = destination.Destination(
             self.token,
             self.ring_size,
             layout.batch_bytes(),
@@ -159,28 +159,28 @@ class PinCollate:
         del first  # the samples are freed as they are streamed
         threads = self.worker_copy_threads
         try:
-            place.allow()
+            dest.allow()
             t0 = _trace.on and _trace.now()
             batch, made = streaming.collate_streaming(
-                streaming.owned(box, rest), layout, place.memory, threads, place
+                streaming.owned(box, rest), layout, dest.memory, threads, dest
             )
             if t0:
                 _trace.span("worker.stream", t0, count=count)
             if batch is None:
-                place.abandon()
+                dest.abandon()
                 assert made is not None
                 return made
             p = codec.plan(batch, start=layout.nbytes)
-            if p.nbytes > len(place.memory):  # the rest does not fit: a bigger segment
-                place.grow(p.nbytes, keep=layout.nbytes)
+            if p.nbytes > len(dest.memory):  # the rest does not fit: a bigger segment
+                dest.grow(p.nbytes, keep=layout.nbytes)
             t0 = _trace.on and _trace.now()
-            codec.write(p, place.memory, threads)
+            codec.write(p, dest.memory, threads)
             if t0:
                 _trace.span("worker.write", t0, nbytes=p.nbytes)
         except BaseException:
-            place.abandon()
+            dest.abandon()
             raise
-        return place.send(p, count)
+        return dest.send(p, count)
 
 
 #: Room a streamed batch's segment gets after its big arrays, for the rest of the batch.

@@ -146,10 +146,12 @@ class Destination:
             self.sid, self.segment = self.ring.acquire(segment_bytes or nbytes)
             self.memory = memoryview(self.segment).cast("B")
         if t0:
-            _trace.span("worker.place", t0, nbytes=nbytes, slot=self.segment is None, mapped=mapped)
+            _trace.span(
+                "worker.destination", t0, nbytes=nbytes, slot=self.segment is None, mapped=mapped
+            )
 
     def allow(self) -> None:
-        """From now on the calling thread may write (and read) the place: a no-op but for a
+        """From now on the calling thread may write (and read) the destination: a no-op but for a
         slot opened keyed (``windows``), whose access is this thread's switch."""
         if self._window is not None:
             self._window.allow()
@@ -227,23 +229,23 @@ def write(
     count: int | None,
     threads: int = 1,
 ) -> BatchHandle:
-    """Writes the batch planned as ``p`` into its place (a slot granted for ``task``'s batch,
+    """Writes the batch planned as ``p`` into its destination (a slot granted for ``task``'s batch,
     else a segment; big arrays copied with ``threads`` threads) and returns its handle. A batch
-    without arrays needs no place: its handle carries it whole (and the main process makes no
+    without arrays needs no destination: its handle carries it whole (and the main process makes no
     pool for it)."""
     if not p.specs:
         return BatchHandle(token, p, count)
-    place = Destination(token, ring_size, p.nbytes, task, desk_at)
+    dest = Destination(token, ring_size, p.nbytes, task, desk_at)
     try:
-        place.allow()
+        dest.allow()
         t0 = _trace.on and _trace.now()
-        codec.write(p, place.memory, threads)
+        codec.write(p, dest.memory, threads)
         if t0:
             _trace.span("worker.write", t0, nbytes=p.nbytes)
     except BaseException:
-        place.abandon()
+        dest.abandon()
         raise
-    return place.send(p, count)
+    return dest.send(p, count)
 
 
 def _worker_id() -> int:

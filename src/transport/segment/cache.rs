@@ -1,5 +1,5 @@
 //! The main process's cache of worker segments: each mapped once, on first sight (checked),
-//! and kept while its worker lives; copies out of them into pool slots, and their release back
+//! and kept while its worker lives; copies out of them into pool slots, and their hand-back
 //! to the worker.
 //!
 //! Invariants:
@@ -25,7 +25,7 @@ use crate::pool::fill_and_send::Sending;
 use crate::pool::slot::OwnedSlotHold;
 use crate::pool::Pool;
 use crate::system::cuda::{Event, StreamHandle};
-use crate::transfer::copy::{CopyDone, CopyRange};
+use crate::transfer::copy::{CopyRange, Copying};
 use crate::transport::reclaim::Reclaimer;
 
 /// Ranges relative to the data area, made relative to the mapping.
@@ -162,24 +162,24 @@ impl SegmentCache {
     /// As [`SegmentCache::copy_to_slot`] into the slot `hold` holds, but on one of the pool's
     /// copy threads ([`Pool::copy_in_background`]): returns at once, once every range is
     /// checked. The segment is handed back to its worker on that thread, right after the copy
-    /// (do not [`SegmentCache::release`] it too).
-    pub fn copy_to_slot_then_release(
+    /// (do not [`SegmentCache::hand_back`] it too).
+    pub fn copy_to_slot_then_hand_back(
         &self,
         key: SegmentKey,
         hold: OwnedSlotHold,
         ranges: &[CopyRange],
-    ) -> Result<Arc<CopyDone>> {
+    ) -> Result<Arc<Copying>> {
         let (map, shifted) = self.for_copy_thread(key, &hold, ranges)?;
         let id = hold.slot().id();
         // SAFETY: a hold keeps its slot out of the pool until it is dropped (a release
         // meanwhile waits for it: `crate::pool::slot`).
-        unsafe { self.pool.copy_in_background(id, hold, map, shifted, self.hand_back()) }
+        unsafe { self.pool.copy_in_background(id, hold, map, shifted, self.hand_back_after()) }
     }
 
-    /// As [`SegmentCache::copy_to_slot_then_release`], and then, on that copy thread, a copy of
+    /// As [`SegmentCache::copy_to_slot_then_hand_back`], and then, on that copy thread, a copy of
     /// the slot's first `len` bytes to device memory at `dst` on `stream`
     /// ([`Pool::copy_in_and_send_in_background`]): returns at once, once every range and the
-    /// send are checked, with the copy's [`CopyDone`] and where the send's event lands.
+    /// send are checked, with the copy's [`Copying`] and where the send's event lands.
     ///
     /// # Safety
     /// As [`SegmentCache::copy_to_device`]: `[dst, dst+len)` is device memory of the pool's
@@ -188,7 +188,7 @@ impl SegmentCache {
     /// releases the slot fenced on `stream` (the release waits for `hold`: it is recorded
     /// after the send).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn copy_to_device_then_release<K: Send + 'static>(
+    pub unsafe fn copy_to_device_then_hand_back<K: Send + 'static>(
         &self,
         key: SegmentKey,
         hold: OwnedSlotHold,
@@ -197,7 +197,7 @@ impl SegmentCache {
         len: usize,
         stream: StreamHandle,
         keep: K,
-    ) -> Result<(Arc<CopyDone>, Arc<Sending>)> {
+    ) -> Result<(Arc<Copying>, Arc<Sending>)> {
         let (map, shifted) = self.for_copy_thread(key, &hold, ranges)?;
         let id = hold.slot().id();
         // SAFETY: the hold keeps its slot out of the pool until it is dropped, after the send;
@@ -211,7 +211,7 @@ impl SegmentCache {
                 dst,
                 len,
                 stream,
-                self.hand_back(),
+                self.hand_back_after(),
             )
         }
     }
@@ -236,8 +236,8 @@ impl SegmentCache {
         result
     }
 
-    /// Returns the segment to its worker for the next batch.
-    pub fn release(&self, key: SegmentKey) -> Result<()> {
+    /// Hands the segment back to its worker for the next batch.
+    pub fn hand_back(&self, key: SegmentKey) -> Result<()> {
         let map = self.get(key)?;
         state_word(&map).store(STATE_FREE, Ordering::Release);
         Ok(())
@@ -289,7 +289,7 @@ impl SegmentCache {
 
     /// What a copy thread does with a segment's mapping after the copy: hands the segment back
     /// to its worker, and unmaps it then if it was retired meanwhile.
-    fn hand_back(&self) -> impl FnOnce(Arc<Mapping>) + Send + 'static {
+    fn hand_back_after(&self) -> impl FnOnce(Arc<Mapping>) + Send + 'static {
         let reclaimer = Arc::clone(&self.reclaimer);
         move |map: Arc<Mapping>| {
             state_word(&map).store(STATE_FREE, Ordering::Release);

@@ -191,7 +191,7 @@ fn worker_to_slot_round_trip() {
     // SAFETY: reading inside the slot we hold.
     let slot = unsafe { std::slice::from_raw_parts(pool.slot_ptr(t).unwrap(), 10_064) };
     assert!(slot[64..].iter().all(|&b| b == 0xAB));
-    cache.release((7, 0)).unwrap();
+    cache.hand_back((7, 0)).unwrap();
     assert!(seg.try_claim(), "released by the main process, the worker may reuse it");
     assert!(cache.retire((7, 0)));
     cache.reclaimer().flush();
@@ -217,7 +217,7 @@ fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
         let slot = Arc::new(Slot::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
         let hold = slot.hold_owned(&pool).unwrap();
         let range = [CopyRange { src: 0, dst: 8, len: 600_000 }];
-        let done = cache.copy_to_slot_then_release((3, 0), hold, &range).unwrap();
+        let done = cache.copy_to_slot_then_hand_back((3, 0), hold, &range).unwrap();
         if round % 2 == 1 {
             // The owner dies at once (its batch dropped unread): the slot must stay out
             // of the pool until the copy is over, then come back exactly once.
@@ -242,9 +242,9 @@ fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
     let slot = Arc::new(Slot::new(Arc::clone(&pool), pool.checkout(None).unwrap()));
     let past_end = [CopyRange { src: 0, dst: (1 << 20) - 4, len: 8 }];
     let hold = slot.hold_owned(&pool).unwrap();
-    assert!(cache.copy_to_slot_then_release((3, 0), hold, &past_end).is_err());
+    assert!(cache.copy_to_slot_then_hand_back((3, 0), hold, &past_end).is_err());
     let hold = slot.hold_owned(&pool).unwrap();
-    assert!(cache.copy_to_slot_then_release((8, 8), hold, &[]).is_err(), "unknown segment");
+    assert!(cache.copy_to_slot_then_hand_back((8, 8), hold, &[]).is_err(), "unknown segment");
     slot.release(None).unwrap();
     assert_eq!(pool.stats().slots.free, 2, "a refused copy kept its hold");
 }

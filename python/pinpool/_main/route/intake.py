@@ -184,7 +184,7 @@ class Intake:
             return
         try:
             if not handed_back:
-                cache.release((handle.worker, handle.segment))
+                cache.hand_back((handle.worker, handle.segment))
         except PinPoolError:
             pass  # already retired with the whole worker
         for sid in handle.retired:

@@ -69,7 +69,7 @@ class Receiver:
         #: How the loader's batches reach the consumer (``delivery_mode.DeliveryMode``).
         self.mode = mode
         #: Zero-copy: the loader's grants (None in copy mode).
-        self.grants = LoaderGrants() if mode.worker_writes_in_place else None
+        self.grants = LoaderGrants() if mode.zero_copy else None
         self.pools = LazyPool(settings, pool_hint, self.grants)
         self.intake = Intake(self.pools, self.grants)
         self.deliver = Delivery(mode)

@@ -49,12 +49,6 @@ class DeliveryMode:
         )
 
     @property
-    def worker_writes_in_place(self) -> bool:
-        """Whether a worker writes its batch into the arena itself (a slot granted to it), so
-        that the main process copies nothing (batches that get no grant excepted)."""
-        return self.zero_copy
-
-    @property
     def main_process_copies(self) -> bool:
         """Whether the main process copies each batch into the arena, out of its worker's
         segment (copy mode; in zero-copy mode, only batches that got no grant)."""
