@@ -296,7 +296,7 @@ class WorkerSegment:
 
     Per batch: ``try_claim()`` (False while the consumer still holds the last batch), write the
     data, send ``(fd, total_len, nonce)`` to the consumer, which copies and then calls
-    ``SegmentCache.release``; ``unclaim()`` abandons an unsent claim. The consumer needs its own
+    ``SegmentCache.hand_back``; ``unclaim()`` abandons an unsent claim. The consumer needs its own
     descriptor: ``os.dup(seg.fd)`` in the same process, ``/proc/<pid>/fd/<fd>`` from another.
     The producer validates nothing; the consumer checks seals, length and nonce. Collecting the
     object unmaps the segment and closes ``fd``.

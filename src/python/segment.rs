@@ -134,7 +134,7 @@ pub(crate) fn check_segment(
 ///
 /// Protocol, per batch: `try_claim()` (False while the consumer still holds the last batch:
 /// do not write then), write the data, send `(fd, total_len, nonce)` and the byte counts to
-/// the consumer, which copies from the segment and calls `SegmentCache.release`, setting it
+/// the consumer, which copies from the segment and calls `SegmentCache.hand_back`, setting it
 /// free for the next `try_claim()`; `unclaim()` abandons a claim that was not sent. The state
 /// word is atomic and shared, so claims and releases may come from either process, any
 /// thread.
@@ -193,7 +193,7 @@ impl PyWorkerSegment {
     }
 
     /// Claims the segment for a new batch (atomically, free -> in flight). False while the
-    /// consumer still holds the last batch (not yet `SegmentCache.release`d): the data must
+    /// consumer still holds the last batch (not yet handed back: `SegmentCache.hand_back`): the data must
     /// not be written then. Never blocks.
     fn try_claim(&self) -> bool {
         self.seg.try_claim()
