@@ -27,7 +27,7 @@ class HandleFactory:
         self.next_worker = 1000
 
     def write(self) -> None:
-        assert self.segment.try_claim(), "the segment is still in flight"
+        assert self.segment.try_begin(), "the segment is still in flight"
         _codec.write(self.plan, self.segment)
 
     def worker(self) -> int:

@@ -294,9 +294,10 @@ class WorkerSegment:
     ``capacity`` data bytes rounded up to whole pages (at least one). The data area is exposed
     through the buffer protocol (writable, ``capacity`` bytes; a view keeps the object alive).
 
-    Per batch: ``try_claim()`` (False while the consumer still holds the last batch), write the
+    Per batch: ``try_begin()`` (False while the consumer still holds the last batch), write the
     data, send ``(fd, total_len, nonce)`` to the consumer, which copies and then calls
-    ``SegmentCache.hand_back``; ``unclaim()`` abandons an unsent claim. The consumer needs its own
+    ``SegmentCache.hand_back``; ``abandon()`` sets free a batch begun and not sent. The consumer
+    needs its own
     descriptor: ``os.dup(seg.fd)`` in the same process, ``/proc/<pid>/fd/<fd>`` from another.
     The producer validates nothing; the consumer checks seals, length and nonce. Collecting the
     object unmaps the segment and closes ``fd``.
@@ -323,12 +324,12 @@ class WorkerSegment:
         """Address of the first data byte (page-aligned), in this process."""
     @property
     def in_flight(self) -> bool:
-        """Whether the segment is claimed: being written, or sent and not yet released."""
-    def try_claim(self) -> bool:
-        """Claims the segment for a new batch (atomically); False while the consumer still
+        """Whether a batch is in flight: being written, or sent and not yet handed back."""
+    def try_begin(self) -> bool:
+        """Begins a new batch in the segment (atomically); False while the consumer still
         holds the last one, when the data must not be written. Never blocks."""
-    def unclaim(self) -> None:
-        """Sets the segment free without sending it (an abandoned, unsent claim)."""
+    def abandon(self) -> None:
+        """Sets the segment free without sending it (a batch begun and abandoned)."""
 
 @final
 class Copying:
@@ -482,7 +483,7 @@ class SegmentCache:
         into ``slot``; returns the bytes copied. All ranges are checked first: sources within
         the capacity (``OutOfBounds``), destinations within the slot (``BatchTooLarge``) and
         disjoint (``InvalidArgument``). The slot must be this pool's and unreleased; it is
-        pinned for the copy. The segment stays claimed until ``hand_back(key)``."""
+        pinned for the copy. The segment stays in flight until ``hand_back(key)``."""
     def copy_to_buffer(
         self, key: tuple[int, int], buffer: Any, ranges: Sequence[tuple[int, int, int]]
     ) -> int:
@@ -523,7 +524,7 @@ class SegmentCache:
         so its fence comes after the send); keep ``target`` alive until the ``Sent`` is
         waited for. Pools the driver pinned only."""
     def hand_back(self, key: tuple[int, int]) -> None:
-        """Marks segment ``key`` free for its producer's next ``try_claim()``; only once the
+        """Marks segment ``key`` free for its producer's next ``try_begin()``; only once the
         last copy of the batch has returned. It stays mapped. Unknown keys raise."""
     def retire(self, key: tuple[int, int]) -> bool:
         """Forgets ``key`` (unmapped on the reclaimer thread); False if unknown."""

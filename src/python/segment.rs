@@ -4,7 +4,7 @@
 //!
 //! Invariants:
 //! - Nothing the consumer is told about a segment (fd, length, nonce, ranges) is trusted: the
-//!   file must be a memfd sealed against shrinking, as long as claimed, with the header the
+//!   file must be a memfd sealed against shrinking, as long as said, with the header the
 //!   nonce names, and every copy range is checked against the data area and the target.
 //! - No mapping a `SegmentCache` made is ever unmapped on a thread that holds the GIL;
 //!   retiring, replacing or collecting hands it to the pool's reclaimer thread. (A
@@ -76,8 +76,8 @@ fn copy_ranges(ranges: Vec<(usize, usize, usize)>) -> Vec<CopyRange> {
     ranges.into_iter().map(|(src, dst, len)| CopyRange { src, dst, len }).collect()
 }
 
-/// Converts a sender's claims about a segment; a value out of range is `OutOfBounds`.
-fn segment_claims(
+/// Converts what a sender says of a segment; a value out of range is `OutOfBounds`.
+fn segment_told(
     py: Python<'_>,
     key: &Bound<'_, PyAny>,
     total_len: &Bound<'_, PyAny>,
@@ -95,7 +95,7 @@ fn segment_claims(
 /// shrinking, exactly `total_len` bytes long, whose header carries `nonce` and the capacity
 /// `total_len - SEGMENT_DATA_OFFSET`. Returns that capacity (data bytes).
 ///
-/// For a consumer that must know a segment is genuine before it trusts the sender's claims,
+/// For a consumer that must know a segment is genuine before it trusts what the sender says of it,
 /// for instance to size a pool from them (the DataLoader does). `fd` is only borrowed: the
 /// caller keeps it and closes it. `key` only names the segment in error messages.
 /// `SegmentCache.insert` checks all of this again, so the call is optional.
@@ -114,7 +114,7 @@ pub(crate) fn check_segment(
         if fd < 0 {
             return Err(to_py(py, Error::Invalid(format!("bad file descriptor {fd}"))));
         }
-        let (key, total_len, nonce) = segment_claims(py, key, total_len, nonce)?;
+        let (key, total_len, nonce) = segment_told(py, key, total_len, nonce)?;
         // SAFETY: only borrowed for this call; the caller keeps `fd` open meanwhile (a closed
         // or reused number fails the seal or header check, never touches memory).
         let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
@@ -132,12 +132,12 @@ pub(crate) fn check_segment(
 /// (`memoryview(seg)`, `numpy.frombuffer(seg, ...)`: writable, `capacity` bytes, the header
 /// is not exposed; a view keeps the object alive).
 ///
-/// Protocol, per batch: `try_claim()` (False while the consumer still holds the last batch:
+/// Protocol, per batch: `try_begin()` (False while the consumer still holds the last batch:
 /// do not write then), write the data, send `(fd, total_len, nonce)` and the byte counts to
 /// the consumer, which copies from the segment and calls `SegmentCache.hand_back`, setting it
-/// free for the next `try_claim()`; `unclaim()` abandons a claim that was not sent. The state
-/// word is atomic and shared, so claims and releases may come from either process, any
-/// thread.
+/// free for the next `try_begin()`; `abandon()` sets free a batch begun and not sent. The
+/// state word is atomic and shared, so beginnings and hand-backs may come from either process,
+/// any thread.
 ///
 /// The consumer needs its own descriptor for `fd`: `os.dup(seg.fd)` in the same process,
 /// `/proc/<producer pid>/fd/<fd>` from another (same user), or `SCM_RIGHTS`. The producer
@@ -192,20 +192,20 @@ impl PyWorkerSegment {
         self.seg.data_ptr() as usize
     }
 
-    /// Claims the segment for a new batch (atomically, free -> in flight). False while the
-    /// consumer still holds the last batch (not yet handed back: `SegmentCache.hand_back`): the data must
-    /// not be written then. Never blocks.
-    fn try_claim(&self) -> bool {
-        self.seg.try_claim()
+    /// Begins a new batch in the segment (atomically, free -> in flight). False while the
+    /// consumer still holds the last batch (not yet handed back: `SegmentCache.hand_back`):
+    /// the data must not be written then. Never blocks.
+    fn try_begin(&self) -> bool {
+        self.seg.try_begin()
     }
 
-    /// Sets the segment free without sending it: a claimed batch was abandoned. Only for a
-    /// claim the consumer never saw; a sent batch is freed by the consumer's `hand_back`.
-    fn unclaim(&self) {
-        self.seg.unclaim()
+    /// Sets the segment free without sending it: a batch begun was abandoned. Only for a
+    /// batch the consumer never saw; a sent batch is freed by the consumer's `hand_back`.
+    fn abandon(&self) {
+        self.seg.abandon()
     }
 
-    /// Whether the segment is claimed: being written, or sent and not yet released.
+    /// Whether a batch is in flight: being written, or sent and not yet handed back.
     #[getter]
     fn in_flight(&self) -> bool {
         self.seg.in_flight()
@@ -244,8 +244,8 @@ impl PyWorkerSegment {
 /// Use it in the process that owns `pool` (a forked child's copies are refused). Per batch:
 /// `insert` a segment the first time it arrives (it stays mapped for later batches),
 /// `copy_to_slot` / `copy_to_buffer` what the producer wrote, then `hand_back` it so the
-/// producer can claim it again; `retire` / `retire_all` forget segments (a producer gone, a
-/// segment replaced). Every method may be called from any thread; copies of 1 MiB and more
+/// producer can begin its next batch there; `retire` / `retire_all` forget segments (a
+/// producer gone, a segment replaced). Every method may be called from any thread; copies of 1 MiB and more
 /// run without the GIL on the pool's copy threads. A retired, replaced or collected
 /// segment is unmapped on the pool's reclaimer thread (`pool.flush()` waits for it), never
 /// on the caller's; one still being copied from is unmapped once that copy ends.
@@ -290,7 +290,7 @@ impl PySegmentCache {
             // SAFETY: the caller hands us ownership of `fd` (documented); it is closed exactly
             // once, by this OwnedFd, whatever happens below.
             let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-            let (key, total_len, nonce) = segment_claims(py, key, total_len, nonce)?;
+            let (key, total_len, nonce) = segment_told(py, key, total_len, nonce)?;
             py.detach(|| self.cache.insert(key, owned, total_len, nonce)).py(py)
         })
     }
@@ -313,7 +313,7 @@ impl PySegmentCache {
     /// and not overlap each other (`InvalidArgument`). The slot must be one of this cache's
     /// pool, unreleased (`SlotReleased`); it is held for the copy, so a concurrent
     /// `release()` waits for its end. An unknown `key` is `InvalidArgument`. Copies of 1 MiB
-    /// or more release the GIL and use the pool's copy threads. The segment stays claimed:
+    /// or more release the GIL and use the pool's copy threads. The segment stays in flight:
     /// call `hand_back(key)` once no more copies of this batch are needed.
     fn copy_to_slot(
         &self,
@@ -466,7 +466,7 @@ impl PySegmentCache {
     }
 
     /// Hands segment `key` back to its producer: marks it free (with release ordering), so
-    /// the producer's next `try_claim()` succeeds and it may overwrite the data. Call it only
+    /// the producer's next `try_begin()` succeeds and it may overwrite the data. Call it only
     /// after the last copy of this batch has returned. The segment stays mapped for the next
     /// batch. Handing back a free segment does nothing; an unknown `key` is `InvalidArgument`.
     fn hand_back(&self, py: Python<'_>, key: (u64, u32)) -> PyResult<()> {

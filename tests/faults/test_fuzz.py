@@ -356,8 +356,8 @@ class Worker:
     def refill(self) -> None:
         """Claims the segment again and writes the batch (the last handle may have left it
         in flight)."""
-        self.segment.unclaim()
-        assert self.segment.try_claim()
+        self.segment.abandon()
+        assert self.segment.try_begin()
         _codec.write(self.plan, self.segment)
 
     def handle(self, token: str, first: bool) -> BatchHandle:

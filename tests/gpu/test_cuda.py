@@ -385,7 +385,7 @@ def test_a_segment_copied_on_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> 
     pool = cuda_pool(n + MiB, 2)
     cache = pinpool.SegmentCache(pool)
     ws = pinpool.WorkerSegment(n)
-    assert ws.try_claim()
+    assert ws.try_begin()
     data = byte_pattern(n, seed=5)
     with memoryview(ws) as mv:
         mv[:n] = data.numpy().tobytes()

@@ -559,7 +559,7 @@ def test_corrupt_handles_raise_pinpool_errors(live_loader: Any) -> None:
     hand_to_consumer(make.make(worker=7).pin_memory())  # segment key 7 known, for the cases below
     for name, build in corrupt_handles(make).items():
         fds = open_fd_count()
-        make.segment.unclaim()
+        make.segment.abandon()
         make.write()
         with pytest.raises(PinPoolError) as info:
             build().take()  # on the consumer's thread: every rule applies
@@ -584,7 +584,7 @@ def test_a_handle_claiming_more_than_its_segment_is_refused_before_memory_is_tak
     what it claims, and nothing is held."""
     make = HandleFactory(live_loader)
     make.make(worker=7).pin_memory()
-    make.segment.unclaim()
+    make.segment.abandon()
     make.write()
     handle = corrupt_handles(make)["bigger-than-a-slot"]()
     arena = live_loader.pool.arena_bytes

@@ -54,7 +54,7 @@ def test_an_answer_names_a_grant_only_when_whole(words: list[int], hints: int) -
     says granted and its length matches its count of hints; to none otherwise."""
     whole = [1, *range(2, 11), hints, *range(100, 100 + 5 * hints)]
     got = handle.grant_from_words(tuple(whole))
-    assert got is not None and got.claim == (2, 3, 4) and got.nbytes == 6 and got.arena_pid == 7
+    assert got is not None and got.key == (2, 3, 4) and got.nbytes == 6 and got.arena_pid == 7
     assert len(got.ahead) == hints
     assert all(h.arena_pid == 7 and type(h) is handle.WindowHint for h in got.ahead)
     parsed = handle.grant_from_words(tuple(words))
@@ -83,10 +83,10 @@ def test_a_worker_gets_a_slot_of_its_batchs_size_and_the_batch_adopts_it_once(
     grant = desk.ask(at, handle.ZeroCopyTask(1, 0), 0, 3 * PAGE + 5)
     assert grant is not None and grant.nbytes == 4 * PAGE
     assert pool.stats()["bytes_checked_out"] == 4 * PAGE
-    slot = grants.adopt(grant.claim)
+    slot = grants.adopt(grant.key)
     assert slot.nbytes == 4 * PAGE
     with pytest.raises(pinpool.PinPoolError, match="not granted"):
-        grants.adopt(grant.claim)  # (once)
+        grants.adopt(grant.key)  # (once)
     slot.release()
     # Given back by the worker (its batch failed): the slot comes back, and no claim holds.
     other = desk.ask(at, handle.ZeroCopyTask(1, 1), 0, PAGE)
@@ -97,7 +97,7 @@ def test_a_worker_gets_a_slot_of_its_batchs_size_and_the_batch_adopts_it_once(
         deadline -= 1
         gc.collect()
     with pytest.raises(pinpool.PinPoolError, match="not granted"):
-        grants.adopt(other.claim)
+        grants.adopt(other.key)
     assert pool.stats()["bytes_checked_out"] == 0
     # An iterator not open, or a closed one, is granted nothing, and that is counted.
     assert desk.ask(at, handle.ZeroCopyTask(2, 0), 0, PAGE) is None
@@ -205,7 +205,7 @@ class NoBatchWaitsOnTheOnesBehindIt(RuleBasedStateMachine):
     @rule(keep=st.booleans())
     def the_consumer_takes_the_head(self, keep: bool) -> None:
         grant = self.out.pop(self.head)
-        slot = self.grants.adopt(grant.claim)
+        slot = self.grants.adopt(grant.key)
         self.head += 1
         self.grants.set_head(1, self.head)
         if keep:
@@ -255,14 +255,14 @@ def test_a_request_whose_room_is_held_by_batches_before_it_waits_for_them(
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive(), "refused at once, though the batches before it will be released"
-    slot = grants.adopt(first[0].claim)
+    slot = grants.adopt(first[0].key)
     grants.set_head(1, 1)
     slot.release()
     waiter.join(5)
     assert not waiter.is_alive() and got[0] is not None
     # The consumer keeps tasks 1 and 2, task 3 holds 2 pages: 9 pages free in two ranges, and
     # what may come back before task 5 (task 3's) leaves no room for 6 pages and the 6 kept.
-    kept = [grants.adopt(first[i].claim) for i in (1, 2)]
+    kept = [grants.adopt(first[i].key) for i in (1, 2)]
     grants.set_head(1, 3)
     assert desk.ask(at, handle.ZeroCopyTask(1, 5), 0, 6 * PAGE) is None
     del kept

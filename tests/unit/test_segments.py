@@ -59,7 +59,7 @@ def filled(nbytes: int, seed: int = 0) -> tuple[WorkerSegment, bytes]:
     """A claimed worker segment of at least ``nbytes`` whose first ``nbytes`` hold a pattern."""
     ws = WorkerSegment(nbytes)
     data = pattern(nbytes, seed)
-    assert ws.try_claim()
+    assert ws.try_begin()
     with memoryview(ws) as mv:
         mv[:nbytes] = data
     return ws, data
@@ -375,18 +375,18 @@ def test_worker_segment_claim_protocol(make_pool) -> None:
     cache = SegmentCache(pool)
     ws = WorkerSegment(PAGE)
     insert(cache, (1, 0), ws)
-    assert ws.try_claim()
+    assert ws.try_begin()
     assert ws.in_flight
-    assert not ws.try_claim(), "a segment in flight cannot be claimed again"
+    assert not ws.try_begin(), "a segment in flight cannot be claimed again"
     # The receiver releases it after copying: the worker may claim it again.
     cache.hand_back((1, 0))
     assert not ws.in_flight
-    assert ws.try_claim()
+    assert ws.try_begin()
     assert ws.in_flight
     # A worker may give up its claim without sending.
-    ws.unclaim()
+    ws.abandon()
     assert not ws.in_flight
-    assert ws.try_claim()
+    assert ws.try_begin()
     cache.hand_back((1, 0))
     cache.hand_back((1, 0))  # releasing a free segment is harmless
     assert not ws.in_flight
@@ -400,7 +400,7 @@ def test_segment_cache_round_trip(make_pool, fd_count) -> None:
     cache = SegmentCache(pool)
     ws = WorkerSegment(3 * PAGE)
     data = pattern(3 * PAGE, seed=7)
-    assert ws.try_claim()
+    assert ws.try_begin()
     with memoryview(ws) as mv:
         mv[:] = data
     key = (0xDEADBEEF, 3)
@@ -459,7 +459,7 @@ def test_a_copy_on_a_copy_thread_hands_the_segment_back_when_done(make_pool) -> 
         with memoryview(slot) as mv:
             assert mv[9 : 9 + n] == data[:n]
         assert not ws.in_flight, "the segment was not handed back"
-        assert ws.try_claim()
+        assert ws.try_begin()
         slot.release()
     with pool.checkout() as slot:
         for bad, error in [
@@ -479,7 +479,7 @@ def test_a_copy_on_a_copy_thread_hands_the_segment_back_when_done(make_pool) -> 
         copying = cache.copy_to_slot_then_release((4, 0), slot, [(0, 0, len(data))])
         del slot
         copying.wait()
-        assert ws.try_claim()
+        assert ws.try_begin()
     pool.flush()
     assert pool.stats()["slots_free"] == 2
     released = pool.checkout()

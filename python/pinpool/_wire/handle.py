@@ -73,7 +73,7 @@ class SlotGrant(NamedTuple):
     ahead: tuple[WindowHint, ...] = ()
 
     @property
-    def claim(self) -> tuple[int, int, int]:
+    def key(self) -> tuple[int, int, int]:
         """What a handle sends back about this slot: (index, generation, nonce)."""
         return (self.index, self.generation, self.nonce)
 
@@ -165,7 +165,7 @@ class BatchHandle:
     - or the segment: ``worker`` (its ring's key), ``segment`` (its number in the ring),
       ``origin`` ((pid, fd) to open it through ``/proc``, on its first use only),
       ``total_len`` and ``nonce`` (its header's), ``retired`` (segments of the ring the worker
-      dropped) and ``unused`` (the claim of a granted slot the batch outgrew);
+      dropped) and ``unused`` (the key of a granted slot the batch outgrew);
     - or neither: a batch without arrays, carried whole in ``tree`` (``specs`` empty).
     """
 

@@ -104,6 +104,6 @@ def give_back(desk: tuple[bytes, int], grant: SlotGrant) -> None:
     if conn is None:
         return  # (taken back with the iterator, then)
     try:
-        conn.send(_REQUEST.pack(_GIVE_BACK, 0, table, *grant.claim, 0))
+        conn.send(_REQUEST.pack(_GIVE_BACK, 0, table, *grant.key, 0))
     except OSError:
         _drop(address)

@@ -18,9 +18,9 @@ keeps for its next batches (``windows``): open while the batch is written, made
 inaccessible again before its handle is made (or the batch abandoned).
 
 Invariants: a worker never waits here (it always gets back to torch's loop and its shutdown
-signals); a segment is written only while claimed, and a claimed segment is either sent (its
-handle made) or unclaimed; a window is inaccessible again before the handle of the batch written
-in it is made (``windows``); a slot opened keyed is touched only between
+signals); a segment is written only while a batch is in flight there, and that batch is
+either sent (its handle made) or abandoned; a window is inaccessible again before the handle
+of the batch written in it is made (``windows``); a slot opened keyed is touched only between
 :meth:`Destination.allow` and :meth:`Destination.deny` (or the handle's making) on the writing
 thread, and no code of the user's runs in between.
 """
@@ -53,13 +53,13 @@ class _Ring:
     next_id: int = 0
 
     def acquire(self, nbytes: int) -> tuple[int, WorkerSegment]:
-        """A claimed segment with room for ``nbytes``: a free one, else a new one.
+        """A segment with room for ``nbytes``, a batch begun in it: a free one, else a new one.
 
         torch keeps at most ``prefetch_factor`` batches of one worker in flight, so a ring of
         ``prefetch_factor + 2`` segments normally suffices; more are made only while the main
         process holds handles it has not taken yet (it is shutting down, say)."""
         for sid, seg in self.segments.items():
-            if seg.capacity >= nbytes and seg.try_claim():
+            if seg.capacity >= nbytes and seg.try_begin():
                 return sid, seg
         # Free segments that are too small, or beyond the ring's size, are retired.
         idle = [sid for sid, seg in self.segments.items() if not seg.in_flight]
@@ -72,8 +72,8 @@ class _Ring:
         sid = self.next_id
         self.next_id += 1
         self.segments[sid] = seg
-        if not seg.try_claim():  # a fresh segment is always free
-            raise RuntimeError("a new segment could not be claimed")
+        if not seg.try_begin():  # a fresh segment is always free
+            raise RuntimeError("no batch could begin in a new segment")
         return sid, seg
 
     def take_retired(self) -> tuple[int, ...]:
@@ -107,7 +107,7 @@ class Destination:
     """The memory one batch is written into, and the handle that names it.
 
     ``memory`` is a writable byte view of a granted slot (``nbytes``, for ``task``'s batch, from
-    the grant desk ``desk_at``) or of a claimed segment (``segment_bytes``, if given, else
+    the grant desk ``desk_at``) or of a segment of its own (``segment_bytes``, if given, else
     ``nbytes``). Exactly one of :meth:`send` and :meth:`abandon` ends a destination's life."""
 
     def __init__(
@@ -174,11 +174,11 @@ class Destination:
     def send(self, p: codec.LayoutPlan, count: int | None) -> BatchHandle:
         """The handle of the batch planned as ``p``, now written here."""
         segment, sid, ring = self.segment, self.sid, self.ring
-        claim = None if self.grant is None else self.grant.claim
+        key = None if self.grant is None else self.grant.key
         self._drop_views()
         if segment is None:
-            assert claim is not None
-            return BatchHandle(self.token, p, count, slot=claim)
+            assert key is not None
+            return BatchHandle(self.token, p, count, slot=key)
         origin = None
         if sid not in ring.announced:
             origin = (os.getpid(), segment.fd)
@@ -193,7 +193,7 @@ class Destination:
             total_len=segment.total_len,
             nonce=segment.nonce,
             retired=ring.take_retired(),
-            unused=claim,
+            unused=key,
         )
 
     def abandon(self) -> None:
@@ -206,7 +206,7 @@ class Destination:
 
     def _let_go(self) -> None:
         if self.segment is not None:
-            self.segment.unclaim()
+            self.segment.abandon()
             self.segment = None
         self._drop_views()
 

@@ -45,7 +45,7 @@ pub fn encode_header(capacity: usize, nonce: u64) -> [u8; HEADER_LEN] {
 pub enum BadHeader {
     /// Fewer than [`HEADER_LEN`] bytes.
     Short { len: usize },
-    /// The segment claims `total_len <= DATA_OFFSET` bytes: no data area at all.
+    /// The segment says it has `total_len <= DATA_OFFSET` bytes: no data area at all.
     NoDataArea { total_len: usize },
     /// Wrong magic, a capacity other than `total_len - DATA_OFFSET`, or the wrong nonce; the
     /// capacity and nonce found, for the error message.
@@ -123,7 +123,7 @@ pub(super) fn bad_header(key: SegmentKey, total_len: usize, nonce: u64, bad: Bad
 /// Checks, without mapping it, that `fd` is a segment of `total_len` bytes carrying `nonce`:
 /// sealed against shrinking, that long, and with the header [`check_header`] accepts. Returns
 /// its capacity. For a receiver that must know a segment is real before it sizes anything
-/// from the segment's claims; [`super::SegmentCache::insert`] checks all of it again once mapped.
+/// from what the segment says; [`super::SegmentCache::insert`] checks all of it again once mapped.
 pub fn check_segment_fd(
     key: SegmentKey,
     fd: BorrowedFd<'_>,

@@ -101,15 +101,16 @@ impl WorkerSegment {
         unsafe { self.map.as_ptr().add(DATA_OFFSET) }
     }
 
-    /// Claims the segment for writing a new batch; false while the last one is in flight.
-    pub fn try_claim(&self) -> bool {
+    /// Begins a new batch in the segment (it is in flight from now on); false while the
+    /// last one is.
+    pub fn try_begin(&self) -> bool {
         state_word(&self.map)
             .compare_exchange(STATE_FREE, STATE_BUSY, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
 
     /// Marks the segment free again without sending it (the batch was abandoned).
-    pub fn unclaim(&self) {
+    pub fn abandon(&self) {
         state_word(&self.map).store(STATE_FREE, Ordering::Release);
     }
 

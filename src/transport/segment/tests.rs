@@ -180,8 +180,8 @@ fn worker_to_slot_round_trip() {
     let seg = WorkerSegment::create(10_000).unwrap();
     assert_eq!(read_header(&seg.map), encode_header(seg.capacity(), seg.nonce()));
     assert_eq!(check_header(&read_header(&seg.map), seg.total_len(), seg.nonce()), Ok(12_288));
-    assert!(seg.try_claim());
-    assert!(!seg.try_claim(), "a segment in flight cannot be claimed again");
+    assert!(seg.try_begin());
+    assert!(!seg.try_begin(), "no second batch begins in a segment in flight");
     // SAFETY: test writes inside the segment's data area.
     unsafe { std::ptr::write_bytes(seg.data_ptr(), 0xAB, 10_000) };
     cache.insert((7, 0), dup(&seg), seg.total_len(), seg.nonce()).unwrap();
@@ -192,7 +192,7 @@ fn worker_to_slot_round_trip() {
     let slot = unsafe { std::slice::from_raw_parts(pool.slot_ptr(t).unwrap(), 10_064) };
     assert!(slot[64..].iter().all(|&b| b == 0xAB));
     cache.hand_back((7, 0)).unwrap();
-    assert!(seg.try_claim(), "released by the main process, the worker may reuse it");
+    assert!(seg.try_begin(), "released by the main process, the worker may reuse it");
     assert!(cache.retire((7, 0)));
     cache.reclaimer().flush();
     assert_eq!(cache.reclaimer().stats().unmapped, 1);
@@ -205,7 +205,7 @@ fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
     let pool = Pool::new(&PoolConfig::host(1 << 20, 2)).unwrap();
     let cache = cache_over(&pool);
     let seg = WorkerSegment::create(600_000).unwrap();
-    assert!(seg.try_claim());
+    assert!(seg.try_begin());
     // SAFETY: test writes inside the segment's data area.
     unsafe {
         for i in 0..600_000 {
@@ -224,7 +224,7 @@ fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
             slot.finish(|| Ok(None));
             done.wait();
             assert_eq!(pool.stats().slots.free, 2, "round {round}");
-            assert!(seg.try_claim(), "the segment was not handed back");
+            assert!(seg.try_begin(), "the segment was not handed back");
             continue;
         }
         done.wait();
@@ -233,7 +233,7 @@ fn a_background_copy_hands_the_segment_back_and_outlives_the_slots_owner() {
         // SAFETY: reading inside the slot the lease holds, after the copy is done.
         let got = unsafe { std::slice::from_raw_parts(ptr.add(8), 600_000) };
         assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "round {round}");
-        assert!(seg.try_claim(), "the segment was not handed back");
+        assert!(seg.try_begin(), "the segment was not handed back");
         slot.release(None).unwrap();
         assert_eq!(pool.stats().slots.free, 2);
     }

@@ -98,24 +98,24 @@ class LoaderGrants:
         """Iterator ``owner``'s consumer waits for task ``task`` next."""
         self._grants.set_head(owner, task)
 
-    def adopt(self, claim: Any) -> Slot:
-        """The slot a worker wrote a batch into, if ``claim`` (index, generation, nonce) is one
+    def adopt(self, key: Any) -> Slot:
+        """The slot a worker wrote a batch into, if ``key`` (index, generation, nonce) is one
         granted for it; it leaves the table."""
         try:
-            index, generation, nonce = (int(x) for x in claim)
+            index, generation, nonce = (int(x) for x in key)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise OutOfBounds(f"corrupt batch handle: slot {claim!r}: {exc}") from None
+            raise OutOfBounds(f"corrupt batch handle: slot {key!r}: {exc}") from None
         slot = self._grants.adopt(index, generation, nonce)
         if slot is None:
             raise PinPoolError(
-                f"a batch claims slot {(index, generation)}, which was not granted for it"
+                f"a batch names slot {(index, generation)}, which was not granted for it"
             )
         return slot
 
-    def take_back(self, claim: Any) -> None:
+    def take_back(self, key: Any) -> None:
         """Takes back a slot granted for a batch that will not arrive in it."""
-        if isinstance(claim, tuple) and len(claim) == 3 and all(type(x) is int for x in claim):
-            self._grants.give_back(*claim)
+        if isinstance(key, tuple) and len(key) == 3 and all(type(x) is int for x in key):
+            self._grants.give_back(*key)
 
     def stop(self, owner: int | None = None) -> None:
         """Stops iterator ``owner`` (every one, with None): no more grants for it, and its

@@ -6,7 +6,7 @@ arrays: :meth:`Intake.inline`); a zero-copy one, naming the slot the main proces
 for it (:meth:`Intake.adopt`: the slot is taken from the grants only if it was granted for
 that batch); a copy-mode one, naming a worker's segment (:meth:`Intake.receive`:
 the first time a segment is seen it is opened through ``/proc/<worker pid>/fd`` and checked
-to be real, sealed, as long as claimed, its header intact, before its claims size the pool;
+to be real, sealed, as long as told, its header intact, before what it tells sizes the pool;
 :meth:`Intake.segment_specs`: its leaf specs, checked against the segment). :meth:`Intake.drop`
 ends a handle's life: its segment goes back to its worker, a granted slot it did not use is
 taken back.
@@ -113,7 +113,7 @@ class Intake:
         key = (worker, segment)
         if not first:
             # A segment mapped before: the pool exists, and copies are checked against the
-            # real mapping, whatever the handle claims.
+            # real mapping, whatever the handle says.
             cache = self.pools.cache
             if cache is None or key not in cache:
                 raise PinPoolError(f"segment {key} was never received by this process")
@@ -137,7 +137,7 @@ class Intake:
                 ) from None
             raise OutOfBounds(f"corrupt batch handle: cannot open its segment: {exc}") from None
         try:
-            # The segment is checked to be real before its claims size the pool.
+            # The segment is checked to be real before what it tells sizes the pool.
             check_segment(key, own, total_len, nonce)
             _, cache = self.pools.pool_for(nbytes)
         except BaseException:

@@ -24,7 +24,7 @@ largest batch, to the byte). ``slot_bytes=`` with ``num_slots=`` is the older fo
 Invariants: an arena given is made as given, rounded up to a page; one sized automatically is
 a whole multiple of its largest batch, which is a whole number of pages; the largest batch a
 loader takes (``ArenaPlan.limit``) is the bytes given, not rounded; nothing here scales what a batch
-or a worker claims (a batch's sample count, a hint) beyond the bytes that arrived.
+or a worker tells (a batch's sample count, a hint) beyond the bytes that arrived.
 """
 
 from __future__ import annotations
