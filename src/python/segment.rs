@@ -95,9 +95,9 @@ fn segment_told(
 /// shrinking, exactly `total_len` bytes long, whose header carries `nonce` and the capacity
 /// `total_len - SEGMENT_DATA_OFFSET`. Returns that capacity (data bytes).
 ///
-/// For a consumer that must know a segment is genuine before it trusts what the sender says of it,
-/// for instance to size a pool from them (the DataLoader does). `fd` is only borrowed: the
-/// caller keeps it and closes it. `key` only names the segment in error messages.
+/// For a consumer that must know a segment is genuine before it trusts what the sender says
+/// of it, for instance to size a pool from it (the DataLoader does). `fd` is only borrowed:
+/// the caller keeps it and closes it. `key` only names the segment in error messages.
 /// `SegmentCache.insert` checks all of this again, so the call is optional.
 ///
 /// Raises `InvalidArgument` (not sealed, bad header, wrong nonce, `fd < 0`) or `OutOfBounds`
@@ -245,8 +245,8 @@ impl PyWorkerSegment {
 /// `insert` a segment the first time it arrives (it stays mapped for later batches),
 /// `copy_to_slot` / `copy_to_buffer` what the producer wrote, then `hand_back` it so the
 /// producer can begin its next batch there; `retire` / `retire_all` forget segments (a
-/// producer gone, a segment replaced). Every method may be called from any thread; copies of 1 MiB and more
-/// run without the GIL on the pool's copy threads. A retired, replaced or collected
+/// producer gone, a segment replaced). Every method may be called from any thread; copies of
+/// 1 MiB and more run without the GIL on the pool's copy threads. A retired, replaced or collected
 /// segment is unmapped on the pool's reclaimer thread (`pool.flush()` waits for it), never
 /// on the caller's; one still being copied from is unmapped once that copy ends.
 ///
