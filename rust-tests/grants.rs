@@ -8,7 +8,7 @@ use std::time::Duration;
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
 use pinpool::pool::claim::room_kept;
-use pinpool::pool::grants::{GrantRequest, Grants, BIG_FROM, GRANT_WORDS, HINT_WORDS};
+use pinpool::pool::grants::{GrantRequest, Grants, BIG_FROM, GRANT_WORDS, LIKELY_WORDS};
 use pinpool::transport::grant_desk::{self, ASK, GIVE_BACK, REQUEST_WORDS};
 use pinpool::{Pool, PoolConfig};
 use rustix::net::{
@@ -139,23 +139,23 @@ fn a_fresh_worker_is_told_where_its_next_big_slots_will_be_and_gets_them() {
     let pool = pool(size, 12);
     let g = grants(&pool);
     let first = g.issue(&ask(1, 0, size)).unwrap();
-    assert_eq!(first.ahead.len(), 4, "its share (4, its own first included) and a spare");
-    assert_eq!(g.hinted(), 1);
-    assert_eq!(first.words().len(), GRANT_WORDS + first.ahead.len() * HINT_WORDS);
+    assert_eq!(first.likely.len(), 4, "its share (4, its own first included) and a spare");
+    assert_eq!(g.told_likely(), 1);
+    assert_eq!(first.words().len(), GRANT_WORDS + first.likely.len() * LIKELY_WORDS);
     // Worker 1's share: places 4 to 7; the spare is worker 2's last, place 11.
-    let places: Vec<usize> = first.ahead.iter().map(|h| h.arena_offset / size).collect();
+    let places: Vec<usize> = first.likely.iter().map(|h| h.arena_offset / size).collect();
     assert_eq!(first.location.arena_offset / size, 4);
     assert_eq!(places, vec![5, 6, 7, 11]);
     let second = g.issue(&ask(1, 1, size)).unwrap();
     assert_eq!(second.location.arena_offset / size, 5, "where it was told");
-    assert!(second.ahead.is_empty(), "told once");
+    assert!(second.likely.is_empty(), "told once");
     // The next iterator's worker 1 is offered its predecessor's places first, latest first,
     // and told of the others.
     g.close(Some(7));
     g.open(9);
     let next = g.issue(&GrantRequest { owner: 9, ..ask(1, 0, size) }).unwrap();
     assert_eq!(next.location.arena_offset / size, 5);
-    let told: Vec<usize> = next.ahead.iter().map(|h| h.arena_offset / size).collect();
+    let told: Vec<usize> = next.likely.iter().map(|h| h.arena_offset / size).collect();
     assert_eq!(told, vec![4]);
 }
 

@@ -445,7 +445,7 @@ class Grants:
     def fallbacks(self) -> int:
         """Requests that got no grant (their batches went through copy mode)."""
     @property
-    def hinted(self) -> int:
+    def told_likely(self) -> int:
         """Grants that named where the worker's next slots will likely be."""
     @property
     def outstanding(self) -> int:

@@ -238,7 +238,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 shut_down(self._iterator)
             finally:
                 self._iterator = None
-        self._pinpool_receiver.pools.make_ahead()
+        self._pinpool_receiver.pools.make_from_first_hint()
         # torch reads _index_sampler as its iterator starts (a persistent one keeps it).
         self.__dict__["_pinpool_wrap"] = True
         try:

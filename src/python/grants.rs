@@ -33,8 +33,8 @@ fn claim(
 #[pymethods]
 impl PyGrants {
     /// A table whose workers keep at most `windows` windows and `window_bytes` bytes of them,
-    /// and whose batches of `big_from` bytes and more are big (hinted, remembered for the next
-    /// iterator), answered at the process's grant desk (started if need be) until `close()`.
+    /// and whose batches of `big_from` bytes and more are big (told as likely, remembered for
+    /// the next iterator), answered at the process's grant desk (started if need be) until `close()`.
     #[new]
     #[pyo3(signature = (windows, window_bytes, big_from = crate::pool::grants::BIG_FROM))]
     fn new(py: Python<'_>, windows: usize, window_bytes: usize, big_from: usize) -> PyResult<Self> {
@@ -151,8 +151,8 @@ impl PyGrants {
 
     /// Grants that named where the worker's next slots will likely be.
     #[getter]
-    fn hinted(&self) -> u64 {
-        self.inner.hinted()
+    fn told_likely(&self) -> u64 {
+        self.inner.told_likely()
     }
 
     /// Grants made and not yet adopted, given back or closed.

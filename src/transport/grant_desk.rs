@@ -39,7 +39,7 @@ use rustix::net::{
 
 use crate::error::{Error, Result};
 use crate::pool::grants::{
-    Answer, Grant, GrantRequest, Grants, GRANT_WORDS, HINT_WORDS, MAX_HINTS,
+    Answer, Grant, GrantRequest, Grants, GRANT_WORDS, LIKELY_WORDS, MAX_LIKELY,
 };
 use crate::system::random::random_u64;
 
@@ -57,8 +57,8 @@ pub const WAIT_AT_MOST: Duration = Duration::from_secs(5);
 const LOOK_AGAIN_EVERY: rustix::event::Timespec =
     rustix::event::Timespec { tv_sec: 0, tv_nsec: 500_000 };
 
-/// The longest answer: the sequence number, a grant and its hints.
-const MAX_ANSWER_WORDS: usize = 1 + GRANT_WORDS + MAX_HINTS * HINT_WORDS;
+/// The longest answer: the sequence number, a grant and its likely slots.
+const MAX_ANSWER_WORDS: usize = 1 + GRANT_WORDS + MAX_LIKELY * LIKELY_WORDS;
 
 /// The process's desk, while someone holds a registration.
 static DESK: Mutex<Weak<Desk>> = Mutex::new(Weak::new());

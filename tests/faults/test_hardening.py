@@ -605,8 +605,8 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(
     """A zero-copy worker maps its granted slot only while writing the batch: when it starts
     the next batch it holds no writable mapping and no descriptor of the main process's
     arena, so nothing it does then can reach a batch the consumer holds, not even while its
-    map-ahead thread faults in the windows of its next slots (hinted here for batches of any
-    size; mapped ahead only where windows have keys). Streamed batches are written sample by
+    pre-map thread faults in the windows of its next slots (told as likely here for batches of any
+    size; pre-mapped only where windows have keys). Streamed batches are written sample by
     sample, so only a batch's first sample is made before its slot is mapped. With ``fork``
     the workers of the second epoch start after the arena exists."""
     from pinpool._main.route import grants
@@ -632,7 +632,7 @@ def test_a_zero_copy_worker_reaches_no_arena_between_its_batches(
             assert len(reached) == 0, f"made while the arena was reachable: {reached.tolist()}"
         assert loader.stats()["zero_copy_batches"] >= 12, loader.stats()
         receiver_grants = loader._pinpool_receiver.grants
-        assert receiver_grants.hinted >= 2, "no worker was told of its next slots"
+        assert receiver_grants.told_likely >= 2, "no worker was told of its next slots"
         # (A child forked while an arena is being freed may inherit it as it was: nothing
         # uses that arena any more, but it would count here. The last epoch's iterator, which
         # holds the arena, goes once the ending thread has shut its workers down.)

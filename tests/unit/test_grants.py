@@ -55,8 +55,8 @@ def test_an_answer_names_a_grant_only_when_whole(words: list[int], hints: int) -
     whole = [1, *range(2, 11), hints, *range(100, 100 + 5 * hints)]
     got = handle.grant_from_words(tuple(whole))
     assert got is not None and got.key == (2, 3, 4) and got.nbytes == 6 and got.arena_pid == 7
-    assert len(got.ahead) == hints
-    assert all(h.arena_pid == 7 and type(h) is handle.WindowHint for h in got.ahead)
+    assert len(got.likely) == hints
+    assert all(h.arena_pid == 7 and type(h) is handle.LikelySlot for h in got.likely)
     parsed = handle.grant_from_words(tuple(words))
     whole_again = len(words) >= 11 and len(words) == 11 + 5 * words[10]
     assert (parsed is not None) == (bool(words) and words[0] == 1 and whole_again)

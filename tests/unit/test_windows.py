@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loader_datasets import _reachable, arena_reach
 
-from pinpool._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotGrant, WindowHint
+from pinpool._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, LikelySlot, SlotGrant
 from pinpool._worker import windows
 
 BIG = 8 << 20
@@ -43,9 +43,9 @@ def grant_of(pool: Any, slot: Any, nonce: int = 1) -> SlotGrant:
 
 
 def faulted_ahead(timeout: float = 60.0) -> None:
-    """Waits for the map-ahead thread, if one runs, to finish."""
+    """Waits for the pre-map thread, if one runs, to finish."""
     for thread in threading.enumerate():
-        if thread.name == "pinpool-map-ahead":
+        if thread.name == "pinpool-premap":
             thread.join(timeout)
             assert not thread.is_alive()
 
@@ -53,25 +53,27 @@ def faulted_ahead(timeout: float = 60.0) -> None:
 def test_hinted_slots_are_mapped_ahead_out_of_reach_and_then_opened_without_mapping(
     make_pool: Callable[..., Any], fresh_windows: None
 ) -> None:
-    """Where windows have keys, a first grant's hints are mapped as kept windows, faulted
+    """Where windows have keys, a first grant's likely slots are mapped as kept windows, faulted
     in on a thread of their own while no other thread can reach them, and opened for no one
-    until a grant there is; a hint naming another file is skipped; a later
-    grant's hints map nothing (once per process); no descriptor of the arena stays open.
-    Without keys nothing is mapped ahead."""
+    until a grant there is; a likely slot naming another file is skipped; a later
+    grant's likely slots map nothing (once per process); no descriptor of the arena stays open.
+    Without keys nothing is pre-mapped."""
     pool = make_pool(BIG, 5, arena_bytes=5 * BIG)
     slots = [pool.checkout(nbytes=BIG) for _ in range(5)]
     r = [grant_of(pool, s) for s in slots]
     fds = arena_reach()[1]  # (this process's pool holds its parts' own)
-    stale = WindowHint(*r[3].hint[:5], r[3].arena_ino + 1)  # (another file's inode)
-    first, _, new = windows.open_for(r[0]._replace(ahead=(r[1].hint, r[2].hint, stale)))
+    stale = LikelySlot(*r[3].as_likely[:5], r[3].arena_ino + 1)  # (another file's inode)
+    first, _, new = windows.open_for(r[0]._replace(likely=(r[1].as_likely, r[2].as_likely, stale)))
     assert new
     ahead = [w for w in windows.kept() if w is not first]
     if not first.has_key:
         assert os.environ.get("PINPOOL_REQUIRE_PKEYS") != "1", "no protection key for the window"
-        assert ahead == [], "mapped ahead where every thread could write it as it is faulted in"
+        assert ahead == [], "pre-mapped where every thread could write it as it is faulted in"
     else:
-        assert [w.offset for w in ahead] == [r[1].offset, r[2].offset], "the hints', in order"
-        for w in ahead:  # (probed while the map-ahead thread may be faulting it in)
+        assert [w.offset for w in ahead] == [r[1].offset, r[2].offset], (
+            "the likely slots', in order"
+        )
+        for w in ahead:  # (probed while the pre-map thread may be faulting it in)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(memoryview(w)))
             assert not _reachable(addr) and not _reachable(addr + BIG - 1)
     write_through(first, 0, r[0].nbytes, 5)
@@ -79,7 +81,7 @@ def test_hinted_slots_are_mapped_ahead_out_of_reach_and_then_opened_without_mapp
     assert arena_reach()[1] == fds, "an arena descriptor kept"
     faulted_ahead()
     assert all(w.faulted and w.open_range is None and w.armed_range is None for w in ahead)
-    window, at, new = windows.open_for(r[1]._replace(ahead=(r[4].hint,)))
+    window, at, new = windows.open_for(r[1]._replace(likely=(r[4].as_likely,)))
     assert new == (not ahead) and (not ahead or window is ahead[0])
     write_through(window, at, r[1].nbytes, 9)
     windows.close(window)
@@ -87,9 +89,9 @@ def test_hinted_slots_are_mapped_ahead_out_of_reach_and_then_opened_without_mapp
     assert view[0] == 9 and view[r[1].nbytes - 1] == 9
     view.release()
     faulted_ahead()
-    assert _kept_at(r[4]) is None, "a later grant's hints map nothing"
+    assert _kept_at(r[4]) is None, "a later grant's likely slots map nothing"
     window, _, new = windows.open_for(r[3])
-    assert new, "the stale hint mapped nothing"
+    assert new, "the stale likely slot mapped nothing"
     windows.close(window)
     for s in slots:
         s.release()

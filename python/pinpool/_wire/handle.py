@@ -41,10 +41,10 @@ def windows_kept(nbytes: int) -> int:
     return max(1, min(WINDOWS_KEPT, WINDOW_BYTES_KEPT // max(nbytes, 1)))
 
 
-class WindowHint(NamedTuple):
+class LikelySlot(NamedTuple):
     """Where a worker's next slots will likely be (zero-copy mode): an extent of the arena the
-    worker may map ahead, inaccessible until a grant there opens it
-    (``_worker.windows.map_ahead``). It hands the worker nothing to write."""
+    worker may pre-map, inaccessible until a grant there opens it
+    (``_worker.windows.premap``). It hands the worker nothing to write."""
 
     offset: int  # of the extent in its memfd, bytes
     nbytes: int
@@ -70,7 +70,7 @@ class SlotGrant(NamedTuple):
     #: Where this worker's next slots will likely be (the slots its predecessor, the same
     #: worker id of the iterator before, kept windows on, or its share of the arena): set on a
     #: worker's first big grant only, for it to map them on a thread of its own.
-    ahead: tuple[WindowHint, ...] = ()
+    likely: tuple[LikelySlot, ...] = ()
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -78,17 +78,17 @@ class SlotGrant(NamedTuple):
         return (self.index, self.generation, self.nonce)
 
     @property
-    def hint(self) -> WindowHint:
-        """This slot's extent as a hint."""
-        return WindowHint(
+    def as_likely(self) -> LikelySlot:
+        """This slot's extent as a likely slot."""
+        return LikelySlot(
             self.offset, self.nbytes, self.arena_pid, self.arena_fd, self.arena_len, self.arena_ino
         )
 
 
 #: A grant's words (``pinpool._native.Grants``): the slot's nine fields after the leading 1,
-#: then the number of hints; each hint is five words (offset, bytes, fd, memfd length, inode).
+#: then the number of likely slots; each is five words (offset, bytes, fd, memfd length, inode).
 GRANT_WORDS = 11
-HINT_WORDS = 5
+LIKELY_WORDS = 5
 
 
 def grant_from_words(words: tuple[int, ...]) -> SlotGrant | None:
@@ -97,15 +97,17 @@ def grant_from_words(words: tuple[int, ...]) -> SlotGrant | None:
     if len(words) < GRANT_WORDS or words[0] != 1:
         return None
     fields = words[1:10]
-    hints = words[GRANT_WORDS:]
-    if len(hints) != words[10] * HINT_WORDS:
+    likely_words = words[GRANT_WORDS:]
+    if len(likely_words) != words[10] * LIKELY_WORDS:
         return None
     pid = fields[5]
-    ahead = tuple(
-        WindowHint(h[0], h[1], pid, h[2], h[3], h[4])
-        for h in (hints[i : i + HINT_WORDS] for i in range(0, len(hints), HINT_WORDS))
+    likely = tuple(
+        LikelySlot(h[0], h[1], pid, h[2], h[3], h[4])
+        for h in (
+            likely_words[i : i + LIKELY_WORDS] for i in range(0, len(likely_words), LIKELY_WORDS)
+        )
     )
-    return SlotGrant(*fields, ahead=ahead)
+    return SlotGrant(*fields, likely=likely)
 
 
 class ZeroCopyTask(NamedTuple):

@@ -31,7 +31,7 @@ ANSWER_WITHIN_S = 10.0
 _ASK = 1
 _GIVE_BACK = 2
 _REQUEST = struct.Struct("<7Q")
-#: The longest answer: the sequence number, a grant and eight hints.
+#: The longest answer: the sequence number, a grant and eight likely slots.
 _ANSWER_BYTES = 8 * (1 + 11 + 8 * 5)
 
 #: This process's connections, by desk address.

@@ -15,14 +15,14 @@ page. A worker keeps at most ``handle.WINDOWS_KEPT`` windows, and at most
 
 A fresh worker (each epoch's, unless workers persist) would fault in each of its first slots'
 windows on the path of its first batches. Its first big grant names where its next slots will
-likely be (``SlotGrant.ahead``): where the worker of the same id in the iterator before had its
+likely be (``SlotGrant.likely``): where the worker of the same id in the iterator before had its
 slots, or, in a loader's first epoch, this worker's share of the arena's slot places (the
 grants offer those slots first). Where windows have keys, the
 worker maps them while it holds the descriptor for its first slot (checked as a grant's
 slot is, and mapped inaccessible and not yet faulted in), and a thread of its own faults them in
-while it collates (:func:`map_ahead`): their pages are writable meanwhile under each window's
+while it collates (:func:`premap`): their pages are writable meanwhile under each window's
 key, which only that thread switches on, so no other thread of the worker can reach them, and
-it holds no descriptor. Without keys nothing is mapped ahead: faulting pages in needs them
+it holds no descriptor. Without keys nothing is pre-mapped: faulting pages in needs them
 writable, and every thread could write them then.
 
 Where the machine has memory protection keys (``src/system/pkeys.rs``), a window has a key of its
@@ -37,19 +37,19 @@ is opened as before, writable by every thread until the close.
 Invariants:
 
 - A window covers only slots the main process handed this worker or named as its next ones
-  (hints: opened only for a grant that lies in them), is checked against the file it
+  (likely slots: opened only for a grant that lies in them), is checked against the file it
   maps (inode and range) each time it is reused, and is writable only between
   :func:`open_for` and :func:`close` (one range at a time: ``src/memory/window/``); opened keyed,
   only by the thread that opened it, while its access is switched on (``Destination.allow``); and,
-  for a hint's, while the map-ahead thread faults it in, by that thread alone, under its key.
+  for a likely slot's, while the pre-map thread faults it in, by that thread alone, under its key.
 - No descriptor of the arena stays open past :func:`open_for`; ``_WINDOWS`` changes only on
-  the thread that calls it (the map-ahead thread is handed its windows). The map-ahead thread
+  the thread that calls it (the pre-map thread is handed its windows). The pre-map thread
   starts at most once per process, before any range is opened (a new thread inherits its
   starter's access to keys).
 - A window that cannot be closed (a view of it is still alive, held by a traceback, or
   ``mprotect`` failed) is no longer kept: it is unmapped when the last reference to it goes.
 - A process forked from this one keeps none of these windows (they are not mapped there), and
-  runs no map-ahead thread.
+  runs no pre-map thread.
 """
 
 from __future__ import annotations
@@ -65,23 +65,23 @@ import torch
 from .._errors import PinPoolError
 from .._native import ArenaWindow
 from .._wire import peer
-from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, SlotGrant, WindowHint
+from .._wire.handle import WINDOW_BYTES_KEPT, WINDOWS_KEPT, LikelySlot, SlotGrant
 
 #: This process's kept windows, the latest used first: ``((main pid, inode, start, end),
 #: window)``, where ``[start, end)`` are the file offsets the window maps (kept here as plain
 #: ints: finding the window of a slot asks no native call per window).
 _WINDOWS: list[tuple[tuple[int, int, int, int], ArenaWindow]] = []
 _PID = os.getpid()
-#: The process that started its map-ahead thread, if this one did (once per process).
-_AHEAD_IN: int | None = None
+#: The process that started its pre-map thread, if this one did (once per process).
+_PREMAP_IN: int | None = None
 
 
 def _start_afresh() -> None:
-    """Forgets every kept window and that a map-ahead thread ran (a process forked from the one
+    """Forgets every kept window and that a pre-map thread ran (a process forked from the one
     that kept them: they are not mapped here)."""
-    global _PID, _AHEAD_IN
+    global _PID, _PREMAP_IN
     _WINDOWS.clear()
-    _AHEAD_IN = None
+    _PREMAP_IN = None
     _PID = os.getpid()
 
 
@@ -91,14 +91,14 @@ def _here() -> None:
         _start_afresh()
 
 
-def _refuse(grant: SlotGrant | WindowHint, why: str) -> PinPoolError:
+def _refuse(grant: SlotGrant | LikelySlot, why: str) -> PinPoolError:
     return PinPoolError(
         f"the slot granted for this batch (fd {grant.arena_fd} of process "
         f"{grant.arena_pid}) cannot be written: {why}"
     )
 
 
-def _check_part(fd: int, grant: SlotGrant | WindowHint) -> None:
+def _check_part(fd: int, grant: SlotGrant | LikelySlot) -> None:
     """Raises unless ``fd`` is the arena part ``grant`` names and its slot lies inside."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_ino != grant.arena_ino:
@@ -116,7 +116,7 @@ def _check_part(fd: int, grant: SlotGrant | WindowHint) -> None:
         raise _refuse(grant, f"bytes {offset}..{offset + nbytes} lie outside the file")
 
 
-def _pages(extent: SlotGrant | WindowHint) -> tuple[int, int]:
+def _pages(extent: SlotGrant | LikelySlot) -> tuple[int, int]:
     """The file offset and length of the whole pages holding ``extent``'s bytes."""
     start = extent.offset - extent.offset % mmap.PAGESIZE
     end = extent.offset + extent.nbytes
@@ -141,9 +141,9 @@ def open_for(grant: SlotGrant) -> tuple[ArenaWindow, int, bool]:
     slot starts in it, and whether it was mapped now: a kept one if one holds the slot (in the
     same file: its inode, which cannot name another file while the window keeps this one
     mapped), else a new one, kept in place of the least recently used. A kept window still
-    being faulted in by the map-ahead thread is waited for. With a process's first hints
-    (``grant.ahead``), maps them and starts the thread that faults them in
-    (:func:`map_ahead`). Raises ``PinPoolError`` if the slot cannot be reached (see
+    being faulted in by the pre-map thread is waited for. With a process's first likely slots
+    (``grant.likely``), maps them and starts the thread that faults them in
+    (:func:`premap`). Raises ``PinPoolError`` if the slot cannot be reached (see
     :func:`map_window`)."""
     _here()
     key = (grant.arena_pid, grant.arena_ino)
@@ -153,8 +153,8 @@ def open_for(grant: SlotGrant) -> tuple[ArenaWindow, int, bool]:
     if window is None:
         window = map_window(grant)
         _keep(key, window, latest=True)
-    if grant.ahead and _AHEAD_IN != os.getpid() and window.has_key:
-        map_ahead(grant.ahead, grant.arena_pid)  # (before any range is opened)
+    if grant.likely and _PREMAP_IN != os.getpid() and window.has_key:
+        premap(grant.likely, grant.arena_pid)  # (before any range is opened)
     window.open(offset, nbytes, keyed=window.has_key and _one_writer())
     return window, offset - window.offset, new
 
@@ -175,8 +175,8 @@ def _kept(key: tuple[int, int], offset: int, nbytes: int, use: bool = True) -> A
 
 def _keep(key: tuple[int, int], window: ArenaWindow, latest: bool) -> bool:
     """Keeps ``window``: as the latest used, the least recently used going (unmapped as they
-    die) while over the limits; else (a hint's) as the least recently used, only if the limits
-    leave room for it. Whether it is kept."""
+    die) while over the limits; else (a likely slot's) as the least recently used, only if the
+    limits leave room for it. Whether it is kept."""
     mapped = sum(k[3] - k[2] for k, _ in _WINDOWS)
     start, length = window.offset, window.length
     entry = ((key[0], key[1], start, start + length), window)
@@ -193,36 +193,36 @@ def _keep(key: tuple[int, int], window: ArenaWindow, latest: bool) -> bool:
     return True
 
 
-def map_ahead(hints: tuple[WindowHint, ...], main_pid: int) -> list[ArenaWindow]:
-    """Maps the hinted extents (once per process) as kept windows, inaccessible and not yet
+def premap(likely: tuple[LikelySlot, ...], main_pid: int) -> list[ArenaWindow]:
+    """Maps the likely slots' extents (once per process) as kept windows, inaccessible and not yet
     faulted in, while the limits (``handle.WINDOWS_KEPT``, ``handle.WINDOW_BYTES_KEPT``) leave
     room, and starts a thread that faults them in (``ArenaWindow.fault_in_privately``: out of
     every other thread's reach, under each window's key); the windows mapped. Called while the
     caller has no range open: a thread started while its starter has access to a key would
     have it too. The descriptors opened here are closed before it returns.
 
-    A hint that cannot be mapped (the main process's pool changed, the descriptor names
+    A likely slot that cannot be mapped (the main process's pool changed, the descriptor names
     another file) is skipped: it only ever saved time. Where a window gets no key (the machine
-    has none, or none is left), nothing more is mapped ahead."""
-    global _AHEAD_IN
-    if _AHEAD_IN == os.getpid():
+    has none, or none is left), nothing more is pre-mapped."""
+    global _PREMAP_IN
+    if _PREMAP_IN == os.getpid():
         return []
-    _AHEAD_IN = os.getpid()
+    _PREMAP_IN = os.getpid()
     fds: dict[int, int] = {}
     mapped: list[ArenaWindow] = []
     try:
-        for hint in hints:
-            if not isinstance(hint, WindowHint) or hint.arena_pid != main_pid:
+        for spot in likely:
+            if not isinstance(spot, LikelySlot) or spot.arena_pid != main_pid:
                 continue
-            key = (hint.arena_pid, hint.arena_ino)
-            if _kept(key, hint.offset, hint.nbytes, use=False) is not None:
+            key = (spot.arena_pid, spot.arena_ino)
+            if _kept(key, spot.offset, spot.nbytes, use=False) is not None:
                 continue
             try:
-                if hint.arena_fd not in fds:
-                    fds[hint.arena_fd] = peer.open_fd_of(main_pid, hint.arena_fd)
-                fd = fds[hint.arena_fd]
-                _check_part(fd, hint)
-                window = ArenaWindow(fd, *_pages(hint), fault_in=False)
+                if spot.arena_fd not in fds:
+                    fds[spot.arena_fd] = peer.open_fd_of(main_pid, spot.arena_fd)
+                fd = fds[spot.arena_fd]
+                _check_part(fd, spot)
+                window = ArenaWindow(fd, *_pages(spot), fault_in=False)
             except (OSError, PinPoolError, ValueError, TypeError):
                 continue
             if not window.has_key:
@@ -235,13 +235,13 @@ def map_ahead(hints: tuple[WindowHint, ...], main_pid: int) -> list[ArenaWindow]
             os.close(fd)
     if mapped:
         threading.Thread(
-            target=_fault_in, args=(mapped,), name="pinpool-map-ahead", daemon=True
+            target=_fault_in, args=(mapped,), name="pinpool-premap", daemon=True
         ).start()
     return mapped
 
 
 def _fault_in(mapped: list[ArenaWindow]) -> None:
-    """The map-ahead thread: faults each window in, in order (one a grant opens first is
+    """The pre-map thread: faults each window in, in order (one a grant opens first is
     faulted in by the opener, which this waits for)."""
     for window in mapped:
         try:

@@ -1,6 +1,6 @@
 //! One grant: the slot granted, the nonce its batch must name, where it lies and where the
 //! worker's next slots will likely be; and the words it travels as: [`GRANT_WORDS`]
-//! little-endian `u64`s, then [`HINT_WORDS`] for each hint (the layout: the module doc of
+//! little-endian `u64`s, then [`LIKELY_WORDS`] for each likely slot (the layout: the module doc of
 //! [`super`]).
 //!
 //! Invariant: the words of a grant are exactly what `python/pinpool/` decodes; a change here is
@@ -9,10 +9,10 @@
 use crate::allocation::slots::SlotId;
 use crate::pool::SlotLocation;
 
-/// Words of a grant before its hints.
+/// Words of a grant before its likely slots.
 pub const GRANT_WORDS: usize = 11;
-/// Words of one hint.
-pub const HINT_WORDS: usize = 5;
+/// Words of one likely slot.
+pub const LIKELY_WORDS: usize = 5;
 
 /// A slot granted to a worker, and where its next slots will likely be.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,8 +23,8 @@ pub struct Grant {
     pub nonce: u64,
     /// Where it lies in shared memory.
     pub location: SlotLocation,
-    /// Extents the worker may map ahead (its first big grant only).
-    pub ahead: Vec<SlotLocation>,
+    /// Extents the worker may pre-map (its first big grant only).
+    pub likely: Vec<SlotLocation>,
 }
 
 impl Grant {
@@ -42,9 +42,9 @@ impl Grant {
             p.fd as u64,
             p.part_len as u64,
             p.inode,
-            self.ahead.len() as u64,
+            self.likely.len() as u64,
         ];
-        for h in &self.ahead {
+        for h in &self.likely {
             out.extend([h.offset as u64, h.nbytes as u64, h.fd as u64, h.part_len as u64, h.inode]);
         }
         out

@@ -13,17 +13,17 @@
 //! that exists; a grant for any batch but the one the consumer waits for next (the *head*,
 //! [`Grants::set_head`]) must leave [`crate::pool::claim::room_kept`] bytes free in one range,
 //! so the head, which may take that range too, finds room as large as 1.5 times the largest
-//! batch asked for so far whatever was granted ahead of it; and nothing here ever waits (a request is
-//! answered at once). A batch that finds no room goes through copy mode in its turn, where the
+//! batch asked for so far whatever was granted ahead of it; and nothing here ever waits (a
+//! request is answered at once). A batch that finds no room goes through copy mode in its turn, where the
 //! consumer's own claim may use the kept range too, or the free ranges in pieces between its
 //! arrays (`SlotTable::try_checkout_pieces`).
 //!
-//! A grant is [`GRANT_WORDS`] little-endian `u64`s, then its hints: `1` (granted; `0`: none),
-//! the slot's table index, its generation, the nonce (below 2^63), the slot's offset in its
-//! memfd, its length, this process's id, the memfd's descriptor, the memfd's length and its
-//! inode number, then how many hints follow and, for each, [`HINT_WORDS`] words: offset,
-//! length, descriptor, memfd length and inode of an extent the worker's next slots will likely
-//! be in (sent with a worker's first big grant only, for it to map them ahead).
+//! A grant is [`GRANT_WORDS`] little-endian `u64`s, then its likely slots: `1` (granted; `0`:
+//! none), the slot's table index, its generation, the nonce (below 2^63), the slot's offset in
+//! its memfd, its length, this process's id, the memfd's descriptor, the memfd's length and its
+//! inode number, then how many likely slots follow and, for each, [`LIKELY_WORDS`] words:
+//! offset, length, descriptor, memfd length and inode of an extent the worker's next slots will
+//! likely be in (sent with a worker's first big grant only, for it to pre-map them).
 //!
 //! This module is the table and its answers to requests; `leaving` is how a grant leaves it,
 //! `planned` where a fresh worker's slots will likely be, `grant` one grant and the words it
@@ -54,18 +54,18 @@ mod grant;
 mod leaving;
 mod planned;
 
-pub use grant::{Grant, GRANT_WORDS, HINT_WORDS};
+pub use grant::{Grant, GRANT_WORDS, LIKELY_WORDS};
 pub use planned::{PLANNED_SLOTS, SPARE_SLOTS};
 
 use planned::planned;
 
 /// By default, batches of at least this many bytes are big ([`Grants::new`]): a fresh worker's
-/// first big grant names where its next slots will likely be, for it to map them ahead, and a
+/// first big grant names where its next slots will likely be, for it to pre-map them, and a
 /// worker's last big slots are offered to the worker of the same id of the next iterator (a
 /// small window costs a fresh worker little to fault in).
 pub const BIG_FROM: usize = 8 << 20;
-/// The most hints one grant carries.
-pub const MAX_HINTS: usize = 8;
+/// The most likely slots one grant carries.
+pub const MAX_LIKELY: usize = 8;
 
 /// One worker's request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,8 +105,8 @@ struct Issued {
 struct WorkerOffsets {
     /// Arena offsets of its last slots, latest first (those it keeps windows over).
     recent: Vec<usize>,
-    /// Offsets it was told of ahead, offered after `recent`.
-    hinted: Vec<usize>,
+    /// Offsets it was told of as likely, offered after `recent`.
+    likely: Vec<usize>,
 }
 
 /// An open iterator.
@@ -139,7 +139,7 @@ pub struct Grants {
     window_bytes: usize,
     big_from: usize,
     table: Mutex<Table>,
-    hinted: AtomicU64,
+    told_likely: AtomicU64,
     fallbacks: AtomicU64,
     epoch: AtomicU64,
     /// No pool yet, but one is being made: requests wait for it.
@@ -159,7 +159,7 @@ impl Grants {
             windows: windows.max(1),
             window_bytes,
             big_from,
-            hinted: AtomicU64::new(0),
+            told_likely: AtomicU64::new(0),
             table: Mutex::new(Table::default()),
             fallbacks: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
@@ -295,14 +295,14 @@ impl Grants {
                 room_kept(largest, pool.arena().len(), pool.largest_slot())
             };
             let offsets = owner.workers.entry(request.worker).or_default();
-            let fresh = offsets.recent.is_empty() && offsets.hinted.is_empty();
+            let fresh = offsets.recent.is_empty() && offsets.likely.is_empty();
             let seeds: Vec<SlotLocation> = match last {
                 Some(last) if fresh => last,
                 _ if fresh && big => planned(&pool, request.worker, size, self.kept(size)),
                 _ => Vec::new(),
             };
             let mut prefer = offsets.recent.clone();
-            prefer.extend(offsets.hinted.iter().filter(|o| !offsets.recent.contains(o)));
+            prefer.extend(offsets.likely.iter().filter(|o| !offsets.recent.contains(o)));
             prefer.extend(seeds.iter().map(|s| s.arena_offset));
             (keep, prefer, seeds)
         };
@@ -322,8 +322,8 @@ impl Grants {
         };
         let nonce = nonce >> 1;
         let at = location.arena_offset;
-        let ahead: Vec<SlotLocation> =
-            seeds.into_iter().filter(|s| s.arena_offset != at).take(MAX_HINTS).collect();
+        let likely: Vec<SlotLocation> =
+            seeds.into_iter().filter(|s| s.arena_offset != at).take(MAX_LIKELY).collect();
         let mut t = self.table();
         let Some(owner) = t.owners.get_mut(&request.owner) else {
             drop(t); // (closed meanwhile: its workers can no longer write)
@@ -332,11 +332,11 @@ impl Grants {
         };
         let kept = self.kept(location.nbytes);
         let offsets = owner.workers.entry(request.worker).or_default();
-        if !ahead.is_empty() {
-            offsets.hinted = ahead.iter().map(|s| s.arena_offset).collect();
-            self.hinted.fetch_add(1, Ordering::Relaxed);
+        if !likely.is_empty() {
+            offsets.likely = likely.iter().map(|s| s.arena_offset).collect();
+            self.told_likely.fetch_add(1, Ordering::Relaxed);
         }
-        offsets.hinted.retain(|&o| o != at);
+        offsets.likely.retain(|&o| o != at);
         offsets.recent.retain(|&o| o != at);
         offsets.recent.insert(0, at);
         offsets.recent.truncate(kept);
@@ -354,7 +354,7 @@ impl Grants {
             task: request.task,
         };
         t.issued.insert((slot.index, slot.generation), issued);
-        Answer::Granted(Grant { slot, nonce, location, ahead })
+        Answer::Granted(Grant { slot, nonce, location, likely })
     }
 
     /// Whether a request that found no room now is worth an answer later: the room it needs
@@ -402,8 +402,8 @@ impl Grants {
     }
 
     /// Grants that named where the worker's next slots will likely be.
-    pub fn hinted(&self) -> u64 {
-        self.hinted.load(Ordering::Relaxed)
+    pub fn told_likely(&self) -> u64 {
+        self.told_likely.load(Ordering::Relaxed)
     }
 
     /// Grants made and not yet adopted, given back or dropped.

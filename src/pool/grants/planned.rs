@@ -1,13 +1,13 @@
 //! Where a fresh worker's first big slots will likely be when no worker of its id came before
-//! it: its share of the arena's slot locations, told ahead so it can map them while it
+//! it: its share of the arena's slot locations, told as likely so it can map them while it
 //! collates its first batch.
 //!
-//! Invariant: only a plan: it names locations, checks nothing out, and a location told ahead
+//! Invariant: only a plan: it names locations, checks nothing out, and a location told as likely
 //! need not be the one granted.
 
 use crate::pool::{Pool, SlotLocation};
 
-/// How many slots a fresh worker with no predecessor is told of ahead as its own (its first
+/// How many slots a fresh worker with no predecessor is told of as likely, its own (its first
 /// included): its share of the arena's slot locations.
 pub const PLANNED_SLOTS: usize = 4;
 /// And how many more, after those: the last locations of the next worker's share, where its batch

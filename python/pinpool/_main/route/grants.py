@@ -40,7 +40,7 @@ from ..._wire.handle import (
 )
 
 #: Batches of at least this many bytes are big: a fresh worker's first big grant names where
-#: its next slots will likely be, for it to map them ahead, and a worker's last big slots are
+#: its next slots will likely be, for it to pre-map them, and a worker's last big slots are
 #: offered first to the worker of the same id of the next iterator (a small window costs a
 #: fresh worker little to fault in).
 BIG_FROM = 8 << 20
@@ -60,9 +60,9 @@ class LoaderGrants:
         return self._grants.desk
 
     @property
-    def hinted(self) -> int:
+    def told_likely(self) -> int:
         """Grants that named where the worker's next slots will likely be."""
-        return self._grants.hinted
+        return self._grants.told_likely
 
     @property
     def outstanding(self) -> int:

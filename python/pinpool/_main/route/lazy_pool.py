@@ -170,7 +170,7 @@ class LazyPool:
             return self.plan.largest_batch
         return self.pool.slot_bytes if self.pool is not None else 0
 
-    def make_ahead(self) -> None:
+    def make_from_first_hint(self) -> None:
         """Has the pool made as soon as a worker tells the first batch's size, while that
         batch is still being made (``_wire.pool_hint``); a no-op once it exists."""
         if self.pool_hint is not None and self.pool is None:
