@@ -94,10 +94,10 @@ impl Pool {
     /// Takes the bytes `[0, cuts.last())` as consecutive slots cut only at `cuts` (strictly
     /// increasing from 0), without waiting: `(start, slot)` for each piece, or None (nothing
     /// taken) when the free ranges cannot hold them
-    /// ([`crate::allocation::slots::SlotTable::try_checkout_pieces`]). For the batch the
+    /// ([`crate::allocation::slots::SlotTable::try_checkout_split`]). For the batch the
     /// consumer waits for when no one range holds it; the fences that have completed are
     /// retired first.
-    pub fn try_checkout_pieces(&self, cuts: &[usize]) -> Result<Option<Vec<(usize, SlotId)>>> {
+    pub fn try_checkout_split(&self, cuts: &[usize]) -> Result<Option<Vec<(usize, SlotId)>>> {
         self.check_owner()?;
         if self.table.is_closed() {
             return Err(Error::Closed);
@@ -105,7 +105,7 @@ impl Pool {
         if let Some(f) = self.fences.as_ref() {
             f.try_retire_ready(&self.table);
         }
-        let Some(pieces) = self.table.try_checkout_pieces(cuts)? else { return Ok(None) };
+        let Some(pieces) = self.table.try_checkout_split(cuts)? else { return Ok(None) };
         if self.table.is_closed() {
             // Closed while we took them: give them back, so no checkout outlives `close()`.
             for (_, slot) in pieces {

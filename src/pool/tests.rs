@@ -160,14 +160,14 @@ fn a_batch_in_pieces_is_counted_and_refused_once_closed() {
     pool.release(held[2], None).unwrap();
     let before = pool.stats().checkouts;
     assert!(pool.try_checkout_bytes(2 * u, 0).unwrap().is_none());
-    let pieces = pool.try_checkout_pieces(&[0, u, 2 * u]).unwrap().unwrap();
+    let pieces = pool.try_checkout_split(&[0, u, 2 * u]).unwrap().unwrap();
     assert_eq!(pieces.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, u]);
     assert_eq!(pool.stats().checkouts, before + 2);
     for (_, slot) in pieces {
         pool.slot_ptr(slot).unwrap();
         pool.release(slot, None).unwrap();
     }
-    assert!(pool.try_checkout_pieces(&[0, 2 * u, u]).is_err(), "cuts that go back");
+    assert!(pool.try_checkout_split(&[0, 2 * u, u]).is_err(), "cuts that go back");
     pool.close();
-    assert!(matches!(pool.try_checkout_pieces(&[0, u]), Err(Error::Closed)));
+    assert!(matches!(pool.try_checkout_split(&[0, u]), Err(Error::Closed)));
 }

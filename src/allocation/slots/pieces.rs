@@ -39,7 +39,7 @@ impl SlotTable {
     /// (strictly increasing, from 0): `(start, slot)` for each piece in order, or None
     /// (nothing taken) when the free ranges cannot hold the pieces (or the search gave up)
     /// or too few entries are spare. Never blocks.
-    pub fn try_checkout_pieces(&self, cuts: &[usize]) -> Result<Option<Vec<(usize, SlotId)>>> {
+    pub fn try_checkout_split(&self, cuts: &[usize]) -> Result<Option<Vec<(usize, SlotId)>>> {
         check_cuts(cuts)?;
         let mut inner = self.lock();
         let unit = inner.map.unit();

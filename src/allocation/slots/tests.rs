@@ -186,7 +186,7 @@ fn a_batch_no_range_holds_is_checked_out_in_pieces_between_its_leaves() {
     let (t, _held) = holes_of_one_page();
     assert!(t.try_checkout_bytes(3 * u, 0).is_none(), "three pages in one-page holes");
     // Three leaves of a page: one slot each, in the holes, in the batch's order.
-    let pieces = t.try_checkout_pieces(&[0, u, 2 * u, 3 * u]).unwrap().unwrap();
+    let pieces = t.try_checkout_split(&[0, u, 2 * u, 3 * u]).unwrap().unwrap();
     let starts: Vec<usize> = pieces.iter().map(|p| p.0).collect();
     assert_eq!(starts, vec![0, u, 2 * u]);
     for (_, slot) in &pieces {
@@ -205,10 +205,11 @@ fn pieces_are_placed_so_that_a_later_leaf_finds_room_too() {
     let t = SlotTable::new(8).unwrap();
     let one = t.try_checkout_bytes(u, 0).unwrap();
     let _two = t.try_checkout_bytes(u, 0).unwrap();
-    t.release(one, false).unwrap(); // free: one page at 0, six pages at 2u
-                                    // Leaves of 1, 1, 1 and 4 pages: the first three together in the six pages would leave
-                                    // the last no room; the search backs up and places every leaf.
-    let pieces = t.try_checkout_pieces(&[0, u, 2 * u, 3 * u, 7 * u]).unwrap().unwrap();
+    // Free: one page at 0, six pages at 2u.
+    t.release(one, false).unwrap();
+    // Leaves of 1, 1, 1 and 4 pages: the first three together in the six pages would leave the
+    // last no room; the search backs up and places every leaf.
+    let pieces = t.try_checkout_split(&[0, u, 2 * u, 3 * u, 7 * u]).unwrap().unwrap();
     let mut end = 0;
     for (start, slot) in &pieces {
         assert_eq!(*start, end, "{pieces:?}");
@@ -225,9 +226,9 @@ fn a_batch_checked_out_in_pieces_takes_all_or_nothing() {
     let (t, _held) = holes_of_one_page();
     let before = t.bytes();
     // A leaf of two pages fits no hole: nothing is taken, not even the first piece.
-    assert!(t.try_checkout_pieces(&[0, u, 3 * u]).unwrap().is_none());
+    assert!(t.try_checkout_split(&[0, u, 3 * u]).unwrap().is_none());
     // More bytes than are free.
-    assert!(t.try_checkout_pieces(&[0, u, 2 * u, 3 * u, 4 * u, 5 * u]).unwrap().is_none());
+    assert!(t.try_checkout_split(&[0, u, 2 * u, 3 * u, 4 * u, 5 * u]).unwrap().is_none());
     assert_eq!(t.bytes(), before);
     assert_eq!(t.counts().checked_out, 4);
     // Too few entries: two ranges but one spare entry.
@@ -243,9 +244,9 @@ fn a_batch_checked_out_in_pieces_takes_all_or_nothing() {
     let held: Vec<SlotId> = (0..3).map(|_| t.try_checkout().unwrap()).collect();
     t.release(held[1], false).unwrap(); // free: [u, 2u) and [3u, 8u); one entry spare
     let before = t.bytes();
-    assert!(t.try_checkout_pieces(&[0, 5 * u, 6 * u]).unwrap().is_none());
+    assert!(t.try_checkout_split(&[0, 5 * u, 6 * u]).unwrap().is_none());
     assert_eq!(t.bytes(), before);
-    assert_eq!(t.try_checkout_pieces(&[0, 5 * u]).unwrap().map(|p| p.len()), Some(1));
+    assert_eq!(t.try_checkout_split(&[0, 5 * u]).unwrap().map(|p| p.len()), Some(1));
 }
 
 #[test]
@@ -260,7 +261,7 @@ fn a_batch_finds_its_pieces_among_many_holes() {
     assert_eq!(t.bytes().holes, 201);
     // 120 one-page arrays: 112 in the long range, the rest in holes.
     let cuts: Vec<usize> = (0..=120).map(|k| k * u).collect();
-    let pieces = t.try_checkout_pieces(&cuts).unwrap().unwrap();
+    let pieces = t.try_checkout_split(&cuts).unwrap().unwrap();
     let total: usize = pieces.iter().map(|p| t.extent(p.1).unwrap().1).sum();
     assert_eq!(total, 120 * u);
     assert!(pieces.len() >= 9, "{}", pieces.len());
@@ -272,7 +273,7 @@ fn cuts_that_do_not_start_at_0_and_increase_are_refused() {
     let u = page_size();
     let t = SlotTable::new(4).unwrap();
     for cuts in [&[][..], &[0], &[u, 2 * u], &[0, u, u], &[0, 2 * u, u]] {
-        assert!(t.try_checkout_pieces(cuts).is_err(), "{cuts:?}");
+        assert!(t.try_checkout_split(cuts).is_err(), "{cuts:?}");
     }
     assert_eq!(t.counts().checked_out, 0);
 }
@@ -308,7 +309,7 @@ proptest::proptest! {
         let before = t.bytes();
         let spare = t.len() - t.counts().checked_out;
         let widest = cuts.windows(2).map(|w| w[1] - w[0]).max().unwrap();
-        match t.try_checkout_pieces(&cuts).unwrap() {
+        match t.try_checkout_split(&cuts).unwrap() {
             None => {
                 proptest::prop_assert_eq!(t.bytes(), before);
                 proptest::prop_assert!(before.largest_free < total || spare == 0);

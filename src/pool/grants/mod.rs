@@ -14,9 +14,9 @@
 //! [`Grants::set_head`]) must leave [`crate::pool::claim::room_kept`] bytes free in one range,
 //! so the head, which may take that range too, finds room as large as 1.5 times the largest
 //! batch asked for so far whatever was granted ahead of it; and nothing here ever waits (a
-//! request is answered at once). A batch that finds no room goes through copy mode in its turn, where the
-//! consumer's own claim may use the kept range too, or the free ranges in pieces between its
-//! arrays (`SlotTable::try_checkout_pieces`).
+//! request is answered at once). A batch that finds no room goes through copy mode in its
+//! turn, where the consumer's own claim may use the kept range too, or the free ranges in
+//! pieces between its arrays (`SlotTable::try_checkout_split`).
 //!
 //! A grant is [`GRANT_WORDS`] little-endian `u64`s, then its likely slots: `1` (granted; `0`:
 //! none), the slot's table index, its generation, the nonce (below 2^63), the slot's offset in

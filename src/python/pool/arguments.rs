@@ -160,7 +160,7 @@ pub(super) fn preference(prefer_only: bool) -> Preference {
 /// The most cuts a batch claimed in pieces may have (a leaf each, and its end).
 pub(super) const MAX_CUTS: usize = 1 << 16;
 
-/// A batch's `cuts` (`PinPool.claim_pieces`): non-negative ints, at most [`MAX_CUTS`] of them
+/// A batch's `cuts` (`PinPool.claim_split`): non-negative ints, at most [`MAX_CUTS`] of them
 /// (their order is checked by the core).
 pub(super) fn cuts_arg(py: Python<'_>, cuts: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     let too_many = || format!("a batch has more than {MAX_CUTS} cuts");

@@ -257,7 +257,7 @@ impl PyPinPool {
     /// `[(start, Slot), ...]` in the batch's order, or None (nothing taken) when the free
     /// ranges cannot hold the pieces. For the batch the consumer waits for when no one free
     /// range holds it.
-    fn claim_pieces<'py>(
+    fn claim_split<'py>(
         &self,
         py: Python<'py>,
         cuts: &Bound<'_, PyAny>,
@@ -265,7 +265,7 @@ impl PyPinPool {
         guarded(|| {
             let cuts = cuts_arg(py, cuts)?;
             let pool = self.get(py)?;
-            let Some(pieces) = pool.try_checkout_pieces(&cuts).py(py)? else { return Ok(None) };
+            let Some(pieces) = pool.try_checkout_split(&cuts).py(py)? else { return Ok(None) };
             // Every piece held by a Slot first: one that goes unused is released as it drops.
             let slots: Vec<(usize, PySlot)> = pieces
                 .into_iter()

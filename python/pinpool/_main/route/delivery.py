@@ -39,7 +39,7 @@ from ..._wire.handle import BatchHandle
 from ..settings.delivery_mode import DeliveryMode
 from . import notices
 from .opaque import OpaqueObjects
-from .pieces import Pieces
+from .split_batch import SplitBatch
 
 #: Where a slot's bytes still are, when a batch is sent to the device: in a worker's segment
 #: (the segment cache and the segment's key), or None: in the slot already.
@@ -183,14 +183,14 @@ class Delivery:
         self,
         tree: Any,
         specs: list[codec.LeafSpec],
-        memory: Slot | Pieces | torch.Tensor | None,
+        memory: Slot | SplitBatch | torch.Tensor | None,
         need: int,
         copying: Copying | None = None,
     ) -> Pending:
         """The batch of ``tree`` over the first ``need`` bytes of ``memory`` (None when every
         leaf is empty); ``copying``: the copy into ``memory`` still running, which the
         consumer waits for."""
-        if isinstance(memory, Pieces):
+        if isinstance(memory, SplitBatch):
             return self._in_pieces(tree, specs, memory, need)
         if self.mode.on_device and isinstance(memory, Slot) and memory.device is not None:
             # A zero-copy batch in a slot the driver pinned: on to the device in one call.
@@ -224,7 +224,7 @@ class Delivery:
         return Pending(batch, storage=storage, sent=event, delivery=self, counts=self, nbytes=need)
 
     def _in_pieces(
-        self, tree: Any, specs: list[codec.LeafSpec], pieces: Pieces, need: int
+        self, tree: Any, specs: list[codec.LeafSpec], pieces: SplitBatch, need: int
     ) -> Pending:
         """A batch copied into several slots (CPU batches only: see ``Receiver._copy_in``):
         its leaves view the pieces they lie in, which return to the pool as they die."""

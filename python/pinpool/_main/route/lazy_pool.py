@@ -34,7 +34,7 @@ from ..settings.pool_settings import PoolSettings
 from ..settings.sizing import ArenaPlan
 from . import notices
 from .grants import LoaderGrants
-from .pieces import Pieces
+from .split_batch import SplitBatch
 
 _log = logging.getLogger("pinpool")
 
@@ -202,7 +202,7 @@ class LazyPool:
         are applied in Rust (``PinPool.claim``), which waits without the GIL. Where the
         rules would overflow and the batch's leaves (``specs``) are given, the batch goes to
         several slots if the free ranges hold its leaves
-        (:class:`~pinpool._main.route.pieces.Pieces`).
+        (:class:`~pinpool._main.route.split_batch.SplitBatch`).
 
         With ``ahead`` (torch's pin thread, taking a batch the consumer may not want yet),
         the slot must leave room for another batch as large as the largest seen (that room
@@ -249,7 +249,7 @@ class LazyPool:
             # No free range holds it, and none will before the consumer takes it: batches it
             # keeps alive (list(loader) does this), or batches taken for later turns, hold
             # the rest. Waiting could wait forever: the free ranges, else ordinary memory.
-            pieces = Pieces.claimed(pool, specs, need) if specs else None
+            pieces = SplitBatch.claimed(pool, specs, need) if specs else None
             if pieces is not None:
                 self.split_batches += 1
                 return pieces

@@ -45,7 +45,7 @@ from .delivery import Delivery, Pending
 from .grants import LoaderGrants
 from .intake import Intake
 from .lazy_pool import TAKE_IN_TURN, LazyPool
-from .pieces import Pieces
+from .split_batch import SplitBatch
 
 #: Batches bound for the device of at most this many bytes are sent by the consumer's thread,
 #: in its turn, on its current stream (torch's pin thread only has them copied into their slot
@@ -217,7 +217,7 @@ class Receiver:
             self.intake.receive(handle)
         pool, cache = self.pools.pool_for(int(handle.nbytes))
         specs, need = self.intake.segment_specs(handle)
-        # A CPU batch no one free range holds may go to several (Pieces); one for the device
+        # A CPU batch no one free range holds may go to several (SplitBatch); one for the device
         # goes to ordinary memory then, copied to the device from there.
         split = None if self.mode.on_device else specs
         memory = self.pools.claim(pool, need, ahead, split) if need else None
@@ -236,7 +236,7 @@ class Receiver:
                 copying = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
             else:
                 cache.copy_to_slot(key, memory, [(0, 0, need)])
-        elif isinstance(memory, Pieces):
+        elif isinstance(memory, SplitBatch):
             memory.copy_in(cache, key)
         elif memory is not None:
             cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
@@ -252,7 +252,7 @@ class Receiver:
             return "background"
         if not consumer_sends and self._pinned_slot_to_device(memory):
             return "device"
-        if isinstance(memory, Pieces):
+        if isinstance(memory, SplitBatch):
             return "pieces"
         return "slot" if isinstance(memory, Slot) else "buffer"
 

@@ -1,6 +1,6 @@
-"""A batch in several slots (``PinPool.claim_pieces``, ``pinpool._main.route.pieces``): where it may
-be cut, that the pieces cover it, that its leaves view the right bytes, and that bad cuts take
-nothing."""
+"""A split batch, in several slots (``PinPool.claim_split``, ``_main.route.split_batch``):
+where it may be cut, that the pieces cover it, that its leaves view the right bytes, and that
+bad cuts take nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pinpool import InvalidArgument
 from pinpool._errors import ArgumentTypeError
-from pinpool._main.route.pieces import Pieces, cuts
+from pinpool._main.route.split_batch import SplitBatch, cuts
 from pinpool._wire.codec import LeafSpec
 
 PAGE = mmap.PAGESIZE
@@ -58,7 +58,7 @@ def test_a_batch_no_hole_holds_goes_in_pieces_whose_leaves_view_their_bytes(make
     need = 3 * PAGE - 100
     specs = [spec(0, PAGE), spec(PAGE, PAGE - 36), spec(2 * PAGE, PAGE - 100)]
     assert pool.claim(need, overflow=True) == "overflow"
-    pieces = Pieces.claimed(pool, specs, need)
+    pieces = SplitBatch.claimed(pool, specs, need)
     assert pieces is not None
     assert [(a, b) for a, b, _ in pieces.parts] == [(0, PAGE), (PAGE, 2 * PAGE), (2 * PAGE, need)]
     assert pool.stats()["slots_checked_out"] == 7
@@ -77,8 +77,8 @@ def test_a_leaf_no_hole_holds_takes_nothing(make_pool) -> None:
     pool, _ = holes(make_pool)
     before = pool.stats()
     specs = [spec(0, PAGE), spec(PAGE, 2 * PAGE)]
-    assert Pieces.claimed(pool, specs, 3 * PAGE) is None
-    assert Pieces.claimed(pool, [spec(0, 2 * PAGE)], 2 * PAGE) is None, "one leaf: no cut"
+    assert SplitBatch.claimed(pool, specs, 3 * PAGE) is None
+    assert SplitBatch.claimed(pool, [spec(0, 2 * PAGE)], 2 * PAGE) is None, "one leaf: no cut"
     after = pool.stats()
     for key in ("slots_checked_out", "bytes_free", "largest_free", "free_ranges"):
         assert after[key] == before[key], key
@@ -101,5 +101,5 @@ def test_a_leaf_no_hole_holds_takes_nothing(make_pool) -> None:
 def test_cuts_that_cannot_be_meant_are_refused_and_take_nothing(make_pool, bad, error) -> None:
     pool, _ = holes(make_pool)
     with pytest.raises(error):
-        pool.claim_pieces(bad)
+        pool.claim_split(bad)
     assert pool.stats()["slots_checked_out"] == 4

@@ -1,5 +1,5 @@
 """A batch in several slots: the batch the consumer waits for, in copy mode, when no one free
-range of the arena holds it but the free ranges hold its arrays (``PinPool.claim_pieces``).
+range of the arena holds it but the free ranges hold its arrays (``PinPool.claim_split``).
 
 Batches taken ahead for later turns (zero-copy grants, the pin thread's claims) can leave the
 arena's free bytes in ranges each too short for a batch larger than any before it, and none
@@ -24,7 +24,7 @@ from ..._native import PinPool, SegmentCache, Slot
 from ..._wire import leaves
 from ..._wire.codec import LeafSpec
 
-__all__ = ["Pieces", "cuts"]
+__all__ = ["SplitBatch", "cuts"]
 
 
 def cuts(specs: list[LeafSpec], need: int) -> list[int]:
@@ -41,7 +41,7 @@ def cuts(specs: list[LeafSpec], need: int) -> list[int]:
     return out
 
 
-class Pieces:
+class SplitBatch:
     """One batch's slots: ``parts`` are ``(start, end, slot)``, the batch's bytes
     ``[start, end)`` at the start of ``slot``, in the batch's order."""
 
@@ -52,13 +52,13 @@ class Pieces:
         self._starts = [p[0] for p in parts]
 
     @classmethod
-    def claimed(cls, pool: PinPool, specs: list[LeafSpec], need: int) -> Pieces | None:
+    def claimed(cls, pool: PinPool, specs: list[LeafSpec], need: int) -> SplitBatch | None:
         """The batch's pieces checked out of ``pool`` now, or None (nothing taken) when the
         free ranges cannot hold them, or the batch cannot be cut (one leaf)."""
         where = cuts(specs, need)
         if len(where) < 3:
             return None
-        got = pool.claim_pieces(where)
+        got = pool.claim_split(where)
         if got is None:
             return None
         ends = [start for start, _ in got[1:]] + [need]
