@@ -80,9 +80,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     A setting given that cannot apply warns once, saying why (``zero_copy=True`` without
     workers, say: ``arguments.ignored``), or raises when it contradicts another (sizes given
     with ``pool=``). In the workers, ``get_worker_info().dataset`` is your dataset, as with
-    torch's loader. ``pin_memory`` is True unless given: ``pin_memory=False`` means what it
-    means to torch's loader, batches as torch gives them, unpinned and outside the arena
-    (pinpool's own arguments then do nothing, and ``device=`` is refused).
+    torch's loader. ``pin_memory`` is True unless given (or unless torch's deprecated
+    ``pin_memory_device`` is given alone: it keeps torch's default then, False):
+    ``pin_memory=False`` means what it means to torch's loader, batches as torch gives them,
+    unpinned and outside the arena (pinpool's own arguments then do nothing, and ``device=``
+    is refused).
 
     pinpool's arguments:
 
@@ -104,7 +106,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         batch_sampler: Any = None,
         num_workers: int = 0,
         collate_fn: Callable[[Any], Any] | None = None,
-        pin_memory: bool = True,
+        pin_memory: bool | None = None,
         drop_last: bool = False,
         timeout: float = 0,
         worker_init_fn: Callable[[int], None] | None = None,
@@ -132,6 +134,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     ) -> None:
         # pinpool's own arguments, by name, as given (each declared in arguments.ARGUMENTS).
         given = arguments.given(locals())
+        if pin_memory is None:
+            pin_memory = not pin_memory_device  # (alone, torch's deprecated argument pins nothing)
         unpinned = not pin_memory  # torch's loader, as it is: see arguments.UNPINNED
         if unpinned:
             zero_copy, stream_samples = False, False

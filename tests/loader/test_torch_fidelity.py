@@ -285,6 +285,28 @@ def test_pin_memory_false_says_what_it_leaves_out_and_refuses_a_device() -> None
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_pin_memory_device_alone_keeps_torchs_default_and_pins_nothing(workers: int) -> None:
+    """torch's deprecated ``pin_memory_device`` given without ``pin_memory``: torch's default
+    (False) holds, so the batches are torch's own, unpinned, with torch's warnings."""
+    kwargs: dict[str, Any] = {"batch_size": 2, "num_workers": workers, "pin_memory_device": "cuda"}
+    got: dict[str, list[Any]] = {}
+    said: dict[str, list[str]] = {}
+    for name, make in (("torch", torch.utils.data.DataLoader), ("pinpool", pinpool.DataLoader)):
+        data = [{"x": torch.full((64,), i)} for i in range(8)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = make(data, **kwargs)
+            got[name] = list(loader)
+        said[name] = sorted({str(w.message) for w in caught if "pin_memory" in str(w.message)})
+        assert loader.pin_memory is False
+    assert not any(b["x"].is_pinned() for b in got["pinpool"])
+    assert all(
+        torch.equal(t["x"], p["x"]) for t, p in zip(got["torch"], got["pinpool"], strict=True)
+    )
+    assert said["pinpool"] == said["torch"], said
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_pin_memory_device_warns_in_torchs_words(workers: int) -> None:
     kwargs: dict[str, Any] = {"batch_size": 2, "num_workers": workers}
     kwargs.update(pin_memory=True, pin_memory_device="cuda")
