@@ -84,24 +84,26 @@ def _check_collate() -> list[str]:
     return out
 
 
+def _parameters(cls: type, name: str) -> tuple[str, ...] | None:
+    """The parameter names of ``cls.name``, or None where it is missing."""
+    function = inspect.getattr_static(cls, name, None)
+    return tuple(inspect.signature(function).parameters) if callable(function) else None
+
+
 def _check_classes() -> list[str]:
     out = []
     iterator, loader = MultiProcessingIter, torch.utils.data.DataLoader
     for cls, name, expected in METHOD_SIGNATURES:
-        function = inspect.getattr_static(cls, name, None)
-        if not callable(function):
+        found = _parameters(cls, name)
+        if found is None:
             out.append(f"{cls.__name__}.{name} is missing")
-            continue
-        found = tuple(inspect.signature(function).parameters)
-        if found != expected:
+        elif found != expected:
             out.append(f"{cls.__name__}.{name} takes {found}, not {expected}")
     for cls, name, leading in LEADING_PARAMETERS:
-        function = inspect.getattr_static(cls, name, None)
-        if not callable(function):
+        found = _parameters(cls, name)
+        if found is None:
             out.append(f"{cls.__name__}.{name} is missing")
-            continue
-        found = tuple(inspect.signature(function).parameters)
-        if found[: len(leading)] != leading:
+        elif found[: len(leading)] != leading:
             out.append(f"{cls.__name__}.{name} takes {found}, not {leading} first")
     methods = {
         name for cls, name, _ in (*METHOD_SIGNATURES, *LEADING_PARAMETERS) if cls is iterator
