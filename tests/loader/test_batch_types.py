@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from loader_datasets import in_pool
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
@@ -251,9 +251,7 @@ def _called(batch: Any) -> Any:
         clone = copy.copy(batch)
         clone.update((k, _called(v)) for k, v in batch.items())
         return clone
-    if isinstance(batch, Checked):
-        return Checked(batch.x, _called(batch.tag))
-    return batch
+    return batch  # (a dataclass too: torch's pin_memory leaves it whole, calling nothing in it)
 
 
 # --------------------------------------------------------------------------- the tests
@@ -263,9 +261,15 @@ _SETTINGS = settings(
 )
 
 
+#: An object that pins itself inside a dataclass: torch's pin_memory leaves the dataclass
+#: whole and calls nothing in it (the case the GPU machine found).
+_IN_A_DATACLASS = [("checked", [("self_pinning", ())])]
+
+
 @pytest.mark.every_mode
 @_SETTINGS
 @given(specs=st.lists(SPECS, min_size=1, max_size=8))
+@example(specs=_IN_A_DATACLASS)
 def test_nested_batch_types_come_back_as_torchs_with_workers(loader_mode: Any, specs: Any) -> None:
     compare(specs, num_workers=2)
 
@@ -273,6 +277,7 @@ def test_nested_batch_types_come_back_as_torchs_with_workers(loader_mode: Any, s
 @pytest.mark.every_mode
 @settings(max_examples=25, deadline=None, suppress_health_check=_SETTINGS.suppress_health_check)
 @given(specs=st.lists(SPECS, min_size=1, max_size=4))
+@example(specs=_IN_A_DATACLASS)
 def test_nested_batch_types_come_back_as_torchs_in_process(loader_mode: Any, specs: Any) -> None:
     compare(specs, num_workers=0)
 

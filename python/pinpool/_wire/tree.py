@@ -17,7 +17,8 @@ values, in the main process, as in torch, never the markers:
   others; where that raises ``TypeError``, a plain ``dict`` or ``list``, as torch falls back;
 - a dataclass instance (torch's ``pin_memory`` leaves them whole) is walked into too: a shallow
   copy with its fields set past any ``__setattr__`` (no ``__init__`` or ``__post_init__``
-  runs), so that its arrays go through the arena;
+  runs), so that its arrays go through the arena; what it holds is never handed to ``kept``
+  (torch calls no ``pin_memory()`` inside it);
 - an object with a ``pin_memory`` attribute (torch calls it, before looking at what the object
   is: a ``PackedSequence`` too), and any object none of the above applies to, is kept whole:
   it travels as it is, and the main process hands it to ``kept``.
@@ -168,13 +169,14 @@ def _made(node: Node, leaf: Leaf, kept: Leaf | None) -> Any:
         raise OutOfBounds(f"corrupt batch description: a {kind!r} node of {type(children)}")
     if kind in ("namedtuple", "tuple", "mapping", "sequence") and not isinstance(how, type):
         raise OutOfBounds(f"corrupt batch description: a {kind} node of {type(how)}")
+    if kind == "dataclass":
+        # torch's pin_memory leaves a dataclass whole: nothing in it goes to ``kept``.
+        clone = copy.copy(how)
+        for name, value in children.items():
+            object.__setattr__(clone, name, put_together(value, leaf))
+        return clone
     if type(children) is dict:
         items = {k: put_together(v, leaf, kept) for k, v in children.items()}
-        if kind == "dataclass":
-            clone = copy.copy(how)
-            for name, value in items.items():
-                object.__setattr__(clone, name, value)
-            return clone
         return _filled(how, items, kind == "mapping", "update")
     values = [put_together(v, leaf, kept) for v in children]
     if kind in ("namedtuple", "tuple"):
