@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
     torch-suite)
       file=$1
       shift
-      python3 tests/torch_suite/run.py "$file" "$out/torch-suite" -n 6 -rfE 2>&1 \
+      python3 tests/torch_suite/run.py "$file" "$out/torch-suite" -n 7 --timeout 150 -rfE 2>&1 \
         | tee "$out/torch-suite.txt" | tail -n 30 || status=1
       ;;
     keep-last)
