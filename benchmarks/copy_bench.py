@@ -25,7 +25,9 @@ def measure(mib: int, threads: list[int], repeats: int) -> dict[int, float]:
     memoryview(seg)[:nbytes] = bytes(range(256)) * (nbytes // 256)
     out = {}
     for n in threads:
-        pool = pinpool.PinPool(nbytes, 2, device=0, copy_threads=n)
+        # (The pinned memory of CUDA's device 0 where there is one; locked host memory else.)
+        device = 0 if pinpool.cuda_available() else "cpu"
+        pool = pinpool.PinPool(nbytes, 2, device=device, copy_threads=n)
         cache = pinpool._native.SegmentCache(pool)
         cache.insert((1, 1), os.dup(seg.fd), seg.total_len, seg.nonce)
         with pool.checkout() as slot:
