@@ -378,13 +378,15 @@ mod tests {
     fn submit_does_not_wait_for_a_slow_job_and_flush_does() {
         let done = Arc::new(AtomicU64::new(0));
         let d = Arc::clone(&done);
-        let t = Instant::now();
+        let (open, gate) = std::sync::mpsc::channel::<()>();
         submit(Box::new(move || {
-            std::thread::sleep(Duration::from_millis(200));
+            // The job runs until the test opens the gate (or for 30 s at most).
+            let _ = gate.recv_timeout(Duration::from_secs(30));
             d.store(1, Ordering::SeqCst);
         }));
-        assert!(t.elapsed() < Duration::from_millis(150), "submit waited for the job");
-        assert!(!flush(Some(Duration::from_millis(1))) || done.load(Ordering::SeqCst) == 1);
+        assert_eq!(done.load(Ordering::SeqCst), 0, "submit waited for the job");
+        assert!(!flush(Some(Duration::from_millis(1))), "flush did not wait for the job");
+        open.send(()).unwrap();
         assert!(flush(None));
         assert_eq!(done.load(Ordering::SeqCst), 1);
     }

@@ -187,7 +187,8 @@ mod tests {
         pool.release(t, Some(9)).unwrap();
         let start = Instant::now();
         drop(pool);
-        assert!(start.elapsed() < Duration::from_millis(100), "the drop waited for the fence");
+        // The fence completes only when the test says so below: a drop that waited would hang.
+        assert!(start.elapsed() < Duration::from_secs(5), "the drop waited for the fence");
         // The freeing thread records the fence (it may first finish other tests' jobs).
         let deadline = Instant::now() + Duration::from_secs(30);
         while fences.recorded().is_empty() {

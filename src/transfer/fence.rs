@@ -424,19 +424,21 @@ mod tests {
         (SlotTable::new(n).unwrap(), tracker, manual)
     }
 
-    /// Fences whose driver calls take `delay`: a record or a query that hangs in the driver.
-    struct Slow {
+    /// Fences whose `record` hangs in the driver until the test opens the gate; each entry
+    /// into `record` is announced on `entered`.
+    struct Gated {
         manual: ManualFences,
-        delay: std::time::Duration,
+        entered: std::sync::mpsc::SyncSender<()>,
+        gate: Mutex<std::sync::mpsc::Receiver<()>>,
     }
 
-    impl Fences for Slow {
+    impl Fences for Gated {
         fn record(&self, stream: StreamHandle) -> Result<FenceId> {
-            std::thread::sleep(self.delay);
+            let _ = self.entered.try_send(());
+            let _ = self.gate.lock().unwrap().recv();
             self.manual.record(stream)
         }
         fn is_complete(&self, id: FenceId) -> Result<bool> {
-            std::thread::sleep(self.delay);
             self.manual.is_complete(id)
         }
         fn recycle(&self, id: FenceId) {
@@ -449,23 +451,39 @@ mod tests {
 
     #[test]
     fn releases_and_pending_do_not_wait_for_a_retire_in_the_driver() {
-        use std::time::{Duration, Instant};
-        let delay = Duration::from_millis(300);
+        use std::sync::mpsc::{channel, sync_channel};
+        use std::time::Duration;
+        let (entered_tx, entered) = sync_channel(4);
+        let (open, gate) = channel();
+        let gated =
+            Gated { manual: ManualFences::new(), entered: entered_tx, gate: Mutex::new(gate) };
         let table = Arc::new(SlotTable::new(3).unwrap());
-        let slow = Slow { manual: ManualFences::new(), delay };
-        let tracker = Arc::new(FenceTracker::new(Box::new(slow)));
+        let tracker = Arc::new(FenceTracker::new(Box::new(gated)));
         let (a, b) = (table.try_checkout().unwrap(), table.try_checkout().unwrap());
         tracker.release_fenced(&table, a, 1).unwrap();
         let retirer = {
             let (table, tracker) = (Arc::clone(&table), Arc::clone(&tracker));
             std::thread::spawn(move || tracker.retire_ready(&table))
         };
-        std::thread::sleep(Duration::from_millis(50)); // the retirer is in `record` now
-        let t0 = Instant::now();
-        tracker.release_fenced(&table, b, 2).unwrap();
-        assert_eq!(tracker.pending(), 2, "a checkout on its way to a fence was not counted");
-        assert_eq!(tracker.try_retire_ready(&table), 0, "a second retirer did not step aside");
-        assert!(t0.elapsed() < delay / 2, "waited {:?} for the driver", t0.elapsed());
+        entered
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the retirer never reached the driver");
+        // The retirer now hangs in `record` until the gate opens; the calls below must not.
+        let (done_tx, done) = channel();
+        {
+            let (table, tracker) = (Arc::clone(&table), Arc::clone(&tracker));
+            std::thread::spawn(move || {
+                tracker.release_fenced(&table, b, 2).unwrap();
+                let _ = done_tx.send((tracker.pending(), tracker.try_retire_ready(&table)));
+            });
+        }
+        let got = done.recv_timeout(Duration::from_secs(30));
+        open.send(()).unwrap();
+        open.send(()).unwrap();
+        let (pending, retired) =
+            got.expect("a release waited for the retire hanging in the driver");
+        assert_eq!(pending, 2, "a checkout on its way to a fence was not counted");
+        assert_eq!(retired, 0, "a second retirer did not step aside");
         retirer.join().unwrap();
         assert_eq!(tracker.pending(), 2);
     }

@@ -347,7 +347,7 @@ mod tests {
         writer.send(b"last words").unwrap();
         let t = Instant::now();
         drop(writer);
-        assert!(t.elapsed() < Duration::from_millis(100));
+        assert!(t.elapsed() < Duration::from_secs(2), "the drop waited");
         assert_eq!(read_message(&mut r), b"last words");
         let mut rest = Vec::new();
         r.read_to_end(&mut rest).unwrap();
