@@ -71,7 +71,10 @@ class PinPool:
     ``slot_bytes``: the largest slot (and the size of a checkout that does not say); the
     arena's parts are whole multiples of it. ``num_slots``: the most slots out or fenced at
     once. ``arena_bytes``: the arena's size, rounded up to whole ``slot_bytes`` (default:
-    ``slot_bytes * num_slots``, equal slots).
+    ``slot_bytes * num_slots``, equal slots). ``background=True``: only the first
+    ``ready_first`` bytes (default: 16 MiB, and at least one largest slot) are made ready
+    before the pool is returned, the rest on a background thread (checkouts wait for room not
+    ready yet).
 
     ``device``: an ordinal, ``"cuda:N"`` or a ``torch.device`` binds that GPU; ``"cpu"`` means
     no CUDA (host memory); ``None`` (the default) or ``"cuda"`` the rank's own GPU: the device
@@ -90,6 +93,7 @@ class PinPool:
         copy_threads: int | None = None,
         background: bool = False,
         arena_bytes: int | None = None,
+        ready_first: int | None = None,
     ) -> PinPool: ...
     def checkout(self, timeout: float | None = None, nbytes: int | None = None) -> Slot: ...
     def try_checkout(

@@ -8,7 +8,8 @@
 //! - The slot size, the arena size and the slot count are checked before any memory is taken.
 //! - The pools dropped before give their memory back first ([`freeing::catch_up`], bounded by
 //!   [`CATCH_UP_AT_MOST`]): a loop that makes and drops loaders does not pile up arenas.
-//! - A background pool returns with at least [`READY_FIRST`] bytes (and one part) ready.
+//! - A background pool returns with `ready_first` bytes ready (by default at least
+//!   [`READY_FIRST`] and one largest slot).
 
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -52,7 +53,7 @@ impl Pool {
                 config.device,
                 config.backend,
                 fault_threads(),
-                slot_bytes.max(READY_FIRST),
+                config.ready_first.unwrap_or(slot_bytes.max(READY_FIRST)),
             )?
         } else {
             freeing::evict_shelved();

@@ -154,10 +154,14 @@ pub struct PoolConfig {
     pub backend: Option<Backend>,
     /// Threads for copies.
     pub copy_threads: usize,
-    /// Make only the first slots (at least one, at least 16 MiB) ready before [`Pool::new`]
-    /// returns, and the rest on a background thread (checkouts wait for slots not ready yet).
-    /// The arena then no longer sits on the critical path of the first batch.
+    /// Make only the first bytes (`ready_first`) ready before [`Pool::new`] returns, and the
+    /// rest on a background thread (checkouts wait for room not ready yet). The arena then no
+    /// longer sits on the critical path of the first batch.
     pub background: bool,
+    /// With `background`, the bytes made ready before [`Pool::new`] returns (rounded up to a
+    /// page; on `cuda-register` to the whole first part); `None`: at least one largest slot
+    /// and at least 16 MiB.
+    pub ready_first: Option<usize>,
 }
 
 impl PoolConfig {
@@ -171,6 +175,7 @@ impl PoolConfig {
             backend: None,
             copy_threads: 4,
             background: false,
+            ready_first: None,
         }
     }
 }

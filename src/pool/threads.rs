@@ -170,6 +170,27 @@ mod tests {
     #[test]
     // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
     #[cfg_attr(miri, ignore)]
+    fn a_pool_ready_first_less_than_a_slot_hands_out_whole_slots_once_the_rest_is_ready() {
+        let (n, page) = (4, crate::memory::shm::page_size());
+        let config =
+            PoolConfig { background: true, ready_first: Some(1), ..PoolConfig::host(8 << 20, n) };
+        let pool = Pool::new(&config).unwrap();
+        let ready = pool.arena().ready_len();
+        assert!(ready >= page && ready < pool.arena().len(), "made ready at once: {ready}");
+        // A small batch fits what is ready; a whole slot waits for the rest of its part.
+        let small = pool.try_checkout_bytes(page, 0).unwrap().expect("the first page is not ready");
+        let mut slots: Vec<_> =
+            (0..n - 1).map(|_| pool.checkout(Some(Duration::from_secs(30))).unwrap()).collect();
+        assert!(slots.iter().all(|&s| pool.slot_len(s).unwrap() >= 8 << 20));
+        pool.release(small, None).unwrap();
+        slots.push(pool.checkout(Some(Duration::from_secs(30))).unwrap());
+        assert_eq!(pool.arena().ready_len(), pool.arena().len());
+        assert!(pool.prepare_error().is_none());
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
     fn a_closed_pool_reports_nothing_preparing() {
         // Closing stops the preparation: what was not ready then never will be, and counts
         // as free, as in the stats of a pool that is gone.

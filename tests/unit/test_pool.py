@@ -1030,6 +1030,30 @@ def test_a_background_pool_readies_its_slots_while_it_is_used() -> None:
         pool.close(wait=True)
 
 
+def test_ready_first_says_how_much_of_a_background_arena_is_ready_at_once() -> None:
+    """``ready_first``: a background pool makes that many bytes ready (rounded up to a page)
+    before it returns, however much less than a largest slot that is; the whole slots come
+    once the rest of their part is ready. A count that is not one is refused, and no pool is
+    made."""
+    slot_bytes, n = 4 << 20, 4
+    pool = pinpool.PinPool(slot_bytes, n, device="cpu", background=True, ready_first=1)
+    try:
+        small = pool.try_checkout(nbytes=4096)
+        assert small is not None, "the first page is not ready"
+        slots = [pool.checkout(timeout=60) for _ in range(n - 1)]
+        small.release()
+        slots.append(pool.checkout(timeout=60))
+        assert pool.stats()["slots_preparing"] == 0
+        for s in slots:
+            assert s.nbytes == slot_bytes
+            s.release()
+    finally:
+        pool.close(wait=True)
+    for bad in (-1, True, 1.5, "8"):
+        with pytest.raises((TypeError, ValueError, OverflowError)):
+            pinpool.PinPool(slot_bytes, n, device="cpu", background=True, ready_first=bad)
+
+
 def test_a_checkout_goes_where_it_is_preferred_or_only_there(make_pool) -> None:
     """``prefer``: the first of the offsets where the slot can start now is taken, else first
     fit; with ``prefer_only``, nowhere else (None, and nothing taken). Bad offsets are

@@ -80,3 +80,29 @@ def test_an_arena_runs_out_of_bytes_before_entries(
 def test_num_slots_is_the_number_of_entries() -> None:
     plan = Sizing(in_flight=4, slot_bytes=1 << 20, num_slots=7).plan(100)
     assert plan.entries == 7
+
+
+@given(
+    first=st.integers(1, 1 << 30),
+    in_flight=st.integers(1, 64),
+    arena_bytes=st.one_of(st.none(), st.integers(1, 1 << 34)),
+    slot_bytes=st.one_of(st.none(), st.integers(1, 1 << 28)),
+)
+def test_what_is_made_ready_before_the_first_batch_is_its_room_not_the_arena(
+    first: int, in_flight: int, arena_bytes: int | None, slot_bytes: int | None
+) -> None:
+    # Where the arena is made ready in the background, the first batch waits only for two of
+    # its own room (at least READY_AT_LEAST) to be faulted in and locked, not for the 64 MiB
+    # floor; never more than the arena.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sizing, "available_memory", lambda: None)
+        num_slots = None if slot_bytes is None else 4
+        sized = Sizing(
+            in_flight=in_flight, arena_bytes=arena_bytes, slot_bytes=slot_bytes, num_slots=num_slots
+        )
+        plan = sized.plan(first)
+    room = plan.largest if slot_bytes is not None else -(-int(first * HEADROOM) // PAGE) * PAGE
+    assert 0 < plan.ready_first <= plan.arena
+    assert plan.ready_first == min(plan.arena, max(sizing.READY_AT_LEAST, 2 * room)), plan
+    if plan.arena >= sizing.MIN_ARENA and 2 * room < sizing.READY_AT_LEAST:
+        assert plan.ready_first < plan.arena // 8, "a small first batch waits for the floor"

@@ -14,8 +14,16 @@ use std::sync::Mutex;
 
 use super::{available_memory, Arena, Backend, Residency, Storage};
 use crate::error::{Error, Result};
-use crate::memory::shm::Region;
+use crate::memory::shm::{page_size, Region};
 use crate::system::cuda::{self, Device};
+
+/// The first part of an arena made ready part by part, and how much of it is made ready
+/// before the arena is returned.
+#[derive(Clone, Copy)]
+struct First {
+    part: usize,
+    ready: usize,
+}
 
 /// About how big the parts of an arena made ready in the background are (whole slots).
 const BACKGROUND_PART: usize = 128 << 20;
@@ -68,10 +76,11 @@ impl Arena {
         Self::build(len, align, device, backend, threads, None)
     }
 
-    /// As [`Arena::new`], but only the first `first` bytes (a multiple of `align`, rounded up
-    /// to one, and at most the arena's whole `align`s) are made ready before it returns;
-    /// [`Arena::prepare_next`] does the rest.
-    /// `cuda-hostalloc` (one driver call) is always made ready whole.
+    /// As [`Arena::new`], but only the first `first` bytes are made ready before it returns;
+    /// [`Arena::prepare_next`] does the rest. The first part is `first` rounded up to a whole
+    /// `align` (at most the arena's whole `align`s); on the host backend only `first` rounded
+    /// up to a page is made ready at once (locking needs no whole part), on `cuda-register`
+    /// the whole first part. `cuda-hostalloc` (one driver call) is always made ready whole.
     pub fn new_partial(
         len: usize,
         align: usize,
@@ -81,8 +90,9 @@ impl Arena {
         first: usize,
     ) -> Result<Self> {
         let align = align.max(1);
-        let first = first.div_ceil(align).max(1).saturating_mul(align).min(len / align * align);
-        Self::build(len, align, device, backend, threads, Some(first))
+        let part = first.div_ceil(align).max(1).saturating_mul(align).min(len / align * align);
+        let ready = first.max(1).div_ceil(page_size()).saturating_mul(page_size()).min(part);
+        Self::build(len, align, device, backend, threads, Some(First { part, ready }))
     }
 
     fn build(
@@ -91,7 +101,7 @@ impl Arena {
         device: Option<usize>,
         backend: Option<Backend>,
         threads: usize,
-        first: Option<usize>,
+        first: Option<First>,
     ) -> Result<Self> {
         if len == 0 {
             return Err(Error::Invalid("the arena needs at least one byte".into()));
@@ -129,7 +139,7 @@ impl Arena {
                 let ptr = timed(&mut timings, "cuMemHostAlloc", || device.host_alloc(len))?;
                 Ok(Arena {
                     storage: Storage::HostAlloc { ptr, device },
-                    prepared: Mutex::new(0),
+                    prepared: Mutex::new(len),
                     ready_len: AtomicUsize::new(len),
                     lock_parts: false,
                     len,
@@ -141,7 +151,7 @@ impl Arena {
             }
             Backend::CudaRegister => {
                 let device = timed(&mut timings, "device", || Device::open(device.unwrap_or(0)))?;
-                let region = region(len, align, threads, first, &mut timings)?;
+                let region = region(len, align, threads, first.map(|f| f.part), &mut timings)?;
                 let mut arena = Arena {
                     storage: Storage::Registered {
                         region,
@@ -158,11 +168,16 @@ impl Arena {
                     timings,
                 };
                 // On failure the arena drops, unregistering what was registered.
-                arena.prepare_start(threads, first.is_some(), "populate+cuMemHostRegister")?;
+                // (Registrations are whole parts: the first part is made ready whole.)
+                arena.prepare_start(
+                    threads,
+                    first.map(|f| f.part),
+                    "populate+cuMemHostRegister",
+                )?;
                 Ok(arena)
             }
             Backend::Host => {
-                let region = region(len, align, threads, first, &mut timings)?;
+                let region = region(len, align, threads, first.map(|f| f.part), &mut timings)?;
                 let lock_parts = lock_limit_allows(len);
                 if !lock_parts {
                     notes.push(format!(
@@ -181,7 +196,7 @@ impl Arena {
                     notes,
                     timings,
                 };
-                if let Err(e) = arena.prepare_start(threads, first.is_some(), "populate") {
+                if let Err(e) = arena.prepare_start(threads, first.map(|f| f.ready), "populate") {
                     if !matches!(e, Error::Os { call: "mlock", .. }) {
                         return Err(e);
                     }
@@ -192,20 +207,30 @@ impl Arena {
                         "could not lock {len} bytes ({e}; see `ulimit -l`): \
                          the arena is ordinary pageable memory"
                     ));
-                    arena.prepare_start(threads, first.is_some(), "populate")?;
+                    arena.prepare_start(threads, first.map(|f| f.ready), "populate")?;
                 }
                 Ok(arena)
             }
         }
     }
 
-    /// Makes the first part (`partial`) or every part ready, timing it as `what`.
-    fn prepare_start(&mut self, threads: usize, partial: bool, what: &'static str) -> Result<()> {
+    /// Makes the first `first` bytes ready, or every part when `first` is None, timing it as
+    /// `what`.
+    fn prepare_start(
+        &mut self,
+        threads: usize,
+        first: Option<usize>,
+        what: &'static str,
+    ) -> Result<()> {
         let start = std::time::Instant::now();
-        if partial {
-            self.prepare_next(threads)?;
-        } else {
-            self.prepare_all(threads)?;
+        match first {
+            Some(first) => {
+                let mut at = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
+                if *at < first {
+                    self.prepare_range(&mut at, first, threads)?;
+                }
+            }
+            None => self.prepare_all(threads)?,
         }
         self.timings.push((what, start.elapsed().as_secs_f64()));
         Ok(())
@@ -217,25 +242,32 @@ impl Arena {
         let Some(region) = self.region() else { return Ok(()) };
         let mut prepared = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
         region.populate_then(threads, |part| self.finish_part(part.offset, part.len))?;
-        *prepared = region.parts().len();
+        *prepared = self.len;
         self.ready_len.store(self.len, Ordering::Release);
         Ok(())
     }
 
-    /// Makes the next part that is not ready yet ready (faulted in with `threads` threads,
-    /// then registered or locked); returns its `(offset, len)`, or None when every part is.
+    /// Makes the next bytes that are not ready yet ready, up to the end of the part they are
+    /// in (faulted in with `threads` threads, then registered or locked); returns their
+    /// `(offset, len)`, or None when every byte is ready.
     pub fn prepare_next(&self, threads: usize) -> Result<Option<(usize, usize)>> {
         let Some(region) = self.region() else { return Ok(None) };
-        let mut next = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
-        if *next >= region.parts().len() {
-            return Ok(None);
-        }
-        let part = region.populate_part_at(*next, threads)?;
-        let (offset, len) = (part.offset, part.len);
-        self.finish_part(offset, len)?;
-        *next += 1;
-        self.ready_len.store(offset + len, Ordering::Release);
-        Ok(Some((offset, len)))
+        let mut at = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(end) = region.part_at(*at).map(|p| p.offset + p.len) else { return Ok(None) };
+        let offset = *at;
+        self.prepare_range(&mut at, end, threads)?;
+        Ok(Some((offset, end - offset)))
+    }
+
+    /// Makes `[*at, end)` ready (inside one part; a whole part where parts are registered),
+    /// then moves `*at` and the ready length to `end`.
+    fn prepare_range(&self, at: &mut usize, end: usize, threads: usize) -> Result<()> {
+        let Some(region) = self.region() else { return Ok(()) };
+        region.populate(*at, end - *at, threads)?;
+        self.finish_part(*at, end - *at)?;
+        *at = end;
+        self.ready_len.store(end, Ordering::Release);
+        Ok(())
     }
 
     /// Bytes from the start that are ready for use.
@@ -243,7 +275,8 @@ impl Arena {
         self.ready_len.load(Ordering::Acquire)
     }
 
-    /// Registers (`cuda-register`) or locks (host, when asked) a part just faulted in.
+    /// Registers (`cuda-register`: a whole part) or locks (host, when asked: any pages) a range
+    /// just faulted in.
     fn finish_part(&self, offset: usize, len: usize) -> Result<()> {
         match &self.storage {
             Storage::Registered { region, registered, device } => {

@@ -17,8 +17,9 @@
 //! - Every byte of the arena is faulted in at start-up, so an arena larger than the memory
 //!   available (see [`available_memory`]) is refused before anything is mapped: faulting it
 //!   in would end in the kernel's out-of-memory killer, not in an error.
-//! - Made with [`Arena::new_partial`], only the first part is faulted in (and pinned) before
-//!   the constructor returns; the others are made ready one by one, in order, by
+//! - Made with [`Arena::new_partial`], only the first bytes asked for are faulted in (and
+//!   locked; on `cuda-register`, the whole first part, registered) before the constructor
+//!   returns; the rest is made ready in order, up to a part's end at a time, by
 //!   [`Arena::prepare_next`], and [`Arena::ready_len`] bytes from the start are ready. Bytes
 //!   past that are mapped but must not be used: the pool hands out only slots inside it.
 
@@ -116,8 +117,8 @@ enum Storage {
 /// One fixed block of host memory.
 pub struct Arena {
     storage: Storage,
-    /// How many parts of the region, from the first, are ready (all for `cuda-hostalloc`);
-    /// held while the next one is prepared.
+    /// Bytes from the start made ready (all for `cuda-hostalloc`); held while the next ones
+    /// are prepared.
     prepared: Mutex<usize>,
     /// Bytes from the start that are ready.
     ready_len: AtomicUsize,

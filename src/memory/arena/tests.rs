@@ -1,26 +1,40 @@
 //! Unit tests of `arena`, kept apart from the code they test.
 
 use super::*;
+use crate::memory::shm::page_size;
 use crate::system::cuda;
 
 #[test]
 // Miri: the arena is a memfd mapping, which Miri cannot run.
 #[cfg_attr(miri, ignore)]
 fn a_partial_arena_becomes_ready_part_by_part_in_order() {
-    let slot = 64 * 1024;
-    let arena = Arena::new_partial(slot * 10, slot, None, Some(Backend::Host), 4, 1).unwrap();
-    assert_eq!(arena.ready_len(), slot, "the first part is one slot, rounded up");
-    let mut end = slot;
-    while let Some((offset, len)) = arena.prepare_next(2).unwrap() {
-        assert_eq!(offset, end, "parts out of order");
-        assert!(len > 0 && len % slot == 0);
-        end += len;
-        assert_eq!(arena.ready_len(), end);
+    let (slot, page) = (64 * 1024, page_size());
+    for (first, ready_at_once) in [(1, page), (slot + 1, slot + page), (3 * slot, 3 * slot)] {
+        let arena =
+            Arena::new_partial(slot * 10, slot, None, Some(Backend::Host), 4, first).unwrap();
+        // The host backend makes only the pages asked for ready; the first part is whole slots.
+        assert_eq!(arena.ready_len(), ready_at_once, "first {first}");
+        let first_part = arena.part_starts().first().copied().unwrap_or(arena.len());
+        assert_eq!(first_part, ready_at_once.next_multiple_of(slot), "first {first}");
+        let mut end = ready_at_once;
+        let mut chunks = Vec::new();
+        while let Some((offset, len)) = arena.prepare_next(2).unwrap() {
+            assert_eq!(offset, end, "made ready out of order");
+            assert!(len > 0 && len % page == 0);
+            end += len;
+            chunks.push((offset, len));
+            assert_eq!(arena.ready_len(), end);
+            // Each step ends at a part's end: the rest of the first part, then whole parts.
+            assert!(end == arena.len() || arena.part_starts().contains(&end), "ended at {end}");
+        }
+        assert_eq!(end, arena.len());
+        if ready_at_once < first_part {
+            assert_eq!(chunks[0], (ready_at_once, first_part - ready_at_once));
+        }
+        // Every byte is usable once ready.
+        // SAFETY: the whole arena is mapped, writable and ready; nothing else uses it.
+        unsafe { std::ptr::write_bytes(arena.base(), 7, arena.len()) };
     }
-    assert_eq!(end, arena.len());
-    // Every byte is usable once ready.
-    // SAFETY: the whole arena is mapped, writable and ready; nothing else uses it.
-    unsafe { std::ptr::write_bytes(arena.base(), 7, arena.len()) };
 }
 
 #[test]

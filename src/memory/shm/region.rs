@@ -199,7 +199,7 @@ impl Region {
                 .map(|part| {
                     let then = &then;
                     s.spawn(move || {
-                        populate_part(self.base.as_ptr() as usize, part, per_part)?;
+                        self.populate(part.offset, part.len, per_part)?;
                         then(part)
                     })
                 })
@@ -212,34 +212,30 @@ impl Region {
         results.into_iter().collect()
     }
 
-    /// Faults every page of part `index` in, with `threads` threads. Pages of a part not yet
-    /// handed out are zero, and populating keeps them so.
-    pub fn populate_part_at(&self, index: usize, threads: usize) -> Result<&Part> {
-        let part = self
-            .parts
-            .get(index)
-            .ok_or_else(|| Error::Invalid(format!("the region has no part {index}")))?;
-        populate_part(self.base.as_ptr() as usize, part, threads)?;
-        Ok(part)
+    /// Faults the pages of `[offset, offset+len)` in, with `threads` threads; `offset` and
+    /// `len` are whole pages inside the region.
+    pub fn populate(&self, offset: usize, len: usize, threads: usize) -> Result<()> {
+        let page = page_size();
+        if offset % page != 0
+            || len % page != 0
+            || offset.checked_add(len).is_none_or(|e| e > self.len)
+        {
+            return Err(Error::Invalid(format!("cannot populate {len} bytes at {offset}")));
+        }
+        let base = self.base.as_ptr() as usize + offset;
+        let step = (len / page).div_ceil(threads.max(1)).max(1) * page;
+        let faulted: std::result::Result<(), i32> = std::thread::scope(|inner| {
+            let workers: Vec<_> = (0..len)
+                .step_by(step)
+                .map(|start| {
+                    let n = step.min(len - start);
+                    inner.spawn(move || populate_range(base + start, n, page))
+                })
+                .collect();
+            workers.into_iter().try_for_each(|w| w.join().unwrap_or(Err(0)))
+        });
+        faulted.map_err(|errno| Error::Os { call: "madvise(MADV_POPULATE_WRITE)", errno })
     }
-}
-
-/// Faults every page of `part` of the region at `base` in, with `threads` threads.
-fn populate_part(base: usize, part: &Part, threads: usize) -> Result<()> {
-    let page = page_size();
-    let pages = part.len / page;
-    let step = pages.div_ceil(threads.max(1)).max(1) * page;
-    let faulted: std::result::Result<(), i32> = std::thread::scope(|inner| {
-        let workers: Vec<_> = (0..part.len)
-            .step_by(step)
-            .map(|start| {
-                let len = step.min(part.len - start);
-                inner.spawn(move || populate_range(base + part.offset + start, len, page))
-            })
-            .collect();
-        workers.into_iter().try_for_each(|w| w.join().unwrap_or(Err(0)))
-    });
-    faulted.map_err(|errno| Error::Os { call: "madvise(MADV_POPULATE_WRITE)", errno })
 }
 
 impl Drop for Region {

@@ -34,7 +34,9 @@ use reporting::{log_made, stats_dict};
 /// `slot_bytes`: the largest slot (and the size of a checkout that does not say); the arena's
 /// parts are whole multiples of it. `num_slots`: the most slots out or fenced at once.
 /// `arena_bytes`: the arena's size, rounded up to whole `slot_bytes` (default:
-/// `slot_bytes * num_slots`, equal slots).
+/// `slot_bytes * num_slots`, equal slots). `background=True`: only the first `ready_first`
+/// bytes (default: 16 MiB, and at least one largest slot) are made ready before the pool is
+/// returned, the rest on a background thread (checkouts wait for room not ready yet).
 ///
 /// `device`: an ordinal, `"cuda:N"` or a `torch.device` binds that GPU; `"cpu"` means no CUDA
 /// (host memory); `None` (the default) or `"cuda"` the rank's own GPU: the device of the CUDA
@@ -100,8 +102,8 @@ impl PyPinPool {
 impl PyPinPool {
     #[new]
     #[pyo3(
-        signature = (slot_bytes, num_slots, device = None, backend = None, copy_threads = None, background = None, arena_bytes = None),
-        text_signature = "(slot_bytes, num_slots, device=None, backend='auto', copy_threads=None, background=False, arena_bytes=None)"
+        signature = (slot_bytes, num_slots, device = None, backend = None, copy_threads = None, background = None, arena_bytes = None, ready_first = None),
+        text_signature = "(slot_bytes, num_slots, device=None, backend='auto', copy_threads=None, background=False, arena_bytes=None, ready_first=None)"
     )]
     #[allow(clippy::too_many_arguments)] // (Python's keyword arguments)
     fn new(
@@ -113,11 +115,13 @@ impl PyPinPool {
         copy_threads: Option<&Bound<'_, PyAny>>,
         background: Option<&Bound<'_, PyAny>>,
         arena_bytes: Option<&Bound<'_, PyAny>>,
+        ready_first: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         guarded(|| {
             let slot_bytes = size_arg(py, slot_bytes, "slot_bytes")?;
             let arena_bytes = arena_bytes.map(|n| size_arg(py, n, "arena_bytes")).transpose()?;
             let num_slots = size_arg(py, num_slots, "num_slots")?;
+            let ready_first = ready_first.map(|n| size_arg(py, n, "ready_first")).transpose()?;
             let request = parse_device(py, device.map(device_arg).transpose()?)?;
             let backend = backend_arg(py, backend)?;
             let background = match background {
@@ -138,6 +142,7 @@ impl PyPinPool {
                 backend,
                 copy_threads,
                 background,
+                ready_first,
             };
             let pool = py.detach(|| Pool::new(&config)).py(py)?;
             let notes = log_made(py, &pool, chosen)?;

@@ -117,6 +117,7 @@ class LazyPool:
                     copy_threads=self.settings.copy_threads,
                     background=background_arena(device),
                     arena_bytes=plan.arena,
+                    ready_first=plan.ready_first,
                 )
                 if t0:
                     _trace.span("pool.make", t0, **_made(self.pool, nbytes, hinted, device))
@@ -322,9 +323,9 @@ class LazyPool:
 
 
 def background_arena(device: int | None) -> bool:
-    """Whether the loader's arena is made ready in the background (the first 16 MiB, at
-    least one part, at once, the rest while the first batches flow) or whole before the
-    first batch is delivered.
+    """Whether the loader's arena is made ready in the background (the first batches' room at
+    once, ``ArenaPlan.ready_first``, the rest while the first batches flow) or whole before
+    the first batch is delivered.
 
     Whole, wherever the arena is pinned through the CUDA driver: registering the rest while
     batches flow contends with the copies for the driver, stalling the main thread and

@@ -41,6 +41,12 @@ __all__ = ["HEADROOM", "ArenaPlan", "Sizing"]
 
 #: The smallest arena sized automatically.
 MIN_ARENA = 64 << 20
+#: Where the arena is made ready in the background (host memory), the first batches' room
+#: is made ready before the first batch is delivered, the rest while batches flow: a small
+#: first batch does not wait for the whole of :data:`MIN_ARENA` to be faulted in and locked.
+READY_FIRST_BATCHES = 2
+#: ... and at least this much.
+READY_AT_LEAST = 2 << 20
 #: An arena sized automatically may take at most this share of the memory available.
 MEMORY_SHARE = 0.5
 #: Batches in flight beyond ``prefetch_factor x num_workers``: those the consumer holds.
@@ -63,6 +69,10 @@ def _pages(n: int) -> int:
     return max(_PAGE, -(-int(n) // _PAGE) * _PAGE)
 
 
+def _ready_first(room: int, arena: int) -> int:
+    return min(arena, max(READY_AT_LEAST, READY_FIRST_BATCHES * room))
+
+
 @dataclasses.dataclass(frozen=True)
 class ArenaPlan:
     """What a loader's pool is made with: its arena, its largest slot, its entries."""
@@ -76,6 +86,10 @@ class ArenaPlan:
     #: The largest batch the loader takes, in bytes (``max_batch_bytes=`` or ``slot_bytes=``
     #: as given; else ``largest``).
     limit: int = 0
+    #: Where the arena is made ready in the background, the bytes ready before the first
+    #: batch: :data:`READY_FIRST_BATCHES` of the first batch's room, at least
+    #: :data:`READY_AT_LEAST`, at most the arena.
+    ready_first: int = 0
 
     @property
     def largest_batch(self) -> int:
@@ -126,7 +140,10 @@ class Sizing:
         """The pool for a loader whose first batch has ``first`` bytes."""
         if self.slot_bytes is not None:
             largest = _pages(self.slot_bytes)
-            plan = ArenaPlan(largest, largest * self.batches, self.batches, self.slot_bytes)
+            arena = largest * self.batches
+            plan = ArenaPlan(
+                largest, arena, self.batches, self.slot_bytes, _ready_first(largest, arena)
+            )
             self._within_memory(plan.arena, "slot_bytes= x num_slots=")
             return plan
         room = _pages(max(1, first) * HEADROOM)
@@ -161,7 +178,9 @@ class Sizing:
         entries = self.num_slots
         if entries is None:
             entries = min(MAX_ENTRIES, max(2 * self.batches, 64, arena // ENTRY_BYTES))
-        return ArenaPlan(largest, arena, entries, self.max_batch_bytes or 0)
+        return ArenaPlan(
+            largest, arena, entries, self.max_batch_bytes or 0, _ready_first(room, arena)
+        )
 
     def check(self) -> None:
         """Raises ``NotEnoughMemory`` now, naming the setting, if the sizes given make an arena
