@@ -5,12 +5,13 @@ All tests here need CUDA (``@pytest.mark.cuda``) and are skipped cleanly without
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 
 import pytest
 import torch
-from loader_gpu_datasets import Images, Mixed, Tokens
+from loader_gpu_datasets import Images, Mixed, Tokens, strided_leaves
 
 import pinpool
 import pinpool.trace
@@ -224,3 +225,29 @@ def test_batches_of_one_dtype_come_out_of_one_allocation_in_one_call(zero_copy: 
             assert ours.stats()["slots_checked_out"] == 0
             del ours
             gc.collect()
+
+
+@pytest.mark.parametrize("rows", [6, 300])  # small batches and big ones (over 1 MiB)
+@pytest.mark.parametrize("device", [None, "cuda"])
+def test_leaves_that_are_not_contiguous_keep_torchs_pinned_layout_without_workers(
+    device: str | None, rows: int
+) -> None:
+    """Without workers, a collate function's transposed, expanded, sliced, channels_last and
+    lazily negated leaves come back as torch's ``pin_memory()`` gives them: pinned, in the
+    same layout, negation resolved; as device batches, the same values on the GPU. (From
+    workers, pinpool's leaves come contiguous: docs/guide.md.)"""
+    collate = functools.partial(strided_leaves, rows=rows)
+    kw = {"batch_size": 2, "num_workers": 0, "collate_fn": collate}
+    ref = torch.utils.data.DataLoader(Mixed(6), pin_memory=True, **kw)
+    ours = pinpool.DataLoader(Mixed(6), device=device, **kw)
+    for a, b in zip(ref, ours, strict=True):
+        for k in a:
+            assert torch.equal(b[k].cpu(), a[k]), k
+            if device is None:
+                assert b[k].is_pinned() and b[k].stride() == a[k].stride(), k
+            else:
+                assert b[k].is_cuda, k
+    torch.cuda.synchronize()
+    del a, b
+    gc.collect()
+    assert ours.stats()["slots_checked_out"] == 0
