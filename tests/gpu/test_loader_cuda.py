@@ -227,17 +227,18 @@ def test_batches_of_one_dtype_come_out_of_one_allocation_in_one_call(zero_copy: 
             gc.collect()
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("rows", [6, 300])  # small batches and big ones (over 1 MiB)
 @pytest.mark.parametrize("device", [None, "cuda"])
-def test_leaves_that_are_not_contiguous_keep_torchs_pinned_layout_without_workers(
-    device: str | None, rows: int
+def test_leaves_that_are_not_contiguous_keep_torchs_pinned_layout(
+    device: str | None, rows: int, num_workers: int
 ) -> None:
-    """Without workers, a collate function's transposed, expanded, sliced, channels_last and
-    lazily negated leaves come back as torch's ``pin_memory()`` gives them: pinned, in the
-    same layout, negation resolved; as device batches, the same values on the GPU. (From
-    workers, pinpool's leaves come contiguous: docs/guide.md.)"""
+    """A collate function's transposed, expanded, sliced, channels_last and lazily negated
+    leaves come back as torch's ``pin_memory()`` gives them, with workers and without:
+    pinned, in the same layout, negation resolved; as device batches, the same values on the
+    GPU."""
     collate = functools.partial(strided_leaves, rows=rows)
-    kw = {"batch_size": 2, "num_workers": 0, "collate_fn": collate}
+    kw = {"batch_size": 2, "num_workers": num_workers, "collate_fn": collate}
     ref = torch.utils.data.DataLoader(Mixed(6), pin_memory=True, **kw)
     ours = pinpool.DataLoader(Mixed(6), device=device, **kw)
     for a, b in zip(ref, ours, strict=True):

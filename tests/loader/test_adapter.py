@@ -428,20 +428,27 @@ def test_non_contiguous_leaves_keep_torchs_pinned_layout() -> None:
     assert got["transposed"][0, 1] == -1.0 and got["transposed"][1, 0] == 1.0
 
 
-def test_a_loader_without_workers_keeps_the_layouts_torch_gives() -> None:
+def _collate_layouts(samples: list[Any]) -> dict[str, torch.Tensor]:
+    return _layouts()
+
+
+@pytest.mark.every_mode
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_keeps_the_layouts_torch_gives(loader_mode: Any, num_workers: int) -> None:
     # torch's loader (here, without an accelerator, it pins nothing) yields each leaf as the
-    # collate function made it; pinned, it would keep the layout too (see above).
+    # collate function made it, from workers too; pinned, it would keep the layout as well
+    # (see above). torch's workers drop a lazy negation (they share the storage and the
+    # strides, not the bit): pinpool's values are the negated ones, with no bit left.
     dataset = Indexed(4)
-
-    def collate(samples: list[Any]) -> dict[str, torch.Tensor]:
-        return _layouts()
-
-    ref = torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=collate)
-    pin = pinpool.DataLoader(dataset, batch_size=2, collate_fn=collate)
+    kw: dict[str, Any] = dict(batch_size=2, collate_fn=_collate_layouts, num_workers=num_workers)
+    ref = torch.utils.data.DataLoader(dataset, **kw)
+    pin = pinpool.DataLoader(dataset, **kw)
+    want = _layouts()
     for r, p in zip(ref, pin, strict=True):
         for name in r:
             assert p[name].stride() == r[name].stride(), name
-            assert torch.equal(p[name], r[name].resolve_neg()), name
+            assert torch.equal(p[name], want[name].resolve_neg()), name
+            assert not p[name].is_neg(), name
     del r, p
 
 

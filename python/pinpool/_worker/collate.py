@@ -100,7 +100,7 @@ class PinCollate:
             return self._with_state(batch) if in_worker else batch
         if not in_worker:
             return registry.lookup(self.token).encode_local(batch, count)
-        p = codec.plan(batch)
+        p = codec.plan(batch, keep_strides=True)
         if self.pool_hint is not None:
             if task is not None and p.specs:
                 # Zero-copy: the main process makes its pool from the first hint, and this
@@ -170,7 +170,7 @@ class PinCollate:
                 dest.abandon()
                 assert made is not None
                 return made
-            p = codec.plan(batch, start=layout.nbytes)
+            p = codec.plan(batch, start=layout.nbytes, keep_strides=True)
             if p.nbytes > len(dest.memory):  # the rest does not fit: a bigger segment
                 dest.grow(p.nbytes, keep=layout.nbytes)
             t0 = _trace.on and _trace.now()
