@@ -36,13 +36,15 @@ impl Pool {
                                                  // back first (the freeing thread may lag behind
                                                  // a loop that makes loaders), and one of this
                                                  // shape gives its arena.
+        threads::wait_for_pools_let_go(LET_GO_AT_MOST);
         freeing::catch_up(CATCH_UP_AT_MOST);
         let (device, backend) = (config.device, config.backend);
         let kept =
             freeing::take_shelved(|a| a.reusable_for(arena_len, slot_bytes, device, backend));
         let arena = if let Some(arena) = kept {
             if !config.background {
-                while arena.prepare_next(fault_threads())?.is_some() {} // (whole, as asked)
+                while arena.prepare_next(fault_threads(), usize::MAX)?.is_some() {}
+                // (whole, as asked)
             }
             arena.taken_again()
         } else if config.background {
@@ -160,6 +162,10 @@ impl Pool {
 /// The longest a pool being made waits for the freeing thread to finish a free it has begun
 /// (a dropped pool's fences, say), before it makes its arena anyway.
 const CATCH_UP_AT_MOST: Duration = Duration::from_secs(1);
+/// The longest a new pool waits for a dropped one's prepare thread to end its step (at idle
+/// priority beside busy cores it can take far longer): about what a new arena's first
+/// bytes cost to make ready.
+const LET_GO_AT_MOST: Duration = Duration::from_millis(10);
 
 /// A background pool makes at least this much of its arena (and at least one part, so the
 /// largest slot) ready before it returns: small arenas are made whole, and a big one has room

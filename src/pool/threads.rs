@@ -13,29 +13,74 @@
 //!   ([`Pool::prepare_error`]): those bytes are never handed out.
 //! - Where the prepare thread drops the pool's last reference, it holds a [`freeing::FlushBlocker`]
 //!   until then, so a flush of the freeing thread waits for the release it queues.
+//! - The prepare thread holds the pool for one step at a time, of at most [`PREPARE_STEP`]
+//!   bytes where parts are not registered whole. A pool made while a dropped one is held only
+//!   by its prepare thread waits for that step to end ([`wait_for_pools_let_go`]), so the
+//!   dropped pool's arena is kept for it rather than a new one made beside it.
 //! - The fence thread naps at most 1 ms while fences are pending; it sleeps longer only after
 //!   saying it is idle and looking once more, and a fenced release wakes it then
 //!   ([`Pool::release`]). Neither thread calls into Python.
 
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use super::Pool;
 use crate::error::{Error, Result};
 use crate::memory::freeing;
 use crate::transfer::fence::FenceTracker;
 
+/// The most bytes the prepare thread makes ready in one step (where parts are not registered
+/// whole): a few milliseconds of faulting in, the longest a pool made meanwhile waits for it.
+pub const PREPARE_STEP: usize = 1 << 20;
+
+/// One prepare thread's pool, and whether the thread is inside a step (it may hold the pool).
+struct Preparing {
+    pool: Weak<Pool>,
+    stepping: Arc<AtomicBool>,
+}
+
+/// The pools whose prepare thread runs, in this process.
+static PREPARING: Mutex<Vec<Preparing>> = Mutex::new(Vec::new());
+
 /// Starts the thread that makes the rest of `pool`'s arena ready, if any of it is not.
 pub(super) fn start_preparing(pool: &Arc<Pool>) -> Result<()> {
     if pool.arena.ready_len() < pool.arena.len() {
         let weak = Arc::downgrade(pool);
+        let stepping = Arc::new(AtomicBool::new(false));
+        let entry = Preparing { pool: weak.clone(), stepping: Arc::clone(&stepping) };
+        let mut preparing = PREPARING.lock().unwrap_or_else(|e| e.into_inner());
+        preparing.retain(|p| p.pool.strong_count() > 0 || p.stepping.load(Ordering::Acquire));
         std::thread::Builder::new()
             .name("pinpool-prepare".into())
-            .spawn(move || prepare_loop(weak))
+            .spawn(move || prepare_loop(weak, &stepping))
             .map_err(|e| Error::Invalid(format!("cannot start the prepare thread: {e}")))?;
+        preparing.push(entry);
     }
     Ok(())
+}
+
+/// Waits, at most `wait`, until no pool is held only by its prepare thread (dropped by
+/// everyone else, it goes, its arena with the freeing thread, at the end of the step).
+/// Returns whether none is left.
+pub(super) fn wait_for_pools_let_go(wait: Duration) -> bool {
+    let deadline = Instant::now() + wait;
+    let let_go: Vec<Arc<AtomicBool>> = PREPARING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|p| p.pool.strong_count() <= 1 && p.stepping.load(Ordering::Acquire))
+        .map(|p| Arc::clone(&p.stepping))
+        .collect();
+    for stepping in let_go {
+        while stepping.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    true
 }
 
 /// Starts the thread that retires `pool`'s fences, if it has any.
@@ -54,31 +99,44 @@ pub(super) fn start_retiring(pool: &Arc<Pool>) -> Result<()> {
 /// Makes the arena's parts ready one by one, admitting each part's slots as it is. Stops when
 /// every part is ready, the pool is closed or dropped, or a part fails (its error is kept:
 /// [`Pool::prepare_error`]; those slots are never handed out).
-fn prepare_loop(pool: Weak<Pool>) {
+fn prepare_loop(pool: Weak<Pool>, stepping: &AtomicBool) {
     crate::system::priority::become_background();
     // Half the fault threads (a quarter of the cores): the workers are starting meanwhile.
     let threads = fault_threads().div_ceil(2);
     loop {
-        // Declared first, dropped last: if this thread drops the pool's last reference, the
-        // release is queued before a flush may stop waiting for it.
-        let _blocker = freeing::block_flush();
-        let Some(pool) = pool.upgrade() else { return };
-        // Nobody else holds the pool any more: stop, and let it go now.
-        if pool.stopping.load(Ordering::Acquire)
-            || pool.table.is_closed()
-            || Arc::strong_count(&pool) == 1
-        {
+        // Said before the pool is held, unsaid only once it is let go (and, were that its last
+        // reference, its release queued): a pool made meanwhile waits for the step.
+        stepping.store(true, Ordering::Release);
+        let go_on = prepare_step(&pool, threads);
+        stepping.store(false, Ordering::Release);
+        if !go_on {
             return;
         }
-        match pool.arena.prepare_next(threads) {
-            Ok(Some((offset, len))) => {
-                pool.table.admit(offset, len);
-            }
-            Ok(None) => return,
-            Err(e) => {
-                let _ = pool.prepare_error.set(e.to_string());
-                return;
-            }
+    }
+}
+
+/// One step of [`prepare_loop`]; returns whether to go on.
+fn prepare_step(pool: &Weak<Pool>, threads: usize) -> bool {
+    // Declared first, dropped last: if this thread drops the pool's last reference, the
+    // release is queued before a flush may stop waiting for it.
+    let _blocker = freeing::block_flush();
+    let Some(pool) = pool.upgrade() else { return false };
+    // Nobody else holds the pool any more: stop, and let it go now.
+    if pool.stopping.load(Ordering::Acquire)
+        || pool.table.is_closed()
+        || Arc::strong_count(&pool) == 1
+    {
+        return false;
+    }
+    match pool.arena.prepare_next(threads, PREPARE_STEP) {
+        Ok(Some((offset, len))) => {
+            pool.table.admit(offset, len);
+            true
+        }
+        Ok(None) => false,
+        Err(e) => {
+            let _ = pool.prepare_error.set(e.to_string());
+            false
         }
     }
 }
@@ -186,6 +244,34 @@ mod tests {
         slots.push(pool.checkout(Some(Duration::from_secs(30))).unwrap());
         assert_eq!(pool.arena().ready_len(), pool.arena().len());
         assert!(pool.prepare_error().is_none());
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_pool_dropped_while_its_arena_is_made_ready_is_let_go_before_a_new_one_is_made() {
+        // Dropped at any moment of its preparation (mid-step or between steps), the pool is
+        // gone once the wait returns: its prepare thread holds it no longer than its step.
+        for round in 0..8 {
+            let config = PoolConfig {
+                background: true,
+                ready_first: Some(1),
+                ..PoolConfig::host(PREPARE_STEP, 48)
+            };
+            let pool = Pool::new(&config).unwrap();
+            let weak = Arc::downgrade(&pool);
+            if round % 2 == 1 {
+                // Once the prepare thread is at work.
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while pool.arena().ready_len() < 2 * PREPARE_STEP {
+                    assert!(Instant::now() < deadline, "the prepare thread never began");
+                    std::thread::yield_now();
+                }
+            }
+            drop(pool);
+            assert!(wait_for_pools_let_go(Duration::from_secs(30)), "round {round}");
+            assert!(weak.upgrade().is_none(), "round {round}: still held after the wait");
+        }
     }
 
     #[test]

@@ -96,7 +96,8 @@ def test_loaders_made_in_a_loop_beside_busy_cores_stay_bounded(
     assert got["rss_growth"] <= 2 * got["arena"] + (32 << 20), got
     assert got["thread_growth"] <= 12, got
     # Loaders take the arena of the one before (the cost of a loader: `python -m pinpool.bench
-    # --modes churn`); not every one: a pool whose arena is still being made ready, at idle
-    # priority, is dropped only once the part in hand is ready, which beside busy cores (and
-    # the rest of the suite) can outlast the next loader's start.
+    # --modes churn`); not every one: a pool whose arena is still being made ready is let go
+    # by its prepare thread only at the end of a step (`PREPARE_STEP`), and the next pool
+    # waits for that at most 10 ms, which a thread at idle priority beside busy cores (and the
+    # rest of the suite) can outlast.
     assert got["kept"] >= cycles // 2, got

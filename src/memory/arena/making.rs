@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use super::{available_memory, Arena, Backend, Residency, Storage};
 use crate::error::{Error, Result};
-use crate::memory::shm::{page_size, Region};
+use crate::memory::shm::{page_size, round_up, Region};
 use crate::system::cuda::{self, Device};
 
 /// The first part of an arena made ready part by part, and how much of it is made ready
@@ -248,12 +248,18 @@ impl Arena {
     }
 
     /// Makes the next bytes that are not ready yet ready, up to the end of the part they are
-    /// in (faulted in with `threads` threads, then registered or locked); returns their
-    /// `(offset, len)`, or None when every byte is ready.
-    pub fn prepare_next(&self, threads: usize) -> Result<Option<(usize, usize)>> {
+    /// in and at most `at_most` of them where parts are not registered whole (faulted in with
+    /// `threads` threads, then registered or locked); returns their `(offset, len)`, or None
+    /// when every byte is ready.
+    pub fn prepare_next(&self, threads: usize, at_most: usize) -> Result<Option<(usize, usize)>> {
         let Some(region) = self.region() else { return Ok(None) };
         let mut at = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(end) = region.part_at(*at).map(|p| p.offset + p.len) else { return Ok(None) };
+        let Some(mut end) = region.part_at(*at).map(|p| p.offset + p.len) else { return Ok(None) };
+        if self.backend == Backend::Host {
+            let step =
+                round_up(at.saturating_add(at_most.max(1)), page_size()).unwrap_or(usize::MAX);
+            end = end.min(step);
+        }
         let offset = *at;
         self.prepare_range(&mut at, end, threads)?;
         Ok(Some((offset, end - offset)))

@@ -18,7 +18,7 @@ fn a_partial_arena_becomes_ready_part_by_part_in_order() {
         assert_eq!(first_part, ready_at_once.next_multiple_of(slot), "first {first}");
         let mut end = ready_at_once;
         let mut chunks = Vec::new();
-        while let Some((offset, len)) = arena.prepare_next(2).unwrap() {
+        while let Some((offset, len)) = arena.prepare_next(2, usize::MAX).unwrap() {
             assert_eq!(offset, end, "made ready out of order");
             assert!(len > 0 && len % page == 0);
             end += len;
