@@ -59,13 +59,15 @@ class Tokens(Dataset):
         return {k: row + j for j, k in enumerate(self.keys)}
 
 
-def strided_leaves(samples: list, rows: int = 6) -> dict:
+def strided_leaves(samples: list, rows: int = 6, expanded: bool = True) -> dict:
     """A collate function whose leaves are not contiguous, each in its own way (``rows`` x
-    4096 floats: 96 KiB at 6 rows, about 4.7 MiB at 300)."""
+    4096 floats: 96 KiB at 6 rows, about 4.7 MiB at 300); ``expanded``: with one whose
+    elements share memory (stride 0), which torch's ``pin_memory()`` refuses."""
     x = torch.arange(rows * 4096, dtype=torch.float32).reshape(rows, 4096)
+    more = {"expanded": torch.arange(float(rows)).reshape(rows, 1).expand(rows, 64)}
     return {
         "transposed": x.t(),
-        "expanded": torch.arange(float(rows)).reshape(rows, 1).expand(rows, 64),
+        **(more if expanded else {}),
         "negative_bit": torch._neg_view(x.t()),
         "sliced": x[:, ::2],
         "channels_last": x.reshape(rows, 4, 32, 32).to(memory_format=torch.channels_last),

@@ -233,15 +233,20 @@ def test_batches_of_one_dtype_come_out_of_one_allocation_in_one_call(zero_copy: 
 def test_leaves_that_are_not_contiguous_keep_torchs_pinned_layout(
     device: str | None, rows: int, num_workers: int
 ) -> None:
-    """A collate function's transposed, expanded, sliced, channels_last and lazily negated
-    leaves come back as torch's ``pin_memory()`` gives them, with workers and without:
-    pinned, in the same layout, negation resolved; as device batches, the same values on the
-    GPU."""
-    collate = functools.partial(strided_leaves, rows=rows)
-    kw = {"batch_size": 2, "num_workers": num_workers, "collate_fn": collate}
-    ref = torch.utils.data.DataLoader(Mixed(6), pin_memory=True, **kw)
-    ours = pinpool.DataLoader(Mixed(6), device=device, **kw)
+    """A collate function's transposed, sliced, channels_last and lazily negated leaves come
+    back as torch's ``pin_memory()`` gives them, with workers and without: pinned, in the same
+    layout, negation resolved; as device batches, the same values on the GPU. An expanded leaf
+    (stride 0), which torch's ``pin_memory()`` refuses, comes with its values."""
+    kw = {"batch_size": 2, "num_workers": num_workers}
+    theirs = functools.partial(strided_leaves, rows=rows, expanded=False)
+    ref = torch.utils.data.DataLoader(Mixed(6), pin_memory=True, collate_fn=theirs, **kw)
+    ours = pinpool.DataLoader(
+        Mixed(6), device=device, collate_fn=functools.partial(strided_leaves, rows=rows), **kw
+    )
+    expanded = strided_leaves([], rows=rows)["expanded"]
     for a, b in zip(ref, ours, strict=True):
+        assert torch.equal(b["expanded"].cpu(), expanded)
+        assert b["expanded"].is_pinned() if device is None else b["expanded"].is_cuda
         for k in a:
             assert torch.equal(b[k].cpu(), a[k]), k
             if device is None:
