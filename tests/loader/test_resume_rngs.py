@@ -35,6 +35,18 @@ class NumpyShuffled(PythonShuffled):
         return iter(int(i) for i in np.random.permutation(self.n))
 
 
+class RandomSamplerShuffledByPython(torch.utils.data.RandomSampler):
+    """A subclass of torch's own sampler is looked at as any sampler of the user's is."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(range(n))
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(range(len(self.data_source)))
+        random.shuffle(order)
+        return iter(order)
+
+
 class TorchShuffled(PythonShuffled):
     def __iter__(self) -> Iterator[int]:
         return iter(torch.randperm(self.n).tolist())
@@ -42,7 +54,11 @@ class TorchShuffled(PythonShuffled):
 
 @pytest.mark.parametrize(
     ("sampler", "named"),
-    [(PythonShuffled, "Python's random module"), (NumpyShuffled, "numpy's global random")],
+    [
+        (PythonShuffled, "Python's random module"),
+        (NumpyShuffled, "numpy's global random"),
+        (RandomSamplerShuffledByPython, "Python's random module"),
+    ],
 )
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_sampler_drawing_from_an_uncaptured_generator_is_refused_by_name(

@@ -29,6 +29,24 @@ from .state import States, capture, drawn_from, restore, type_name, uncaptured
 
 _END = object()
 BATCH_SAMPLER = torch.utils.data.BatchSampler
+#: torch's own samplers, which draw their order from torch's generators alone (captured): an
+#: epoch of one of these (in torch's batch sampler, or alone) is not looked at for draws from
+#: Python's or numpy's global generators, whose state costs a few hundred microseconds to read.
+TORCHS_SAMPLERS = (
+    torch.utils.data.SequentialSampler,
+    torch.utils.data.RandomSampler,
+    torch.utils.data.SubsetRandomSampler,
+    torch.utils.data.WeightedRandomSampler,
+    torch.utils.data.distributed.DistributedSampler,
+)
+
+
+def draws_from_torch_only(sampler: Any) -> bool:
+    """Whether ``sampler`` is one of torch's own (:data:`TORCHS_SAMPLERS`, not a subclass),
+    alone or in torch's ``BatchSampler``."""
+    if type(sampler) is BATCH_SAMPLER:
+        sampler = sampler.sampler
+    return type(sampler) in TORCHS_SAMPLERS
 
 
 @dataclass
@@ -122,6 +140,8 @@ class EpochSampler:
         self.loader = weakref.proxy(loader)  # a persistent iterator is the loader's
         #: Each index list is a list of samples (else one sample: no batching).
         self.batched = bool(loader._auto_collation)
+        #: Whether an epoch is looked at for draws from generators a state does not capture.
+        self.watch_others = not draws_from_torch_only(base)
 
     def __iter__(self) -> Iterator[Any]:
         # torch may call iter() twice as its iterator starts (its base __init__, then _reset,
@@ -135,7 +155,7 @@ class EpochSampler:
             restore(self.loader, plan.at_iter)
         if first_call:
             epoch.at_iter = capture(self.loader)
-        others = uncaptured()
+        others = uncaptured() if self.watch_others else None
         it = iter(self.base)  # now, when torch calls it: a sampler may draw here
         if first_call and plan is not None and plan.at_pull == "undo":
             plan.at_pull = capture(self.loader)
@@ -152,7 +172,7 @@ class EpochSampler:
             if plan is not None:
                 it = self._skip(it, plan)
             first = next(it, _END)
-            drawn = drawn_from(others, uncaptured())
+            drawn = None if others is None else drawn_from(others, uncaptured())
             if drawn is not None:
                 drawer = self.base.sampler if type(self.base) is BATCH_SAMPLER else self.base
                 epoch.uncaptured = f"{type_name(drawer)} draws its order with {drawn}"
