@@ -461,3 +461,26 @@ def test_the_lower_ceiling_binds_and_each_loader_is_shown_as_a_share_of_it() -> 
     ]
     shares = [line.split()[4:] for line in lines if line.startswith("  share of binding")]
     assert shares == [["17%", "75%"], ["50%", "75%"]]
+
+
+def test_the_workers_ceiling_makes_torchs_batch_into_memory_it_keeps() -> None:
+    # The workers' ceiling makes each batch as torch's default collation would (the same
+    # bytes), into memory kept from one batch to the next, none of which is pickled to a worker.
+    import pickle
+
+    import torch
+
+    from pinpool.bench.workloads import MadeAndDropped, MadeBatch
+
+    samples = [(torch.full((3, 8, 8), i, dtype=torch.uint8), i) for i in range(4)]
+    made = MadeAndDropped(None)
+    want = sum(t.nbytes for t in torch.utils.data.default_collate(samples))
+    assert made(samples) == MadeBatch(want)
+    kept = dict(made._kept)
+    assert len(kept) == 1 and made(samples) == MadeBatch(want)
+    assert [t.data_ptr() for t in made._kept.values()] == [t.data_ptr() for t in kept.values()]
+    (stack,) = kept.values()
+    assert torch.equal(stack, torch.stack([s[0] for s in samples]))
+    assert pickle.loads(pickle.dumps(made))._kept == {}
+    own = MadeAndDropped(lambda s: {"x": torch.zeros(5, dtype=torch.int64)})
+    assert own(samples) == MadeBatch(40) and own._kept == {}

@@ -3,7 +3,8 @@ each loader's share of the one that binds.
 
 - ``workers``: what the workers themselves make per second: :data:`WORKERS`, torch's plain
   DataLoader over the same dataset, with the same workers, prefetch and collate function,
-  whose workers make each batch, drop it and send only its size (``MadeAndDropped``): no
+  whose workers make each batch, drop it and send only its size (``MadeAndDropped``; torch's
+  default collation stacks into memory each worker keeps, as pinpool's workers write): no
   hand-over of the batch, no transfer, no GPU work. The
   runner runs it in the scenario's rotation like one more loader (the same warm-up, steps
   and repeats, through ``measure.run_once``), in every scenario that has a rate (all but

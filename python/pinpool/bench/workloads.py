@@ -287,16 +287,37 @@ class MadeBatch(NamedTuple):
 
 
 class MadeAndDropped:
-    """A collate function that makes each batch with ``collate`` (torch's default if None),
-    then drops it and returns its size (:class:`MadeBatch`): a loader with it moves nothing
-    but a number, so its rate is the workers' own."""
+    """A collate function that makes each batch, then drops it and returns its size
+    (:class:`MadeBatch`): a loader with it moves nothing but a number, so its rate is the
+    workers' own.
+
+    With ``collate`` (a workload's own), the batch is what it makes. Without, it is torch's
+    default collation with each stack written into memory the worker keeps from one batch to
+    the next (as pinpool's workers write into memory they keep), not into fresh pages, whose
+    faulting in would make the workers' rate lower than what a loader can reach."""
 
     def __init__(self, collate: Any) -> None:
         self.collate = collate
+        self._kept: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"collate": self.collate, "_kept": {}}  # (each worker keeps its own memory)
 
     def __call__(self, samples: Any) -> MadeBatch:
-        collate = self.collate or torch.utils.data.default_collate
-        return MadeBatch(batch_nbytes(collate(samples)))
+        if self.collate is not None:
+            return MadeBatch(batch_nbytes(self.collate(samples)))
+        from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+        kept = {**default_collate_fn_map, torch.Tensor: self._stack_into_kept}
+        return MadeBatch(batch_nbytes(collate(samples, collate_fn_map=kept)))
+
+    def _stack_into_kept(self, batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
+        first = batch[0]
+        key = (len(batch), tuple(first.shape), first.dtype)
+        out = self._kept.get(key)
+        if out is None:
+            out = self._kept[key] = torch.empty((len(batch), *first.shape), dtype=first.dtype)
+        return torch.stack(batch, 0, out=out)
 
 
 def batch_nbytes(batch: Any) -> int:
