@@ -43,8 +43,8 @@ impl Pool {
             freeing::take_shelved(|a| a.reusable_for(arena_len, slot_bytes, device, backend));
         let arena = if let Some(arena) = kept {
             if !config.background {
+                // Made whole, as asked.
                 while arena.prepare_next(fault_threads(), usize::MAX)?.is_some() {}
-                // (whole, as asked)
             }
             arena.taken_again()
         } else if config.background {
