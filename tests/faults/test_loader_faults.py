@@ -38,6 +38,7 @@ from loader_datasets import (
     Sleepy,
     indices_only,
 )
+from torch.utils.data._utils import signal_handling
 
 import pinpool
 from pinpool._main.epochs import ending_thread
@@ -358,6 +359,46 @@ def test_exception_in_getitem(
     del batch
     assert rest == [[2 * i, 2 * i + 1] for i in range(3, 10)]
     del it, pin, err, info
+    assert_no_leaks(before, pool)
+
+
+class RefusesToStart(torch.utils.data.Sampler[int]):
+    """A sampler that raises as its epoch starts: with workers, inside torch's iterator's
+    ``__init__``, after the workers started and were registered for its SIGCHLD check."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __iter__(self) -> Iterator[int]:
+        raise ValueError("this sampler refuses to start")
+
+
+@pytest.mark.every_mode
+def test_a_sampler_that_raises_as_the_epoch_starts(
+    pool: pinpool.PinPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = warm_up(pool)
+    registered: list[int] = []
+    register = signal_handling._set_worker_pids
+
+    def recording(iterator_id: int, pids: tuple[int, ...]) -> None:
+        registered.append(iterator_id)
+        register(iterator_id, pids)
+
+    monkeypatch.setattr(signal_handling, "_set_worker_pids", recording)
+    pin = loader(Indexed(8), pool, sampler=RefusesToStart())
+    for _ in range(2):  # (the loader is usable after: the next epoch raises the same)
+        with deadline(60), pytest.raises(ValueError, match="refuses to start") as info:
+            iter(pin)
+        forget(info)
+    assert len(registered) == 2
+    # Nothing registered is left: the half-made iterator's id, which a later iterator may
+    # be given (torch refuses an id registered twice), and its dead workers, which torch's
+    # SIGCHLD check would report as failed.
+    for iterator_id in registered:
+        with pytest.raises(ValueError, match="Cannot find worker information"):
+            torch._C._remove_worker_pids(iterator_id)
+    del pin, info
     assert_no_leaks(before, pool)
 
 

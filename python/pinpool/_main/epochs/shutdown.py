@@ -67,13 +67,18 @@ def shutting_down_python() -> bool:
 
 def abandon_half_made(it: Any) -> None:
     """Undoes what torch's ``__init__`` made of an iterator before it raised: its workers
-    stopped (told to, then killed) and reaped, its queues closed; the iterator then counts as
-    shut down (its finalizer does nothing). Nothing here raises: the ``__init__``'s error is
-    the one the caller gets."""
+    unregistered from torch's SIGCHLD check (keyed by the iterator's id, which a later
+    iterator may be given: torch refuses an id registered twice), stopped (told to, then
+    killed) and reaped, its pin thread stopped as torch's shutdown stops it, its queues
+    closed; the iterator then counts as shut down (its finalizer does nothing). Nothing here
+    raises: the ``__init__``'s error is the one the caller gets."""
     d = it.__dict__
     d["_pinpool_shut_down"] = True
     d["_shutdown"] = True
     try:
+        if d.get("_worker_pids_set"):  # (torch's _reset raised: a sampler refused to start)
+            d["_worker_pids_set"] = False
+            remove_worker_pids(id(it))
         done = d.get("_workers_done_event")
         if done is not None:
             done.set()
@@ -81,6 +86,11 @@ def abandon_half_made(it: Any) -> None:
             if w.pid is not None and w.exitcode is None:
                 w.kill()
             w.join(mp_status_check_interval())
+        pin_thread = d.get("_pin_memory_thread")
+        if pin_thread is not None:
+            d["_pin_memory_thread_done_event"].set()
+            d["_worker_result_queue"].put((None, None))  # (wakes it from its wait)
+            pin_thread.join(mp_status_check_interval())
         for q in (*d.get("_index_queues", ()), d.get("_worker_result_queue")):
             if q is not None:
                 q.cancel_join_thread()
