@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import fake_pin_thread, open_fd_count
+from conftest import fake_pin_thread, open_fds
 from loader_datasets import Indexed, Sized
 
 import pinpool
@@ -29,7 +29,7 @@ from pinpool._native import PipeWriter
 
 def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     ctx = multiprocessing.get_context("fork")
-    before = open_fd_count()
+    before = open_fds()
     q = ctx.Queue()
     assert write_directly(q)
     assert isinstance(q, DirectQueue)
@@ -55,19 +55,19 @@ def test_a_direct_queue_keeps_order_and_never_starts_a_feeder() -> None:
     q.join_thread()
     del q
     gc.collect()
-    assert open_fd_count() == before
+    assert open_fds() <= before
 
 
 def test_a_direct_queue_closes_every_descriptor_on_close() -> None:
     ctx = multiprocessing.get_context("fork")
-    before = open_fd_count()
+    before = open_fds()
     q = ctx.Queue()
     assert write_directly(q)
     q.put("one")
     assert q.get(timeout=5) == "one"
-    assert open_fd_count() == before + 3  # the pipe's two ends and the writer's own
+    assert len(open_fds() - before) == 3  # the pipe's two ends and the writer's own
     q.close()
-    assert open_fd_count() == before, "a descriptor outlived close()"
+    assert open_fds() <= before, "a descriptor outlived close()"
     with pytest.raises(ValueError):
         q.put("after close")
 
@@ -96,7 +96,7 @@ def test_a_direct_queue_in_a_reference_cycle_closes_each_descriptor_once() -> No
     descriptor is closed once the cycle is gone; also when the queue is never closed."""
     ctx = multiprocessing.get_context("fork")
     lost: list[BaseException] = []
-    before = open_fd_count()
+    before = open_fds()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "unraisablehook", lambda u: lost.append(u.exc_value))
         for closer in (True, False):
@@ -110,14 +110,14 @@ def test_a_direct_queue_in_a_reference_cycle_closes_each_descriptor_once() -> No
                 gc.collect()
     assert lost == []
     deadline = time.monotonic() + 10
-    while open_fd_count() != before and time.monotonic() < deadline:
+    while not open_fds() <= before and time.monotonic() < deadline:
         time.sleep(0.01)  # (each writer's thread closes its own descriptor as it ends)
-    assert open_fd_count() == before
+    assert open_fds() <= before
 
 
 def test_close_gives_up_a_full_pipe_nobody_reads() -> None:
     """A worker that died with indices still queued: close() neither hangs nor leaks."""
-    before = open_fd_count()
+    before = open_fds()
     q = multiprocessing.get_context("fork").Queue()
     fcntl.fcntl(q._writer.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
     assert write_directly(q)
@@ -127,7 +127,7 @@ def test_close_gives_up_a_full_pipe_nobody_reads() -> None:
     q.close()
     assert time.perf_counter() - t < 2.0
     assert q._pinpool_writer.written < 20
-    assert open_fd_count() == before
+    assert open_fds() <= before
 
 
 def test_only_an_unused_multiprocessing_queue_is_turned() -> None:
