@@ -31,11 +31,10 @@ impl Pool {
     pub fn new(config: &PoolConfig) -> Result<Arc<Self>> {
         let slot_bytes = Self::checked_slot_bytes(config)?;
         let arena_len = Self::arena_len(config, slot_bytes)?;
-        SlotTable::check_len(config.num_slots)?; // before any memory is taken
-                                                 // The pools dropped before give their memory
-                                                 // back first (the freeing thread may lag behind
-                                                 // a loop that makes loaders), and one of this
-                                                 // shape gives its arena.
+        // Before any memory is taken.
+        SlotTable::check_len(config.num_slots)?;
+        // The pools dropped before give their memory back first (the freeing thread may lag
+        // behind a loop that makes loaders), and one of this shape gives its arena.
         threads::wait_for_pools_let_go(LET_GO_AT_MOST);
         freeing::catch_up(CATCH_UP_AT_MOST);
         let (device, backend) = (config.device, config.backend);
