@@ -65,6 +65,15 @@ def shutting_down_python() -> bool:
     return status is True or status is None
 
 
+def unregister_workers(it: Any) -> None:
+    """Takes the workers of torch's iterator ``it`` out of torch's SIGCHLD check, where they
+    are registered under the iterator's id (torch refuses an id registered twice): from here
+    on torch's handler raises nothing for them."""
+    if it.__dict__.get("_worker_pids_set"):
+        remove_worker_pids(id(it))
+        it.__dict__["_worker_pids_set"] = False
+
+
 def abandon_half_made(it: Any) -> None:
     """Undoes what torch's ``__init__`` made of an iterator before it raised: its workers
     unregistered from torch's SIGCHLD check (keyed by the iterator's id, which a later
@@ -76,9 +85,7 @@ def abandon_half_made(it: Any) -> None:
     d["_pinpool_shut_down"] = True
     d["_shutdown"] = True
     try:
-        if d.get("_worker_pids_set"):  # (torch's _reset raised: a sampler refused to start)
-            d["_worker_pids_set"] = False
-            remove_worker_pids(id(it))
+        unregister_workers(it)  # (torch's _reset raised: a sampler refused to start)
         done = d.get("_workers_done_event")
         if done is not None:
             done.set()
@@ -105,10 +112,7 @@ def reap_workers(it: Any) -> None:
     interval is killed."""
     if shutting_down_python():
         return
-    if getattr(it, "_worker_pids_set", False):
-        # From here on torch's SIGCHLD handler no longer raises for these workers.
-        remove_worker_pids(id(it))
-        it._worker_pids_set = False
+    unregister_workers(it)
     workers = list(getattr(it, "_workers", ()))
     pending = [w for w in workers if w.pid is not None and not _reaped(w)]
     if not pending:

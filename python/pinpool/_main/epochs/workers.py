@@ -39,7 +39,6 @@ from ..._torch_contract import (
     MultiProcessingIter,
     mp_status_check_interval,
     profiler_enabled,
-    remove_worker_pids,
     serialize_polls,
 )
 from ..._wire.handle import BatchHandle, WorkerProgress
@@ -56,6 +55,7 @@ from .shutdown import (
     reap_workers,
     shut_down,
     shutting_down_python,
+    unregister_workers,
 )
 
 __all__ = ["WORKERS_LOOKED_AT_S", "WorkersIter", "close_loader", "shut_down"]
@@ -203,9 +203,7 @@ class WorkersIter(MultiProcessingIter):
         workers' pids leave torch's SIGCHLD check first: their exits no longer concern the
         training thread, whose batches are all in (or whose iterator is being collected)."""
         t0 = _trace.on and _trace.now()
-        if getattr(self, "_worker_pids_set", False):
-            remove_worker_pids(id(self))
-            self._worker_pids_set = False
+        unregister_workers(self)
         self.__dict__["_pinpool_then"] = []
         self.__dict__["_pinpool_ended"] = ending_thread.hand_over(self._finish_ending)
         if t0:
