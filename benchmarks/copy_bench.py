@@ -31,10 +31,10 @@ def measure(mib: int, threads: list[int], repeats: int) -> dict[int, float]:
         cache = pinpool._native.SegmentCache(pool)
         cache.insert((1, 1), os.dup(seg.fd), seg.total_len, seg.nonce)
         with pool.checkout() as slot:
-            cache.copy_to_slot((1, 1), slot, [(0, 0, nbytes)])
+            cache.copy((1, 1), slot, [(0, 0, nbytes)])
             t0 = time.perf_counter()
             for _ in range(repeats):
-                cache.copy_to_slot((1, 1), slot, [(0, 0, nbytes)])
+                cache.copy((1, 1), slot, [(0, 0, nbytes)])
             out[n] = nbytes * repeats / (time.perf_counter() - t0) / 1e9
         del cache
         pool.close()

@@ -194,17 +194,19 @@ class Slot:
         shape: SupportsIndex | Sequence[SupportsIndex],
         offset: SupportsIndex = 0,
     ) -> torch.Tensor | npt.NDArray[Any]: ...
-    def copy_to_device(self, target: Any, nbytes: int, stream: Any) -> Sent:
+    @overload
+    def send(
+        self, target: Any, nbytes: int, stream: Any, *, then_release: Literal[False] = False
+    ) -> Sent: ...
+    @overload
+    def send(self, target: Any, nbytes: int, stream: Any, *, then_release: Literal[True]) -> None:
         """Queues a copy of the slot's first ``nbytes`` bytes to ``target`` (a contiguous CUDA
         tensor on the pool's device with at least ``nbytes`` bytes) on ``stream`` (a
-        ``torch.cuda.Stream`` or a raw ``CUstream`` int), and an event after it. Keep
-        ``target`` alive until the copy has run, and release the slot fenced on ``stream``."""
-    def send_then_release(self, target: Any, nbytes: int, stream: Any) -> None:
-        """Queues a copy of the slot's first ``nbytes`` bytes to ``target`` on ``stream`` (as
-        ``copy_to_device``), then releases the slot fenced on ``stream``: work queued on
-        ``stream`` afterwards sees the copy done. Keep ``target`` alive until then. Unlike
-        ``copy_to_device``, it keeps the GIL while the driver queues the copy (microseconds):
-        the training thread's call, which would otherwise hand the GIL to another thread."""
+        ``torch.cuda.Stream`` or a raw ``CUstream`` int); keep ``target`` alive until it has
+        run. Returns the ``Sent`` (an event after the copy; release the slot fenced on
+        ``stream``), or, with ``then_release=True``, releases the slot fenced on ``stream``
+        itself, keeping the GIL while the driver queues the copy (microseconds): the training
+        thread's call, which would otherwise hand the GIL to another thread."""
     def release(self, stream: Any = None) -> None: ...
     def __enter__(self) -> Slot: ...
     def __exit__(
@@ -337,7 +339,8 @@ class WorkerSegment:
 
 @final
 class Copying:
-    """A copy into a slot running on a copy thread (``SegmentCache.copy_to_slot_then_release``)."""
+    """A copy into a slot running on a copy thread (``SegmentCache.copy`` with
+    ``then_hand_back=True``)."""
 
     @property
     def done(self) -> bool:
@@ -346,13 +349,12 @@ class Copying:
         """Returns once the copy has finished (waiting without the GIL)."""
     def sent(self) -> Sent:
         """Waits for the copy, then returns the copy to the device queued after it
-        (``SegmentCache.copy_to_device_then_release``), or raises what queuing it raised.
+        (``SegmentCache.copy``'s ``send=``), or raises what queuing it raised.
         Once."""
 
 @final
 class Sent:
-    """A copy to the device queued by ``SegmentCache.copy_to_device`` or
-    ``Slot.copy_to_device``."""
+    """A copy to the device queued by ``SegmentCache.copy`` (``send=``) or ``Slot.send``."""
 
     @property
     def done(self) -> bool:
@@ -462,7 +464,7 @@ class SegmentCache:
     them into ``pool``'s slots or any writable buffer.
 
     Use it in the process that owns ``pool``. Per batch: ``insert`` a segment the first time it
-    arrives, ``copy_to_slot``/``copy_to_buffer``, then ``hand_back`` it to its producer;
+    arrives, ``copy`` from it, then ``hand_back`` it to its producer;
     ``retire``/``retire_all`` forget segments. Any thread may call any method; copies of 1 MiB
     and more run without the GIL. Retired, replaced or collected segments are unmapped on the
     pool's reclaimer thread (``pool.flush()`` waits for it). Raises ``PoolClosed`` if ``pool``
@@ -480,53 +482,52 @@ class SegmentCache:
         """Whether a segment is mapped under ``key``."""
     def __len__(self) -> int:
         """Segments mapped."""
-    def copy_to_slot(
-        self, key: tuple[int, int], slot: Slot, ranges: Sequence[tuple[int, int, int]]
-    ) -> int:
+    @overload
+    def copy(
+        self,
+        key: tuple[int, int],
+        into: Slot | Any,
+        ranges: Sequence[tuple[int, int, int]],
+        *,
+        then_hand_back: Literal[False] = False,
+        send: None = None,
+    ) -> int: ...
+    @overload
+    def copy(
+        self,
+        key: tuple[int, int],
+        into: Slot,
+        ranges: Sequence[tuple[int, int, int]],
+        *,
+        then_hand_back: Literal[False] = False,
+        send: tuple[Any, int, Any],
+    ) -> Sent: ...
+    @overload
+    def copy(
+        self,
+        key: tuple[int, int],
+        into: Slot,
+        ranges: Sequence[tuple[int, int, int]],
+        *,
+        then_hand_back: Literal[True],
+        send: tuple[Any, int, Any] | None = None,
+    ) -> Copying:
         """Copies ``(src_offset, dst_offset, nbytes)`` ranges from the data area of ``key``
-        into ``slot``; returns the bytes copied. All ranges are checked first: sources within
-        the capacity (``OutOfBounds``), destinations within the slot (``BatchTooLarge``) and
-        disjoint (``InvalidArgument``). The slot must be this pool's and unreleased; it is
-        pinned for the copy. The segment stays in flight until ``hand_back(key)``."""
-    def copy_to_buffer(
-        self, key: tuple[int, int], buffer: Any, ranges: Sequence[tuple[int, int, int]]
-    ) -> int:
-        """As ``copy_to_slot``, into any writable C-contiguous buffer, without the GIL."""
-    def copy_to_slot_then_release(
-        self, key: tuple[int, int], slot: Slot, ranges: Sequence[tuple[int, int, int]]
-    ) -> Copying:
-        """As ``copy_to_slot``, but the copy runs on one of the pool's copy threads: the
-        ranges are checked (raising as ``copy_to_slot`` does, nothing queued), then it returns
-        at once. After the copy the segment is handed back to its producer on that thread (do
-        not ``hand_back(key)`` too). Until then the slot stays out of the pool, whatever
-        releases it meanwhile. Read the slot only after ``Copying.wait()``."""
-    def copy_to_device(
-        self,
-        key: tuple[int, int],
-        slot: Slot,
-        ranges: Sequence[tuple[int, int, int]],
-        target: Any,
-        nbytes: int,
-        stream: Any,
-    ) -> Sent:
-        """As ``copy_to_slot`` (without the GIL), then queues a copy of the slot's first
-        ``nbytes`` bytes into ``target`` (a contiguous CUDA tensor on the pool's device with at
-        least ``nbytes`` bytes, kept alive until the copy has run) on ``stream``. Release the
-        slot fenced on ``stream`` after the call. Pools the driver pinned only."""
-    def copy_to_device_then_release(
-        self,
-        key: tuple[int, int],
-        slot: Slot,
-        ranges: Sequence[tuple[int, int, int]],
-        target: Any,
-        nbytes: int,
-        stream: Any,
-    ) -> Copying:
-        """As ``copy_to_slot_then_release``, and then, on that copy thread, as
-        ``copy_to_device``: returns at once; ``Copying.sent()`` gives the ``Sent``. Release
-        the slot fenced on ``stream`` after the call (the release waits for the copy thread,
-        so its fence comes after the send); keep ``target`` alive until the ``Sent`` is
-        waited for. Pools the driver pinned only."""
+        into ``into``: a slot of this pool, or any writable C-contiguous buffer. All ranges
+        are checked first: sources within the capacity (``OutOfBounds``), destinations within
+        ``into`` (``BatchTooLarge``) and disjoint (``InvalidArgument``); a slot must be this
+        pool's and unreleased, and is held for the copy.
+
+        - No option: the copy, here; returns the bytes copied. The segment stays in flight
+          until ``hand_back(key)``.
+        - ``send=(target, nbytes, stream)`` (a slot of a pool the driver pinned): then a copy
+          of the slot's first ``nbytes`` bytes into ``target`` (a contiguous CUDA tensor on
+          the pool's device, kept alive until the copy has run) queued on ``stream``; returns
+          the ``Sent``. Release the slot fenced on ``stream`` after the call.
+        - ``then_hand_back=True`` (a slot): the copy (and the send) runs on a copy thread,
+          which then hands the segment back (do not ``hand_back(key)`` too); returns a
+          ``Copying`` at once (``Copying.sent()`` gives the ``Sent``). Until then the slot
+          stays out of the pool. Read the slot only after ``Copying.wait()``."""
     def hand_back(self, key: tuple[int, int]) -> None:
         """Marks segment ``key`` free for its producer's next ``try_begin()``; only once the
         last copy of the batch has returned. It stays mapped. Unknown keys raise."""

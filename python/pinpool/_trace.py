@@ -87,8 +87,8 @@ EVENTS: dict[str, str] = {
     "full (span; nbytes, ahead, got: 'slot', 'later' or 'overflow')",
     "batch.copy": "the batch's bytes put in its slot (span; nbytes, how: 'slot' copied now, "
     "'background' started on a copy thread, 'buffer' copied into ordinary memory, 'pieces' "
-    "copied into several slots, 'device' left for batch.send, 'local' written from this "
-    "process with num_workers=0)",
+    "copied into several slots, 'local' written from this process with num_workers=0; a "
+    "batch copied on its way to the device has batch.send instead)",
     "batch.deliver": "the batch rebuilt over its memory: CPU views, or started on its way to "
     "the device (span; nbytes)",
     "batch.send": "a slot's bytes (a segment's, copied in on the way) sent to the device in "

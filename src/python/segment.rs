@@ -18,6 +18,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::IntoPyObjectExt;
 
 use super::convert::{guarded, to_py, IntoPy};
 use super::pool::PyPinPool;
@@ -28,11 +29,11 @@ use crate::pool::fill_and_send::Sending;
 use crate::transfer::copy::{CopyRange, Copying};
 use crate::transport::segment::{SegmentCache, WorkerSegment};
 
-/// A copy into a slot running on a copy thread (`SegmentCache.copy_to_slot_then_release`).
+/// A copy into a slot running on a copy thread (`SegmentCache.copy(..., then_hand_back=True)`).
 #[pyclass(name = "Copying", module = "pinpool._native", frozen)]
 pub struct PyCopying {
     done: Arc<Copying>,
-    /// Where the copy to the device queued after it lands (`copy_to_device_then_release`).
+    /// Where the copy to the device queued after it lands (`copy`'s `send=`).
     sending: Option<Arc<Sending>>,
 }
 
@@ -52,7 +53,7 @@ impl PyCopying {
     }
 
     /// Waits for the copy (without the GIL), then returns the copy to the device queued
-    /// after it (`copy_to_device_then_release`), or raises what queuing it raised. Once.
+    /// after it (`SegmentCache.copy`'s `send=`), or raises what queuing it raised. Once.
     fn sent(&self, py: Python<'_>) -> PyResult<PySent> {
         self.wait(py);
         let outcome = self.sending.as_ref().and_then(|s| s.take());
@@ -243,7 +244,7 @@ impl PyWorkerSegment {
 ///
 /// Use it in the process that owns `pool` (a forked child's copies are refused). Per batch:
 /// `insert` a segment the first time it arrives (it stays mapped for later batches),
-/// `copy_to_slot` / `copy_to_buffer` what the producer wrote, then `hand_back` it so the
+/// `copy` what the producer wrote into a slot or a buffer, then `hand_back` it so the
 /// producer can begin its next batch there; `retire` / `retire_all` forget segments (a
 /// producer gone, a segment replaced). Every method may be called from any thread; copies of
 /// 1 MiB and more run without the GIL on the pool's copy threads. A retired, replaced or collected
@@ -306,162 +307,70 @@ impl PySegmentCache {
     }
 
     /// Copies `(src_offset, dst_offset, nbytes)` ranges from the data area of segment `key`
-    /// (offset 0 is its first data byte) into `slot`; returns the bytes copied.
+    /// (offset 0 is its first data byte) into `into`: a slot of this cache's pool, or any
+    /// writable, C-contiguous buffer (a `bytearray`, a numpy array). The one copy out of a
+    /// segment; its options say what follows the copy and where it runs:
     ///
-    /// Every range is checked before anything is copied: sources must lie within the
-    /// segment's capacity (`OutOfBounds`), destinations within the slot (`BatchTooLarge`)
-    /// and not overlap each other (`InvalidArgument`). The slot must be one of this cache's
-    /// pool, unreleased (`SlotReleased`); it is held for the copy, so a concurrent
-    /// `release()` waits for its end. An unknown `key` is `InvalidArgument`. Copies of 1 MiB
-    /// or more release the GIL and use the pool's copy threads. The segment stays in flight:
-    /// call `hand_back(key)` once no more copies of this batch are needed.
-    fn copy_to_slot(
+    /// - none: the copy, here (from 1 MiB without the GIL, on the pool's copy threads; into a
+    ///   buffer always without it); returns the bytes copied. The segment stays in flight:
+    ///   `hand_back(key)` once no more copies of this batch are needed.
+    /// - `send=(target, nbytes, stream)` (into a slot of a pool whose memory the driver
+    ///   pinned): then a copy of the slot's first `nbytes` bytes into `target` (a contiguous
+    ///   CUDA tensor on the pool's device with at least `nbytes` bytes) queued on `stream` (a
+    ///   `torch.cuda.Stream` or a raw `CUstream` int), and an event after it; returns a
+    ///   `Sent`. Keep `target` alive until the `Sent` is waited for; release the slot fenced
+    ///   on `stream` after this call.
+    /// - `then_hand_back=True` (into a slot): the copy (and the send, if asked) runs on one of
+    ///   the pool's copy threads, which then hands the segment back (do not call `hand_back`
+    ///   too); returns a `Copying` at once, whose `sent()` gives the `Sent`. Until the copy
+    ///   is done the slot stays out of the pool: a release meanwhile takes effect then. Read
+    ///   the slot only after `Copying.wait()`.
+    ///
+    /// Every range is checked before anything is copied or queued: sources within the
+    /// segment's capacity (`OutOfBounds`), destinations within `into` (`BatchTooLarge`), not
+    /// overlapping each other (`InvalidArgument`). A slot must be one of this cache's pool and
+    /// unreleased (`SlotReleased`); it is held for the copy, so a concurrent `release()` waits
+    /// for its end. An unknown `key`, a read-only or non-contiguous buffer, an option with a
+    /// buffer, or a `target` that does not qualify is `InvalidArgument`.
+    #[pyo3(signature = (key, into, ranges, *, then_hand_back = false, send = None))]
+    fn copy<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         key: (u64, u32),
-        slot: &Bound<'_, PySlot>,
+        into: &Bound<'py, PyAny>,
         ranges: Vec<(usize, usize, usize)>,
-    ) -> PyResult<usize> {
+        then_hand_back: bool,
+        send: Option<(Bound<'py, PyAny>, usize, Bound<'py, PyAny>)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         guarded(|| {
             let ranges = copy_ranges(ranges);
-            let slot = slot.get();
-            let _hold = slot.hold(py, self.cache.pool())?;
-            let id = slot.id();
-            let total = ranges.iter().fold(0usize, |n, r| n.saturating_add(r.len));
-            if total < crate::transfer::copy::KEEP_GIL_MAX {
-                return self.cache.copy_to_slot(key, id, &ranges).py(py);
+            let Ok(slot) = into.cast::<PySlot>() else {
+                if then_hand_back || send.is_some() {
+                    let what = "then_hand_back= and send= copy into a slot, not a buffer";
+                    return Err(to_py(py, Error::Invalid(what.into())));
+                }
+                return self.copy_to_buffer(py, key, into, &ranges)?.into_bound_py_any(py);
+            };
+            match (then_hand_back, send) {
+                (false, None) => self.copy_to_slot(py, key, slot, &ranges)?.into_bound_py_any(py),
+                (false, Some((target, nbytes, stream))) => self
+                    .copy_to_device(py, key, slot, &ranges, (&target, nbytes, &stream))?
+                    .into_bound_py_any(py),
+                (true, None) => {
+                    let hold = slot.get().hold_owned(py, self.cache.pool())?;
+                    let done = self.cache.copy_to_slot_then_hand_back(key, hold, &ranges).py(py)?;
+                    PyCopying { done, sending: None }.into_bound_py_any(py)
+                }
+                (true, Some((target, nbytes, stream))) => self
+                    .copy_to_device_then_hand_back(
+                        py,
+                        key,
+                        slot,
+                        &ranges,
+                        (&target, nbytes, &stream),
+                    )?
+                    .into_bound_py_any(py),
             }
-            py.detach(|| self.cache.copy_to_slot(key, id, &ranges)).py(py)
-        })
-    }
-
-    /// As `copy_to_slot` (without the GIL), then queues a copy of the slot's first `nbytes`
-    /// bytes into `target` on `stream` (a `torch.cuda.Stream` or a raw `CUstream` int) and
-    /// records an event after it; returns a `Sent`. `target` must be a contiguous CUDA tensor
-    /// on the pool's device with at least `nbytes` bytes, kept alive by the caller until the
-    /// copy has run (hold it until the `Sent` is waited for). Release the slot fenced on
-    /// `stream` after this call. Only for a pool whose memory the driver pinned
-    /// (`InvalidArgument` otherwise, or for a `target` that does not qualify).
-    #[pyo3(signature = (key, slot, ranges, target, nbytes, stream))]
-    #[allow(clippy::too_many_arguments)]
-    fn copy_to_device(
-        &self,
-        py: Python<'_>,
-        key: (u64, u32),
-        slot: &Bound<'_, PySlot>,
-        ranges: Vec<(usize, usize, usize)>,
-        target: &Bound<'_, PyAny>,
-        nbytes: usize,
-        stream: &Bound<'_, PyAny>,
-    ) -> PyResult<PySent> {
-        guarded(|| {
-            let ranges = copy_ranges(ranges);
-            let (dst, stream) = send_target(py, self.cache.pool(), target, nbytes, stream)?;
-            let slot = slot.get();
-            let _hold = slot.hold(py, self.cache.pool())?;
-            let id = slot.id();
-            // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
-            // at least `nbytes` bytes (checked above), which the caller keeps alive until the
-            // copy has run and releases the slot fenced on `stream` after this call (the
-            // method's documented contract).
-            let event = py
-                .detach(|| unsafe {
-                    self.cache.copy_to_device(key, id, &ranges, dst, nbytes, stream)
-                })
-                .py(py)?;
-            Ok(PySent::new(event))
-        })
-    }
-
-    /// As `copy_to_slot`, but the copy runs on one of the pool's copy threads: every range is
-    /// checked (raising as `copy_to_slot` does, with nothing queued), then the call returns a
-    /// `Copying` at once. On the copy thread, after the copy, the segment is handed back to
-    /// its producer, as `hand_back(key)` does (do not call that too). Until the copy is done
-    /// the slot stays out of the pool: releasing it, or its last view dying, meanwhile only
-    /// takes effect then. Read the slot only after `Copying.wait()` has returned.
-    fn copy_to_slot_then_release(
-        &self,
-        py: Python<'_>,
-        key: (u64, u32),
-        slot: &Bound<'_, PySlot>,
-        ranges: Vec<(usize, usize, usize)>,
-    ) -> PyResult<PyCopying> {
-        guarded(|| {
-            let ranges = copy_ranges(ranges);
-            let hold = slot.get().hold_owned(py, self.cache.pool())?;
-            let done = self.cache.copy_to_slot_then_hand_back(key, hold, &ranges).py(py)?;
-            Ok(PyCopying { done, sending: None })
-        })
-    }
-
-    /// As `copy_to_slot_then_release`, and then, on that copy thread, as `copy_to_device`
-    /// does: a copy of the slot's first `nbytes` bytes into `target` queued on `stream`, and
-    /// an event after it. Returns a `Copying` at once; its `sent()` gives the `Sent` (or
-    /// raises what queuing the copy raised). Release the slot fenced on `stream` after this
-    /// call: the release waits for the copy thread, so its fence comes after the send. Keep
-    /// `target` alive until the `Sent` is waited for.
-    #[pyo3(signature = (key, slot, ranges, target, nbytes, stream))]
-    #[allow(clippy::too_many_arguments)]
-    fn copy_to_device_then_release(
-        &self,
-        py: Python<'_>,
-        key: (u64, u32),
-        slot: &Bound<'_, PySlot>,
-        ranges: Vec<(usize, usize, usize)>,
-        target: &Bound<'_, PyAny>,
-        nbytes: usize,
-        stream: &Bound<'_, PyAny>,
-    ) -> PyResult<PyCopying> {
-        guarded(|| {
-            let ranges = copy_ranges(ranges);
-            let (dst, stream) = send_target(py, self.cache.pool(), target, nbytes, stream)?;
-            let hold = slot.get().hold_owned(py, self.cache.pool())?;
-            // The target stays alive until the copy to it is queued, whatever the caller
-            // drops meanwhile (a reference dropped on the copy thread: Python lets go of it
-            // the next time a thread attaches).
-            let keep = target.clone().unbind();
-            // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with
-            // at least `nbytes` bytes (checked above), kept alive by `keep` until the copy is
-            // queued and by the caller until it has run; the caller releases the slot fenced
-            // on `stream` after this call (the method's documented contract).
-            let (done, sending) = unsafe {
-                self.cache
-                    .copy_to_device_then_hand_back(key, hold, &ranges, dst, nbytes, stream, keep)
-            }
-            .py(py)?;
-            Ok(PyCopying { done, sending: Some(sending) })
-        })
-    }
-
-    /// As `copy_to_slot`, into any writable, C-contiguous buffer instead (a `bytearray`, a
-    /// numpy array, a CPU tensor's numpy view), always without the GIL; returns the bytes
-    /// copied. Destinations are checked against the buffer's length (`BatchTooLarge`); a
-    /// read-only or non-contiguous buffer is `InvalidArgument`. Nothing else may use the
-    /// buffer during the call.
-    fn copy_to_buffer(
-        &self,
-        py: Python<'_>,
-        key: (u64, u32),
-        buffer: &Bound<'_, PyAny>,
-        ranges: Vec<(usize, usize, usize)>,
-    ) -> PyResult<usize> {
-        guarded(|| {
-            let ranges = copy_ranges(ranges);
-            let buf = PyBuffer::<u8>::get(buffer)?;
-            if buf.readonly() || !buf.is_c_contiguous() {
-                return Err(to_py(
-                    py,
-                    Error::Invalid("the target buffer must be writable and C-contiguous".into()),
-                ));
-            }
-            let (dst, len) = (buf.buf_ptr() as usize, buf.len_bytes());
-            // SAFETY: `buf` keeps the exporter's memory alive and writable for this call; we
-            // are its only writer while we hold the export (the caller's contract, as for any
-            // buffer-filling function), and the segment mapping cannot alias it.
-            let n = py
-                .detach(|| unsafe { self.cache.copy_to_memory(key, dst as *mut u8, len, &ranges) });
-            drop(buf);
-            n.py(py)
         })
     }
 
@@ -485,5 +394,98 @@ impl PySegmentCache {
     #[pyo3(signature = (worker = None))]
     fn retire_all(&self, worker: Option<u64>) -> usize {
         self.cache.retire_all(worker)
+    }
+}
+
+/// What `SegmentCache.copy` sends on to the device: `(target, nbytes, stream)`.
+type SendTo<'a, 'py> = (&'a Bound<'py, PyAny>, usize, &'a Bound<'py, PyAny>);
+
+/// The ways of `SegmentCache.copy` (see there).
+impl PySegmentCache {
+    fn copy_to_slot(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        slot: &Bound<'_, PySlot>,
+        ranges: &[CopyRange],
+    ) -> PyResult<usize> {
+        let slot = slot.get();
+        let _hold = slot.hold(py, self.cache.pool())?;
+        let id = slot.id();
+        let total = ranges.iter().fold(0usize, |n, r| n.saturating_add(r.len));
+        if total < crate::transfer::copy::KEEP_GIL_MAX {
+            return self.cache.copy_to_slot(key, id, ranges).py(py);
+        }
+        py.detach(|| self.cache.copy_to_slot(key, id, ranges)).py(py)
+    }
+
+    fn copy_to_device(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        slot: &Bound<'_, PySlot>,
+        ranges: &[CopyRange],
+        (target, nbytes, stream): SendTo<'_, '_>,
+    ) -> PyResult<PySent> {
+        let (dst, stream) = send_target(py, self.cache.pool(), target, nbytes, stream)?;
+        let slot = slot.get();
+        let _hold = slot.hold(py, self.cache.pool())?;
+        let id = slot.id();
+        // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with at
+        // least `nbytes` bytes (checked above), which the caller keeps alive until the copy has
+        // run and releases the slot fenced on `stream` after this call (`copy`'s contract).
+        let event = py
+            .detach(|| unsafe { self.cache.copy_to_device(key, id, ranges, dst, nbytes, stream) })
+            .py(py)?;
+        Ok(PySent::new(event))
+    }
+
+    fn copy_to_device_then_hand_back(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        slot: &Bound<'_, PySlot>,
+        ranges: &[CopyRange],
+        (target, nbytes, stream): SendTo<'_, '_>,
+    ) -> PyResult<PyCopying> {
+        let (dst, stream) = send_target(py, self.cache.pool(), target, nbytes, stream)?;
+        let hold = slot.get().hold_owned(py, self.cache.pool())?;
+        // The target stays alive until the copy to it is queued, whatever the caller drops
+        // meanwhile (a reference dropped on the copy thread: Python lets go of it the next
+        // time a thread attaches).
+        let keep = target.clone().unbind();
+        // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with at
+        // least `nbytes` bytes (checked above), kept alive by `keep` until the copy is queued
+        // and by the caller until it has run; the caller releases the slot fenced on `stream`
+        // after this call (`copy`'s contract).
+        let (done, sending) = unsafe {
+            self.cache.copy_to_device_then_hand_back(key, hold, ranges, dst, nbytes, stream, keep)
+        }
+        .py(py)?;
+        Ok(PyCopying { done, sending: Some(sending) })
+    }
+
+    fn copy_to_buffer(
+        &self,
+        py: Python<'_>,
+        key: (u64, u32),
+        buffer: &Bound<'_, PyAny>,
+        ranges: &[CopyRange],
+    ) -> PyResult<usize> {
+        let buf = PyBuffer::<u8>::get(buffer)?;
+        if buf.readonly() || !buf.is_c_contiguous() {
+            return Err(to_py(
+                py,
+                Error::Invalid("the target buffer must be writable and C-contiguous".into()),
+            ));
+        }
+        let (dst, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+        // SAFETY: `buf` keeps the exporter's memory alive and writable for this call; we are
+        // its only writer while we hold the export (the caller's contract, as for any
+        // buffer-filling function), and the segment mapping cannot alias it.
+        let n =
+            py.detach(|| unsafe { self.cache.copy_to_memory(key, dst as *mut u8, len, ranges) });
+        drop(buf);
+        n.py(py)
     }
 }

@@ -1,5 +1,5 @@
-//! `Sent`: a copy to the device queued without the GIL (by `SegmentCache.copy_to_device` or
-//! `Slot.copy_to_device`), and the check of the CUDA tensor such a copy writes into.
+//! `Sent`: a copy to the device queued without the GIL (by `SegmentCache.copy` with `send=`,
+//! or `Slot.send`), and the check of the CUDA tensor such a copy writes into.
 //!
 //! Invariants: a target is accepted only as a contiguous CUDA tensor on the pool's device with
 //! room for the copy; `Sent` only records and waits on the event after the copy.
@@ -38,7 +38,7 @@ pub(crate) fn pool_device(py: Python<'_>, pool: &Pool) -> PyResult<usize> {
 /// Checks that `target` is a contiguous CUDA tensor on `device` with at least `nbytes`
 /// bytes; returns its data's device address.
 fn device_target(target: &Bound<'_, PyAny>, device: usize, nbytes: usize) -> Result<u64, Error> {
-    let bad = |why: &str| Error::Invalid(format!("copy_to_device: the target {why}"));
+    let bad = |why: &str| Error::Invalid(format!("the device copy's target {why}"));
     let attr = |name: &str| target.getattr(name).map_err(|_| bad("is not a torch tensor"));
     if !attr("is_cuda")?.is_truthy().unwrap_or(false) {
         return Err(bad("is not a CUDA tensor"));
@@ -62,7 +62,7 @@ fn device_target(target: &Bound<'_, PyAny>, device: usize, nbytes: usize) -> Res
     Ok(ptr)
 }
 
-/// A copy to the device queued by `SegmentCache.copy_to_device` or `Slot.copy_to_device`:
+/// A copy to the device queued by `SegmentCache.copy` (`send=`) or `Slot.send`:
 /// the event recorded after it.
 #[pyclass(name = "Sent", module = "pinpool._native", frozen)]
 pub struct PySent {

@@ -55,11 +55,10 @@ impl PySlot {
         self.slot.hold_owned(pool).py(py)
     }
 
-    /// The copy of [`PySlot::copy_to_device`] and [`PySlot::send_then_release`]: queued on
-    /// `stream` with an event after it; returns the event and the raw stream. The caller
-    /// releases the slot fenced on that stream (or later). With `keep_gil`, the driver is
-    /// called with the GIL held (see [`PySlot::send_then_release`]).
-    fn send(
+    /// The copy of [`PySlot::send`]: queued on `stream` with an event after it; returns the
+    /// event and the raw stream. The caller releases the slot fenced on that stream (or
+    /// later). With `keep_gil`, the driver is called with the GIL held (`then_release=True`).
+    fn queue_send(
         &self,
         py: Python<'_>,
         target: &Bound<'_, PyAny>,
@@ -74,7 +73,7 @@ impl PySlot {
         // SAFETY: `dst` is the data of a contiguous CUDA tensor on the pool's device with at
         // least `nbytes` bytes (checked above), kept alive by the caller until the copy has
         // run; the slot is held while the copy is queued, and the caller releases it fenced
-        // on `stream`, behind the copy (both methods' documented contract).
+        // on `stream`, behind the copy (`send`'s documented contract).
         let send = || unsafe { pool.send(id, dst, nbytes, stream) };
         let event = match keep_gil {
             true => send(),
@@ -165,38 +164,34 @@ impl PySlot {
 
     /// Queues a copy of the slot's first `nbytes` bytes to `target` (a contiguous CUDA tensor
     /// on the pool's device with at least `nbytes` bytes) on `stream` (a `torch.cuda.Stream`
-    /// or a raw `CUstream` int), and an event after it; returns a `Sent`. Keep `target` alive
-    /// until the copy has run, and release the slot fenced on `stream` (or later).
-    fn copy_to_device(
-        &self,
-        py: Python<'_>,
-        target: &Bound<'_, PyAny>,
-        nbytes: usize,
-        stream: &Bound<'_, PyAny>,
-    ) -> PyResult<PySent> {
-        guarded(|| Ok(PySent::new(self.send(py, target, nbytes, stream, false)?.0)))
-    }
-
-    /// Queues a copy of the slot's first `nbytes` bytes to `target` (a contiguous CUDA tensor
-    /// on the pool's device with at least `nbytes` bytes) on `stream`, then returns the slot
-    /// to the pool fenced on that stream: one call for a batch sent on the stream that uses
-    /// it, with no event to wait for. Keep `target` alive until the copy has run (work queued
-    /// on `stream` after this call sees the copy done).
+    /// or a raw `CUstream` int). Keep `target` alive until the copy has run.
     ///
-    /// The driver is called with the GIL held: this is the training thread's call for a small
-    /// batch, and queuing a copy from pinned memory returns quickly, while a thread that gives
-    /// the GIL up there hands it to torch's pin thread, which keeps it for the whole of its next
-    /// step (the figures are in `docs/performance.md`).
-    fn send_then_release(
+    /// - `then_release=False`: an event is recorded after the copy, returned as a `Sent`, and
+    ///   the driver is called without the GIL; release the slot fenced on `stream` (or
+    ///   later).
+    /// - `then_release=True`: the slot then returns to the pool fenced on that stream, and
+    ///   nothing is returned: one call for a batch sent on the stream that uses it, with no
+    ///   event to wait for (work queued on `stream` after this call sees the copy done). The
+    ///   driver is called with the GIL held: this is the training thread's call for a small
+    ///   batch, and queuing a copy from pinned memory returns quickly, while a thread that
+    ///   gives the GIL up there hands it to torch's pin thread, which keeps it for the whole
+    ///   of its next step (the figures are in `docs/performance.md`).
+    #[pyo3(signature = (target, nbytes, stream, *, then_release = false))]
+    fn send(
         &self,
         py: Python<'_>,
         target: &Bound<'_, PyAny>,
         nbytes: usize,
         stream: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+        then_release: bool,
+    ) -> PyResult<Option<PySent>> {
         guarded(|| {
-            let (_, stream) = self.send(py, target, nbytes, stream, true)?;
-            self.slot.release(Some(stream)).py(py)
+            let (event, stream) = self.queue_send(py, target, nbytes, stream, then_release)?;
+            if !then_release {
+                return Ok(Some(PySent::new(event)));
+            }
+            self.slot.release(Some(stream)).py(py)?;
+            Ok(None)
         })
     }
 

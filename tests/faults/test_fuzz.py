@@ -961,10 +961,10 @@ def test_segment_headers(make_pool: Any) -> None:
                     assert seals & fcntl.F_SEAL_SHRINK, seals
                     ranges = copy_ranges(data, capacity, 2 * PAGE)
                     with pool.checkout() as slot:
-                        if accepted(lambda: cache.copy_to_slot(key, slot, ranges)) is not None:
+                        if accepted(lambda: cache.copy(key, slot, ranges)) is not None:
                             check_copied(fd, ranges, capacity, bytes(memoryview(slot)))
                     target = bytearray(data.draw(st.integers(0, 2 * PAGE), label="buffer"))
-                    if accepted(lambda: cache.copy_to_buffer(key, target, ranges)) is not None:
+                    if accepted(lambda: cache.copy(key, target, ranges)) is not None:
                         check_copied(fd, ranges, capacity, target)
                     cache.hand_back(key)
                     assert os.pread(fd, 4, 8) == bytes(4), "release() left the segment busy"

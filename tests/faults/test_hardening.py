@@ -94,7 +94,7 @@ def test_segments_that_can_shrink_are_refused(make_pool: Any, fd_count: Any) -> 
     with pool.checkout() as slot:
         with pytest.raises(OSError):
             os.ftruncate(ws.fd, 0)
-        assert cache.copy_to_slot((1, 0), slot, [(0, 0, 4096 // 2)]) == 2048
+        assert cache.copy((1, 0), slot, [(0, 0, 4096 // 2)]) == 2048
     cache.retire((1, 0))
     pool.flush()
     assert fd_count() == before

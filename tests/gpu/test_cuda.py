@@ -378,7 +378,7 @@ def test_non_blocking_copy_from_a_slot_is_asynchronous_and_correct(cuda_pool, gp
 
 
 def test_a_segment_copied_on_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
-    """``SegmentCache.copy_to_device``: the segment's bytes reach the device behind GPU work
+    """``SegmentCache.copy`` with ``send=``: the segment's bytes reach the device behind GPU work
     already queued on the stream, the call does not wait for it, ``Sent.make_wait`` orders
     another stream after it, and targets that do not qualify are refused."""
     n = 16 * MiB
@@ -397,7 +397,7 @@ def test_a_segment_copied_on_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> 
         with torch.cuda.stream(side):
             gpu_sleep(LONG_KERNEL_S)
         t0 = time.perf_counter()
-        sent = cache.copy_to_device((1, 0), slot, [(0, 0, n)], target, n, side)
+        sent = cache.copy((1, 0), slot, [(0, 0, n)], send=(target, n, side))
         call_s = time.perf_counter() - t0
         assert not sent.done, "the copy ran before the work queued ahead of it"
         assert call_s < LONG_KERNEL_S / 4, call_s
@@ -416,12 +416,12 @@ def test_a_segment_copied_on_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> 
             "not a tensor",
         ):
             with pytest.raises(InvalidArgument):
-                cache.copy_to_device((1, 0), slot, [(0, 0, n)], bad, n, side)
+                cache.copy((1, 0), slot, [(0, 0, n)], send=(bad, n, side))
     assert pool.stats()["slots_checked_out"] == 0
 
 
 def test_a_slot_copied_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
-    """``Slot.copy_to_device`` (a zero-copy batch, in its slot already): asynchronous behind
+    """``Slot.send`` (a zero-copy batch, in its slot already): asynchronous behind
     the stream's work, ordered by ``Sent.make_wait``, byte-exact; bad targets and a released
     slot are refused."""
     n = 16 * MiB
@@ -435,7 +435,7 @@ def test_a_slot_copied_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
     with torch.cuda.stream(side):
         gpu_sleep(LONG_KERNEL_S)
     t0 = time.perf_counter()
-    sent = slot.copy_to_device(target, n, side.cuda_stream)
+    sent = slot.send(target, n, side.cuda_stream)
     assert time.perf_counter() - t0 < LONG_KERNEL_S / 4
     assert not sent.done, "the copy ran before the work queued ahead of it"
     for bad in (
@@ -444,12 +444,12 @@ def test_a_slot_copied_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
         torch.empty(2 * n, dtype=torch.uint8, device="cuda")[::2],  # not contiguous
     ):
         with pytest.raises(InvalidArgument):
-            slot.copy_to_device(bad, n, side)
+            slot.send(bad, n, side)
     with pytest.raises(pinpool.OutOfBounds):
-        slot.copy_to_device(torch.empty(2 * n, dtype=torch.uint8, device="cuda"), 2 * n, side)
+        slot.send(torch.empty(2 * n, dtype=torch.uint8, device="cuda"), 2 * n, side)
     slot.release(side)
     with pytest.raises(pinpool.SlotReleased):
-        slot.copy_to_device(target, n, side)
+        slot.send(target, n, side)
     sent.make_wait()
     got = target.clone()
     torch.cuda.synchronize()
@@ -457,13 +457,14 @@ def test_a_slot_copied_to_the_device_in_one_call(cuda_pool, gpu_sleep) -> None:
     assert pool.stats()["slots_checked_out"] == 0
 
 
-def test_send_then_release_queues_the_copy_and_fences_the_slot_behind_it(
+def test_a_send_then_release_queues_the_copy_and_fences_the_slot_behind_it(
     cuda_pool, gpu_sleep
 ) -> None:
-    """``Slot.send_then_release`` (the training thread's send of a small batch, made with the
-    GIL held): the call returns while GPU work queued ahead on the stream still runs, the
-    slot is released at once but stays out of the pool until the copy behind that work has
-    run, and the bytes land exactly; bad targets are refused before anything is queued."""
+    """``Slot.send(..., then_release=True)`` (the training thread's send of a small batch,
+    made with the GIL held): the call returns while GPU work queued ahead on the stream still
+    runs, the slot is released at once but stays out of the pool until the copy behind that
+    work has run, and the bytes land exactly; bad targets are refused before anything is
+    queued."""
     n = 512 * 1024
     pool = cuda_pool(n, 1)
     data = byte_pattern(n, seed=7)
@@ -474,12 +475,12 @@ def test_send_then_release_queues_the_copy_and_fences_the_slot_behind_it(
     slot.view(torch.uint8, (n,)).copy_(data)
     for bad in (torch.empty(n, dtype=torch.uint8), torch.empty(n - 1, dtype=torch.uint8)):
         with pytest.raises(InvalidArgument):
-            slot.send_then_release(bad, n, side)
+            slot.send(bad, n, side, then_release=True)
     assert not slot.released, "a refused send releases nothing"
     with torch.cuda.stream(side):
         gpu_sleep(LONG_KERNEL_S)
     t0 = time.perf_counter()
-    slot.send_then_release(target, n, side.cuda_stream)
+    slot.send(target, n, side.cuda_stream, then_release=True)
     call_s = time.perf_counter() - t0
     assert call_s < LONG_KERNEL_S / 4, call_s
     assert slot.released

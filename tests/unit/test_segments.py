@@ -88,7 +88,7 @@ def test_segment_cache_copies_ranges_exactly(make_pool) -> None:
     raw = np.frombuffer(slot, dtype=np.uint8)
     raw[:] = 0xEE
     ranges = [(0, 0, 100), (1000, 4096, 3000), (len(data) - 10, 8 * PAGE - 10, 10), (7, 50, 0)]
-    assert cache.copy_to_slot((1, 0), slot, ranges) == 3110
+    assert cache.copy((1, 0), slot, ranges) == 3110
     for src, dst, length in ranges:
         assert raw[dst : dst + length].tobytes() == data[src : src + length]
     # Bytes outside the destination ranges are untouched.
@@ -106,11 +106,11 @@ def test_segment_cache_copies_ranges_exactly(make_pool) -> None:
     cache2 = SegmentCache(pool2)
     insert(cache2, (2, 0), big_ws)
     with pool2.checkout() as slot2:
-        assert cache2.copy_to_slot((2, 0), slot2, [(0, 5, len(big))]) == len(big)
+        assert cache2.copy((2, 0), slot2, [(0, 5, len(big))]) == len(big)
         with memoryview(slot2) as mv:
             assert mv[5 : 5 + len(big)] == big
     target = bytearray(len(big) + 5)
-    assert cache2.copy_to_buffer((2, 0), target, [(0, 5, len(big))]) == len(big)
+    assert cache2.copy((2, 0), target, [(0, 5, len(big))]) == len(big)
     assert target[5:] == big
 
 
@@ -130,7 +130,7 @@ def test_segment_cache_sees_later_writes_and_outlives_the_worker_object(
     os.pwrite(ws.fd, b"via the fd", SEGMENT_DATA_OFFSET + 200)
     del ws  # unmaps the worker's mapping and closes its fd
     with pool.checkout() as slot:
-        assert cache.copy_to_slot((1, 0), slot, [(100, 0, 9), (200, 9, 10)]) == 19
+        assert cache.copy((1, 0), slot, [(100, 0, 9), (200, 9, 10)]) == 19
         with memoryview(slot) as mv:
             assert bytes(mv[:19]) == b"late datavia the fd"
     assert cache.retire((1, 0))
@@ -156,7 +156,7 @@ def test_segment_cache_rejects_bad_ranges(make_pool) -> None:
     ]
     for ranges in bad_src:
         with pytest.raises(OutOfBounds) as info:
-            cache.copy_to_slot((1, 0), slot, ranges)
+            cache.copy((1, 0), slot, ranges)
         assert isinstance(info.value, ValueError)
     bad_dst = [
         [(0, 2 * PAGE - 10, 11)],
@@ -166,7 +166,7 @@ def test_segment_cache_rejects_bad_ranges(make_pool) -> None:
     ]
     for ranges in bad_dst:
         with pytest.raises(BatchTooLarge) as info:
-            cache.copy_to_slot((1, 0), slot, ranges)
+            cache.copy((1, 0), slot, ranges)
         assert info.value.slot_bytes == 2 * PAGE
         assert info.value.needed > 2 * PAGE
         assert "slot" in str(info.value)
@@ -177,14 +177,14 @@ def test_segment_cache_rejects_bad_ranges(make_pool) -> None:
     ]
     for ranges in overlapping:
         with pytest.raises(InvalidArgument, match="overlap"):
-            cache.copy_to_slot((1, 0), slot, ranges)
+            cache.copy((1, 0), slot, ranges)
         with pytest.raises(InvalidArgument, match="overlap"):
-            cache.copy_to_buffer((1, 0), raw, ranges)
+            cache.copy((1, 0), raw, ranges)
     # Negative numbers are not offsets.
     with pytest.raises(OverflowError):
-        cache.copy_to_slot((1, 0), slot, [(-1, 0, 1)])
+        cache.copy((1, 0), slot, [(-1, 0, 1)])
     # Adjacent (touching) destinations and zero-length ranges are fine.
-    assert cache.copy_to_slot((1, 0), slot, [(0, 0, 10), (0, 10, 10), (5, 5, 0)]) == 20
+    assert cache.copy((1, 0), slot, [(0, 0, 10), (0, 10, 10), (5, 5, 0)]) == 20
     # Nothing was copied by the refused calls (the accepted one wrote [0, 20) only).
     assert np.all(raw[20:] == 1)
     s = pool.stats()
@@ -201,13 +201,13 @@ def test_segment_cache_copy_into_released_slot_or_retired_segment(make_pool) -> 
     slot = pool.checkout()
     slot.release()
     with pytest.raises(pinpool.SlotReleased):
-        cache.copy_to_slot((1, 0), slot, [(0, 0, 1)])
+        cache.copy((1, 0), slot, [(0, 0, 1)])
     live = pool.checkout()
     assert cache.retire((1, 0))
     with pytest.raises(InvalidArgument, match="unknown"):
-        cache.copy_to_slot((1, 0), live, [(0, 0, 1)])
+        cache.copy((1, 0), live, [(0, 0, 1)])
     with pytest.raises(InvalidArgument, match="unknown"):
-        cache.copy_to_buffer((1, 0), bytearray(1), [(0, 0, 1)])
+        cache.copy((1, 0), bytearray(1), [(0, 0, 1)])
     live.release()
     assert pool.stats()["copies"] == 0
 
@@ -301,7 +301,7 @@ def test_no_fd_leak_over_insert_retire_cycles(make_pool, fd_count) -> None:
         for i in range(50):
             ws, data = filled(4 * PAGE, seed=i)
             insert(cache, (1, i % 3), ws)  # every third one replaces an older one
-            assert cache.copy_to_slot((1, i % 3), slot, [(0, 0, len(data))]) == len(data)
+            assert cache.copy((1, i % 3), slot, [(0, 0, len(data))]) == len(data)
             with memoryview(slot) as mv:
                 assert mv == data
             cache.hand_back((1, i % 3))
@@ -411,16 +411,14 @@ def test_segment_cache_round_trip(make_pool, fd_count) -> None:
     with pool.checkout() as slot:
         raw = np.frombuffer(slot, dtype=np.uint8)
         raw[:] = 0
-        n = cache.copy_to_slot(
-            key, slot, [(0, 0, 100), (PAGE, 2 * PAGE, PAGE), (5, 4 * PAGE - 5, 5)]
-        )
+        n = cache.copy(key, slot, [(0, 0, 100), (PAGE, 2 * PAGE, PAGE), (5, 4 * PAGE - 5, 5)])
         assert n == 100 + PAGE + 5
         assert raw[:100].tobytes() == data[:100]
         assert raw[2 * PAGE : 3 * PAGE].tobytes() == data[PAGE : 2 * PAGE]
         assert raw[4 * PAGE - 5 :].tobytes() == data[5:10]
         assert not raw[100 : 2 * PAGE].any()
         # The whole data area, up to its last byte.
-        assert cache.copy_to_slot(key, slot, [(0, 0, 3 * PAGE)]) == 3 * PAGE
+        assert cache.copy(key, slot, [(0, 0, 3 * PAGE)]) == 3 * PAGE
         assert raw[: 3 * PAGE].tobytes() == data
         del raw
     # Copying keeps the segment in flight until the receiver releases it.
@@ -443,7 +441,7 @@ def test_segment_cache_round_trip(make_pool, fd_count) -> None:
 
 
 def test_a_copy_on_a_copy_thread_hands_the_segment_back_when_done(make_pool) -> None:
-    """``copy_to_slot_then_release``: the bytes land, the segment goes back to its producer
+    """``copy(..., then_hand_back=True)``: the bytes land, the segment goes back to its producer
     after the copy, bad ranges raise with nothing queued, and a slot dropped while its copy
     runs returns to the pool once, after the copy."""
     ws, data = filled(3 * MiB + 5, seed=3)
@@ -452,7 +450,7 @@ def test_a_copy_on_a_copy_thread_hands_the_segment_back_when_done(make_pool) -> 
     insert(cache, (4, 0), ws)
     for n in (100, 600_000, len(data)):  # on the copy thread alone, and split among them
         slot = pool.checkout()
-        copying = cache.copy_to_slot_then_release((4, 0), slot, [(0, 9, n)])
+        copying = cache.copy((4, 0), slot, [(0, 9, n)], then_hand_back=True)
         assert isinstance(copying, pinpool.Copying)
         copying.wait()
         assert copying.done and "done" in repr(copying)
@@ -468,15 +466,15 @@ def test_a_copy_on_a_copy_thread_hands_the_segment_back_when_done(make_pool) -> 
             ([(0, 0, 10), (0, 5, 10)], InvalidArgument),
         ]:
             with pytest.raises(error):
-                cache.copy_to_slot_then_release((4, 0), slot, bad)
+                cache.copy((4, 0), slot, bad, then_hand_back=True)
         with pytest.raises(InvalidArgument):
-            cache.copy_to_slot_then_release((9, 9), slot, [])
+            cache.copy((9, 9), slot, [], then_hand_back=True)
         assert ws.in_flight, "a refused copy handed the segment back"
     assert pool.stats()["slots_free"] == 2, "a refused copy kept its slot"
     # Dropped at once, with its copy still running (or not: either way, once).
     for _ in range(20):
         slot = pool.checkout()
-        copying = cache.copy_to_slot_then_release((4, 0), slot, [(0, 0, len(data))])
+        copying = cache.copy((4, 0), slot, [(0, 0, len(data))], then_hand_back=True)
         del slot
         copying.wait()
         assert ws.try_begin()
@@ -485,7 +483,7 @@ def test_a_copy_on_a_copy_thread_hands_the_segment_back_when_done(make_pool) -> 
     released = pool.checkout()
     released.release()
     with pytest.raises(pinpool.SlotReleased):
-        cache.copy_to_slot_then_release((4, 0), released, [(0, 0, 1)])
+        cache.copy((4, 0), released, [(0, 0, 1)], then_hand_back=True)
 
 
 def test_only_a_pool_pinned_on_a_gpu_copies_on_to_the_device(make_pool) -> None:
@@ -496,11 +494,26 @@ def test_only_a_pool_pinned_on_a_gpu_copies_on_to_the_device(make_pool) -> None:
     target = np.zeros(PAGE, dtype=np.uint8)
     with pool.checkout() as slot:
         with pytest.raises(InvalidArgument, match="pinned on that device"):
-            cache.copy_to_device((5, 0), slot, [(0, 0, 10)], target, 10, 0)
+            cache.copy((5, 0), slot, [(0, 0, 10)], send=(target, 10, 0))
+        with pytest.raises(InvalidArgument, match="pinned on that device"):
+            cache.copy((5, 0), slot, [(0, 0, 10)], then_hand_back=True, send=(target, 10, 0))
     assert ws.in_flight, "a refused copy handed the segment back"
 
 
-def test_segment_cache_copy_to_buffer(make_pool) -> None:
+def test_a_copy_into_a_buffer_takes_no_option(make_pool) -> None:
+    """Handing the segment back on a copy thread, or sending on to the device, is for a copy
+    into a slot: into a buffer, either is refused with nothing copied or handed back."""
+    ws, _ = filled(PAGE)
+    cache = SegmentCache(make_pool(2 * PAGE, 1))
+    insert(cache, (6, 0), ws)
+    target = bytearray(PAGE)
+    for options in ({"then_hand_back": True}, {"send": (target, 10, 0)}):
+        with pytest.raises(InvalidArgument, match="into a slot, not a buffer"):
+            cache.copy((6, 0), target, [(0, 0, 10)], **options)
+    assert target == bytearray(PAGE) and ws.in_flight
+
+
+def test_a_segment_copied_into_a_buffer(make_pool) -> None:
     """The overflow path: copying a segment into ordinary memory instead of a slot."""
     pool = make_pool(PAGE, 1)
     cache = SegmentCache(pool)
@@ -510,26 +523,24 @@ def test_segment_cache_copy_to_buffer(make_pool) -> None:
         mv[:] = data
     insert(cache, (3, 0), ws)
     target = bytearray(3 * PAGE)
-    assert cache.copy_to_buffer((3, 0), target, [(0, 0, 2 * PAGE), (10, 2 * PAGE, 5)]) == (
-        2 * PAGE + 5
-    )
+    assert cache.copy((3, 0), target, [(0, 0, 2 * PAGE), (10, 2 * PAGE, 5)]) == (2 * PAGE + 5)
     assert bytes(target[: 2 * PAGE]) == data
     assert bytes(target[2 * PAGE : 2 * PAGE + 5]) == data[10:15]
     arr = np.zeros((4, PAGE), dtype=np.uint8)
-    assert cache.copy_to_buffer((3, 0), arr, [(PAGE, PAGE, PAGE)]) == PAGE
+    assert cache.copy((3, 0), arr, [(PAGE, PAGE, PAGE)]) == PAGE
     assert arr[1].tobytes() == data[PAGE:]
     assert not arr[0].any() and not arr[2:].any()
     # Read-only or non-contiguous targets are refused, as are ranges that do not fit.
     with pytest.raises(InvalidArgument):
-        cache.copy_to_buffer((3, 0), bytes(PAGE), [(0, 0, 1)])
+        cache.copy((3, 0), bytes(PAGE), [(0, 0, 1)])
     with pytest.raises(InvalidArgument):
-        cache.copy_to_buffer((3, 0), np.zeros(2 * PAGE, dtype=np.uint8)[::2], [(0, 0, 1)])
+        cache.copy((3, 0), np.zeros(2 * PAGE, dtype=np.uint8)[::2], [(0, 0, 1)])
     with pytest.raises(BatchTooLarge):
-        cache.copy_to_buffer((3, 0), bytearray(8), [(0, 0, 9)])
+        cache.copy((3, 0), bytearray(8), [(0, 0, 9)])
     with pytest.raises(OutOfBounds):
-        cache.copy_to_buffer((3, 0), bytearray(8), [(2 * PAGE - 1, 0, 2)])
+        cache.copy((3, 0), bytearray(8), [(2 * PAGE - 1, 0, 2)])
     with pytest.raises(InvalidArgument, match="unknown"):
-        cache.copy_to_buffer((4, 0), bytearray(8), [(0, 0, 1)])
+        cache.copy((4, 0), bytearray(8), [(0, 0, 1)])
     assert cache.retire((3, 0))
 
 
@@ -600,25 +611,25 @@ def test_segment_cache_rejects_corrupt_input(make_pool, fd_count) -> None:
         with pool.checkout() as slot:
             # Unknown keys.
             with pytest.raises(InvalidArgument, match="unknown"):
-                cache.copy_to_slot((9, 9), slot, [])
+                cache.copy((9, 9), slot, [])
             with pytest.raises(InvalidArgument, match="unknown"):
-                cache.copy_to_slot((9, 9), slot, [(0, 0, 1)])
+                cache.copy((9, 9), slot, [(0, 0, 1)])
             with pytest.raises(InvalidArgument, match="unknown"):
                 cache.hand_back((9, 9))
             # Source ranges are relative to the data area and checked against its capacity.
             with pytest.raises(OutOfBounds):
-                cache.copy_to_slot((1, 3), slot, [(ws.capacity - 10, 0, 11)])
+                cache.copy((1, 3), slot, [(ws.capacity - 10, 0, 11)])
             with pytest.raises(OutOfBounds):
-                cache.copy_to_slot((1, 3), slot, [(2**64 - 100, 0, 20)])
+                cache.copy((1, 3), slot, [(2**64 - 100, 0, 20)])
             with pytest.raises(BatchTooLarge):
-                cache.copy_to_slot((1, 3), slot, [(0, PAGE - 10, 11)])
+                cache.copy((1, 3), slot, [(0, PAGE - 10, 11)])
             with pytest.raises(InvalidArgument, match="overlap"):
-                cache.copy_to_slot((1, 3), slot, [(0, 0, 10), (20, 5, 10)])
-            assert cache.copy_to_slot((1, 3), slot, [(ws.capacity - 10, 0, 10)]) == 10
+                cache.copy((1, 3), slot, [(0, 0, 10), (20, 5, 10)])
+            assert cache.copy((1, 3), slot, [(ws.capacity - 10, 0, 10)]) == 10
         # A slot of another pool.
         other = make_pool(PAGE, 1)
         with other.checkout() as foreign, pytest.raises(InvalidArgument, match="another pool"):
-            cache.copy_to_slot((1, 3), foreign, [(0, 0, 1)])
+            cache.copy((1, 3), foreign, [(0, 0, 1)])
         assert not cache.retire((9, 9))
     finally:
         os.close(plain)
@@ -724,7 +735,7 @@ def test_munmap_happens_off_the_gil(make_pool) -> None:
         with pool.checkout() as slot:
             for off in range(0, size, 64 * MiB):
                 # Reading the segment fills its page tables, making munmap expensive.
-                cache.copy_to_slot(key, slot, [(off, 0, 64 * MiB)])
+                cache.copy(key, slot, [(off, 0, 64 * MiB)])
 
         def retire_and_flush(key=key) -> None:
             assert cache.retire(key)

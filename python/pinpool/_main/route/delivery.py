@@ -188,13 +188,11 @@ class Delivery:
         copying: Copying | None = None,
     ) -> Pending:
         """The batch of ``tree`` over the first ``need`` bytes of ``memory`` (None when every
-        leaf is empty); ``copying``: the copy into ``memory`` still running, which the
-        consumer waits for."""
+        leaf is empty): CPU views, or, on the device, a copy by torch from memory the driver
+        did not pin (one it pinned goes by :meth:`send`: the receiver's route decides);
+        ``copying``: the copy into ``memory`` still running, which the consumer waits for."""
         if isinstance(memory, SplitBatch):
             return self._in_pieces(tree, specs, memory, need)
-        if self.mode.on_device and isinstance(memory, Slot) and memory.device is not None:
-            # A zero-copy batch in a slot the driver pinned: on to the device in one call.
-            return self.send(tree, specs, memory, need, None)
         self.batches += 1
         self.bytes += need
         if memory is None:
@@ -254,10 +252,10 @@ class Delivery:
             storage = self._allocate(layout, need)
         t0 = _trace.on and _trace.now()
         if source is None:
-            sent = slot.copy_to_device(storage, need, self.copy_stream)
+            sent = slot.send(storage, need, self.copy_stream)
         else:
             cache, key = source
-            sent = cache.copy_to_device(key, slot, [(0, 0, need)], storage, need, self.copy_stream)
+            sent = cache.copy(key, slot, [(0, 0, need)], send=(storage, need, self.copy_stream))
         if t0:
             _trace.span("batch.send", t0, nbytes=need)
         views = self._views(layout, specs, slot, storage, need)
@@ -281,8 +279,8 @@ class Delivery:
         views = layout.views(storage)
         cache, key = source
         t0 = _trace.on and _trace.now()
-        sending = cache.copy_to_device_then_release(
-            key, slot, [(0, 0, need)], storage, need, self.copy_stream
+        sending = cache.copy(
+            key, slot, [(0, 0, need)], then_hand_back=True, send=(storage, need, self.copy_stream)
         )
         if t0:
             _trace.span("batch.send", t0, nbytes=need, background=True)
@@ -344,7 +342,7 @@ class Delivery:
         storage = self._allocate(layout, need)
         views = self._views(layout, specs, slot, storage, need)
         t0 = _trace.on and _trace.now()
-        slot.send_then_release(storage, need, raw)
+        slot.send(storage, need, raw, then_release=True)
         if t0:
             _trace.span("batch.send", t0, nbytes=need)
         return leaves.rebuild(tree, views, self.pin_opaque)

@@ -1,6 +1,6 @@
 """The main process's side of one loader: where each batch handle from a worker is taken.
 
-The receiver coordinates three steps, each its own module, for every batch
+The receiver coordinates these steps for every batch
 (:meth:`Receiver.take`):
 
 1. **Intake** (``intake.Intake``): the handle is checked and becomes "this memory, these leaf
@@ -13,7 +13,11 @@ The receiver coordinates three steps, each its own module, for every batch
    torch's pin thread, a batch that stays on the CPU is copied in the background: the pin
    thread goes on to the next batch, the copy thread hands the segment back, and the
    consumer's thread waits for the copy before it yields the batch.
-3. **Delivery** (``delivery.Delivery``): CPU views into the slot, or a copy on the device (for
+3. **The route** (:meth:`Receiver._route`, once the batch's memory is known, the one place it
+   is decided): whether its bytes are copied in now, on a copy thread, or on their way to the
+   device in the same call, and who sends it to the device (nobody: CPU views; the consumer's
+   thread, in its turn; the taking thread; or torch, from memory the driver did not pin).
+4. **Delivery** (``delivery.Delivery``): CPU views into the slot, or a copy on the device (for
    a segment's batch in a slot the driver pinned, straight from the segment through the slot
    to the device in one call); either way one ``delivery.Pending``.
 
@@ -29,11 +33,11 @@ in one place only (``lazy_pool``); what :meth:`Receiver.take` returns is a
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from ... import _trace
 from ..._errors import PinPoolError
-from ..._native import PinPool, SegmentCache, Slot
+from ..._native import Copying, PinPool, SegmentCache, Slot
 from ..._stats import LoaderStats
 from ..._wire import codec
 from ..._wire.handle import ARRIVED, BatchHandle
@@ -52,6 +56,37 @@ from .split_batch import SplitBatch
 #: ahead): for a small batch, a stream of its own, its event and the hand-over between the
 #: threads cost more than the copy gains from running beside the consumer's work.
 CONSUMER_SENDS_UP_TO = 1 << 20
+
+#: :attr:`Route.copy`: nothing to copy (a zero-copy slot, a batch collated here, no bytes).
+NO_COPY = "none"
+#: ... copied into its memory now, on this thread (by the copy threads from 1 MiB).
+NOW = "now"
+#: ... copied into its slot on a copy thread, which then hands the segment back; the consumer
+#: waits for it (``Pending.wait``).
+BACKGROUND = "background"
+#: ... copied into its slot and on to the device in one call (:meth:`Receiver._send`).
+WITH_SEND = "with-send"
+#: :attr:`Route.sender`: none, the batch stays on the CPU (views of its memory).
+NO_SEND = "none"
+#: ... the consumer's thread, in its turn, on its current stream (a small batch in a slot the
+#: driver pinned: :data:`CONSUMER_SENDS_UP_TO`).
+CONSUMER = "consumer"
+#: ... the taking thread, on the loader's copy stream, from a slot the driver pinned.
+HERE = "here"
+#: ... torch (``Tensor.to``), from memory the driver did not pin (an ordinary buffer).
+BY_TORCH = "torch"
+
+#: The ``how`` of a ``batch.copy`` event (see ``pinpool._trace.EVENTS``), by the memory the
+#: batch was copied into.
+_COPIED_INTO = {Slot: "slot", SplitBatch: "pieces"}
+
+
+class Route(NamedTuple):
+    """How one batch goes on once its memory is known, decided once (:meth:`Receiver._route`):
+    how its bytes get into that memory, and who sends it to the device."""
+
+    copy: str
+    sender: str
 
 
 class Receiver:
@@ -104,15 +139,8 @@ class Receiver:
         the consumer and in any order. It never waits for a slot that only the consumer can
         give back, nor decides on overflow: when every slot is held by a batch, the handle
         itself is returned, and the consumer's thread takes it when it reaches that batch,
-        in order (the same rules as on a machine without an accelerator). Nor does it wait
-        for a copy into a slot whose batch stays on the CPU or is a small one for the device
-        (:data:`CONSUMER_SENDS_UP_TO`): the consumer's thread waits for it, and sends the
-        latter on its current stream (``Pending.wait``), a small zero-copy batch too (adopted
-        here).
-
-        A bigger batch for the device whose slot the driver pinned is copied into the slot
-        and on to the device in one call without the GIL (``SegmentCache.copy_to_device``),
-        as it is delivered; its segment goes back after that."""
+        in order (the same rules as on a machine without an accelerator). How the batch goes
+        from there is decided once, by :meth:`_route`."""
         if not handle._state:
             cut = getattr(handle, "_cut", None)
             if cut is not None:
@@ -125,38 +153,89 @@ class Receiver:
             return self.deliver(handle.tree, [], None, 0)
         copying = None
         try:
-            consumer_sends = self.mode.on_device and self._consumer_sends(handle)
             if handle.slot is not None:
                 t0 = _trace.on and _trace.now()
                 memory, specs, need = self.intake.adopt(handle)
                 if t0:
                     _trace.span("batch.adopt", t0, nbytes=need)
+                route = self._route(memory, need, ahead)
             else:
-                got = self._copy_in(handle, ahead, consumer_sends)
-                if got is TAKE_IN_TURN:
+                if handle._state == ARRIVED:
+                    self.intake.receive(handle)  # (on the pin thread: its worker surely lives)
+                pool, cache = self.pools.pool_for(int(handle.nbytes))
+                specs, need = self.intake.segment_specs(handle)
+                # A CPU batch no one free range holds may go to several (SplitBatch); one for
+                # the device goes to ordinary memory then, copied to the device from there.
+                split = None if self.mode.on_device else specs
+                memory = self.pools.claim(pool, need, ahead, split) if need else None
+                if memory is TAKE_IN_TURN:
                     return handle
-                memory, specs, need, copying = got
-                if not consumer_sends and copying is None and self._pinned_slot_to_device(memory):
+                route = self._route(memory, need, ahead, copied=True)
+                if route.copy == WITH_SEND:
+                    assert isinstance(memory, Slot)  # (one the driver pinned)
                     return self._send(handle, specs, memory, need, ahead)
+                copying = self._copy_in(cache, handle, memory, need, route)
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 handle._cut = type(exc)
             self.intake.drop(handle)
             raise
         self.intake.drop(handle, handed_back=copying is not None)
-        if consumer_sends and self._pinned_slot_to_device(memory):
+        return self._deliver(handle.tree, specs, memory, need, route, copying)
+
+    def _route(
+        self, memory: Any, need: int, ahead: bool, copied: bool = False, local: bool = False
+    ) -> Route:
+        """How a batch of ``need`` bytes in ``memory`` goes on (see :class:`Route`): the one
+        place this is decided. ``copied``: its bytes are in a worker's segment (copy mode),
+        else in ``memory`` already (a zero-copy slot, or, ``local``, collated on the
+        consumer's thread, which sends it at once)."""
+        pinned = isinstance(memory, Slot) and self.mode.on_device and memory.device is not None
+        if not self.mode.on_device or memory is None:
+            sender = NO_SEND
+        elif not pinned:
+            sender = BY_TORCH
+        elif need <= CONSUMER_SENDS_UP_TO and not local:
+            sender = CONSUMER
+        else:
+            sender = HERE
+        if not copied or memory is None:
+            copy = NO_COPY
+        elif sender == HERE:
+            copy = WITH_SEND  # into the slot and on to the device: one call (Receiver._send)
+        elif ahead and isinstance(memory, Slot) and (sender == NO_SEND or pinned):
+            # The pin thread goes on to the next batch; the consumer waits (Pending.wait),
+            # and sends a small batch for the device from the slot.
+            copy = BACKGROUND
+        else:
+            copy = NOW
+        return Route(copy, sender)
+
+    def _deliver(
+        self,
+        tree: Any,
+        specs: list[codec.LeafSpec],
+        memory: Any,
+        need: int,
+        route: Route,
+        copying: Copying | None = None,
+    ) -> Pending:
+        """The batch over ``memory``, handed on as its route says."""
+        if route.sender == CONSUMER:
             # Sent on the consumer's thread as it is yielded (Pending.wait).
-            later = (handle.tree, specs, memory, need)
             return Pending(
                 None,
                 copying=copying,
-                later=later,
+                later=(tree, specs, memory, need),
                 delivery=self.deliver,
                 counts=self.deliver,
                 nbytes=need,
             )
         t0 = _trace.on and _trace.now()
-        pending = self.deliver(handle.tree, specs, memory, need, copying)
+        if route.sender == HERE:  # (its bytes in the slot already: nothing to copy first)
+            pending = self.deliver.send(tree, specs, memory, need, None)
+        else:
+            pending = self.deliver(tree, specs, memory, need, copying)
         if t0:
             _trace.span("batch.deliver", t0, nbytes=need)
         return pending
@@ -170,7 +249,7 @@ class Receiver:
         thread hands the segment back); else, or for a batch whose leaves are not views of one
         allocation, in one call here, as it is delivered."""
         cache = self.pools.cache
-        assert cache is not None  # (made by _copy_in)
+        assert cache is not None  # (made before the claim)
         source = (cache, (handle.worker, handle.segment))
         started = None
         try:
@@ -183,78 +262,34 @@ class Receiver:
             self.intake.drop(handle, handed_back=started is not None)
         return self.deliver.finish_sending(handle.tree, slot, need, started)
 
-    def _consumer_sends(self, handle: BatchHandle) -> bool:
-        """Whether a batch bound for the device is small enough for the consumer's thread to
-        send it (:data:`CONSUMER_SENDS_UP_TO`); a segment's batch has its segment opened
-        first, here on the pin thread, while its worker surely lives."""
-        if handle.slot is None and handle._state == ARRIVED:
-            self.intake.receive(handle)
-        try:
-            return int(handle.nbytes) <= CONSUMER_SENDS_UP_TO
-        except (TypeError, ValueError, OverflowError):
-            return False  # (a corrupt zero-copy handle: refused as it is adopted)
-
     def take_in_turn(self, handle: BatchHandle) -> Any:
         """The handle's batch, on the consumer's thread and in its turn: taken, and handed
         over to the consumer (``Pending.wait``)."""
         pending: Pending = self.take(handle, ahead=False)
         return pending.wait()
 
-    def _pinned_slot_to_device(self, memory: Any) -> bool:
-        """Whether a segment's batch in ``memory`` goes to the device straight from the
-        segment (a slot the driver pinned, a device to deliver on): then nothing copies it
-        into the slot first."""
-        return isinstance(memory, Slot) and self.mode.on_device and memory.device is not None
-
-    def _copy_in(self, handle: BatchHandle, ahead: bool, consumer_sends: bool) -> Any:
-        """Copy mode: a slot (or an ordinary buffer) with the segment's batch copied in; or
-        still being copied in (then also its :class:`~pinpool._native.Copying`, and the
-        segment goes back to its worker from the copy thread); or, for a big batch sent to
-        the device from a slot the driver pinned, nothing copied yet (see :meth:`take`); or
-        :data:`~pinpool._main.route.lazy_pool.TAKE_IN_TURN`. ``consumer_sends``: a batch for the
-        device the consumer's thread sends (:data:`CONSUMER_SENDS_UP_TO`)."""
-        if handle._state == ARRIVED:
-            self.intake.receive(handle)
-        pool, cache = self.pools.pool_for(int(handle.nbytes))
-        specs, need = self.intake.segment_specs(handle)
-        # A CPU batch no one free range holds may go to several (SplitBatch); one for the device
-        # goes to ordinary memory then, copied to the device from there.
-        split = None if self.mode.on_device else specs
-        memory = self.pools.claim(pool, need, ahead, split) if need else None
-        if memory is TAKE_IN_TURN:
-            return TAKE_IN_TURN
+    def _copy_in(
+        self, cache: SegmentCache, handle: BatchHandle, memory: Any, need: int, route: Route
+    ) -> Copying | None:
+        """Copy mode: the segment's batch copied into ``memory`` (a slot, an ordinary buffer,
+        or pieces), now or on a copy thread as ``route`` says; the latter's
+        :class:`~pinpool._native.Copying` (the segment then goes back to its worker from
+        the copy thread)."""
         key = (handle.worker, handle.segment)
-        copying: Any = None
+        copying: Copying | None = None
         t0 = _trace.on and _trace.now()
-        if isinstance(memory, Slot):
-            pinned = self._pinned_slot_to_device(memory)
-            if pinned and not consumer_sends:
-                pass  # (Delivery.send copies it)
-            elif ahead and (not self.mode.on_device or pinned):
-                # The pin thread goes on to the next batch; the consumer waits (Pending.wait),
-                # and sends a small batch for the device from the slot.
-                copying = cache.copy_to_slot_then_release(key, memory, [(0, 0, need)])
-            else:
-                cache.copy_to_slot(key, memory, [(0, 0, need)])
-        elif isinstance(memory, SplitBatch):
-            memory.copy_in(cache, key)
-        elif memory is not None:
-            cache.copy_to_buffer(key, memory.numpy(), [(0, 0, need)])
-        if t0 and memory is not None:
-            _trace.span(
-                "batch.copy", t0, nbytes=need, how=self._copy_how(memory, copying, consumer_sends)
-            )
-        return memory, specs, need, copying
-
-    def _copy_how(self, memory: Any, copying: Any, consumer_sends: bool) -> str:
-        """The ``batch.copy`` event's ``how`` (see ``pinpool._trace.EVENTS``)."""
-        if copying is not None:
-            return "background"
-        if not consumer_sends and self._pinned_slot_to_device(memory):
-            return "device"
         if isinstance(memory, SplitBatch):
-            return "pieces"
-        return "slot" if isinstance(memory, Slot) else "buffer"
+            memory.copy_in(cache, key)
+        elif route.copy == BACKGROUND:
+            copying = cache.copy(key, memory, [(0, 0, need)], then_hand_back=True)
+        elif isinstance(memory, Slot):
+            cache.copy(key, memory, [(0, 0, need)])
+        elif memory is not None:
+            cache.copy(key, memory.numpy(), [(0, 0, need)])
+        if t0 and memory is not None:
+            how = "background" if copying is not None else _COPIED_INTO.get(type(memory), "buffer")
+            _trace.span("batch.copy", t0, nbytes=need, how=how)
+        return copying
 
     def receive_now(self, handle: BatchHandle) -> None:
         """Takes hold of a copy-mode handle's segment as the handle arrives, ahead of taking
@@ -282,7 +317,8 @@ class Receiver:
             codec.write(p, memory, threads)
             if t0:
                 _trace.span("batch.copy", t0, nbytes=p.nbytes, how="local")
-        return self.deliver(p.tree, p.specs, memory, p.nbytes)
+        route = self._route(memory, p.nbytes, ahead=False, local=True)
+        return self._deliver(p.tree, p.specs, memory, p.nbytes, route)
 
     # -- the end ------------------------------------------------------------------------------
 

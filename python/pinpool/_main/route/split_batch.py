@@ -67,7 +67,7 @@ class SplitBatch:
     def copy_in(self, cache: SegmentCache, key: tuple[int, int]) -> None:
         """Copies each piece's bytes from the segment ``key`` of ``cache`` into its slot."""
         for start, end, slot in self.parts:
-            cache.copy_to_slot(key, slot, [(start, 0, end - start)])
+            cache.copy(key, slot, [(start, 0, end - start)])
 
     def host_leaf(self, spec: LeafSpec) -> Any:
         """The array of ``spec`` over the piece it lies in (``leaves.host_leaf``)."""
