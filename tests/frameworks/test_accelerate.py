@@ -106,12 +106,12 @@ def test_the_hook_is_there_when_pinpool_is_imported_first() -> None:
     # This process may have imported them in either order: a fresh one, pinpool first (the
     # rank script imports accelerate first).
     check = (
-        "import sys, pinpool\n"
+        "import sys, pinpool, pinpool._accelerate\n"
         "assert 'torch' not in sys.modules and 'accelerate' not in sys.modules\n"
         "import accelerate.accelerator as a, accelerate.data_loader as d\n"
         "print(hasattr(d.prepare_data_loader, '__pinpool_wraps__'),"
         " a.prepare_data_loader is d.prepare_data_loader,"
-        " any(type(f).__name__ == '_Finder' for f in sys.meta_path))\n"
+        " any(isinstance(f, pinpool._accelerate._Finder) for f in sys.meta_path))\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run(
