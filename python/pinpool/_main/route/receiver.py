@@ -203,7 +203,7 @@ class Receiver:
             copy = NO_COPY
         elif sender == HERE:
             copy = WITH_SEND  # into the slot and on to the device: one call (Receiver._send)
-        elif ahead and isinstance(memory, Slot) and (sender == NO_SEND or pinned):
+        elif ahead and isinstance(memory, Slot) and sender in (NO_SEND, CONSUMER):
             # The pin thread goes on to the next batch; the consumer waits (Pending.wait),
             # and sends a small batch for the device from the slot.
             copy = BACKGROUND
