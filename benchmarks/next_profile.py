@@ -33,7 +33,7 @@ import torch
 
 import pinpool
 import pinpool.trace
-from pinpool.bench.workloads import make_dataset
+from pinpool.bench.workloads import collate_of, make_dataset
 
 _TOTALS: dict[tuple[str, str], list[float]] = defaultdict(list)
 _LOCK = threading.Lock()
@@ -206,7 +206,10 @@ def _all_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="tokens")
-    ap.add_argument("--shape", type=int, nargs="+", default=[8193])
+    ap.add_argument(
+        "--shape", type=int, nargs="+", default=[8193], help="varlen: the shortest and longest row"
+    )
+    ap.add_argument("--lengths", default="pareto", help="varlen: pareto, lognormal or ascending")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2000)
@@ -233,9 +236,11 @@ def main() -> None:
         torch.accelerator.current_device_index = lambda: 0
         torch.accelerator.set_device_index = lambda index: None
     dataset = make_dataset(
-        args.workload, (args.steps + 50) * args.batch_size, tuple(args.shape), "/tmp"
+        args.workload, (args.steps + 50) * args.batch_size, tuple(args.shape), "/tmp", args.lengths
     )
-    kw: dict[str, Any] = dict(batch_size=args.batch_size, num_workers=args.workers)
+    kw: dict[str, Any] = dict(
+        batch_size=args.batch_size, num_workers=args.workers, collate_fn=collate_of(dataset)
+    )
     if args.loader == "torch-pinned":
         loader: Any = torch.utils.data.DataLoader(dataset, pin_memory=True, **kw)
     else:
