@@ -36,11 +36,6 @@ WINDOWS_KEPT = 16
 WINDOW_BYTES_KEPT = 3 << 29
 
 
-def windows_kept(nbytes: int) -> int:
-    """How many windows over slots of ``nbytes`` a worker keeps (at least one)."""
-    return max(1, min(WINDOWS_KEPT, WINDOW_BYTES_KEPT // max(nbytes, 1)))
-
-
 class LikelySlot(NamedTuple):
     """Where a worker's next slots will likely be (zero-copy mode): an extent of the arena the
     worker may pre-map, inaccessible until a grant there opens it
