@@ -2,8 +2,9 @@
 
 ``docs/performance.md`` holds one short section per claim and ``benchmarks/results/`` only the
 small summaries it cites; logs, one-off scripts and dated runs live in git history. README.md
-and the user guide carry no dated runs or commit ids, README's limits stay a short list, and
-every relative link in the docs reaches a file and, with an anchor, a heading of it.
+and the user guide carry no dated runs or commit ids, README's limits stay a short list,
+every relative link in the docs reaches a file and, with an anchor, a heading of it, and the
+design's glossary ("Words") lists each word once.
 """
 
 from __future__ import annotations
@@ -162,6 +163,27 @@ def test_performance_is_short() -> None:
         f"docs/performance.md has {len(lines)} lines; at most {MAX_PERFORMANCE_LINES}: one "
         "section per claim, the history in git"
     )
+
+
+def glossary_words(text: str) -> list[str]:
+    """The words of the first column of the table under ``## Words`` in ``text``, each of a
+    row's comma-separated spellings ("pin, pinned") on its own, lower-cased."""
+    section = text.split("\n## Words\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][2:]  # (no header)
+    return [w.strip().lower() for row in rows for w in row.split("|")[1].split(",")]
+
+
+def test_the_glossary_lists_each_word_once() -> None:
+    words = glossary_words((ROOT / "docs" / "design.md").read_text())
+    assert {"arena", "slot", "pin", "pinned", "hand back"} <= set(words), words  # (it is read)
+    twice = sorted({w for w in words if words.count(w) > 1})
+    assert not twice, f"docs/design.md's Words list these more than once: {twice}"
+    # (and the check sees a word given twice)
+    assert glossary_words("x\n## Words\n| w | m |\n| - | - |\n| a, b | 1 |\n| b | 2 |\n") == [
+        "a",
+        "b",
+        "b",
+    ]
 
 
 def test_readme_limits_are_a_short_list() -> None:
