@@ -73,8 +73,8 @@ class PinPool:
     once. ``arena_bytes``: the arena's size, rounded up to whole ``slot_bytes`` (default:
     ``slot_bytes * num_slots``, equal slots). ``background=True``: only the first
     ``ready_first`` bytes (default: 16 MiB, and at least one largest slot) are made ready
-    before the pool is returned, the rest on a background thread (checkouts wait for room not
-    ready yet).
+    before the pool is returned, the rest as checkouts need it, on the pool's prepare thread
+    (a checkout that finds no room asks for more; one that waits gets it once it is ready).
 
     ``device``: an ordinal, ``"cuda:N"`` or a ``torch.device`` binds that GPU; ``"cpu"`` means
     no CUDA (host memory); ``None`` (the default) or ``"cuda"`` the rank's own GPU: the device

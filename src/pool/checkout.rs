@@ -9,7 +9,8 @@
 //! - A size larger than the largest part is refused at once
 //!   ([`crate::error::Error::BatchTooLarge`]), never waited for; a wait is bounded by its timeout,
 //!   and by the table's close.
-//! - A checkout that finds no free slot first retires the fences that have completed.
+//! - A checkout that finds no free slot first retires the fences that have completed; one that
+//!   still finds no room asks for that much more of the arena ready ([`Pool::want_ready`]).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -87,6 +88,10 @@ impl Pool {
                 return Err(Error::Closed);
             }
             self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
+        } else if preference != Preference::OnlyThere {
+            // No room: the part of the arena not ready yet is made ready for it (a waiting
+            // checkout gets it once it is; one that does not wait leaves it for the next).
+            self.want_ready(bytes.saturating_add(keep));
         }
         Ok(slot)
     }
@@ -105,7 +110,10 @@ impl Pool {
         if let Some(f) = self.fences.as_ref() {
             f.try_retire_ready(&self.table);
         }
-        let Some(pieces) = self.table.try_checkout_split(cuts)? else { return Ok(None) };
+        let Some(pieces) = self.table.try_checkout_split(cuts)? else {
+            self.want_ready(cuts.last().copied().unwrap_or(0));
+            return Ok(None);
+        };
         if self.table.is_closed() {
             // Closed while we took them: give them back, so no checkout outlives `close()`.
             for (_, slot) in pieces {

@@ -1,6 +1,6 @@
 //! Making a pool: the arena sized from its config (or a shelved one of the same shape taken
-//! again), the slot table over it, the fence tracker and copy threads, and the background
-//! thread that makes the rest of a partial arena ready.
+//! again), the slot table over it, the fence tracker and copy threads, and the thread that
+//! makes the rest of a partial arena ready as checkouts ask for it.
 //!
 //! (Step 1 of "the life of a slot" in [`crate::pool`].)
 //!
@@ -9,10 +9,10 @@
 //! - The pools dropped before give their memory back first ([`freeing::catch_up`], bounded by
 //!   [`CATCH_UP_AT_MOST`]): a loop that makes and drops loaders does not pile up arenas.
 //! - A background pool returns with `ready_first` bytes ready (by default at least
-//!   [`READY_FIRST`] and one largest slot).
+//!   [`READY_FIRST`] and one largest slot); the rest is made ready as checkouts ask for it.
 
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -40,11 +40,13 @@ impl Pool {
         let (device, backend) = (config.device, config.backend);
         let kept =
             freeing::take_shelved(|a| a.reusable_for(arena_len, slot_bytes, device, backend));
+        let ready_first = config.ready_first.unwrap_or(slot_bytes.max(READY_FIRST));
         let arena = if let Some(arena) = kept {
-            if !config.background {
-                // Made whole, as asked.
-                while arena.prepare_next(fault_threads(), usize::MAX)?.is_some() {}
-            }
+            // Made whole, as asked; or at least its first bytes, as a new one would be.
+            let wanted = if config.background { ready_first } else { usize::MAX };
+            while arena.ready_len() < wanted
+                && arena.prepare_next(fault_threads(), usize::MAX)?.is_some()
+            {}
             arena.taken_again()
         } else if config.background {
             freeing::evict_shelved();
@@ -54,7 +56,7 @@ impl Pool {
                 config.device,
                 config.backend,
                 fault_threads(),
-                config.ready_first.unwrap_or(slot_bytes.max(READY_FIRST)),
+                ready_first,
             )?
         } else {
             freeing::evict_shelved();
@@ -152,6 +154,8 @@ impl Pool {
             retirer_idle: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             prepare_error: OnceLock::new(),
+            wanted_ready: AtomicUsize::new(0),
+            preparer: OnceLock::new(),
         });
         threads::start_retiring(&pool)?;
         Ok(pool)

@@ -50,8 +50,8 @@
 //!
 //! 1. **Made.** [`Pool::new`] makes the arena ([`crate::memory::arena`]) and the slot table
 //!    ([`crate::allocation::slots`]): a fixed number of entries and the arena's free bytes. When
-//!    the pool makes the rest of its arena in the background, those bytes are free only once
-//!    [`SlotTable::admit`] adds them, as their part is faulted in (and registered).
+//!    the pool makes its arena ready as checkouts need it, the rest is free only once
+//!    [`SlotTable::admit`] adds it, as its part is faulted in (and registered) on demand.
 //! 2. **Checked out.** A free entry takes an extent of exactly the bytes asked for (rounded
 //!    up to a page), carved by address-ordered first fit ([`crate::allocation::extents`] says
 //!    why: batches are mostly consumed in order, so the oldest bytes free first and the next
@@ -109,7 +109,7 @@ pub use stats::{Counters, Stats};
 
 use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::allocation::slots::{Bytes, Counts, SlotId, SlotTable};
@@ -155,8 +155,9 @@ pub struct PoolConfig {
     /// Threads for copies.
     pub copy_threads: usize,
     /// Make only the first bytes (`ready_first`) ready before [`Pool::new`] returns, and the
-    /// rest on a background thread (checkouts wait for room not ready yet). The arena then no
-    /// longer sits on the critical path of the first batch.
+    /// rest as checkouts need it, on the pool's prepare thread (a checkout that finds no room
+    /// asks for more and waits for it). The arena then no longer sits on the critical path
+    /// of the first batch, and the parts no batch needs are never faulted in or pinned.
     pub background: bool,
     /// With `background`, the bytes made ready before [`Pool::new`] returns (rounded up to a
     /// page; on `cuda-register` to the whole first part); `None`: at least one largest slot
@@ -202,6 +203,11 @@ pub struct Pool {
     stopping: AtomicBool,
     /// Why the background preparation of the arena stopped short, if it did.
     prepare_error: OnceLock<String>,
+    /// With an arena not ready whole: the ready length checkouts have asked for
+    /// ([`Pool::want_ready`]); the prepare thread makes parts ready until the arena reaches it.
+    wanted_ready: AtomicUsize,
+    /// The prepare thread, woken when a checkout asks for more of the arena ready.
+    preparer: OnceLock<std::thread::Thread>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -372,6 +378,26 @@ impl Pool {
     /// Stops all further checkouts and wakes every waiter.
     pub fn close(&self) {
         self.table.close();
+        self.wake_preparer(); // (it ends: nothing more is made ready)
+    }
+
+    /// Asks for `bytes` more of the arena ready than is now (a checkout found no room, and part
+    /// of the arena is not ready yet): the prepare thread makes parts ready until it is.
+    pub(super) fn want_ready(&self, bytes: usize) {
+        let (ready, len) = (self.arena.ready_len(), self.arena.len());
+        if ready >= len {
+            return;
+        }
+        let target = ready.saturating_add(bytes.max(1)).min(len);
+        if self.wanted_ready.fetch_max(target, Ordering::AcqRel) < target {
+            self.wake_preparer();
+        }
+    }
+
+    fn wake_preparer(&self) {
+        if let Some(t) = self.preparer.get() {
+            t.unpark();
+        }
     }
 
     /// Whether [`Pool::close`] was called.

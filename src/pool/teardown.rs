@@ -43,6 +43,7 @@ impl Drop for Pool {
         }
         self.stopping.store(true, Ordering::Release);
         self.table.close();
+        self.wake_preparer();
         // SAFETY: each field is taken exactly once, here, in the process that made it, and
         // never touched again: this is the pool's drop, and `ManuallyDrop` fields are not
         // dropped a second time.

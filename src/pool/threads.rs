@@ -1,6 +1,6 @@
-//! The pool's two background threads: `pinpool-prepare` makes the rest of a background pool's
-//! arena ready, part by part, and `pinpool-fences` records the fences of releases and frees
-//! the slots behind them as the GPU completes them.
+//! The pool's two background threads: `pinpool-prepare` makes the rest of a partly ready
+//! arena ready, part by part, as checkouts ask for it, and `pinpool-fences` records the fences
+//! of releases and frees the slots behind them as the GPU completes them.
 //!
 //! (Steps 1 and 6 of "the life of a slot" in [`crate::pool`].)
 //!
@@ -8,6 +8,10 @@
 //! - Each holds only a `Weak` reference to the pool between rounds: neither keeps a dropped
 //!   pool alive, and each ends once the pool is dropped or stopping (the prepare thread also
 //!   once it is closed, or when nobody else holds it).
+//! - The prepare thread makes bytes ready only while the ready length is below what checkouts
+//!   asked for ([`Pool::want_ready`]): a part no checkout needed is never faulted in or pinned,
+//!   and nothing is registered with the driver while no claim waits for it. Between requests
+//!   it sleeps; a request, a close or the pool's drop wakes it.
 //! - The prepare thread admits a part's bytes to the slot table only once that part is ready
 //!   (faulted in and, on CUDA, registered). A part that fails ends it, with its error kept
 //!   ([`Pool::prepare_error`]): those bytes are never handed out.
@@ -51,10 +55,11 @@ pub(super) fn start_preparing(pool: &Arc<Pool>) -> Result<()> {
         let entry = Preparing { pool: weak.clone(), stepping: Arc::clone(&stepping) };
         let mut preparing = PREPARING.lock().unwrap_or_else(|e| e.into_inner());
         preparing.retain(|p| p.pool.strong_count() > 0 || p.stepping.load(Ordering::Acquire));
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("pinpool-prepare".into())
             .spawn(move || prepare_loop(weak, &stepping))
             .map_err(|e| Error::Invalid(format!("cannot start the prepare thread: {e}")))?;
+        let _ = pool.preparer.set(handle.thread().clone());
         preparing.push(entry);
     }
     Ok(())
@@ -96,47 +101,68 @@ pub(super) fn start_retiring(pool: &Arc<Pool>) -> Result<()> {
     Ok(())
 }
 
-/// Makes the arena's parts ready one by one, admitting each part's slots as it is. Stops when
-/// every part is ready, the pool is closed or dropped, or a part fails (its error is kept:
-/// [`Pool::prepare_error`]; those slots are never handed out).
+/// Makes the arena's parts ready one by one as checkouts ask for them, admitting each part's
+/// slots as it is, and sleeps between requests. Stops when every part is ready, the pool is
+/// closed or dropped, or a part fails (its error is kept: [`Pool::prepare_error`]; those slots
+/// are never handed out).
 fn prepare_loop(pool: Weak<Pool>, stepping: &AtomicBool) {
-    crate::system::priority::become_background();
-    // Half the fault threads (a quarter of the cores): the workers are starting meanwhile.
+    // Half the fault threads (a quarter of the cores): the workers are running meanwhile.
+    // (At the normal priority: a checkout waits for what this makes ready.)
     let threads = fault_threads().div_ceil(2);
     loop {
         // Said before the pool is held, unsaid only once it is let go (and, were that its last
         // reference, its release queued): a pool made meanwhile waits for the step.
         stepping.store(true, Ordering::Release);
-        let go_on = prepare_step(&pool, threads);
+        let step = prepare_step(&pool, threads);
         stepping.store(false, Ordering::Release);
-        if !go_on {
-            return;
+        match step {
+            Step::Made => {}
+            // Woken by a request ([`Pool::want_ready`]), a close or the pool's drop; the
+            // timeout only bounds how long a pool dropped by a forked child's exit is looked at.
+            Step::Idle => std::thread::park_timeout(IDLE_LOOK),
+            Step::End => return,
         }
     }
 }
 
-/// One step of [`prepare_loop`]; returns whether to go on.
-fn prepare_step(pool: &Weak<Pool>, threads: usize) -> bool {
+/// How long the prepare thread sleeps between looks at an idle pool.
+const IDLE_LOOK: Duration = Duration::from_millis(200);
+
+/// What one step of [`prepare_loop`] did.
+enum Step {
+    /// Made bytes ready: look for more at once.
+    Made,
+    /// Nothing asked for: sleep until woken.
+    Idle,
+    /// Stop: every byte is ready, the pool is gone, closed or failed.
+    End,
+}
+
+/// One step of [`prepare_loop`].
+fn prepare_step(pool: &Weak<Pool>, threads: usize) -> Step {
     // Declared first, dropped last: if this thread drops the pool's last reference, the
     // release is queued before a flush may stop waiting for it.
     let _blocker = freeing::block_flush();
-    let Some(pool) = pool.upgrade() else { return false };
+    let Some(pool) = pool.upgrade() else { return Step::End };
     // Nobody else holds the pool any more: stop, and let it go now.
     if pool.stopping.load(Ordering::Acquire)
         || pool.table.is_closed()
         || Arc::strong_count(&pool) == 1
     {
-        return false;
+        return Step::End;
+    }
+    if pool.arena.ready_len() >= pool.wanted_ready.load(Ordering::Acquire) {
+        return Step::Idle;
     }
     match pool.arena.prepare_next(threads, PREPARE_STEP) {
         Ok(Some((offset, len))) => {
             pool.table.admit(offset, len);
-            true
+            Step::Made
         }
-        Ok(None) => false,
+        Ok(None) => Step::End,
         Err(e) => {
             let _ = pool.prepare_error.set(e.to_string());
-            false
+            Step::End
         }
     }
 }
@@ -261,7 +287,8 @@ mod tests {
             let pool = Pool::new(&config).unwrap();
             let weak = Arc::downgrade(&pool);
             if round % 2 == 1 {
-                // Once the prepare thread is at work.
+                // Once the prepare thread is at work (asked for more than a step).
+                pool.want_ready(8 * PREPARE_STEP);
                 let deadline = Instant::now() + Duration::from_secs(30);
                 while pool.arena().ready_len() < 2 * PREPARE_STEP {
                     assert!(Instant::now() < deadline, "the prepare thread never began");
@@ -272,6 +299,43 @@ mod tests {
             assert!(wait_for_pools_let_go(Duration::from_secs(30)), "round {round}");
             assert!(weak.upgrade().is_none(), "round {round}: still held after the wait");
         }
+    }
+
+    #[test]
+    // Miri: a pool maps its arena with mmap (a PROT_NONE reservation), which Miri cannot run.
+    #[cfg_attr(miri, ignore)]
+    fn a_background_pool_makes_ready_only_what_checkouts_ask_for() {
+        let slot = 4 << 20;
+        let config =
+            PoolConfig { background: true, ready_first: Some(slot), ..PoolConfig::host(slot, 16) };
+        let pool = Pool::new(&config).unwrap();
+        let first = pool.arena().ready_len();
+        assert!(first >= slot && first < pool.arena().len(), "ready at once: {first}");
+        // Nobody asks: nothing more is made ready, however long one waits.
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(pool.arena().ready_len(), first);
+        // Three slots ask for the bytes they need, and get them; the rest stays unready.
+        let held: Vec<_> =
+            (0..3).map(|_| pool.checkout(Some(Duration::from_secs(30))).unwrap()).collect();
+        let ready = pool.arena().ready_len();
+        assert!(ready >= 3 * slot, "three slots out, {ready} bytes ready");
+        std::thread::sleep(Duration::from_millis(100));
+        let after = pool.arena().ready_len();
+        assert!(after < pool.arena().len(), "made ready whole: {after}");
+        assert!(after <= 3 * slot + slot.max(PREPARE_STEP), "{after} ready for {ready} asked");
+        // A checkout that does not wait asks too: the bytes come for the next one.
+        let mut got = pool.try_checkout().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while got.is_none() {
+            assert!(Instant::now() < deadline, "the bytes asked for never came");
+            std::thread::sleep(Duration::from_millis(1));
+            got = pool.try_checkout().unwrap();
+        }
+        assert!(pool.arena().ready_len() >= 4 * slot);
+        for t in held.into_iter().chain(got) {
+            pool.release(t, None).unwrap();
+        }
+        assert!(pool.prepare_error().is_none());
     }
 
     #[test]

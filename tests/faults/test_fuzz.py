@@ -382,12 +382,13 @@ def loader_side(**kwargs: Any) -> Iterator[pinpool.DataLoader]:
     the first batch unless ``slot_bytes`` is given); closed at the end."""
     kwargs.setdefault("num_slots", NUM_SLOTS)
     loader = pinpool.DataLoader(Indexed(4), batch_size=BATCH, copy_threads=1, **kwargs)
-    # A pool made now readies all but its first slot in the background: wait for them, so
-    # that every example starts from the same, whole pool.
-    deadline = time.monotonic() + 30
-    while loader.pool is not None and loader.pool.stats()["slots_preparing"]:
-        assert time.monotonic() < deadline, "the pool's slots never became ready"
-        time.sleep(0.001)
+    # A pool made now has its first batches' room ready, the rest made ready as claims need
+    # it: have every slot made ready, so that every example starts from the same, whole pool.
+    if loader.pool is not None:
+        held = [loader.pool.checkout(timeout=30) for _ in range(loader.pool.num_slots)]
+        for slot in held:
+            slot.release()
+        assert loader.pool.stats()["slots_preparing"] == 0
     try:
         yield loader
     finally:
@@ -579,15 +580,15 @@ def assert_inside(batch: Any, limit: int) -> None:
 
 
 def assert_slots_back(loader: pinpool.DataLoader) -> None:
-    """Every slot of the loader's pool is free again (once nothing refers to a batch); those
-    whose part of the arena the pool is still making in the background count as free."""
+    """Every slot of the loader's pool is free again (once nothing refers to a batch); the
+    bytes of the arena not made ready yet (no claim needed them) count as free."""
     pool = loader.pool
     if pool is None:
         return
 
     def back(stats: dict[str, Any]) -> bool:
         return (
-            stats["slots_free"] + stats["slots_preparing"] == pool.num_slots
+            stats["bytes_free"] + stats["bytes_preparing"] == pool.arena_bytes
             and stats["slots_checked_out"] == stats["slots_fenced"] == 0
         )
 

@@ -22,7 +22,7 @@ from loader_datasets import array_leaves, assert_same, in_pool
 
 import pinpool
 from pinpool import BatchTooLarge
-from pinpool._main.settings.sizing import MIN_ARENA
+from pinpool._main.settings.sizing import MIN_ARENA, READY_AT_LEAST
 
 MODES = pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
 
@@ -80,7 +80,8 @@ def batch_bytes(batch: Any) -> int:
 def run_against_torch(dataset: Any, **kw: Any) -> tuple[Any, list[int]]:
     """Both loaders over one epoch in lockstep: every batch the same, and every pinpool
     batch in the arena while alive. Returns the pinpool loader and each batch's size."""
-    ref = torch.utils.data.DataLoader(dataset, **{k: v for k, v in kw.items() if k != "zero_copy"})
+    ours = ("zero_copy", "arena_bytes")
+    ref = torch.utils.data.DataLoader(dataset, **{k: v for k, v in kw.items() if k not in ours})
     pin = pinpool.DataLoader(dataset, **kw)
     arena = None
     sizes = []
@@ -97,7 +98,7 @@ def run_against_torch(dataset: Any, **kw: Any) -> tuple[Any, list[int]]:
     stats = pin.stats()
     assert stats["overflow_batches"] == 0
     assert stats["slots_checked_out"] == 0
-    # (the prepare thread, at idle priority, may not have made the whole arena ready yet)
+    # (the parts no claim needed are not made ready)
     ready = stats["bytes_free"] + stats["bytes_fenced"]
     assert ready + stats["bytes_preparing"] == stats["arena_bytes"]
     return pin, sizes
@@ -136,6 +137,32 @@ def test_lists_of_images_of_varying_size(zero_copy: bool) -> None:
     )
     assert max(got) > 4 * min(got)
     assert pin.stats()["batches"] == 12
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_small_batches_pin_only_the_room_they_use(num_workers: int) -> None:
+    # A dataset of 1.2 KiB batches in an arena of the floor's size: only its first batches'
+    # room is made ready (faulted in and pinned); batches 1000 and more times larger, later,
+    # still land in the arena, their room made ready as they come. (An arena of a size no
+    # other test uses: a dropped loader's arena is kept for the next of its size, as ready
+    # as it was.)
+    arena = MIN_ARENA + (17 + num_workers) * 4096
+    for lengths in ([16] * 64, [16] * 16 + [40_000] * 16):
+        pin, sizes = run_against_torch(
+            TokenRows(lengths),
+            batch_size=8,
+            num_workers=num_workers,
+            collate_fn=pad_collate,
+            arena_bytes=arena,
+        )
+        stats = pin.stats()
+        ready = stats["arena_bytes"] - stats["bytes_preparing"]
+        assert stats["oversize_batches"] == 0 and stats["arena_bytes"] == arena, stats
+        if max(sizes) == sizes[0]:
+            assert ready <= arena // 8, f"{ready} bytes made ready for batches of {sizes[0]}"
+        else:
+            assert max(sizes) >= 1000 * sizes[0] and max(sizes) > READY_AT_LEAST
+            assert max(sizes) < ready < arena, stats
 
 
 def test_main_process_batches_of_any_size() -> None:

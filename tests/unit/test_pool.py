@@ -1009,15 +1009,17 @@ def test_try_checkout_with_a_reserve_leaves_that_many_free(make_pool) -> None:
 @pytest.mark.slow
 def test_a_background_pool_readies_its_slots_while_it_is_used() -> None:
     """``background=True``: the constructor makes the first 16 MiB (at least one part, so one
-    slot of the largest size) ready and returns; the other slots are ``preparing`` until the
-    background thread has faulted them in, and checkouts wait for them instead of
-    failing."""
+    slot of the largest size) ready and returns; the other slots are ``preparing`` until a
+    checkout asks for them and the prepare thread has faulted them in, and checkouts wait for
+    them instead of failing."""
     slot_bytes, n = 32 << 20, 32
     pool = pinpool.PinPool(slot_bytes, n, device="cpu", background=True)
     try:
         s = pool.stats()
         assert s["slots_free"] + s["slots_preparing"] == n
         assert s["slots_free"] >= 1, s
+        time.sleep(0.2)  # nothing asked for: nothing more is made ready
+        assert pool.stats()["slots_preparing"] == s["slots_preparing"] > 0
         slots = [pool.checkout(timeout=60) for _ in range(n)]
         assert sorted(x.index for x in slots) == list(range(n))
         assert pool.stats()["slots_preparing"] == 0

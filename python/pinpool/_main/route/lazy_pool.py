@@ -27,7 +27,7 @@ import torch
 
 from ... import _trace
 from ..._errors import BatchTooLarge, PoolExhausted
-from ..._native import PinPool, SegmentCache, cuda_available, room_kept
+from ..._native import PinPool, SegmentCache, room_kept
 from ..._wire.codec import LeafSpec
 from ..._wire.pool_hint import PoolHint
 from ..settings.pool_settings import PoolSettings
@@ -115,12 +115,13 @@ class LazyPool:
                     # (None: torch sees no CUDA device, so neither does the pool.)
                     device="cpu" if device is None else device,
                     copy_threads=self.settings.copy_threads,
-                    background=background_arena(device),
+                    # (The first batches' room now, the rest as claims need it.)
+                    background=True,
                     arena_bytes=plan.arena,
                     ready_first=plan.ready_first,
                 )
                 if t0:
-                    _trace.span("pool.make", t0, **_made(self.pool, nbytes, hinted, device))
+                    _trace.span("pool.make", t0, **_made(self.pool, nbytes, hinted))
                 self.plan = plan
                 self._provisional = hinted
                 if nbytes > 0 and not hinted:
@@ -322,28 +323,13 @@ class LazyPool:
             self.pool.close()
 
 
-def background_arena(device: int | None) -> bool:
-    """Whether the loader's arena is made ready in the background (the first batches' room at
-    once, ``ArenaPlan.ready_first``, the rest while the first batches flow) or whole before
-    the first batch is delivered.
-
-    Whole, wherever the arena is pinned through the CUDA driver: registering the rest while
-    batches flow contends with the copies for the driver, stalling the main thread and
-    cutting throughput, while the whole arena is ready by the first batch anyway. In the
-    background where there is no driver to contend with (host memory): there it shortens the
-    time to the first batch. (The figures: ``docs/performance.md``, "Measurements behind the
-    code".)"""
-    return device is None or not cuda_available()
-
-
-def _made(pool: PinPool, nbytes: int, hinted: bool, device: int | None) -> dict[str, Any]:
+def _made(pool: PinPool, nbytes: int, hinted: bool) -> dict[str, Any]:
     """The ``pool.make`` event's details (see ``pinpool._trace.EVENTS``)."""
     return {
         "nbytes": nbytes,
         "hinted": hinted,
         "arena_bytes": pool.arena_bytes,
         "largest": pool.largest_slot,
-        "background": background_arena(device),
     }
 
 

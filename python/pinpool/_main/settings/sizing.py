@@ -9,9 +9,11 @@ in it, each taking exactly its own bytes (rounded up to a page;
 batch's size, and at least :data:`MIN_ARENA`, so that a first batch of a few kilobytes does
 not leave room only for batches like it (token rows padded to a short first batch, say); the
 largest batch is half the arena, at most :data:`LARGEST_DEFAULT` unless the first batch is
-larger. An arena sized automatically takes at most :data:`MEMORY_SHARE` of the memory
-available, divided among the ranks on this host; past that it is made smaller (down to two
-of the first batch) rather than refused.
+larger. Only the first batches' room is made ready (faulted in and pinned) before the first
+batch; the rest is made ready part by part as claims need it, so the floor costs address
+space, not pinned memory, where the batches stay small. An arena sized automatically takes
+at most :data:`MEMORY_SHARE` of the memory available, divided among the ranks on this host;
+past that it is made smaller (down to two of the first batch) rather than refused.
 
 The batches in flight are counted in whole parts: no batch crosses one of the arena's parts,
 and a part may be as short as the largest batch, so an arena holds ``batches`` of the first
@@ -41,9 +43,9 @@ __all__ = ["HEADROOM", "ArenaPlan", "Sizing"]
 
 #: The smallest arena sized automatically.
 MIN_ARENA = 64 << 20
-#: Where the arena is made ready in the background (host memory), the first batches' room
-#: is made ready before the first batch is delivered, the rest while batches flow: a small
-#: first batch does not wait for the whole of :data:`MIN_ARENA` to be faulted in and locked.
+#: The first batches' room is made ready before the first batch is delivered, the rest as
+#: claims need it: a small first batch does not wait for the whole of :data:`MIN_ARENA` to be
+#: faulted in and pinned, and a dataset of small batches pins only the room they use.
 READY_FIRST_BATCHES = 2
 #: ... and at least this much.
 READY_AT_LEAST = 2 << 20
@@ -86,8 +88,8 @@ class ArenaPlan:
     #: The largest batch the loader takes, in bytes (``max_batch_bytes=`` or ``slot_bytes=``
     #: as given; else ``largest``).
     limit: int = 0
-    #: Where the arena is made ready in the background, the bytes ready before the first
-    #: batch: :data:`READY_FIRST_BATCHES` of the first batch's room, at least
+    #: The bytes ready before the first batch (the rest is made ready as claims need it):
+    #: :data:`READY_FIRST_BATCHES` of the first batch's room, at least
     #: :data:`READY_AT_LEAST`, at most the arena.
     ready_first: int = 0
 
