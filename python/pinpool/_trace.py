@@ -73,8 +73,8 @@ EVENTS: dict[str, str] = {
     # The pool.
     "pool.ensure": "the pool is needed and not made yet (instant; nbytes: the batch's size, "
     "hinted: sized from a worker's hint)",
-    "pool.make": "the loader's pool made, its first batches' room ready (span; nbytes, "
-    "hinted, arena_bytes, largest)",
+    "pool.make": "the loader's pool made (span; nbytes, hinted, arena_bytes, largest, "
+    "as_needed: the first batches' room ready, the rest made ready as claims need it)",
     # A batch, main process (the consumer's thread, or torch's pin thread).
     "index.put": "a batch's indices pickled and handed to the Rust writer of a worker's pipe "
     "(span; nbytes)",

@@ -27,7 +27,7 @@ import torch
 
 from ... import _trace
 from ..._errors import BatchTooLarge, PoolExhausted
-from ..._native import PinPool, SegmentCache, room_kept
+from ..._native import PinPool, SegmentCache, cuda_available, room_kept
 from ..._wire.codec import LeafSpec
 from ..._wire.pool_hint import PoolHint
 from ..settings.pool_settings import PoolSettings
@@ -115,13 +115,12 @@ class LazyPool:
                     # (None: torch sees no CUDA device, so neither does the pool.)
                     device="cpu" if device is None else device,
                     copy_threads=self.settings.copy_threads,
-                    # (The first batches' room now, the rest as claims need it.)
-                    background=True,
+                    background=ready_as_needed(device),
                     arena_bytes=plan.arena,
                     ready_first=plan.ready_first,
                 )
                 if t0:
-                    _trace.span("pool.make", t0, **_made(self.pool, nbytes, hinted))
+                    _trace.span("pool.make", t0, **_made(self.pool, nbytes, hinted, device))
                 self.plan = plan
                 self._provisional = hinted
                 if nbytes > 0 and not hinted:
@@ -323,13 +322,28 @@ class LazyPool:
             self.pool.close()
 
 
-def _made(pool: PinPool, nbytes: int, hinted: bool) -> dict[str, Any]:
+def ready_as_needed(device: int | None) -> bool:
+    """Whether the loader's arena is made ready as claims need it (the first batches' room at
+    once, ``ArenaPlan.ready_first``, the rest part by part when a claim finds no room) or
+    whole before the first batch is delivered.
+
+    As needed on host memory: the first batch waits only for its own room, and a dataset of
+    small batches locks only the room they use, not the arena's floor. Whole wherever the
+    arena is pinned through the CUDA driver: registering a part while batches flow holds the
+    driver, and the copies and the main thread's CUDA calls wait for it (made ready in the
+    background, it stalled the main thread; ``docs/performance.md``, "Measurements behind the
+    code"); on demand there it is not measured yet."""
+    return device is None or not cuda_available()
+
+
+def _made(pool: PinPool, nbytes: int, hinted: bool, device: int | None) -> dict[str, Any]:
     """The ``pool.make`` event's details (see ``pinpool._trace.EVENTS``)."""
     return {
         "nbytes": nbytes,
         "hinted": hinted,
         "arena_bytes": pool.arena_bytes,
         "largest": pool.largest_slot,
+        "as_needed": ready_as_needed(device),
     }
 
 

@@ -9,9 +9,10 @@ in it, each taking exactly its own bytes (rounded up to a page;
 batch's size, and at least :data:`MIN_ARENA`, so that a first batch of a few kilobytes does
 not leave room only for batches like it (token rows padded to a short first batch, say); the
 largest batch is half the arena, at most :data:`LARGEST_DEFAULT` unless the first batch is
-larger. Only the first batches' room is made ready (faulted in and pinned) before the first
-batch; the rest is made ready part by part as claims need it, so the floor costs address
-space, not pinned memory, where the batches stay small. An arena sized automatically takes
+larger. In host memory only the first batches' room is made ready (faulted in and locked)
+before the first batch, the rest part by part as claims need it, so there the floor costs
+address space, not locked memory, where the batches stay small (a CUDA arena is made ready
+whole: ``lazy_pool.ready_as_needed``). An arena sized automatically takes
 at most :data:`MEMORY_SHARE` of the memory available, divided among the ranks on this host;
 past that it is made smaller (down to two of the first batch) rather than refused.
 
@@ -43,9 +44,10 @@ __all__ = ["HEADROOM", "ArenaPlan", "Sizing"]
 
 #: The smallest arena sized automatically.
 MIN_ARENA = 64 << 20
-#: The first batches' room is made ready before the first batch is delivered, the rest as
-#: claims need it: a small first batch does not wait for the whole of :data:`MIN_ARENA` to be
-#: faulted in and pinned, and a dataset of small batches pins only the room they use.
+#: Where the arena is made ready as claims need it (host memory), the first batches' room is
+#: made ready before the first batch is delivered: a small first batch does not wait for the
+#: whole of :data:`MIN_ARENA` to be faulted in and locked, and a dataset of small batches
+#: locks only the room they use.
 READY_FIRST_BATCHES = 2
 #: ... and at least this much.
 READY_AT_LEAST = 2 << 20
@@ -88,7 +90,7 @@ class ArenaPlan:
     #: The largest batch the loader takes, in bytes (``max_batch_bytes=`` or ``slot_bytes=``
     #: as given; else ``largest``).
     limit: int = 0
-    #: The bytes ready before the first batch (the rest is made ready as claims need it):
+    #: Where the arena is made ready as claims need it, the bytes ready before the first batch:
     #: :data:`READY_FIRST_BATCHES` of the first batch's room, at least
     #: :data:`READY_AT_LEAST`, at most the arena.
     ready_first: int = 0
