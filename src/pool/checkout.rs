@@ -10,7 +10,8 @@
 //!   ([`crate::error::Error::BatchTooLarge`]), never waited for; a wait is bounded by its timeout,
 //!   and by the table's close.
 //! - A checkout that finds no free slot first retires the fences that have completed; one that
-//!   still finds no room asks for that much more of the arena ready ([`Pool::want_ready`]).
+//!   still finds no room asks for that much more of the arena ready ([`Pool::want_ready`]),
+//!   and one that gets a slot asks for the room of one more like it past its end.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -88,6 +89,7 @@ impl Pool {
                 return Err(Error::Closed);
             }
             self.counters.checkouts.fetch_add(1, Ordering::Relaxed);
+            self.keep_room_ahead(t);
         } else if preference != Preference::OnlyThere {
             // No room: the part of the arena not ready yet is made ready for it (a waiting
             // checkout gets it once it is; one that does not wait leaves it for the next).
@@ -123,6 +125,20 @@ impl Pool {
         }
         self.counters.checkouts.fetch_add(pieces.len() as u64, Ordering::Relaxed);
         Ok(Some(pieces))
+    }
+
+    /// Where the arena is not ready whole: asks for the room of one more slot like `slot` to
+    /// be ready past its end, so that the next batch of its size (first fit puts it next) does
+    /// not wait for that room to be faulted in. Batches that stay small, low in the arena,
+    /// ask for nothing more.
+    fn keep_room_ahead(&self, slot: SlotId) {
+        if self.arena.ready_len() >= self.arena.len() {
+            return;
+        }
+        if let Some((at, len)) = self.table.extent(slot) {
+            let wanted = at.saturating_add(len.saturating_mul(2));
+            self.want_ready(wanted.saturating_sub(self.arena.ready_len()));
+        }
     }
 
     /// Fails unless a slot of `bytes` fits in one of the arena's parts.

@@ -385,10 +385,10 @@ impl Pool {
     /// of the arena is not ready yet): the prepare thread makes parts ready until it is.
     pub(super) fn want_ready(&self, bytes: usize) {
         let (ready, len) = (self.arena.ready_len(), self.arena.len());
-        if ready >= len {
+        if ready >= len || bytes == 0 {
             return;
         }
-        let target = ready.saturating_add(bytes.max(1)).min(len);
+        let target = ready.saturating_add(bytes).min(len);
         if self.wanted_ready.fetch_max(target, Ordering::AcqRel) < target {
             self.wake_preparer();
         }

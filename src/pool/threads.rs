@@ -314,24 +314,27 @@ mod tests {
         // Nobody asks: nothing more is made ready, however long one waits.
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(pool.arena().ready_len(), first);
-        // Three slots ask for the bytes they need, and get them; the rest stays unready.
+        // Three slots ask for the bytes they need, and get them, with the room of one more
+        // slot ahead of the last; the rest stays unready.
         let held: Vec<_> =
             (0..3).map(|_| pool.checkout(Some(Duration::from_secs(30))).unwrap()).collect();
-        let ready = pool.arena().ready_len();
-        assert!(ready >= 3 * slot, "three slots out, {ready} bytes ready");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while pool.arena().ready_len() < 4 * slot {
+            assert!(Instant::now() < deadline, "the room ahead never came");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         std::thread::sleep(Duration::from_millis(100));
         let after = pool.arena().ready_len();
         assert!(after < pool.arena().len(), "made ready whole: {after}");
-        assert!(after <= 3 * slot + slot.max(PREPARE_STEP), "{after} ready for {ready} asked");
+        assert!(after <= 4 * slot + PREPARE_STEP, "{after} ready for four slots asked");
         // A checkout that does not wait asks too: the bytes come for the next one.
-        let mut got = pool.try_checkout().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut got = pool.try_checkout_bytes(2 * slot, 0).unwrap();
         while got.is_none() {
             assert!(Instant::now() < deadline, "the bytes asked for never came");
             std::thread::sleep(Duration::from_millis(1));
-            got = pool.try_checkout().unwrap();
+            got = pool.try_checkout_bytes(2 * slot, 0).unwrap();
         }
-        assert!(pool.arena().ready_len() >= 4 * slot);
+        assert!(pool.arena().ready_len() >= 5 * slot);
         for t in held.into_iter().chain(got) {
             pool.release(t, None).unwrap();
         }

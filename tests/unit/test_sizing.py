@@ -103,6 +103,7 @@ def test_what_is_made_ready_before_the_first_batch_is_its_room_not_the_arena(
         plan = sized.plan(first)
     room = plan.largest if slot_bytes is not None else -(-int(first * HEADROOM) // PAGE) * PAGE
     assert 0 < plan.ready_first <= plan.arena
-    assert plan.ready_first == min(plan.arena, max(sizing.READY_AT_LEAST, 2 * room)), plan
-    if plan.arena >= sizing.MIN_ARENA and 2 * room < sizing.READY_AT_LEAST:
+    first_room = sizing.READY_FIRST_BATCHES * room
+    assert plan.ready_first == min(plan.arena, max(sizing.READY_AT_LEAST, first_room)), plan
+    if plan.arena >= sizing.MIN_ARENA and first_room < sizing.READY_AT_LEAST:
         assert plan.ready_first < plan.arena // 8, "a small first batch waits for the floor"

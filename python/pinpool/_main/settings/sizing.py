@@ -44,11 +44,13 @@ __all__ = ["HEADROOM", "ArenaPlan", "Sizing"]
 
 #: The smallest arena sized automatically.
 MIN_ARENA = 64 << 20
-#: Where the arena is made ready as claims need it (host memory), the first batches' room is
-#: made ready before the first batch is delivered: a small first batch does not wait for the
-#: whole of :data:`MIN_ARENA` to be faulted in and locked, and a dataset of small batches
-#: locks only the room they use.
-READY_FIRST_BATCHES = 2
+#: Where the arena is made ready as claims need it (host memory), the first batch's room is
+#: made ready before the first batch is delivered (and each slot taken asks for the room of
+#: one more past it: ``Pool::keep_room_ahead``): a first batch does not wait for the whole of
+#: :data:`MIN_ARENA`, or for the next batches' room, to be faulted in and locked, and a
+#: dataset of small batches locks only the room they use. (The figures: "Measurements behind
+#: the code" in ``docs/performance.md``.)
+READY_FIRST_BATCHES = 1
 #: ... and at least this much.
 READY_AT_LEAST = 2 << 20
 #: An arena sized automatically may take at most this share of the memory available.
