@@ -14,7 +14,8 @@
 //!   it sleeps; a request, a close or the pool's drop wakes it.
 //! - The prepare thread admits a part's bytes to the slot table only once that part is ready
 //!   (faulted in and, on CUDA, registered). A part that fails ends it, with its error kept
-//!   ([`Pool::prepare_error`]): those bytes are never handed out.
+//!   ([`Pool::prepare_error`]): those bytes are never handed out, and no claim waits for
+//!   them ([`SlotTable::give_up_unready`]).
 //! - Where the prepare thread drops the pool's last reference, it holds a [`freeing::FlushBlocker`]
 //!   until then, so a flush of the freeing thread waits for the release it queues.
 //! - The prepare thread holds the pool for one step at a time, of at most [`PREPARE_STEP`]
@@ -30,6 +31,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::Pool;
+#[cfg(doc)]
+use crate::allocation::slots::SlotTable;
 use crate::error::{Error, Result};
 use crate::memory::freeing;
 use crate::transfer::fence::FenceTracker;
@@ -118,7 +121,7 @@ fn prepare_loop(pool: Weak<Pool>, stepping: &AtomicBool) {
         match step {
             Step::Made => {}
             // Woken by a request ([`Pool::want_ready`]), a close or the pool's drop; the
-            // timeout only bounds how long a pool dropped by a forked child's exit is looked at.
+            // timeout is a second look, should a wake-up ever be missed.
             Step::Idle => std::thread::park_timeout(IDLE_LOOK),
             Step::End => return,
         }
@@ -161,7 +164,10 @@ fn prepare_step(pool: &Weak<Pool>, threads: usize) -> Step {
         }
         Ok(None) => Step::End,
         Err(e) => {
+            // Kept for `notes`; the rest is given up, so no claim waits for it (they find
+            // other room, or go to ordinary memory, as when the arena is full).
             let _ = pool.prepare_error.set(e.to_string());
+            pool.table.give_up_unready();
             Step::End
         }
     }

@@ -280,6 +280,17 @@ impl SlotTable {
         true
     }
 
+    /// Gives up on the bytes not ready yet (making them ready failed): they are no longer on
+    /// their way, so no checkout waits for them ([`SlotTable::room_once_back`]); waiters are
+    /// woken to decide again. Returns how many bytes were given up.
+    pub fn give_up_unready(&self) -> usize {
+        let mut inner = self.lock();
+        let given_up = inner.unready.iter().map(|r| r.1).sum();
+        inner.unready.clear();
+        self.freed(&inner);
+        given_up
+    }
+
     /// Number of entries: the most slots out or fenced at once.
     pub fn len(&self) -> usize {
         self.words.len()

@@ -22,6 +22,22 @@ fn bytes_not_ready_are_handed_out_only_once_admitted() {
 }
 
 #[test]
+fn bytes_given_up_are_no_longer_room_on_its_way() {
+    let u = page_size();
+    let t = SlotTable::with_ready(3, 1).unwrap();
+    let a = t.try_checkout().unwrap();
+    assert!(t.room_once_back(u, 0, &[]), "the bytes not ready yet are on their way");
+    let epoch = t.epoch();
+    assert_eq!(t.give_up_unready(), 2 * u);
+    assert_ne!(t.epoch(), epoch, "waiters were not woken");
+    assert!(!t.room_once_back(u, 0, &[]), "given-up bytes still count as on their way");
+    assert!(!t.admit(u, u), "given-up bytes admitted");
+    assert_eq!(t.counts().preparing, 0);
+    t.release(a, false).unwrap();
+    assert!(t.room_once_back(u, 0, &[]));
+}
+
+#[test]
 fn checkout_release_cycle() {
     let t = SlotTable::new(2).unwrap();
     let a = t.try_checkout().unwrap();
