@@ -136,8 +136,7 @@ impl Pool {
             return;
         }
         if let Some((at, len)) = self.table.extent(slot) {
-            let wanted = at.saturating_add(len.saturating_mul(2));
-            self.want_ready(wanted.saturating_sub(self.arena.ready_len()));
+            self.want_ready_up_to(at.saturating_add(len.saturating_mul(2)));
         }
     }
 

@@ -384,11 +384,16 @@ impl Pool {
     /// Asks for `bytes` more of the arena ready than is now (a checkout found no room, and part
     /// of the arena is not ready yet): the prepare thread makes parts ready until it is.
     pub(super) fn want_ready(&self, bytes: usize) {
-        let (ready, len) = (self.arena.ready_len(), self.arena.len());
-        if ready >= len || bytes == 0 {
+        self.want_ready_up_to(self.arena.ready_len().saturating_add(bytes));
+    }
+
+    /// Asks for the arena to be ready up to `end` bytes from its start (nothing where it is
+    /// already, or where the arena is ready whole).
+    pub(super) fn want_ready_up_to(&self, end: usize) {
+        let target = end.min(self.arena.len());
+        if target <= self.arena.ready_len() {
             return;
         }
-        let target = ready.saturating_add(bytes).min(len);
         if self.wanted_ready.fetch_max(target, Ordering::AcqRel) < target {
             self.wake_preparer();
         }

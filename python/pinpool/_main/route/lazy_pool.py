@@ -108,6 +108,7 @@ class LazyPool:
             if self.pool is None:
                 plan = self.sizing.plan(nbytes)
                 device = self.settings.pool_device
+                as_needed = ready_as_needed(device)
                 t0 = _trace.on and _trace.now()
                 self.pool = PinPool(
                     plan.largest,
@@ -115,12 +116,12 @@ class LazyPool:
                     # (None: torch sees no CUDA device, so neither does the pool.)
                     device="cpu" if device is None else device,
                     copy_threads=self.settings.copy_threads,
-                    background=ready_as_needed(device),
+                    background=as_needed,
                     arena_bytes=plan.arena,
                     ready_first=plan.ready_first,
                 )
                 if t0:
-                    _trace.span("pool.make", t0, **_made(self.pool, nbytes, hinted, device))
+                    _trace.span("pool.make", t0, **_made(self.pool, nbytes, hinted, as_needed))
                 self.plan = plan
                 self._provisional = hinted
                 if nbytes > 0 and not hinted:
@@ -336,14 +337,14 @@ def ready_as_needed(device: int | None) -> bool:
     return device is None or not cuda_available()
 
 
-def _made(pool: PinPool, nbytes: int, hinted: bool, device: int | None) -> dict[str, Any]:
+def _made(pool: PinPool, nbytes: int, hinted: bool, as_needed: bool) -> dict[str, Any]:
     """The ``pool.make`` event's details (see ``pinpool._trace.EVENTS``)."""
     return {
         "nbytes": nbytes,
         "hinted": hinted,
         "arena_bytes": pool.arena_bytes,
         "largest": pool.largest_slot,
-        "as_needed": ready_as_needed(device),
+        "as_needed": as_needed,
     }
 
 
